@@ -1,0 +1,3 @@
+from petatrain.cli import app
+
+app()

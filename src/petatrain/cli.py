@@ -1,0 +1,228 @@
+"""`petatrain` command line: parse, call the API, render (rich tables or --json)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from petatrain import config as config_mod
+from petatrain.errors import PetatrainError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="petatrain: ingest, stream and train on petabyte-scale data.")
+console = Console(stderr=True)
+out = Console()
+
+DEMO_ROOT = ".petatrain"
+
+
+def _fail(message: str, code: int = 2) -> None:
+    console.print(f"[red]error:[/red] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def _unwrap(exc: BaseException) -> BaseException:
+    """The user-facing cause of an error raised inside a Ray task, if there is one."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, PetatrainError):
+            return exc
+        exc = getattr(exc, "cause", None) or exc.__cause__
+    return None
+
+
+def _guarded(fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except typer.Exit:
+        raise
+    except KeyboardInterrupt:
+        _fail("interrupted", 130)
+    except Exception as exc:
+        if os.environ.get("PETATRAIN_DEBUG"):
+            raise
+        cause = _unwrap(exc)
+        if cause is not None:
+            _fail(str(cause))
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        _fail(f"{type(exc).__name__}: {first} (set PETATRAIN_DEBUG=1 for the traceback)", 1)
+
+
+def _print_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+
+
+@app.callback()
+def main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log progress details.")] = False) -> None:
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+@app.command()
+def ingest(
+    sources: Annotated[list[str], typer.Argument(help="Files, folders, globs or URLs (s3://...) to ingest.")],
+    out_: Annotated[str, typer.Option("--out", help="Dataset URL or path to write.")],
+    fmt: Annotated[str, typer.Option("--format", help="auto|jsonl|parquet|csv|text|webdataset")] = "auto",
+    text_field: Annotated[str, typer.Option(help="Field (column, member extension) holding the text.")] = "text",
+    dedup: Annotated[str, typer.Option(help="none|exact|near")] = "near",
+    near_threshold: Annotated[float, typer.Option(help="Jaccard similarity over word 5-grams that counts "
+                                                       "as a near duplicate.")] = 0.8,
+    tokenizer: Annotated[str, typer.Option(help="bytes | train:VOCAB | path/to/tokenizer.json "
+                                                "(empty: keep text only).")] = "",
+    pack_length: Annotated[int, typer.Option(help="Pack tokens into rows of this many tokens (0: no).")] = 0,
+    shard_size: Annotated[str, typer.Option(help="Target shard size, e.g. 256MB.")] = "256MB",
+    max_chars: Annotated[int, typer.Option(help="Reject records longer than this.")] = 1_000_000,
+    append: Annotated[bool, typer.Option("--append", help="Add new source files to an existing dataset.")] = False,
+    register: Annotated[bool, typer.Option("--register", help="Index existing Parquet files in place.")] = False,
+    address: Annotated[str, typer.Option(help="Ray cluster address (default: start a local Ray).")] = "",
+    config: Annotated[Path | None, typer.Option(help="Job config YAML; its storage section is used.")] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Config override a.b=c (repeatable).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Ingest raw files into a clean, deduplicated, sharded Parquet dataset (on Ray Data)."""
+
+    def go():
+        from petatrain.data.ingest import IngestJob, run
+
+        overrides = list(set_ or [])
+        cli_values = {"format": fmt, "text_field": text_field, "dedup": dedup, "near_threshold": near_threshold,
+                      "tokenizer": tokenizer, "pack_length": pack_length, "shard_size": shard_size,
+                      "max_chars": max_chars}
+        overrides = [f"ingest.{k}={json.dumps(v)}" for k, v in cli_values.items()] + overrides
+        job_cfg = config_mod.load(config, overrides)
+        summary = run(IngestJob(sources=sources, out=out_, config=job_cfg.ingest, append=append, register=register,
+                                address=address or job_cfg.resources.address, options=job_cfg.storage.options()))
+        if as_json:
+            _print_json({k: v for k, v in summary.to_dict().items()})
+        else:
+            _render_ingest(summary.to_dict())
+
+    _guarded(go)
+
+
+def _render_ingest(s: dict[str, Any]) -> None:
+    table = Table(title=f"ingest → {s['dataset']}", show_header=False)
+    rate = s["input_bytes"] / max(s["seconds"], 1e-9) / 1e6
+    for key, value in (("records in", s["rows_in"]), ("rows out", s["rows_out"]),
+                       ("rejected", sum(s["rejected"].values())),
+                       ("exact duplicates", s["exact_duplicates"]), ("near duplicates", s["near_duplicates"]),
+                       ("shards written", s["shards"]), ("bytes written", s["bytes"]),
+                       ("new files", s["files_new"]), ("already ingested", s["files_already_ingested"]),
+                       ("seconds", f"{s['seconds']:.1f} ({rate:.1f} MB/s of input)")):
+        table.add_row(key, str(value))
+    for reason, n in sorted(s["rejected"].items()):
+        table.add_row(f"  rejected: {reason}", str(n))
+    if s["tokens"]:
+        table.add_row("tokens", f"{s['tokens']} ({s['tokens_left_over']} left over after packing)")
+    out.print(table)
+    if s["note"]:
+        out.print(s["note"])
+
+
+@app.command()
+def inspect(
+    dataset: Annotated[str, typer.Argument(help="Dataset URL or path.")],
+    verify: Annotated[bool, typer.Option("--verify", help="Re-hash every shard; fail naming each bad one.")] = False,
+    samples: Annotated[int, typer.Option(help="Sample rows to show.")] = 3,
+    config: Annotated[Path | None, typer.Option(help="Job config YAML; its storage section is used.")] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Config override a.b=c (repeatable).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Show a dataset's schema, counts and sample rows; --verify checks every shard."""
+
+    def go():
+        from petatrain.data.inspect import describe
+
+        options = config_mod.load(config, list(set_ or [])).storage.options()
+        report = describe(dataset, options=options, verify=verify, samples=samples)
+        if as_json:
+            _print_json(report)
+        else:
+            _render_inspect(report)
+        if verify and report["problems"]:
+            for line in report["problems"]:
+                console.print(f"[red]{line}[/red]", highlight=False, soft_wrap=True)
+            _fail(f"{len(report['problems'])} of {report['shards']} shards missing or corrupt", 1)
+
+    _guarded(go)
+
+
+def _render_inspect(r: dict[str, Any]) -> None:
+    table = Table(title=f"dataset {r['dataset']}", show_header=False)
+    for key in ("kind", "rows", "documents", "shards", "bytes", "rows_in", "exact_duplicates",
+                "near_duplicates", "tokens", "sources", "updated"):
+        if r.get(key) not in (None, 0, ""):
+            table.add_row(key, str(r[key]))
+    for reason, n in sorted(r["rejected"].items()):
+        table.add_row(f"rejected: {reason}", str(n))
+    table.add_row("schema", ", ".join(f"{c['name']}: {c['type']}" for c in r["schema"]))
+    if r.get("tokenizer"):
+        t = r["tokenizer"]
+        table.add_row("tokenizer", f"{t['spec']} (vocab {t['vocab_size']}, {t['dtype']}, eos {t['eos_id']})")
+    if r["verified"] is not None:
+        table.add_row("verify", "all shards match their checksums" if r["verified"] else "FAILED")
+    out.print(table)
+    for i, row in enumerate(r["samples"]):
+        out.print(f"[bold]sample {i}[/bold] " + json.dumps(row, ensure_ascii=False)[:400], highlight=False)
+
+
+@app.command()
+def demo(
+    root: Annotated[str, typer.Option(help="Where the demo corpus and dataset go.")] = DEMO_ROOT,
+    documents: Annotated[int, typer.Option(help="Unique documents to generate.")] = 3000,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Generate a small corpus with duplicates and bad records, ingest it, inspect it."""
+
+    def go():
+        from petatrain.data import synth
+        from petatrain.data.ingest import IngestJob, run
+        from petatrain.data.inspect import describe
+
+        corpus_dir = os.path.join(root, "demo-corpus")
+        dataset = os.path.join(root, "datasets", "demo")
+        if not os.path.isdir(corpus_dir):
+            console.print(f"generating a synthetic corpus in {corpus_dir}")
+            synth.generate(corpus_dir, documents=documents, files=4)
+        summary = run(IngestJob(sources=[corpus_dir], out=dataset, config=config_mod.IngestConfig()))
+        report = describe(dataset, verify=True, samples=2)
+        if as_json:
+            _print_json({"ingest": summary.to_dict(), "inspect": report})
+            return
+        _render_ingest(summary.to_dict())
+        _render_inspect(report)
+        out.print(f"\nNext: [bold].venv/bin/petatrain inspect {dataset} --verify[/bold]")
+
+    _guarded(go)
+
+
+@app.command("config")
+def show_config(
+    config: Annotated[Path | None, typer.Argument(help="Job config YAML (default: built-in defaults).")] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Config override a.b=c (repeatable).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Print the resolved job config (YAML + --set overrides), or the error naming a bad key."""
+
+    def go():
+        cfg = config_mod.load(config, list(set_ or []))
+        if as_json:
+            _print_json(cfg.to_dict())
+        else:
+            out.print(cfg.to_yaml(), highlight=False)
+
+    _guarded(go)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    app()

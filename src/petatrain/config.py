@@ -1,0 +1,229 @@
+"""Job configuration: one small dataclass per component, composed into `JobConfig`.
+
+YAML in, `--set a.b=c` overrides on top, unknown keys rejected with the key named.
+Later issues fill in the training sections; their skeletons are here so that one file
+describes a whole job from the start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from petatrain.errors import ConfigError
+from petatrain.storage.fs import StorageOptions
+
+DedupMode = Literal["none", "exact", "near"]
+SourceFormat = Literal["auto", "jsonl", "parquet", "csv", "text", "webdataset"]
+
+
+@dataclass(kw_only=True, slots=True)
+class IngestConfig:
+    """How raw files become a dataset."""
+
+    format: SourceFormat = "auto"
+    text_field: str = "text"
+    dedup: DedupMode = "near"
+    near_threshold: float = 0.8
+    tokenizer: str = ""  # "" (no tokens), "bytes", "train:VOCAB" or a tokenizer.json path
+    pack_length: int = 0  # 0 keeps one row per document; L packs tokens into L-token rows
+    shard_size: str = "256MB"
+    max_chars: int = 1_000_000
+    min_chars: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.near_threshold < 1.0:
+            raise ConfigError(f"ingest.near_threshold must be in (0, 1), got {self.near_threshold}")
+        if self.pack_length < 0:
+            raise ConfigError(f"ingest.pack_length must be >= 0, got {self.pack_length}")
+        if self.pack_length and not self.tokenizer:
+            raise ConfigError("ingest.pack_length needs ingest.tokenizer (try tokenizer: bytes)")
+        if self.max_chars < self.min_chars:
+            raise ConfigError(f"ingest.max_chars ({self.max_chars}) is below ingest.min_chars ({self.min_chars})")
+        parse_size(self.shard_size, "ingest.shard_size")
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    """Which dataset a job trains on."""
+
+    dataset: str = ".petatrain/datasets/demo"
+    seed: int = 0
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    name: str = "gpt"
+    factory: str = ""  # "package.module:function" for user models
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    steps: int = 100
+    global_batch_size: int = 32
+    lr: float = 3e-4
+    seed: int = 0
+
+
+@dataclass(kw_only=True, slots=True)
+class ParallelConfig:
+    strategy: Literal["ddp", "fsdp", "pipeline"] = "ddp"
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    every_steps: int = 100
+    keep: int = 3
+
+
+@dataclass(kw_only=True, slots=True)
+class FaultsConfig:
+    max_restarts: int = 3
+
+
+@dataclass(kw_only=True, slots=True)
+class ResourcesConfig:
+    address: str = ""  # Ray address; "" starts a local Ray
+    num_workers: int = 1
+
+
+@dataclass(kw_only=True, slots=True)
+class ObserveConfig:
+    metrics_port: int = 0
+    metrics_host: str = "127.0.0.1"
+
+
+@dataclass(kw_only=True, slots=True)
+class StorageConfig:
+    s3_endpoint_url: str = ""
+    s3_region: str = ""
+    s3_access_key_id: str = ""
+    s3_secret_access_key: str = ""
+    s3_anonymous: bool = False
+
+    def options(self) -> StorageOptions:
+        return StorageOptions(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+
+
+@dataclass(kw_only=True, slots=True)
+class JobConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    ingest: IngestConfig = field(default_factory=IngestConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
+    observe: ObserveConfig = field(default_factory=ObserveConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text: str | int, key: str = "size") -> int:
+    """'256MB' -> 256_000_000; plain integers are bytes."""
+    if isinstance(text, int):
+        value = text
+    else:
+        raw = str(text).strip().upper().replace(" ", "")
+        number = raw.rstrip("KMGTIB")
+        unit = raw[len(number):]
+        try:
+            value = int(float(number) * _SIZE_UNITS[unit])
+        except (ValueError, KeyError):
+            raise ConfigError(f"{key}: cannot read size {text!r} (try 256MB or 1GiB)") from None
+    if value <= 0:
+        raise ConfigError(f"{key} must be positive, got {text!r}")
+    return value
+
+
+def build(cls: type, values: dict[str, Any], prefix: str = "") -> Any:
+    """Build dataclass `cls` from a mapping; unknown keys and wrong types name the key."""
+    if not isinstance(values, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {type(values).__name__}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in values.items():
+        if key not in known:
+            close = [k for k in known if k.startswith(str(key)[:3])]
+            hint = f" (did you mean {', '.join(prefix + c for c in close)}?)" if close else ""
+            raise ConfigError(f"unknown config key '{prefix}{key}'{hint}")
+        kwargs[key] = _coerce(hints[key], value, prefix + key)
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: {exc}") from None
+
+
+def _coerce(hint: Any, value: Any, key: str) -> Any:
+    if dataclasses.is_dataclass(hint):
+        return build(hint, value, key + ".")
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        if value not in typing.get_args(hint):
+            allowed = ", ".join(map(str, typing.get_args(hint)))
+            raise ConfigError(f"{key}: {value!r} is not one of {allowed}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        return value
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if hint in (int, float):
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        if hint is int and isinstance(value, float) and not value.is_integer():
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return hint(value)
+    if hint is str:
+        if isinstance(value, dict | list):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return str(value)
+    return value
+
+
+def apply_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `a.b=c` strings to a nested mapping; values are read as YAML scalars."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. train.steps=100")
+        dotted, raw = item.split("=", 1)
+        parts = dotted.strip().split(".")
+        node = values
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {dotted}: '{part}' is not a section")
+        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+    return values
+
+
+def load(path: str | Path | None = None, overrides: list[str] | None = None) -> JobConfig:
+    """Read a YAML job config (or the defaults) and apply `--set` overrides."""
+    values: dict[str, Any] = {}
+    if path:
+        try:
+            values = yaml.safe_load(Path(path).read_text()) or {}
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    values = apply_overrides(values, overrides or [])
+    return build(JobConfig, values)

@@ -1,0 +1,121 @@
+"""The dataset index: `_index/manifest.json` (the commit point) and `_index/shards.parquet`.
+
+A dataset is what its manifest says. Shards, rejects and dedup state are written first;
+the manifest is written last, atomically. The shard index only grows: an append writes
+new rows after the old ones, so a reader that takes the first `totals.shards` rows sees
+exactly the committed dataset even if a crashed append left a longer index behind.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from petatrain.errors import CorruptDataError, PetatrainError
+from petatrain.storage import StorageOptions, atomic_write, exists, join, read_bytes
+from petatrain.storage.checksum import ChecksumMismatch, checksum_bytes
+
+FORMAT = "petatrain.dataset"
+VERSION = 1
+MANIFEST = "_index/manifest.json"
+SHARD_INDEX = "_index/shards.parquet"
+
+SHARD_SCHEMA = pa.schema([
+    ("path", pa.string()),
+    ("rows", pa.int64()),
+    ("bytes", pa.int64()),
+    ("checksum", pa.string()),
+    ("first_row", pa.int64()),
+])
+
+
+@dataclass(slots=True)
+class Dataset:
+    """A committed dataset: its URL, manifest and shard index."""
+
+    url: str
+    manifest: dict[str, Any]
+    shards: pa.Table
+    options: StorageOptions | None = None
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.manifest["totals"]["rows"])
+
+    def shard_url(self, path: str) -> str:
+        return join(self.url, path)
+
+
+def read_manifest(url: str, options: StorageOptions | None = None) -> dict[str, Any] | None:
+    """The manifest of the dataset at `url`, or None if there is no committed dataset."""
+    target = join(url, MANIFEST)
+    if not exists(target, options):
+        return None
+    try:
+        manifest = json.loads(read_bytes(target, options))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CorruptDataError(f"{target} is not valid JSON ({exc}); the dataset index is corrupt") from None
+    if manifest.get("format") != FORMAT:
+        raise PetatrainError(f"{url} is not a petatrain dataset (manifest format {manifest.get('format')!r})")
+    if manifest.get("version", 0) > VERSION:
+        raise PetatrainError(f"{url} was written by a newer petatrain (format version {manifest['version']})")
+    return manifest
+
+
+def open_dataset(url: str, options: StorageOptions | None = None) -> Dataset:
+    manifest = read_manifest(url, options)
+    if manifest is None:
+        raise PetatrainError(f"no dataset at {url} (missing {MANIFEST})")
+    return Dataset(url=url, manifest=manifest, shards=read_shard_index(url, manifest, options), options=options)
+
+
+def read_shard_index(url: str, manifest: dict[str, Any], options: StorageOptions | None = None) -> pa.Table:
+    count = int(manifest["totals"]["shards"])
+    if count == 0:
+        return SHARD_SCHEMA.empty_table()
+    target = join(url, SHARD_INDEX)
+    try:
+        table = pq.read_table(pa.BufferReader(read_bytes(target, options)))
+    except FileNotFoundError:
+        raise CorruptDataError(f"{target} is missing; the manifest lists {count} shards") from None
+    except pa.ArrowException as exc:
+        raise CorruptDataError(f"{target} is not readable Parquet ({exc})") from None
+    if table.num_rows < count:
+        raise CorruptDataError(f"{target} has {table.num_rows} rows; the manifest lists {count} shards")
+    return table.slice(0, count)
+
+
+def write_shard_index(url: str, table: pa.Table, options: StorageOptions | None = None) -> None:
+    sink = pa.BufferOutputStream()
+    pq.write_table(table.cast(SHARD_SCHEMA), sink)
+    atomic_write(join(url, SHARD_INDEX), sink.getvalue().to_pybytes(), options)
+
+
+def write_manifest(url: str, manifest: dict[str, Any], options: StorageOptions | None = None) -> None:
+    manifest = dict(manifest, format=FORMAT, version=VERSION, updated=time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                                                  time.gmtime()))
+    atomic_write(join(url, MANIFEST), json.dumps(manifest, indent=2, sort_keys=True).encode(), options)
+
+
+def verify_shards(dataset: Dataset) -> list[str]:
+    """Re-hash every shard; returns one line per missing or corrupt shard."""
+    problems = []
+    for path, checksum in zip(dataset.shards.column("path").to_pylist(),
+                              dataset.shards.column("checksum").to_pylist(), strict=True):
+        target = dataset.shard_url(path)
+        try:
+            data = read_bytes(target, dataset.options)
+        except FileNotFoundError:
+            problems.append(f"missing: {target}")
+            continue
+        try:
+            if checksum_bytes(data) != checksum:
+                raise ChecksumMismatch(checksum_bytes(data))
+        except ChecksumMismatch as exc:
+            problems.append(f"corrupt: {target} (checksum {exc} != recorded {checksum})")
+    return problems

@@ -1,0 +1,226 @@
+"""Readers for raw input files: JSONL, Parquet, CSV, plain text and WebDataset tars.
+
+Each reader turns one file's bytes into records `(index, text)` and rejects
+`(index, reason, detail, raw)`; a malformed record becomes a reject and the file goes
+on. A file that cannot be parsed at all becomes one `unreadable_file` reject.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tarfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+from fsspec.compression import compr
+from fsspec.utils import infer_compression
+
+from petatrain.errors import PetatrainError
+
+FORMATS = ("jsonl", "parquet", "csv", "text", "webdataset")
+_EXTENSIONS = {
+    ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl",
+    ".parquet": "parquet", ".pq": "parquet",
+    ".csv": "csv", ".tsv": "csv",
+    ".txt": "text", ".text": "text", ".md": "text",
+    ".tar": "webdataset",
+}
+
+
+@dataclass(slots=True)
+class Reject:
+    index: int  # record number in the file (line number for line formats, 0-based)
+    reason: str
+    detail: str = ""
+    raw: bytes | None = None
+
+
+@dataclass(slots=True)
+class FileRecords:
+    index: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    rejects: list[Reject] = field(default_factory=list)
+
+    def keep(self, index: int, text: str) -> None:
+        self.index.append(index)
+        self.text.append(text)
+
+    def reject(self, index: int, reason: str, detail: str = "", raw: bytes | None = None) -> None:
+        self.rejects.append(Reject(index, reason, detail, raw))
+
+
+def detect_format(url: str) -> str:
+    """Format from the file name, looking through a compression suffix."""
+    name = url.lower()
+    compression = infer_compression(name)
+    if compression:
+        name = os.path.splitext(name)[0]
+    ext = os.path.splitext(name)[1]
+    if ext not in _EXTENSIONS:
+        raise PetatrainError(f"cannot tell the format of {url} from its name; pass --format "
+                             f"({'|'.join(FORMATS)})")
+    return _EXTENSIONS[ext]
+
+
+def decompress(url: str, data: bytes) -> bytes:
+    compression = infer_compression(url.lower())
+    if not compression:
+        return data
+    with compr[compression](io.BytesIO(data), mode="rb") as handle:
+        return handle.read()
+
+
+def read_file(url: str, data: bytes, fmt: str, text_field: str) -> FileRecords:
+    """Parse one file's (decompressed) bytes into records and rejects."""
+    out = FileRecords()
+    reader = _READERS[fmt]
+    try:
+        reader(data, text_field, out)
+    except Exception as exc:  # the file as a whole is unreadable: quarantine it, keep going
+        out.reject(len(out.index) + len(out.rejects), "unreadable_file", f"{type(exc).__name__}: {exc}"[:500])
+    return out
+
+
+def _lines(data: bytes) -> Iterator[tuple[int, bytes]]:
+    for number, line in enumerate(data.split(b"\n")):
+        if line.endswith(b"\r"):
+            line = line[:-1]
+        yield number, line
+
+
+def _decode(number: int, raw: bytes, out: FileRecords) -> str | None:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        out.reject(number, "invalid_utf8", str(exc)[:200], raw)
+        return None
+
+
+def _take_field(number: int, value: object, text_field: str, raw: bytes, out: FileRecords) -> None:
+    if not isinstance(value, dict):
+        out.reject(number, "malformed_record", f"expected an object, got {type(value).__name__}", raw)
+    elif text_field not in value or value[text_field] is None:
+        out.reject(number, "missing_field", f"no field {text_field!r}", raw)
+    elif not isinstance(value[text_field], str):
+        out.reject(number, "field_not_string", f"{text_field!r} is {type(value[text_field]).__name__}", raw)
+    else:
+        out.keep(number, value[text_field])
+
+
+def _read_jsonl(data: bytes, text_field: str, out: FileRecords) -> None:
+    for number, raw in _lines(data):
+        if not raw.strip():
+            continue  # blank lines separate records; they are not records
+        line = _decode(number, raw, out)
+        if line is None:
+            continue
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError as exc:
+            out.reject(number, "malformed_json", str(exc)[:200], raw)
+            continue
+        _take_field(number, value, text_field, raw, out)
+
+
+def _read_text(data: bytes, text_field: str, out: FileRecords) -> None:
+    for number, raw in _lines(data):
+        if not raw:
+            continue
+        line = _decode(number, raw, out)
+        if line is not None:
+            out.keep(number, line)
+
+
+def _column_records(table: pa.Table, text_field: str, out: FileRecords, first: int) -> None:
+    if text_field not in table.column_names:
+        for i in range(table.num_rows):
+            out.reject(first + i, "missing_field", f"no column {text_field!r} in {table.column_names}")
+        return
+    column = table.column(text_field)
+    if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+        for i in range(table.num_rows):
+            out.reject(first + i, "field_not_string", f"column {text_field!r} is {column.type}")
+        return
+    for i, value in enumerate(column.to_pylist()):
+        if value is None:
+            out.reject(first + i, "missing_field", f"{text_field!r} is null")
+        else:
+            out.keep(first + i, value)
+
+
+def _read_parquet(data: bytes, text_field: str, out: FileRecords) -> None:
+    handle = pq.ParquetFile(pa.BufferReader(data))
+    names = handle.schema_arrow.names
+    columns = [text_field] if text_field in names else names[:1]
+    first = 0
+    for batch in handle.iter_batches(columns=columns):
+        _column_records(pa.Table.from_batches([batch]), text_field, out, first)
+        first += batch.num_rows
+
+
+def _read_csv(data: bytes, text_field: str, out: FileRecords) -> None:
+    bad: list[tuple[int, str]] = []
+
+    def on_invalid(row) -> str:
+        bad.append((row.number or 0, row.text or ""))
+        return "skip"
+
+    table = pacsv.read_csv(
+        pa.BufferReader(data),
+        parse_options=pacsv.ParseOptions(invalid_row_handler=on_invalid, newlines_in_values=True),
+        convert_options=pacsv.ConvertOptions(column_types={text_field: pa.string()}, strings_can_be_null=False),
+    )
+    for number, text in bad:
+        out.reject(number, "malformed_csv_row", "wrong number of fields", text.encode("utf-8", "replace"))
+    _column_records(table, text_field, out, 0)
+
+
+def _read_webdataset(data: bytes, text_field: str, out: FileRecords) -> None:
+    """Samples are members sharing a key (name up to the first dot); text is the member
+    with extension `text_field` (e.g. txt), else `txt`, else the field of a `.json` member."""
+    samples: dict[str, dict[str, bytes]] = {}
+    order: list[str] = []
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:*") as tar:
+        for member in tar:
+            if not member.isfile():
+                continue
+            base = os.path.basename(member.name)
+            if "." not in base:
+                continue
+            key, ext = member.name.split(".", 1) if "/" not in member.name else (
+                os.path.join(os.path.dirname(member.name), base.split(".", 1)[0]), base.split(".", 1)[1])
+            if key not in samples:
+                samples[key] = {}
+                order.append(key)
+            samples[key][ext.lower()] = tar.extractfile(member).read()
+    for number, key in enumerate(order):
+        members = samples[key]
+        ext = text_field if text_field in members else "txt" if "txt" in members else None
+        if ext is not None:
+            text = _decode(number, members[ext], out)
+            if text is not None:
+                out.keep(number, text)
+        elif "json" in members:
+            raw = members["json"]
+            try:
+                value = json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+                out.reject(number, "malformed_json", str(exc)[:200], raw)
+                continue
+            _take_field(number, value, text_field, raw, out)
+        else:
+            out.reject(number, "missing_field", f"sample {key} has no .{text_field}, .txt or .json member")
+
+
+_READERS: dict[str, Callable[[bytes, str, FileRecords], None]] = {
+    "jsonl": _read_jsonl,
+    "parquet": _read_parquet,
+    "csv": _read_csv,
+    "text": _read_text,
+    "webdataset": _read_webdataset,
+}

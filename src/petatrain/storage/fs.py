@@ -1,0 +1,222 @@
+"""URL -> fsspec filesystem, atomic publication, verified reads."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import fsspec
+from fsspec.core import split_protocol
+
+from petatrain.errors import PetatrainError
+from petatrain.storage.checksum import checksum_bytes, verify
+from petatrain.storage.retry import retrying
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class StorageOptions:
+    """How to reach object stores. Empty fields fall back to the usual AWS_* variables."""
+
+    s3_endpoint_url: str = ""
+    s3_region: str = ""
+    s3_access_key_id: str = ""
+    s3_secret_access_key: str = ""
+    s3_anonymous: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)  # passed to fsspec as is
+
+    def __hash__(self) -> int:  # extra is a dict; options are compared, not mutated
+        return hash((self.s3_endpoint_url, self.s3_region, self.s3_access_key_id, self.s3_anonymous))
+
+    def fsspec_kwargs(self, protocol: str) -> dict[str, Any]:
+        if protocol not in ("s3", "s3a"):
+            return dict(self.extra)
+        endpoint = self.s3_endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get(
+            "AWS_ENDPOINT_URL", "")
+        region = self.s3_region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION", "")
+        kwargs: dict[str, Any] = {"anon": self.s3_anonymous}
+        client: dict[str, Any] = {}
+        if endpoint:
+            client["endpoint_url"] = endpoint
+        if region:
+            client["region_name"] = region
+        if client:
+            kwargs["client_kwargs"] = client
+        if self.s3_access_key_id:
+            kwargs["key"] = self.s3_access_key_id
+            kwargs["secret"] = self.s3_secret_access_key
+        kwargs.update(self.extra)
+        return kwargs
+
+
+DEFAULT_OPTIONS = StorageOptions()
+
+
+def resolve(url: str, options: StorageOptions | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The filesystem and in-filesystem path for a URL or plain path."""
+    protocol, path = split_protocol(url)
+    protocol = protocol or "file"
+    options = options or DEFAULT_OPTIONS
+    try:
+        fs = fsspec.filesystem(protocol, **options.fsspec_kwargs(protocol))
+    except (ImportError, ValueError) as exc:
+        raise PetatrainError(f"cannot open {url!r}: no filesystem for '{protocol}://' ({exc})") from None
+    if protocol == "file":
+        path = os.path.abspath(os.path.expanduser(path))
+    return fs, fs._strip_protocol(path) if protocol != "file" else path
+
+
+def is_local(url: str) -> bool:
+    return (split_protocol(url)[0] or "file") == "file"
+
+
+def join(base: str, *parts: str) -> str:
+    out = base.rstrip("/")
+    for part in parts:
+        out += "/" + part.strip("/")
+    return out
+
+
+def to_url(fs: fsspec.AbstractFileSystem, path: str) -> str:
+    """Inverse of `resolve` for paths listed by `fs` (keeps the scheme of remote stores)."""
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    return path if protocol in ("file", "local") else f"{protocol}://{path}"
+
+
+def exists(url: str, options: StorageOptions | None = None) -> bool:
+    fs, path = resolve(url, options)
+    return retrying(f"exists {url}", lambda: fs.exists(path))
+
+
+def listdir(url: str, options: StorageOptions | None = None) -> list[str]:
+    """URLs of the files directly or indirectly under `url`, sorted; [] if it does not exist."""
+    fs, path = resolve(url, options)
+    try:
+        found = retrying(f"list {url}", lambda: fs.find(path))
+    except FileNotFoundError:
+        return []
+    return sorted(to_url(fs, p) for p in found)
+
+
+def read_bytes(url: str, options: StorageOptions | None = None) -> bytes:
+    fs, path = resolve(url, options)
+    return retrying(f"read {url}", lambda: fs.cat_file(path))
+
+
+def read_verified(url: str, checksum: str, options: StorageOptions | None = None) -> bytes:
+    """Read a file petatrain wrote and check it against its recorded checksum."""
+    data = read_bytes(url, options)
+    verify(data, checksum, url)
+    return data
+
+
+def atomic_write(url: str, data: bytes, options: StorageOptions | None = None) -> tuple[str, int]:
+    """Write `data` so that `url` is either absent or complete; returns (checksum, size).
+
+    Local disk: write a temporary sibling, fsync, read back and verify, then rename over
+    the final name. Object stores: a single PUT (or a multipart upload, which becomes
+    visible only when completed) is already all-or-nothing; the stored size is checked.
+    """
+    checksum = checksum_bytes(data)
+    fs, path = resolve(url, options)
+    if is_local(url):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
+        try:
+            with open(tmp, "wb") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+            with open(tmp, "rb") as handle:
+                verify(handle.read(), checksum, tmp)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        return checksum, len(data)
+
+    retrying(f"write {url}", lambda: fs.pipe_file(path, data))
+    fs.invalidate_cache(path)
+    stored = retrying(f"stat {url}", lambda: fs.info(path)["size"])
+    if stored != len(data):
+        raise OSError(f"{url}: stored {stored} bytes, wrote {len(data)}")
+    return checksum, len(data)
+
+
+def remove_tree(url: str, options: StorageOptions | None = None) -> None:
+    """Remove a folder and everything under it; a missing folder is fine."""
+    fs, path = resolve(url, options)
+    try:
+        retrying(f"remove {url}", lambda: fs.rm(path, recursive=True))
+    except FileNotFoundError:
+        pass
+
+
+def copy(src: str, dst: str, options: StorageOptions | None = None) -> None:
+    """Server-side copy within one filesystem (atomic at the destination on object stores)."""
+    fs, src_path = resolve(src, options)
+    _, dst_path = resolve(dst, options)
+    if is_local(dst):
+        os.makedirs(os.path.dirname(dst_path), exist_ok=True)
+        tmp = f"{dst_path}.tmp-{uuid.uuid4().hex[:12]}"
+        fs.copy(src_path, tmp)
+        os.replace(tmp, dst_path)
+    else:
+        retrying(f"copy {src} -> {dst}", lambda: fs.copy(src_path, dst_path))
+
+
+@dataclass(slots=True, frozen=True)
+class SourceFile:
+    """One input file: its URL, size and a cheap identity (ETag or mtime) to spot changes."""
+
+    url: str
+    size: int
+    fingerprint: str
+
+
+def _fingerprint(info: dict[str, Any]) -> str:
+    for key in ("ETag", "etag", "md5Hash", "mtime", "LastModified", "last_modified", "created"):
+        if info.get(key) is not None:
+            return f"{key}:{str(info[key]).strip(chr(34))}"
+    return ""
+
+
+def expand_sources(patterns: list[str], options: StorageOptions | None = None) -> list[SourceFile]:
+    """Expand paths, folders and globs into files, in argument order then sorted by name.
+
+    A pattern that matches nothing is an error naming it: a typo must not ingest nothing.
+    """
+    files: list[SourceFile] = []
+    seen: set[str] = set()
+    for pattern in patterns:
+        fs, path = resolve(pattern, options)
+        try:
+            if any(ch in path for ch in "*?["):
+                infos = retrying(f"glob {pattern}", lambda: fs.glob(path, detail=True))
+            else:
+                info = retrying(f"stat {pattern}", lambda: fs.info(path))
+                if info["type"] == "directory":
+                    infos = retrying(f"list {pattern}", lambda: fs.find(path, detail=True))
+                else:
+                    infos = {path: info}
+        except FileNotFoundError:
+            raise PetatrainError(f"source not found: {pattern}") from None
+        except PermissionError as exc:
+            raise PetatrainError(f"source not readable: {pattern} ({exc})") from None
+        except PetatrainError:
+            raise
+        except Exception as exc:
+            raise PetatrainError(f"cannot read source {pattern}: {type(exc).__name__}: {exc}") from None
+        matched = [
+            (p, i) for p, i in sorted(infos.items())
+            if i.get("type") != "directory" and not os.path.basename(p).startswith((".", "_"))
+        ]
+        if not matched:
+            raise PetatrainError(f"source matched no files: {pattern}")
+        for p, info in matched:
+            url = to_url(fs, p)
+            if url not in seen:
+                seen.add(url)
+                files.append(SourceFile(url=url, size=int(info.get("size") or 0), fingerprint=_fingerprint(info)))
+    return files

@@ -1,0 +1,395 @@
+#!/usr/bin/env bash
+# rgw.sh - a throwaway, single-node Ceph RADOS Gateway (S3 API) for tests.
+#
+#   rgw.sh start [DIR]   install Ceph (Debian packages) if needed, bootstrap a
+#                        one-mon / one-OSD (memstore) / one-radosgw cluster in DIR
+#                        and create the S3 test user. Idempotent.
+#   rgw.sh stop  [DIR]   kill the daemons started from DIR and remove DIR.
+#   rgw.sh env   [DIR]   print `export ...` lines for S3 clients.
+#   rgw.sh status [DIR]  exit 0 if the S3 endpoint answers, 1 otherwise.
+#
+# DIR defaults to /tmp/petatrain-rgw. Everything (config, mon/osd data, logs,
+# pid files, admin sockets) lives under DIR; /etc/ceph and /var/lib/ceph are
+# not used. Everything binds to 127.0.0.1 only; authentication is off.
+#
+# Environment:
+#   PETATRAIN_RGW_PORT      S3 HTTP port            (default 7480)
+#   PETATRAIN_RGW_MON_PORT  monitor msgr2 port      (default 3300)
+#   PETATRAIN_RGW_MEM_MB    memstore capacity in MiB (default 2048; lazily used)
+#   PETATRAIN_RGW_TIMEOUT   seconds to wait for each daemon (default 120)
+#
+# Must run as root (installs packages; daemons run as root).
+
+set -euo pipefail
+
+PROG=$(basename "$0")
+CMD=${1:-}
+DIR=${2:-/tmp/petatrain-rgw}
+PORT=${PETATRAIN_RGW_PORT:-7480}
+MON_PORT=${PETATRAIN_RGW_MON_PORT:-3300}
+MEM_MB=${PETATRAIN_RGW_MEM_MB:-2048}
+TIMEOUT=${PETATRAIN_RGW_TIMEOUT:-120}
+
+ACCESS_KEY=petatrain
+SECRET_KEY=petatrain-secret
+RGW_UID=petatrain
+REGION=us-east-1
+MARKER=.petatrain-rgw        # marks DIR as ours, so we only ever rm -rf our own dirs
+CONF=$DIR/ceph.conf
+CEPH_TIMEOUT=30              # per ceph CLI call
+
+log() { echo "[$PROG] $*" >&2; }
+die() { echo "[$PROG] ERROR: $*" >&2; exit 1; }
+
+usage() {
+    cat >&2 <<EOF
+usage: $PROG {start|stop|env|status} [DIR]
+  DIR defaults to /tmp/petatrain-rgw; port from PETATRAIN_RGW_PORT (default 7480)
+EOF
+    exit 2
+}
+
+check_args() {
+    [[ $PORT =~ ^[0-9]+$ ]] || die "PETATRAIN_RGW_PORT must be a number, got '$PORT'"
+    [[ $MON_PORT =~ ^[0-9]+$ ]] || die "PETATRAIN_RGW_MON_PORT must be a number, got '$MON_PORT'"
+    [[ $MEM_MB =~ ^[0-9]+$ ]] || die "PETATRAIN_RGW_MEM_MB must be a number, got '$MEM_MB'"
+    [[ $TIMEOUT =~ ^[0-9]+$ ]] || die "PETATRAIN_RGW_TIMEOUT must be a number, got '$TIMEOUT'"
+    [[ $DIR == /* ]] || DIR=$(pwd)/$DIR
+    DIR=${DIR%/}
+    case "$DIR" in
+        "" | / | /tmp | /root | /home | /usr | /var | /etc | /work | /work/main)
+            die "refusing to use '$DIR' as the state directory" ;;
+    esac
+    CONF=$DIR/ceph.conf
+    # unix sockets are limited to 107 bytes: $DIR/run/ceph-client.rgw.0.asok
+    if ((${#DIR} > 70)); then
+        die "DIR '$DIR' is too long (admin socket paths must stay under 108 bytes)"
+    fi
+}
+
+endpoint() { echo "http://127.0.0.1:$PORT"; }
+
+# 0 if something answers HTTP on the S3 port.
+port_answers() {
+    curl -s -o /dev/null --max-time 3 "$(endpoint)/" 2>/dev/null
+}
+
+# 0 if it answers *and* looks like RGW (an S3 XML listing / error).
+rgw_answers() {
+    local body
+    body=$(curl -s --max-time 3 "$(endpoint)/" 2>/dev/null) || return 1
+    [[ $body == *ListAllMyBucketsResult* || $body == *"<Error>"* ]]
+}
+
+ceph_cli() {
+    timeout $((CEPH_TIMEOUT + 10)) ceph -c "$CONF" --connect-timeout "$CEPH_TIMEOUT" "$@"
+}
+
+show_logs() {
+    local f
+    for f in "$DIR"/log/*.log; do
+        [[ -f $f ]] || continue
+        echo "----- tail -n 30 $f -----" >&2
+        tail -n 30 "$f" >&2 || true
+    done
+}
+
+fail_start() {
+    echo "[$PROG] ERROR: $*" >&2
+    show_logs
+    echo "[$PROG] state left in $DIR for inspection; run '$0 stop $DIR' to clean up" >&2
+    exit 1
+}
+
+need_root() {
+    [[ $(id -u) == 0 ]] || die "must run as root (installs packages, runs ceph daemons)"
+}
+
+install_if_missing() {
+    local missing=0 b
+    for b in radosgw radosgw-admin ceph-mon ceph-osd monmaptool ceph curl; do
+        command -v "$b" >/dev/null 2>&1 || missing=1
+    done
+    ((missing)) || return 0
+    command -v apt-get >/dev/null 2>&1 || die "Ceph is not installed and apt-get is not available"
+    log "installing ceph-mon ceph-osd radosgw (Debian packages) ..."
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq >/dev/null || die "apt-get update failed"
+    apt-get install -y -qq --no-install-recommends ceph-mon ceph-osd radosgw curl ca-certificates uuid-runtime \
+        >"${TMPDIR:-/tmp}/petatrain-rgw-apt.log" 2>&1 ||
+        { tail -n 30 "${TMPDIR:-/tmp}/petatrain-rgw-apt.log" >&2; die "apt-get install failed"; }
+    command -v radosgw >/dev/null 2>&1 || die "radosgw still not on PATH after installing"
+}
+
+# kill every daemon that has a pid file under DIR/run (rgw first, mon last).
+kill_daemons() {
+    local name pidfile pid pids=() i
+    [[ -d $DIR/run ]] || return 0
+    for name in client.rgw.0 osd.0 mon.a; do
+        pidfile=$DIR/run/$name.pid
+        [[ -f $pidfile ]] || continue
+        pid=$(tr -dc 0-9 <"$pidfile" || true)
+        [[ -n $pid ]] || continue
+        # only kill it if it really is a ceph daemon using our config
+        if [[ -r /proc/$pid/cmdline ]] && tr '\0' ' ' <"/proc/$pid/cmdline" | grep -qF -- "$CONF"; then
+            kill -TERM "$pid" 2>/dev/null || true
+            pids+=("$pid")
+        fi
+    done
+    for pid in "${pids[@]}"; do
+        for ((i = 0; i < 50; i++)); do
+            kill -0 "$pid" 2>/dev/null || break
+            sleep 0.1
+        done
+        if kill -0 "$pid" 2>/dev/null; then
+            log "pid $pid did not exit 5s after SIGTERM, sending SIGKILL"
+            kill -KILL "$pid" 2>/dev/null || true
+            for ((i = 0; i < 50; i++)); do
+                kill -0 "$pid" 2>/dev/null || break
+                sleep 0.1
+            done
+        fi
+    done
+}
+
+wipe_dir() {
+    [[ -e $DIR ]] || return 0
+    if [[ -d $DIR && ! -e $DIR/$MARKER && -n $(ls -A "$DIR" 2>/dev/null) ]]; then
+        die "'$DIR' exists, is not empty and was not created by $PROG; refusing to delete it"
+    fi
+    rm -rf -- "$DIR"
+}
+
+write_conf() {
+    local fsid=$1
+    cat >"$CONF" <<EOF
+# generated by $PROG - throwaway single-node Ceph cluster for tests
+[global]
+fsid = $fsid
+mon host = v2:127.0.0.1:$MON_PORT
+mon initial members = a
+public addr = 127.0.0.1
+cluster addr = 127.0.0.1
+ms bind msgr1 = false
+ms bind ipv6 = false
+
+auth cluster required = none
+auth service required = none
+auth client required = none
+keyring = $DIR/keyring
+
+run dir = $DIR/run
+pid file = $DIR/run/\$name.pid
+log file = $DIR/log/\$name.log
+mon cluster log file = $DIR/log/cluster.log
+log to stderr = false
+err to stderr = true
+log to syslog = false
+crash dir = $DIR/crash
+
+osd pool default size = 1
+osd pool default min size = 1
+osd pool default pg num = 8
+osd pool default pgp num = 8
+osd pool default pg autoscale mode = off
+osd crush chooseleaf type = 0
+mon allow pool size one = true
+mon allow pool delete = true
+mon warn on pool no redundancy = false
+mon data avail warn = 2
+mon data avail crit = 1
+
+[mon]
+admin socket = $DIR/run/\$name.asok
+mon data = $DIR/mon/\$name
+
+[osd]
+admin socket = $DIR/run/\$name.asok
+osd data = $DIR/osd/\$name
+osd objectstore = memstore
+memstore device bytes = $((MEM_MB * 1024 * 1024))
+osd memory target = 268435456
+osd class dir = /usr/lib/x86_64-linux-gnu/rados-classes
+osd op num shards = 1
+osd op num threads per shard = 2
+osd crush update on start = true
+
+[client.rgw.0]
+# radosgw defaults to ms_mon_client_mode=secure, which needs cephx; with auth
+# off it then fails with "get_initial_auth_request returned -13" (EACCES)
+ms mon client mode = crc
+rgw init timeout = $TIMEOUT
+admin socket = $DIR/run/\$name.asok
+rgw data = $DIR/rgw
+rgw frontends = beast endpoint=127.0.0.1:$PORT
+rgw thread pool size = 32
+rgw dns name = localhost
+rgw enable usage log = false
+rgw enable ops log = false
+EOF
+    # osd class dir differs per architecture; let ceph use its compiled default elsewhere
+    local classdir
+    classdir=$(ceph-conf --show-config-value osd_class_dir 2>/dev/null || true)
+    if [[ -n $classdir ]]; then
+        sed -i "s|^osd class dir = .*|osd class dir = $classdir|" "$CONF"
+    else
+        sed -i '/^osd class dir = /d' "$CONF"
+    fi
+}
+
+wait_for() { # wait_for <what> <command...>; polls up to $TIMEOUT s
+    local what=$1 t0=$SECONDS
+    shift
+    until "$@" >/dev/null 2>&1; do
+        if ((SECONDS - t0 >= TIMEOUT)); then
+            fail_start "timed out after ${TIMEOUT}s waiting for $what"
+        fi
+        sleep 0.5
+    done
+}
+
+pid_alive() { # pid_alive <name>: the daemon's pid file exists and the process lives
+    local f=$DIR/run/$1.pid pid
+    [[ -f $f ]] || return 1
+    pid=$(tr -dc 0-9 <"$f")
+    [[ -n $pid ]] && kill -0 "$pid" 2>/dev/null
+}
+
+osd_up() {
+    ceph_cli osd dump -f json 2>/dev/null | grep -q '"up":1'
+}
+
+ensure_user() {
+    local out
+    if radosgw-admin -c "$CONF" user info --uid="$RGW_UID" >/dev/null 2>&1; then
+        return 0
+    fi
+    out=$(radosgw-admin -c "$CONF" user create --uid="$RGW_UID" \
+        --display-name="petatrain tests" --access-key="$ACCESS_KEY" --secret-key="$SECRET_KEY" 2>&1) ||
+        { echo "$out" >&2; fail_start "radosgw-admin user create failed"; }
+}
+
+# the user must also be usable through the HTTP endpoint (radosgw caches users)
+wait_user_ok() {
+    local t0=$SECONDS
+    while :; do
+        if python3 - "$(endpoint)" "$ACCESS_KEY" "$SECRET_KEY" <<'PY' 2>/dev/null; then
+import sys, hmac, hashlib, base64, email.utils, urllib.request
+ep, ak, sk = sys.argv[1:4]
+date = email.utils.formatdate(usegmt=True)
+sig = base64.b64encode(hmac.new(sk.encode(), f"GET\n\n\n{date}\n/".encode(), hashlib.sha1).digest()).decode()
+req = urllib.request.Request(ep + "/", headers={"Date": date, "Authorization": f"AWS {ak}:{sig}"})
+with urllib.request.urlopen(req, timeout=5) as r:
+    sys.exit(0 if r.status == 200 else 1)
+PY
+            return 0
+        fi
+        ((SECONDS - t0 < 30)) || fail_start "user '$RGW_UID' exists but S3 requests with its keys fail"
+        sleep 0.5
+    done
+}
+
+cmd_start() {
+    need_root
+    if rgw_answers; then
+        log "already running: $(endpoint) answers"
+        if [[ -f $CONF ]] && command -v radosgw-admin >/dev/null 2>&1; then
+            ensure_user
+        else
+            log "warning: $CONF does not exist - this RGW was not started from $DIR"
+        fi
+        return 0
+    fi
+    if port_answers; then
+        die "port $PORT is taken by something that is not RGW; set PETATRAIN_RGW_PORT"
+    fi
+    install_if_missing
+
+    local t0=$SECONDS fsid osd_uuid osd_id
+    # stale state from an earlier run: kill what it left behind, then wipe it
+    if [[ -e $DIR ]]; then
+        log "removing stale state in $DIR"
+        [[ -e $DIR/$MARKER ]] && kill_daemons
+        wipe_dir
+    fi
+    mkdir -p "$DIR"/{run,log,mon/mon.a,osd/osd.0,rgw,crash}
+    : >"$DIR/$MARKER"
+    fsid=$(cat /proc/sys/kernel/random/uuid)
+    write_conf "$fsid"
+    # with auth off the keyring is unused, but ceph-mon --mkfs wants one
+    ceph-authtool --create-keyring "$DIR/keyring" --gen-key -n mon. --cap mon 'allow *' >/dev/null
+
+    # ---- monitor
+    monmaptool --create --fsid "$fsid" --addv a "[v2:127.0.0.1:$MON_PORT]" "$DIR/monmap" >/dev/null ||
+        fail_start "monmaptool failed"
+    ceph-mon -c "$CONF" -i a --mkfs --monmap "$DIR/monmap" --keyring "$DIR/keyring" \
+        --mon-data "$DIR/mon/mon.a" 2>>"$DIR/log/mkfs.log" || fail_start "ceph-mon --mkfs failed"
+    ceph-mon -c "$CONF" -i a 2>>"$DIR/log/daemons.log" || fail_start "ceph-mon failed to start"
+    wait_for "the monitor (port $MON_PORT)" ceph_cli mon stat
+    log "monitor up ($((SECONDS - t0))s)"
+
+    # ---- OSD (memstore: all objects live in RAM)
+    osd_uuid=$(cat /proc/sys/kernel/random/uuid)
+    osd_id=$(ceph_cli osd create "$osd_uuid" 2>>"$DIR/log/mkfs.log") || fail_start "ceph osd create failed"
+    [[ $osd_id == 0 ]] || fail_start "expected osd id 0, got '$osd_id'"
+    ceph-osd -c "$CONF" -i 0 --mkfs --osd-uuid "$osd_uuid" --osd-data "$DIR/osd/osd.0" \
+        >>"$DIR/log/mkfs.log" 2>&1 || fail_start "ceph-osd --mkfs failed"
+    ceph-osd -c "$CONF" -i 0 --osd-data "$DIR/osd/osd.0" 2>>"$DIR/log/daemons.log" ||
+        fail_start "ceph-osd failed to start"
+    wait_for "osd.0 to be up" osd_up
+    log "osd.0 up ($((SECONDS - t0))s)"
+
+    # ---- radosgw
+    radosgw -c "$CONF" -n client.rgw.0 2>>"$DIR/log/daemons.log" || fail_start "radosgw failed to start"
+    local tw=$SECONDS
+    until rgw_answers; do
+        pid_alive client.rgw.0 || fail_start "radosgw exited during startup"
+        ((SECONDS - tw < TIMEOUT)) || fail_start "timed out after ${TIMEOUT}s waiting for $(endpoint)"
+        sleep 0.5
+    done
+    ensure_user
+    wait_user_ok
+    log "RGW up at $(endpoint) in $((SECONDS - t0))s (state in $DIR; access key '$ACCESS_KEY')"
+}
+
+cmd_stop() {
+    if [[ -e $DIR ]]; then
+        if [[ -e $DIR/$MARKER ]]; then
+            kill_daemons
+        fi
+        wipe_dir
+        log "stopped; removed $DIR"
+    else
+        log "nothing to stop ($DIR does not exist)"
+    fi
+}
+
+cmd_env() {
+    cat <<EOF
+export AWS_ACCESS_KEY_ID=$ACCESS_KEY
+export AWS_SECRET_ACCESS_KEY=$SECRET_KEY
+export AWS_ENDPOINT_URL=$(endpoint)
+export AWS_REGION=$REGION
+export AWS_DEFAULT_REGION=$REGION
+export AWS_REQUEST_CHECKSUM_CALCULATION=WHEN_REQUIRED
+export AWS_RESPONSE_CHECKSUM_VALIDATION=WHEN_REQUIRED
+EOF
+}
+
+cmd_status() {
+    if rgw_answers; then
+        log "running: $(endpoint)"
+    else
+        log "not running ($(endpoint) does not answer)"
+        return 1
+    fi
+}
+
+case "$CMD" in
+    start) check_args; cmd_start ;;
+    stop) check_args; cmd_stop ;;
+    env) check_args; cmd_env ;;
+    status) check_args; cmd_status ;;
+    -h | --help | help) usage ;;
+    *) usage ;;
+esac
