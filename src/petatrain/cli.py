@@ -85,6 +85,7 @@ def ingest(
     append: Annotated[bool, typer.Option("--append", help="Add new source files to an existing dataset.")] = False,
     register: Annotated[bool, typer.Option("--register", help="Index existing Parquet files in place.")] = False,
     address: Annotated[str, typer.Option(help="Ray cluster address (default: start a local Ray).")] = "",
+    local_cpus: Annotated[int, typer.Option(help="CPUs for the local Ray (0: all); ignored with --address.")] = 0,
     config: Annotated[Path | None, typer.Option(help="Job config YAML; its storage section is used.")] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="Config override a.b=c (repeatable).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
@@ -101,7 +102,8 @@ def ingest(
         overrides = [f"ingest.{k}={json.dumps(v)}" for k, v in cli_values.items()] + overrides
         job_cfg = config_mod.load(config, overrides)
         summary = run(IngestJob(sources=sources, out=out_, config=job_cfg.ingest, append=append, register=register,
-                                address=address or job_cfg.resources.address, options=job_cfg.storage.options()))
+                                address=address or job_cfg.resources.address,
+                                local_cpus=local_cpus, options=job_cfg.storage.options()))
         if as_json:
             _print_json({k: v for k, v in summary.to_dict().items()})
         else:

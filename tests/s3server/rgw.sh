@@ -37,6 +37,8 @@ REGION=us-east-1
 MARKER=.petatrain-rgw        # marks DIR as ours, so we only ever rm -rf our own dirs
 CONF=$DIR/ceph.conf
 CEPH_TIMEOUT=30              # per ceph CLI call
+RGW_POOLS=(.rgw.root default.rgw.control default.rgw.meta default.rgw.log
+    default.rgw.buckets.index default.rgw.buckets.data default.rgw.buckets.non-ec)
 
 log() { echo "[$PROG] $*" >&2; }
 die() { echo "[$PROG] ERROR: $*" >&2; exit 1; }
@@ -85,12 +87,21 @@ ceph_cli() {
     timeout $((CEPH_TIMEOUT + 10)) ceph -c "$CONF" --connect-timeout "$CEPH_TIMEOUT" "$@"
 }
 
+mon_answers() { # quick probe, for polling
+    timeout 10 ceph -c "$CONF" --connect-timeout 5 mon stat
+}
+
+tcp_listening() { # tcp_listening <port>: 0 if something accepts connections on 127.0.0.1:<port>
+    timeout 3 bash -c "exec 3<>/dev/tcp/127.0.0.1/$1" 2>/dev/null
+}
+
 show_logs() {
     local f
     for f in "$DIR"/log/*.log; do
         [[ -f $f ]] || continue
-        echo "----- tail -n 30 $f -----" >&2
-        tail -n 30 "$f" >&2 || true
+        [[ -s $f ]] || continue
+        echo "----- tail -n 15 $f -----" >&2
+        tail -n 15 "$f" >&2 || true
     done
 }
 
@@ -121,35 +132,38 @@ install_if_missing() {
     command -v radosgw >/dev/null 2>&1 || die "radosgw still not on PATH after installing"
 }
 
-# kill every daemon that has a pid file under DIR/run (rgw first, mon last).
+# pid of daemon <name> from its pid file, only if it is alive and really is a
+# ceph daemon running with our config file (pid files can be stale / reused).
+our_pid() {
+    local f=$DIR/run/$1.pid pid
+    [[ -f $f ]] || return 1
+    pid=$(tr -dc 0-9 <"$f" || true)
+    [[ -n $pid && -r /proc/$pid/cmdline ]] || return 1
+    tr '\0' ' ' <"/proc/$pid/cmdline" | grep -qF -- "$CONF" || return 1
+    echo "$pid"
+}
+
+# kill the daemons started from DIR. The state is thrown away anyway, so no
+# orderly shutdown is needed: SIGTERM all, wait up to 1 s, then SIGKILL (a
+# radosgw or OSD whose monitor is gone can take a long time to exit).
 kill_daemons() {
-    local name pidfile pid pids=() i
+    local pid name pids=() i alive
     [[ -d $DIR/run ]] || return 0
     for name in client.rgw.0 osd.0 mon.a; do
-        pidfile=$DIR/run/$name.pid
-        [[ -f $pidfile ]] || continue
-        pid=$(tr -dc 0-9 <"$pidfile" || true)
-        [[ -n $pid ]] || continue
-        # only kill it if it really is a ceph daemon using our config
-        if [[ -r /proc/$pid/cmdline ]] && tr '\0' ' ' <"/proc/$pid/cmdline" | grep -qF -- "$CONF"; then
-            kill -TERM "$pid" 2>/dev/null || true
-            pids+=("$pid")
-        fi
+        if pid=$(our_pid "$name"); then pids+=("$pid"); fi
     done
-    for pid in "${pids[@]}"; do
-        for ((i = 0; i < 50; i++)); do
-            kill -0 "$pid" 2>/dev/null || break
-            sleep 0.1
+    ((${#pids[@]})) || return 0
+    kill -TERM "${pids[@]}" 2>/dev/null || true
+    for ((i = 0; i < 60; i++)); do
+        alive=()
+        for pid in "${pids[@]}"; do
+            if kill -0 "$pid" 2>/dev/null; then alive+=("$pid"); fi
         done
-        if kill -0 "$pid" 2>/dev/null; then
-            log "pid $pid did not exit 5s after SIGTERM, sending SIGKILL"
-            kill -KILL "$pid" 2>/dev/null || true
-            for ((i = 0; i < 50; i++)); do
-                kill -0 "$pid" 2>/dev/null || break
-                sleep 0.1
-            done
-        fi
+        ((${#alive[@]})) || return 0
+        if ((i == 10)); then kill -KILL "${alive[@]}" 2>/dev/null || true; fi
+        sleep 0.1
     done
+    die "could not kill daemons: ${alive[*]}"
 }
 
 wipe_dir() {
@@ -196,12 +210,17 @@ osd crush chooseleaf type = 0
 mon allow pool size one = true
 mon allow pool delete = true
 mon warn on pool no redundancy = false
+mon warn on insecure global id reclaim = false
+mon warn on insecure global id reclaim allowed = false
 mon data avail warn = 2
 mon data avail crit = 1
 
 [mon]
 admin socket = $DIR/run/\$name.asok
 mon data = $DIR/mon/\$name
+# throwaway cluster: commit map changes quickly (default 1 s) - faster pool creation/OSD boot
+paxos propose interval = 0.05
+paxos min wait = 0.01
 
 [osd]
 admin socket = $DIR/run/\$name.asok
@@ -248,12 +267,6 @@ wait_for() { # wait_for <what> <command...>; polls up to $TIMEOUT s
     done
 }
 
-pid_alive() { # pid_alive <name>: the daemon's pid file exists and the process lives
-    local f=$DIR/run/$1.pid pid
-    [[ -f $f ]] || return 1
-    pid=$(tr -dc 0-9 <"$f")
-    [[ -n $pid ]] && kill -0 "$pid" 2>/dev/null
-}
 
 osd_up() {
     ceph_cli osd dump -f json 2>/dev/null | grep -q '"up":1'
@@ -303,6 +316,9 @@ cmd_start() {
     if port_answers; then
         die "port $PORT is taken by something that is not RGW; set PETATRAIN_RGW_PORT"
     fi
+    if tcp_listening "$MON_PORT"; then
+        die "monitor port 127.0.0.1:$MON_PORT is taken (another Ceph cluster?); set PETATRAIN_RGW_MON_PORT"
+    fi
     install_if_missing
 
     local t0=$SECONDS fsid osd_uuid osd_id
@@ -325,8 +341,16 @@ cmd_start() {
     ceph-mon -c "$CONF" -i a --mkfs --monmap "$DIR/monmap" --keyring "$DIR/keyring" \
         --mon-data "$DIR/mon/mon.a" 2>>"$DIR/log/mkfs.log" || fail_start "ceph-mon --mkfs failed"
     ceph-mon -c "$CONF" -i a 2>>"$DIR/log/daemons.log" || fail_start "ceph-mon failed to start"
-    wait_for "the monitor (port $MON_PORT)" ceph_cli mon stat
+    wait_for "the monitor (port $MON_PORT)" mon_answers
     log "monitor up ($((SECONDS - t0))s)"
+    # radosgw would create its pools itself, lazily (~2 s each: the first bucket
+    # creation and the first upload stall). Create them now, in the background
+    # while the OSD boots, with one ceph CLI process (commands read from stdin).
+    local pool pools_pid
+    for pool in "${RGW_POOLS[@]}"; do
+        printf 'osd pool create %s 8 8\nosd pool application enable %s rgw\n' "$pool" "$pool"
+    done | ceph_cli >>"$DIR/log/mkfs.log" 2>&1 &
+    pools_pid=$!
 
     # ---- OSD (memstore: all objects live in RAM)
     osd_uuid=$(cat /proc/sys/kernel/random/uuid)
@@ -339,11 +363,19 @@ cmd_start() {
     wait_for "osd.0 to be up" osd_up
     log "osd.0 up ($((SECONDS - t0))s)"
 
+    wait "$pools_pid" || fail_start "creating the RGW pools failed"
+    local have
+    have=$(ceph_cli osd pool ls 2>>"$DIR/log/mkfs.log") || fail_start "ceph osd pool ls failed"
+    for pool in "${RGW_POOLS[@]}"; do
+        grep -qxF -- "$pool" <<<"$have" || fail_start "pool $pool was not created"
+    done
+    log "pools created ($((SECONDS - t0))s)"
+
     # ---- radosgw
     radosgw -c "$CONF" -n client.rgw.0 2>>"$DIR/log/daemons.log" || fail_start "radosgw failed to start"
     local tw=$SECONDS
     until rgw_answers; do
-        pid_alive client.rgw.0 || fail_start "radosgw exited during startup"
+        our_pid client.rgw.0 >/dev/null || fail_start "radosgw exited during startup"
         ((SECONDS - tw < TIMEOUT)) || fail_start "timed out after ${TIMEOUT}s waiting for $(endpoint)"
         sleep 0.5
     done

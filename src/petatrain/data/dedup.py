@@ -28,6 +28,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import ray
@@ -52,7 +53,7 @@ class DedupPlan:
 
 
 def partitions_for(total_rows: int, num_perm: int, cpus: int) -> int:
-    per_row = 32 + 4 * num_perm
+    per_row = 32 + 2 * num_perm
     return max(2 * cpus, math.ceil(total_rows * per_row / _TARGET_PARTITION_BYTES), 2)
 
 
@@ -60,11 +61,10 @@ def read_signatures(url: str, options: StorageOptions | None) -> Parts:
     table = pq.read_table(pa.BufferReader(read_bytes(url, options)))
     out = {name: table.column(name).to_numpy() for name in ("ord", "nbytes", "h_hi", "h_lo")}
     if "sig" in table.column_names:
-        width = table.schema.field("sig").type.byte_width // 4
+        width = table.schema.field("sig").type.byte_width // 2
         raw = table.column("sig").combine_chunks()
-        buf = raw.buffers()[1]
-        out["sig"] = np.frombuffer(buf, dtype=np.uint32, count=len(raw) * width,
-                                   offset=raw.offset * width * 4).reshape(len(raw), width)
+        out["sig"] = np.frombuffer(raw.buffers()[1], dtype=np.uint16, count=len(raw) * width,
+                                   offset=raw.offset * width * 2).reshape(len(raw), width)
     return out
 
 
@@ -120,14 +120,16 @@ def _reduce_bands(first_new: int, partitions: int, *parts: Parts) -> list[Parts]
     empty = [{}] * partitions
     if not rows:
         return empty
+    # Almost every bucket holds one document: drop those with a hash-based pass (O(n))
+    # before sorting, which then touches only the few shared buckets.
+    shared = pd.Series(rows["key"]).duplicated(keep=False).to_numpy()
+    rows = {k: v[shared] for k, v in rows.items()}
     # Exact copies are the exact pass's business: keep one member per content hash.
     order = np.lexsort((rows["ord"], rows["h_lo"], rows["key"]))
     key, h_lo, ords = rows["key"][order], rows["h_lo"][order], rows["ord"][order]
     first_copy = np.ones(len(order), dtype=bool)
     first_copy[1:] = (key[1:] != key[:-1]) | (h_lo[1:] != h_lo[:-1])
     key, ords = key[first_copy], ords[first_copy]
-    order = np.lexsort((ords, key))
-    key, ords = key[order], ords[order]
     new_run = np.ones(len(key), dtype=bool)
     new_run[1:] = key[1:] != key[:-1]
     run_start = np.maximum.accumulate(np.where(new_run, np.arange(len(key)), 0))

@@ -48,7 +48,8 @@ class Dataset:
         return int(self.manifest["totals"]["rows"])
 
     def shard_url(self, path: str) -> str:
-        return join(self.url, path)
+        """Shards petatrain wrote are relative to the dataset; registered ones are absolute."""
+        return path if "://" in path or path.startswith("/") else join(self.url, path)
 
 
 def read_manifest(url: str, options: StorageOptions | None = None) -> dict[str, Any] | None:

@@ -3,8 +3,8 @@
 A batch of documents is hashed in a few numpy passes instead of one Python call per
 shingle: words are split and dictionary-encoded by Arrow, only the distinct words of the
 batch are hashed in Python, and the n-gram hashes, permutations and per-document minima
-are array operations. The permutation family is multiply-add on 64-bit shingle
-hashes (a*x + b mod 2^64, top 32 bits kept), cheap on numpy.
+are array operations. The permutations are multiply-shift hashes of 32-bit shingle
+hashes (a*x mod 2^32 with odd a, top 16 bits kept): one multiply per value on numpy.
 """
 
 from __future__ import annotations
@@ -17,9 +17,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import xxhash
 
-_MASK32 = np.uint64(0xFFFFFFFF)
 _SEED = 0x5EED_9E7A  # fixed: signatures must be comparable across runs and appends
-_CHUNK_COLS = 4096  # shingles per permutation block: (perms, 4096) uint64 stays in cache
+_CHUNK_COLS = 4096  # shingles per permutation block: (perms, 4096) uint32 stays in cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,11 +61,11 @@ def _integrate(f, a: float, b: float, steps: int = 200) -> float:
     return sum(f(a + (i + 0.5) * h) for i in range(steps)) * h
 
 
-def _permutations(num_perm: int) -> tuple[np.ndarray, np.ndarray]:
+def _permutations(num_perm: int) -> np.ndarray:
+    """Odd 32-bit multipliers: x -> a*x mod 2^32 permutes 32-bit shingle hashes, and its
+    top bits are a multiply-shift hash of x."""
     rng = np.random.Generator(np.random.PCG64(_SEED))
-    a = rng.integers(1, 2**63, size=num_perm, dtype=np.uint64) | np.uint64(1)
-    b = rng.integers(0, 2**63, size=num_perm, dtype=np.uint64)
-    return a, b
+    return (rng.integers(0, 2**31, size=num_perm, dtype=np.uint32) * np.uint32(2) + np.uint32(1)).astype(np.uint32)
 
 
 def _mix64(x: np.ndarray) -> np.ndarray:
@@ -87,7 +86,9 @@ def shingle_hashes(texts: pa.Array, ngram: int) -> tuple[np.ndarray, np.ndarray]
     contributes one shingle made of all its words, so short texts still compare.
     Returns (hashes uint64[n_shingles], starts int64[n_texts]); every text has >= 1 shingle.
     """
-    words = pc.split_pattern_regex(pc.utf8_lower(texts), r"\W+")
+    # Punctuation becomes a separator, then ASCII whitespace splits: 3x faster than a
+    # regex split on \W+ (non-ASCII spaces stay inside words, which only shifts shingles).
+    words = pc.ascii_split_whitespace(pc.replace_substring_regex(pc.utf8_lower(texts), r"[^\w\s]+", " "))
     flat = pc.list_flatten(words)
     offsets = words.offsets.to_numpy(zero_copy_only=False).astype(np.int64)
     if isinstance(words, pa.ChunkedArray):  # pragma: no cover - callers pass Arrays
@@ -141,30 +142,33 @@ def shingle_hashes(texts: pa.Array, ngram: int) -> tuple[np.ndarray, np.ndarray]
 
 
 def signatures(texts: pa.Array, params: LSHParams) -> np.ndarray:
-    """MinHash signatures, uint32[n_texts, num_perm].
+    """MinHash signatures, uint16[n_texts, num_perm]: the top 16 bits of each minimum.
+
+    16 bits per value halve what is stored and shuffled; two different minima agree by
+    chance with probability 2^-16, a negligible bias on the similarity estimate.
 
     Layout (perms, shingles) so the per-text minimum is a `reduceat` along contiguous
     rows: ~10x faster than (shingles, perms) on numpy.
     """
     hashes, starts = shingle_hashes(texts, params.ngram)
-    a, b = _permutations(params.num_perm)
+    hashes = (hashes >> np.uint64(32)).astype(np.uint32)
+    a = _permutations(params.num_perm)
     n_texts = len(starts)
-    sig = np.empty((params.num_perm, n_texts), dtype=np.uint64)
+    sig = np.empty((params.num_perm, n_texts), dtype=np.uint32)
     ends = np.append(starts[1:], len(hashes))
     doc = 0
-    buf = np.empty((params.num_perm, _CHUNK_COLS), dtype=np.uint64)
+    buf = np.empty((params.num_perm, _CHUNK_COLS), dtype=np.uint32)
     while doc < n_texts:
         lo = starts[doc]
         last = max(int(np.searchsorted(ends, lo + _CHUNK_COLS, side="right")), doc + 1)
         hi = ends[last - 1]
         width = hi - lo
         # One very long text may exceed a chunk: it gets a block of its own.
-        block = buf[:, :width] if width <= _CHUNK_COLS else np.empty((params.num_perm, width), np.uint64)
+        block = buf[:, :width] if width <= _CHUNK_COLS else np.empty((params.num_perm, width), np.uint32)
         np.multiply(a[:, None], hashes[None, lo:hi], out=block)
-        block += b[:, None]
         sig[:, doc:last] = np.minimum.reduceat(block, starts[doc:last] - lo, axis=1)
         doc = last
-    return (sig.T >> np.uint64(32)).astype(np.uint32)
+    return (sig.T >> np.uint32(16)).astype(np.uint16)
 
 
 def band_keys(sig: np.ndarray, params: LSHParams) -> np.ndarray:

@@ -8,6 +8,7 @@ true Jaccard similarity (over word 5-gram shingles) is recorded so tests can che
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -46,11 +47,11 @@ class _Words:
     def __init__(self, rng: random.Random, vocab_size: int = 30000):
         letters = "abcdefghijklmnopqrstuvwxyz"
         self.vocab = ["".join(rng.choice(letters) for _ in range(rng.randint(2, 10))) for _ in range(vocab_size)]
-        self.weights = [1.0 / (i + 10) for i in range(vocab_size)]
+        self.cum_weights = list(itertools.accumulate(1.0 / (i + 10) for i in range(vocab_size)))
         self.rng = rng
 
     def draw(self, n: int) -> list[str]:
-        return self.rng.choices(self.vocab, weights=self.weights, k=n)
+        return self.rng.choices(self.vocab, cum_weights=self.cum_weights, k=n)
 
 
 def _document(words: _Words, rng: random.Random, mean_words: int) -> str:

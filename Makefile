@@ -1,0 +1,47 @@
+# Everything a fresh clone needs: `make demo` and `make test` create .venv and install.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test test-fast bench lint format s3-start s3-stop clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch first and pinned: the CPU build, not several GB of CUDA wheels.
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[dev,bench]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/petatrain demo
+
+# The suite starts (and stops) a local Ceph RADOS Gateway for the s3-marked tests,
+# installing it from Debian packages if needed. PETATRAIN_TEST_S3_ENDPOINT=http://host:port
+# (with AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY) runs the same tests against any S3 store.
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not slow and not s3"
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/ingest.py
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
+
+format: $(STAMP)
+	$(BIN)/ruff format src tests benchmarks
+	$(BIN)/ruff check --fix src tests benchmarks
+
+s3-start:
+	bash tests/s3server/rgw.sh start
+
+s3-stop:
+	bash tests/s3server/rgw.sh stop
+
+clean:
+	rm -rf $(VENV) .petatrain .pytest_cache .ruff_cache

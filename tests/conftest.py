@@ -1,0 +1,86 @@
+"""Shared fixtures: a local Ray for the session, a real S3-compatible server, corpora."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+RGW = ROOT / "tests" / "s3server" / "rgw.sh"
+
+# Ray workers inherit these; pyarrow's S3 client needs them against non-AWS endpoints.
+os.environ.setdefault("AWS_REQUEST_CHECKSUM_CALCULATION", "WHEN_REQUIRED")
+os.environ.setdefault("AWS_RESPONSE_CHECKSUM_VALIDATION", "WHEN_REQUIRED")
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """One local Ray (2 CPUs) shared by the in-process tests."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """An S3 endpoint: PETATRAIN_TEST_S3_ENDPOINT if set, else a Ceph RGW started here.
+
+    The server's credentials are exported as AWS_* variables before Ray starts (tests
+    that use S3 request this fixture before ray_local), so Ray workers see them too.
+    """
+    external = os.environ.get("PETATRAIN_TEST_S3_ENDPOINT")
+    if external:
+        os.environ["AWS_ENDPOINT_URL"] = external
+        yield external
+        return
+    state = os.environ.get("PETATRAIN_RGW_DIR", "/tmp/petatrain-rgw-test")
+    started = subprocess.run(["bash", str(RGW), "start", state], capture_output=True, text=True)
+    if started.returncode != 0:
+        pytest.fail(f"could not start the S3 test server:\n{started.stdout[-3000:]}\n{started.stderr[-3000:]}")
+    env = subprocess.run(["bash", str(RGW), "env", state], capture_output=True, text=True, check=True).stdout
+    for line in env.splitlines():
+        if line.startswith("export "):
+            key, _, value = line[len("export "):].partition("=")
+            os.environ[key] = value.strip().strip("'\"")
+    try:
+        yield os.environ["AWS_ENDPOINT_URL"]
+    finally:
+        subprocess.run(["bash", str(RGW), "stop", state], capture_output=True, text=True)
+
+
+@pytest.fixture
+def s3_bucket(s3_endpoint):
+    """A fresh bucket URL, s3://petatrain-test-XXXX."""
+    from petatrain.storage import resolve
+
+    name = f"petatrain-test-{uuid.uuid4().hex[:8]}"
+    fs, _ = resolve(f"s3://{name}")
+    fs.mkdir(name)
+    yield f"s3://{name}"
+    try:
+        fs.rm(name, recursive=True)
+    except Exception:  # a failed test may leave it half-deleted; the server is torn down anyway
+        pass
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    """A planted-duplicate JSONL corpus shared by read-only tests."""
+    from petatrain.data import synth
+
+    out = tmp_path_factory.mktemp("corpus")
+    return synth.generate(str(out), documents=1500, files=3, seed=7)
+
+
+def run_cli(*args: str, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run the `petatrain` CLI in a subprocess, as a user would."""
+    return subprocess.run([sys.executable, "-m", "petatrain", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})}, cwd=ROOT)

@@ -1,0 +1,48 @@
+"""Small helpers shared by the ingest tests."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from petatrain.config import IngestConfig
+from petatrain.data import index
+from petatrain.data.ingest import IngestJob, run
+from petatrain.storage import read_bytes
+
+
+def ingest(sources, out, *, append=False, register=False, options=None, **cfg):
+    return run(IngestJob(sources=list(sources), out=str(out), config=IngestConfig(**cfg), append=append,
+                         register=register, options=options))
+
+
+def read_dataset(url, options=None) -> pa.Table:
+    """All rows of a committed dataset, in shard order, read through its index."""
+    ds = index.open_dataset(str(url), options)
+    tables = [pq.read_table(pa.BufferReader(read_bytes(ds.shard_url(p), options)))
+              for p in ds.shards.column("path").to_pylist()]
+    return pa.concat_tables(tables) if tables else pa.table({})
+
+
+def rejects(url) -> pa.Table:
+    files = sorted(glob.glob(os.path.join(str(url), "_rejects", "*", "records-*.parquet")))
+    return pa.concat_tables([pq.read_table(f) for f in files]) if files else pa.table({})
+
+
+def duplicates(url) -> pa.Table:
+    files = sorted(glob.glob(os.path.join(str(url), "_rejects", "*", "duplicates-*.parquet")))
+    return pa.concat_tables([pq.read_table(f) for f in files])
+
+
+def snapshot(url) -> dict[str, bytes]:
+    """Every file under a local dataset, by relative path."""
+    out = {}
+    for root, _, files in os.walk(str(url)):
+        for name in files:
+            path = os.path.join(root, name)
+            with open(path, "rb") as handle:
+                out[os.path.relpath(path, str(url))] = handle.read()
+    return out
