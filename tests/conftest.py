@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -48,7 +49,7 @@ def s3_endpoint():
     env = subprocess.run(["bash", str(RGW), "env", state], capture_output=True, text=True, check=True).stdout
     for line in env.splitlines():
         if line.startswith("export "):
-            key, _, value = line[len("export "):].partition("=")
+            key, _, value = line[len("export ") :].partition("=")
             os.environ[key] = value.strip().strip("'\"")
     try:
         yield os.environ["AWS_ENDPOINT_URL"]
@@ -65,10 +66,8 @@ def s3_bucket(s3_endpoint):
     fs, _ = resolve(f"s3://{name}")
     fs.mkdir(name)
     yield f"s3://{name}"
-    try:
+    with contextlib.suppress(Exception):  # a failed test may leave it half-deleted; the server goes anyway
         fs.rm(name, recursive=True)
-    except Exception:  # a failed test may leave it half-deleted; the server is torn down anyway
-        pass
 
 
 @pytest.fixture(scope="session")
@@ -82,5 +81,11 @@ def corpus(tmp_path_factory):
 
 def run_cli(*args: str, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
     """Run the `petatrain` CLI in a subprocess, as a user would."""
-    return subprocess.run([sys.executable, "-m", "petatrain", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})}, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "petatrain", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+        cwd=ROOT,
+    )

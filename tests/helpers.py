@@ -15,15 +15,25 @@ from petatrain.storage import read_bytes
 
 
 def ingest(sources, out, *, append=False, register=False, options=None, **cfg):
-    return run(IngestJob(sources=list(sources), out=str(out), config=IngestConfig(**cfg), append=append,
-                         register=register, options=options))
+    return run(
+        IngestJob(
+            sources=list(sources),
+            out=str(out),
+            config=IngestConfig(**cfg),
+            append=append,
+            register=register,
+            options=options,
+        )
+    )
 
 
 def read_dataset(url, options=None) -> pa.Table:
     """All rows of a committed dataset, in shard order, read through its index."""
     ds = index.open_dataset(str(url), options)
-    tables = [pq.read_table(pa.BufferReader(read_bytes(ds.shard_url(p), options)))
-              for p in ds.shards.column("path").to_pylist()]
+    tables = [
+        pq.read_table(pa.BufferReader(read_bytes(ds.shard_url(p), options)))
+        for p in ds.shards.column("path").to_pylist()
+    ]
     return pa.concat_tables(tables) if tables else pa.table({})
 
 

@@ -43,7 +43,7 @@ def test_bad_config_names_the_key(overrides, message):
 def test_unknown_key_in_yaml_file(tmp_path):
     path = tmp_path / "job.yaml"
     path.write_text("model:\n  name: gpt\n  layers: 4\n")
-    with pytest.raises(ConfigError, match="unknown config key 'model.layers'"):
+    with pytest.raises(ConfigError, match=r"unknown config key 'model\.layers'"):
         config.load(path)
 
 

@@ -74,8 +74,11 @@ def test_bad_records_are_quarantined_with_reasons(tmp_path):
     (tmp_path / "in.jsonl").write_bytes(b"\n".join(lines) + b"\n")
     (tmp_path / "garbage.jsonl").write_bytes(bytes(range(256)) * 40)
     (tmp_path / "empty.jsonl").write_bytes(b"")
-    summary = ingest([str(tmp_path / "in.jsonl"), str(tmp_path / "garbage.jsonl"), str(tmp_path / "empty.jsonl")],
-                     tmp_path / "ds", max_chars=4000)
+    summary = ingest(
+        [str(tmp_path / "in.jsonl"), str(tmp_path / "garbage.jsonl"), str(tmp_path / "empty.jsonl")],
+        tmp_path / "ds",
+        max_chars=4000,
+    )
     assert read_dataset(tmp_path / "ds").column("text").to_pylist() == good[:3]
     quarantined = rejects(tmp_path / "ds").to_pylist()
     by_line = {(r["source"].rsplit("/", 1)[1], r["record"]): r["reason"] for r in quarantined}
@@ -232,8 +235,9 @@ def test_same_output_with_one_and_with_several_workers(corpus, tmp_path):
     outs = []
     for cpus in ("1", "2"):
         out = tmp_path / f"ds{cpus}"
-        result = run_cli("ingest", *corpus.files, "--out", str(out), "--local-cpus", cpus, "--shard-size", "200KB",
-                         "--json")
+        result = run_cli(
+            "ingest", *corpus.files, "--out", str(out), "--local-cpus", cpus, "--shard-size", "200KB", "--json"
+        )
         assert result.returncode == 0, result.stderr[-2000:]
         outs.append(index.open_dataset(str(out)))
     assert outs[0].shards.to_pylist() == outs[1].shards.to_pylist()

@@ -18,7 +18,7 @@ def near_run(corpus, tmp_path_factory):
 
 
 def test_near_dedup_recall_and_precision(corpus, near_run):
-    summary, kept, _ = near_run
+    _, kept, _ = near_run
     high = [(a, b) for a, b, j in corpus.near_pairs if j >= 0.85 and a != b]
     assert len(high) >= 30, "the corpus should plant enough near pairs to measure recall"
     caught = sum(1 for a, b in high if a in kept and b not in kept)
@@ -42,8 +42,10 @@ def test_exact_duplicates_keep_the_earliest_copy(corpus, near_run):
     dups = duplicates(out)
     assert all(o > d for o, d in zip(dups.column("ord").to_pylist(), dups.column("dup_of").to_pylist(), strict=True))
     assert summary.exact_duplicates >= len(corpus.exact_pairs)
-    assert summary.rows_out + summary.exact_duplicates + summary.near_duplicates + sum(
-        summary.rejected.values()) == summary.rows_in
+    assert (
+        summary.rows_out + summary.exact_duplicates + summary.near_duplicates + sum(summary.rejected.values())
+        == summary.rows_in
+    )
 
 
 def test_exact_mode_keeps_near_duplicates(corpus, tmp_path):
@@ -54,11 +56,38 @@ def test_exact_mode_keeps_near_duplicates(corpus, tmp_path):
 
 
 def test_duplicates_across_files_keep_the_first_file(tmp_path):
-    docs = [synth._document(synth._Words(__import__("random").Random(i)), __import__("random").Random(i), 80)
-            for i in range(3)]
+    docs = [
+        synth._document(synth._Words(__import__("random").Random(i)), __import__("random").Random(i), 80)
+        for i in range(3)
+    ]
     for name, order in (("a.jsonl", [0, 1]), ("b.jsonl", [2, 0, 1])):
         (tmp_path / name).write_text("".join(json.dumps({"text": docs[i]}) + "\n" for i in order))
     ingest([str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")], tmp_path / "ds")
     table = read_dataset(tmp_path / "ds")
     assert table.column("text").to_pylist() == [docs[0], docs[1], docs[2]]
     assert [i >> 36 for i in table.column("id").to_pylist()] == [0, 0, 1]
+
+
+def test_dedup_decisions_do_not_depend_on_partitioning(corpus, tmp_path):
+    """The map-reduce gives the same drops for any number of partitions and groups."""
+    import glob
+
+    import pyarrow.parquet as pq
+
+    from petatrain.data import dedup
+    from petatrain.data.ingest import FILE_BITS, IngestConfig, _StageOne
+    from petatrain.data.minhash import LSHParams
+
+    lsh = LSHParams.for_threshold(0.8)
+    stage = _StageOne(staging=str(tmp_path / "stg"), cfg=IngestConfig(), options=None, lsh=lsh)
+    for i, path in enumerate(corpus.files):
+        stage({"url": path, "file_ord": i, "size": 0})
+    sigs = sorted(glob.glob(str(tmp_path / "stg" / "sigs" / "*.parquet")))
+    results = []
+    for partitions, groups in ((2, 2), (5, 7)):
+        out = tmp_path / f"dups-{partitions}"
+        plan = dedup.DedupPlan(mode="near", params=lsh, first_new=0, partitions=partitions)
+        dedup.find_duplicates(sigs, plan, groups_url=str(out), num_groups=groups, file_bits=FILE_BITS, options=None)
+        rows = sorted(r for f in sorted(out.iterdir()) for r in pq.read_table(f).to_pylist() for r in [tuple(r.values())])
+        results.append(rows)
+    assert results[0] == results[1] and len(results[0]) > 50

@@ -54,8 +54,10 @@ def test_corrupt_shard_on_s3_is_named(s3_endpoint, s3_bucket, ray_local, tmp_pat
     data[100] ^= 0xFF
     storage.atomic_write(shard, bytes(data))
     problems = index.verify_shards(index.open_dataset(out))
-    assert problems == [f"corrupt: {shard} (checksum {problems[0].split('checksum ')[1].split(' ')[0]} "
-                        f"!= recorded {index.open_dataset(out).shards.column('checksum')[0].as_py()})"]
+    assert problems == [
+        f"corrupt: {shard} (checksum {problems[0].split('checksum ')[1].split(' ')[0]} "
+        f"!= recorded {index.open_dataset(out).shards.column('checksum')[0].as_py()})"
+    ]
 
 
 def test_missing_bucket_is_a_clear_error(s3_endpoint, tmp_path):

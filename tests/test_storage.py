@@ -91,7 +91,9 @@ def test_retries_transient_errors_and_gives_up_on_others():
     assert len(calls) == 1  # not transient: no retry
 
     class SlowDown(Exception):
-        response = {"Error": {"Code": "SlowDown"}, "ResponseMetadata": {"HTTPStatusCode": 503}}
+        def __init__(self):
+            super().__init__("slow down")
+            self.response = {"Error": {"Code": "SlowDown"}, "ResponseMetadata": {"HTTPStatusCode": 503}}
 
     def throttled():
         calls.append(1)

@@ -17,8 +17,12 @@ from rich.table import Table
 from petatrain import config as config_mod
 from petatrain.errors import PetatrainError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="petatrain: ingest, stream and train on petabyte-scale data.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="petatrain: ingest, stream and train on petabyte-scale data.",
+)
 console = Console(stderr=True)
 out = Console()
 
@@ -64,8 +68,9 @@ def _print_json(obj: Any) -> None:
 
 @app.callback()
 def main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log progress details.")] = False) -> None:
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
 
 
 @app.command()
@@ -75,10 +80,12 @@ def ingest(
     fmt: Annotated[str, typer.Option("--format", help="auto|jsonl|parquet|csv|text|webdataset")] = "auto",
     text_field: Annotated[str, typer.Option(help="Field (column, member extension) holding the text.")] = "text",
     dedup: Annotated[str, typer.Option(help="none|exact|near")] = "near",
-    near_threshold: Annotated[float, typer.Option(help="Jaccard similarity over word 5-grams that counts "
-                                                       "as a near duplicate.")] = 0.8,
-    tokenizer: Annotated[str, typer.Option(help="bytes | train:VOCAB | path/to/tokenizer.json "
-                                                "(empty: keep text only).")] = "",
+    near_threshold: Annotated[
+        float, typer.Option(help="Jaccard similarity over word 5-grams that counts as a near duplicate.")
+    ] = 0.8,
+    tokenizer: Annotated[
+        str, typer.Option(help="bytes | train:VOCAB | path/to/tokenizer.json (empty: keep text only).")
+    ] = "",
     pack_length: Annotated[int, typer.Option(help="Pack tokens into rows of this many tokens (0: no).")] = 0,
     shard_size: Annotated[str, typer.Option(help="Target shard size, e.g. 256MB.")] = "256MB",
     max_chars: Annotated[int, typer.Option(help="Reject records longer than this.")] = 1_000_000,
@@ -96,14 +103,30 @@ def ingest(
         from petatrain.data.ingest import IngestJob, run
 
         overrides = list(set_ or [])
-        cli_values = {"format": fmt, "text_field": text_field, "dedup": dedup, "near_threshold": near_threshold,
-                      "tokenizer": tokenizer, "pack_length": pack_length, "shard_size": shard_size,
-                      "max_chars": max_chars}
+        cli_values = {
+            "format": fmt,
+            "text_field": text_field,
+            "dedup": dedup,
+            "near_threshold": near_threshold,
+            "tokenizer": tokenizer,
+            "pack_length": pack_length,
+            "shard_size": shard_size,
+            "max_chars": max_chars,
+        }
         overrides = [f"ingest.{k}={json.dumps(v)}" for k, v in cli_values.items()] + overrides
         job_cfg = config_mod.load(config, overrides)
-        summary = run(IngestJob(sources=sources, out=out_, config=job_cfg.ingest, append=append, register=register,
-                                address=address or job_cfg.resources.address,
-                                local_cpus=local_cpus, options=job_cfg.storage.options()))
+        summary = run(
+            IngestJob(
+                sources=sources,
+                out=out_,
+                config=job_cfg.ingest,
+                append=append,
+                register=register,
+                address=address or job_cfg.resources.address,
+                local_cpus=local_cpus,
+                options=job_cfg.storage.options(),
+            )
+        )
         if as_json:
             _print_json({k: v for k, v in summary.to_dict().items()})
         else:
@@ -115,12 +138,18 @@ def ingest(
 def _render_ingest(s: dict[str, Any]) -> None:
     table = Table(title=f"ingest → {s['dataset']}", show_header=False)
     rate = s["input_bytes"] / max(s["seconds"], 1e-9) / 1e6
-    for key, value in (("records in", s["rows_in"]), ("rows out", s["rows_out"]),
-                       ("rejected", sum(s["rejected"].values())),
-                       ("exact duplicates", s["exact_duplicates"]), ("near duplicates", s["near_duplicates"]),
-                       ("shards written", s["shards"]), ("bytes written", s["bytes"]),
-                       ("new files", s["files_new"]), ("already ingested", s["files_already_ingested"]),
-                       ("seconds", f"{s['seconds']:.1f} ({rate:.1f} MB/s of input)")):
+    for key, value in (
+        ("records in", s["rows_in"]),
+        ("rows out", s["rows_out"]),
+        ("rejected", sum(s["rejected"].values())),
+        ("exact duplicates", s["exact_duplicates"]),
+        ("near duplicates", s["near_duplicates"]),
+        ("shards written", s["shards"]),
+        ("bytes written", s["bytes"]),
+        ("new files", s["files_new"]),
+        ("already ingested", s["files_already_ingested"]),
+        ("seconds", f"{s['seconds']:.1f} ({rate:.1f} MB/s of input)"),
+    ):
         table.add_row(key, str(value))
     for reason, n in sorted(s["rejected"].items()):
         table.add_row(f"  rejected: {reason}", str(n))
@@ -161,8 +190,19 @@ def inspect(
 
 def _render_inspect(r: dict[str, Any]) -> None:
     table = Table(title=f"dataset {r['dataset']}", show_header=False)
-    for key in ("kind", "rows", "documents", "shards", "bytes", "rows_in", "exact_duplicates",
-                "near_duplicates", "tokens", "sources", "updated"):
+    for key in (
+        "kind",
+        "rows",
+        "documents",
+        "shards",
+        "bytes",
+        "rows_in",
+        "exact_duplicates",
+        "near_duplicates",
+        "tokens",
+        "sources",
+        "updated",
+    ):
         if r.get(key) not in (None, 0, ""):
             table.add_row(key, str(r[key]))
     for reason, n in sorted(r["rejected"].items()):
@@ -221,7 +261,7 @@ def show_config(
         if as_json:
             _print_json(cfg.to_dict())
         else:
-            out.print(cfg.to_yaml(), highlight=False)
+            sys.stdout.write(cfg.to_yaml())
 
     _guarded(go)
 

@@ -131,8 +131,18 @@ class JobConfig:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
 
-_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_SIZE_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 def parse_size(text: str | int, key: str = "size") -> int:
@@ -142,7 +152,7 @@ def parse_size(text: str | int, key: str = "size") -> int:
     else:
         raw = str(text).strip().upper().replace(" ", "")
         number = raw.rstrip("KMGTIB")
-        unit = raw[len(number):]
+        unit = raw[len(number) :]
         try:
             value = int(float(number) * _SIZE_UNITS[unit])
         except (ValueError, KeyError):

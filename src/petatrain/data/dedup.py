@@ -63,8 +63,9 @@ def read_signatures(url: str, options: StorageOptions | None) -> Parts:
     if "sig" in table.column_names:
         width = table.schema.field("sig").type.byte_width // 2
         raw = table.column("sig").combine_chunks()
-        out["sig"] = np.frombuffer(raw.buffers()[1], dtype=np.uint16, count=len(raw) * width,
-                                   offset=raw.offset * width * 2).reshape(len(raw), width)
+        out["sig"] = np.frombuffer(
+            raw.buffers()[1], dtype=np.uint16, count=len(raw) * width, offset=raw.offset * width * 2
+        ).reshape(len(raw), width)
     return out
 
 
@@ -72,7 +73,7 @@ def _split(rows: Parts, key: np.ndarray, n: int) -> list[Parts]:
     bucket = (key % np.uint64(n)).astype(np.int64) if key.dtype == np.uint64 else key % n
     order = np.argsort(bucket, kind="stable")
     bounds = np.searchsorted(bucket[order], np.arange(n + 1))
-    return [{k: v[order[bounds[i]:bounds[i + 1]]] for k, v in rows.items()} for i in range(n)]
+    return [{k: v[order[bounds[i] : bounds[i + 1]]] for k, v in rows.items()} for i in range(n)]
 
 
 def _concat(parts: tuple[Parts, ...]) -> Parts:
@@ -110,8 +111,12 @@ def _reduce_exact(first_new: int, *parts: Parts) -> Parts:
     same[1:] = (hi[1:] == hi[:-1]) & (lo[1:] == lo[:-1])
     run_start = np.maximum.accumulate(np.where(~same, np.arange(len(order)), 0))
     drop = same & (ords >= first_new)
-    return {"ord": ords[drop], "dup_of": ords[run_start][drop], "nbytes": rows["nbytes"][order][drop],
-            "reason": np.full(int(drop.sum()), EXACT, dtype=np.uint8)}
+    return {
+        "ord": ords[drop],
+        "dup_of": ords[run_start][drop],
+        "nbytes": rows["nbytes"][order][drop],
+        "reason": np.full(int(drop.sum()), EXACT, dtype=np.uint8),
+    }
 
 
 def _reduce_bands(first_new: int, partitions: int, *parts: Parts) -> list[Parts]:
@@ -177,24 +182,31 @@ def _verify(threshold: float, n_sig: int, *parts: Parts) -> Parts:
     later, earlier, nbytes = later[order], earlier[order], nbytes[order]
     first = np.ones(len(later), dtype=bool)
     first[1:] = later[1:] != later[:-1]  # keep the earliest verified partner
-    return {"ord": later[first], "dup_of": earlier[first], "nbytes": nbytes[first],
-            "reason": np.full(int(first.sum()), NEAR, dtype=np.uint8)}
+    return {
+        "ord": later[first],
+        "dup_of": earlier[first],
+        "nbytes": nbytes[first],
+        "reason": np.full(int(first.sum()), NEAR, dtype=np.uint8),
+    }
 
 
 def _write_group(url: str, options: StorageOptions | None, file_bits: int, *parts: Parts) -> dict:
     """Drops for one group of source files -> a parquet file and per-file counts."""
     rows = _concat(parts)
     if not rows:
-        rows = {"ord": np.empty(0, np.int64), "dup_of": np.empty(0, np.int64),
-                "nbytes": np.empty(0, np.int64), "reason": np.empty(0, np.uint8)}
+        rows = {
+            "ord": np.empty(0, np.int64),
+            "dup_of": np.empty(0, np.int64),
+            "nbytes": np.empty(0, np.int64),
+            "reason": np.empty(0, np.uint8),
+        }
     # An ord dropped by both passes counts once, as exact (exact sorts first).
     order = np.lexsort((rows["reason"], rows["ord"]))
     rows = {k: v[order] for k, v in rows.items()}
     first = np.ones(len(rows["ord"]), dtype=bool)
     first[1:] = rows["ord"][1:] != rows["ord"][:-1]
     rows = {k: v[first] for k, v in rows.items()}
-    table = pa.table({"ord": rows["ord"], "dup_of": rows["dup_of"], "reason": rows["reason"],
-                      "nbytes": rows["nbytes"]})
+    table = pa.table({"ord": rows["ord"], "dup_of": rows["dup_of"], "reason": rows["reason"], "nbytes": rows["nbytes"]})
     sink = pa.BufferOutputStream()
     pq.write_table(table, sink)
     atomic_write(url, sink.getvalue().to_pybytes(), options)
@@ -211,8 +223,16 @@ def _write_group(url: str, options: StorageOptions | None, file_bits: int, *part
     return summary
 
 
-def find_duplicates(signature_urls: list[str], plan: DedupPlan, *, groups_url: str, num_groups: int,
-                    file_bits: int, options: StorageOptions | None, progress=None) -> dict[int, dict]:
+def find_duplicates(
+    signature_urls: list[str],
+    plan: DedupPlan,
+    *,
+    groups_url: str,
+    num_groups: int,
+    file_bits: int,
+    options: StorageOptions | None,
+    progress=None,
+) -> dict[int, dict]:
     """Run exact (and near) dedup over the signature files; write the drops grouped by
     source file (`groups_url/g-XXXXX.parquet`, group = file ord % num_groups) and return
     per-file drop counts."""
@@ -233,11 +253,15 @@ def find_duplicates(signature_urls: list[str], plan: DedupPlan, *, groups_url: s
         sigs = [[m[2 * p + i] for m in mapped] for i in range(p)]
         bands = [bands_task.remote(plan.first_new, p, *[m[p + i] for m in mapped]) for i in range(p)]
         attached = [attach_task.remote(p, len(sigs[i]), *sigs[i], *[b[i] for b in bands]) for i in range(p)]
-        drop_refs += [verify_task.remote(plan.params.threshold, len(sigs[i]), *sigs[i], *[a[i] for a in attached])
-                      for i in range(p)]
+        drop_refs += [
+            verify_task.remote(plan.params.threshold, len(sigs[i]), *sigs[i], *[a[i] for a in attached])
+            for i in range(p)
+        ]
     by_group = [split_task.remote(ref, num_groups, file_bits) for ref in drop_refs]
-    writes = [write_task.remote(f"{groups_url}/g-{g:05d}.parquet", options, file_bits, *[b[g] for b in by_group])
-              for g in range(num_groups)]
+    writes = [
+        write_task.remote(f"{groups_url}/g-{g:05d}.parquet", options, file_bits, *[b[g] for b in by_group])
+        for g in range(num_groups)
+    ]
     summary: dict[int, dict] = {}
     pending = list(writes)
     while pending:

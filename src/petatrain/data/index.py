@@ -25,13 +25,15 @@ VERSION = 1
 MANIFEST = "_index/manifest.json"
 SHARD_INDEX = "_index/shards.parquet"
 
-SHARD_SCHEMA = pa.schema([
-    ("path", pa.string()),
-    ("rows", pa.int64()),
-    ("bytes", pa.int64()),
-    ("checksum", pa.string()),
-    ("first_row", pa.int64()),
-])
+SHARD_SCHEMA = pa.schema(
+    [
+        ("path", pa.string()),
+        ("rows", pa.int64()),
+        ("bytes", pa.int64()),
+        ("checksum", pa.string()),
+        ("first_row", pa.int64()),
+    ]
+)
 
 
 @dataclass(slots=True)
@@ -98,16 +100,18 @@ def write_shard_index(url: str, table: pa.Table, options: StorageOptions | None 
 
 
 def write_manifest(url: str, manifest: dict[str, Any], options: StorageOptions | None = None) -> None:
-    manifest = dict(manifest, format=FORMAT, version=VERSION, updated=time.strftime("%Y-%m-%dT%H:%M:%SZ",
-                                                                                  time.gmtime()))
+    manifest = dict(
+        manifest, format=FORMAT, version=VERSION, updated=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    )
     atomic_write(join(url, MANIFEST), json.dumps(manifest, indent=2, sort_keys=True).encode(), options)
 
 
 def verify_shards(dataset: Dataset) -> list[str]:
     """Re-hash every shard; returns one line per missing or corrupt shard."""
     problems = []
-    for path, checksum in zip(dataset.shards.column("path").to_pylist(),
-                              dataset.shards.column("checksum").to_pylist(), strict=True):
+    for path, checksum in zip(
+        dataset.shards.column("path").to_pylist(), dataset.shards.column("checksum").to_pylist(), strict=True
+    ):
         target = dataset.shard_url(path)
         try:
             data = read_bytes(target, dataset.options)

@@ -98,7 +98,7 @@ class IngestJob:
 def run(job: IngestJob) -> IngestSummary:
     """Ingest `job.sources` into the dataset at `job.out`; see the module docstring."""
     started = time.perf_counter()
-    cfg, options = job.config, job.options
+    options = job.options
     summary = IngestSummary(dataset=job.out)
     manifest = idx.read_manifest(job.out, options)
     files = expand_sources(job.sources, options)
@@ -125,8 +125,9 @@ def _fill_totals_unchanged(summary: IngestSummary, manifest: dict | None) -> Non
         summary.bytes = 0
 
 
-def _new_files(files: list[SourceFile], manifest: dict | None, job: IngestJob,
-               summary: IngestSummary) -> list[SourceFile]:
+def _new_files(
+    files: list[SourceFile], manifest: dict | None, job: IngestJob, summary: IngestSummary
+) -> list[SourceFile]:
     """Sources not yet in the dataset; refuses changed sources and mismatched settings."""
     if manifest is None:
         return files
@@ -140,21 +141,27 @@ def _new_files(files: list[SourceFile], manifest: dict | None, job: IngestJob,
             if stored.get(key) != ours:
                 raise PetatrainError(
                     f"{job.out} was ingested with {key}={stored.get(key)!r}; this run has {key}={ours!r}. "
-                    f"Use the same setting or a new --out")
+                    f"Use the same setting or a new --out"
+                )
     known = {s["url"]: s for s in manifest["lineage"]["sources"]}
     fresh = []
     for f in files:
         seen = known.get(f.url)
         if seen is None:
             fresh.append(f)
-        elif seen["size"] != f.size or (seen.get("fingerprint") and f.fingerprint
-                                         and seen["fingerprint"] != f.fingerprint):
-            raise PetatrainError(f"source {f.url} changed since it was ingested "
-                                 f"(size {seen['size']} -> {f.size}); ingest it under a new name")
+        elif seen["size"] != f.size or (
+            seen.get("fingerprint") and f.fingerprint and seen["fingerprint"] != f.fingerprint
+        ):
+            raise PetatrainError(
+                f"source {f.url} changed since it was ingested "
+                f"(size {seen['size']} -> {f.size}); ingest it under a new name"
+            )
     summary.files_already_ingested = len(files) - len(fresh)
     if fresh and not job.append:
-        raise PetatrainError(f"a dataset already exists at {job.out}; pass --append to add the "
-                             f"{len(fresh)} new source file(s), or choose another --out")
+        raise PetatrainError(
+            f"a dataset already exists at {job.out}; pass --append to add the "
+            f"{len(fresh)} new source file(s), or choose another --out"
+        )
     return fresh
 
 
@@ -205,13 +212,23 @@ def _ingest(job: IngestJob, files: list[SourceFile], manifest: dict | None, summ
         sig_urls = state_urls + [join(staging, "sigs", f"f-{s['file_ord']:08d}.parquet") for s in file_stats]
         total = sum(s["kept"] for s in file_stats) + (manifest["totals"]["rows"] if manifest else 0)
         plan = dedup_mod.DedupPlan(
-            mode=cfg.dedup, params=lsh, first_new=first_file << FILE_BITS,
-            partitions=dedup_mod.partitions_for(total, lsh.num_perm if lsh else 0,
-                                                int(ray.cluster_resources().get("CPU", 1))))
+            mode=cfg.dedup,
+            params=lsh,
+            first_new=first_file << FILE_BITS,
+            partitions=dedup_mod.partitions_for(
+                total, lsh.num_perm if lsh else 0, int(ray.cluster_resources().get("CPU", 1))
+            ),
+        )
         log.info("dedup: %d signature files, %d partitions", len(sig_urls), plan.partitions)
         with _stage("dedup", summary.stage_seconds):
-            drops = dedup_mod.find_duplicates(sig_urls, plan, groups_url=join(staging, "dups"),
-                                              num_groups=num_groups, file_bits=FILE_BITS, options=options)
+            drops = dedup_mod.find_duplicates(
+                sig_urls,
+                plan,
+                groups_url=join(staging, "dups"),
+                num_groups=num_groups,
+                file_bits=FILE_BITS,
+                options=options,
+            )
         summary.exact_duplicates = sum(d["exact"] for d in drops.values())
         summary.near_duplicates = sum(d["near"] for d in drops.values())
 
@@ -224,16 +241,24 @@ def _ingest(job: IngestJob, files: list[SourceFile], manifest: dict | None, summ
     # 4. shard plan and write
     shard_no = manifest["totals"]["shards"] if manifest else 0
     plan_specs = plan_shards(file_stats, drops, parse_size(cfg.shard_size), first_shard=shard_no)
-    writer = _ShardWriter(out=job.out, staging=staging, cfg=cfg, options=options, num_groups=num_groups,
-                          tokenizer_json=tokenizer_json, batch=batch, keep_state=cfg.dedup != "none")
+    writer = _ShardWriter(
+        out=job.out,
+        staging=staging,
+        cfg=cfg,
+        options=options,
+        num_groups=num_groups,
+        tokenizer_json=tokenizer_json,
+        batch=batch,
+        keep_state=cfg.dedup != "none",
+    )
     with _stage("write", summary.stage_seconds):
-        written = sorted(_from_items(plan_specs).map(writer, num_cpus=1).take_all() if plan_specs else [],
-                         key=lambda r: r["shard"])
+        written = sorted(
+            _from_items(plan_specs).map(writer, num_cpus=1).take_all() if plan_specs else [], key=lambda r: r["shard"]
+        )
 
     # 5. commit
     with _stage("commit", summary.stage_seconds):
-        _commit(job, manifest, files, file_stats, written, staging, batch, first_file, lsh, tokenizer_json,
-                summary)
+        _commit(job, manifest, files, file_stats, written, staging, batch, first_file, lsh, tokenizer_json, summary)
         remove_tree(join(job.out, "_staging"), options)
 
 
@@ -284,21 +309,31 @@ class _StageOne:
             }
             if self.lsh is not None:
                 columns["sig"] = _sign(docs.column("text"), self.lsh)
-            _write_parquet(join(self.staging, "sigs", name), pa.table(columns), self.options,
-                           row_group_size=_STAGED_ROW_GROUP)
+            _write_parquet(
+                join(self.staging, "sigs", name), pa.table(columns), self.options, row_group_size=_STAGED_ROW_GROUP
+            )
         reasons = Counter(r.reason for r in records.rejects)
         if records.rejects:
-            rejects = pa.table({
-                "source": [url] * len(records.rejects),
-                "record": [r.index for r in records.rejects],
-                "reason": [r.reason for r in records.rejects],
-                "detail": [r.detail for r in records.rejects],
-                "raw": pa.array([r.raw for r in records.rejects], pa.large_binary()),
-            })
+            rejects = pa.table(
+                {
+                    "source": [url] * len(records.rejects),
+                    "record": [r.index for r in records.rejects],
+                    "reason": [r.reason for r in records.rejects],
+                    "detail": [r.detail for r in records.rejects],
+                    "raw": pa.array([r.raw for r in records.rejects], pa.large_binary()),
+                }
+            )
             _write_parquet(join(self.staging, "rejects", name), rejects, self.options)
-        return {"file_ord": file_ord, "url": url, "checksum": checksum, "size": size,
-                "rows_in": len(records.index) + len(records.rejects), "kept": len(records.index),
-                "kept_bytes": int(nbytes.sum()), "rejects": json.dumps(dict(reasons))}
+        return {
+            "file_ord": file_ord,
+            "url": url,
+            "checksum": checksum,
+            "size": size,
+            "rows_in": len(records.index) + len(records.rejects),
+            "kept": len(records.index),
+            "kept_bytes": int(nbytes.sum()),
+            "rejects": json.dumps(dict(reasons)),
+        }
 
     def _read(self, url: str) -> tuple[src.FileRecords, str, int]:
         try:
@@ -322,8 +357,9 @@ def _sign(texts: pa.ChunkedArray, lsh: LSHParams) -> pa.Array:
     parts = [signatures(flat.slice(i, _SIGN_CHUNK), lsh) for i in range(0, len(flat), _SIGN_CHUNK)]
     sig = np.concatenate(parts) if parts else np.empty((0, lsh.num_perm), np.uint16)
     width = sig.itemsize * lsh.num_perm
-    return pa.FixedSizeBinaryArray.from_buffers(pa.binary(width), len(sig),
-                                                [None, pa.py_buffer(np.ascontiguousarray(sig).tobytes())])
+    return pa.FixedSizeBinaryArray.from_buffers(
+        pa.binary(width), len(sig), [None, pa.py_buffer(np.ascontiguousarray(sig).tobytes())]
+    )
 
 
 def _write_parquet(url: str, table: pa.Table, options: StorageOptions | None, **kwargs) -> tuple[str, int]:
@@ -336,8 +372,7 @@ def _read_parquet(url: str, options: StorageOptions | None) -> pq.ParquetFile:
     return pq.ParquetFile(pa.BufferReader(read_bytes(url, options)))
 
 
-def plan_shards(file_stats: list[dict], drops: dict[int, dict], shard_bytes: int, *,
-                first_shard: int) -> list[dict]:
+def plan_shards(file_stats: list[dict], drops: dict[int, dict], shard_bytes: int, *, first_shard: int) -> list[dict]:
     """Cut the documents, in input order, into shards of about `shard_bytes` kept bytes.
 
     Segments are ranges of staged rows of one file; a file's kept bytes per staged row
@@ -372,10 +407,25 @@ def plan_shards(file_stats: list[dict], drops: dict[int, dict], shard_bytes: int
 class _ShardWriter:
     """Ray Data task body: one shard spec -> a Parquet shard (+ its dedup state)."""
 
-    def __init__(self, *, out: str, staging: str, cfg: IngestConfig, options: StorageOptions | None,
-                 num_groups: int, tokenizer_json: str | None, batch: int, keep_state: bool):
+    def __init__(
+        self,
+        *,
+        out: str,
+        staging: str,
+        cfg: IngestConfig,
+        options: StorageOptions | None,
+        num_groups: int,
+        tokenizer_json: str | None,
+        batch: int,
+        keep_state: bool,
+    ):
         self.out, self.staging, self.cfg, self.options = out, staging, cfg, options
-        self.num_groups, self.tokenizer_json, self.batch, self.keep_state = num_groups, tokenizer_json, batch, keep_state
+        self.num_groups, self.tokenizer_json, self.batch, self.keep_state = (
+            num_groups,
+            tokenizer_json,
+            batch,
+            keep_state,
+        )
         self._tokenizer = None
 
     def __call__(self, spec: dict[str, Any]) -> dict[str, Any]:
@@ -393,14 +443,26 @@ class _ShardWriter:
         table, tokens, left_over = self._table(ord_arr, text_arr)
         path = f"data/part-{shard:06d}.parquet"
         compression = {name: ("none" if name == "tokens" else "zstd") for name in table.column_names}
-        checksum, size = _write_parquet(join(self.out, path), table, self.options,
-                                        row_group_size=_SHARD_ROW_GROUP, compression=compression)
-        result = {"shard": shard, "path": path, "rows": table.num_rows, "bytes": size, "checksum": checksum,
-                  "docs": len(ord_arr), "tokens": tokens, "left_over": left_over, "state": "", "state_checksum": ""}
+        checksum, size = _write_parquet(
+            join(self.out, path), table, self.options, row_group_size=_SHARD_ROW_GROUP, compression=compression
+        )
+        result = {
+            "shard": shard,
+            "path": path,
+            "rows": table.num_rows,
+            "bytes": size,
+            "checksum": checksum,
+            "docs": len(ord_arr),
+            "tokens": tokens,
+            "left_over": left_over,
+            "state": "",
+            "state_checksum": "",
+        }
         if self.keep_state and state:
             state_path = f"_index/dedup/b{self.batch:06d}-part-{shard:06d}.parquet"
-            result["state_checksum"], _ = _write_parquet(join(self.staging, "state", os.path.basename(state_path)),
-                                                         pa.concat_tables(state), self.options)
+            result["state_checksum"], _ = _write_parquet(
+                join(self.staging, "state", os.path.basename(state_path)), pa.concat_tables(state), self.options
+            )
             result["state"] = state_path
         return result
 
@@ -424,8 +486,10 @@ class _ShardWriter:
 
     def _drops(self, file_ord: int) -> np.ndarray:
         group = file_ord % self.num_groups
-        table = pq.read_table(pa.BufferReader(read_bytes(join(self.staging, "dups", f"g-{group:05d}.parquet"),
-                                                         self.options)), columns=["ord"])
+        table = pq.read_table(
+            pa.BufferReader(read_bytes(join(self.staging, "dups", f"g-{group:05d}.parquet"), self.options)),
+            columns=["ord"],
+        )
         ords = table.column("ord").to_numpy()
         return ords[(ords >> FILE_BITS) == file_ord]
 
@@ -443,12 +507,23 @@ class _ShardWriter:
         if self.cfg.pack_length:
             rows, left = tk.pack(encoded, self.cfg.pack_length, tk.eos_id(tok), dtype)
             width = self.cfg.pack_length * dtype.itemsize
-            column = pa.FixedSizeBinaryArray.from_buffers(pa.binary(width), len(rows),
-                                                          [None, pa.py_buffer(rows.tobytes())])
+            column = pa.FixedSizeBinaryArray.from_buffers(
+                pa.binary(width), len(rows), [None, pa.py_buffer(rows.tobytes())]
+            )
             return pa.table({"tokens": column}), tokens, left
         column = pa.array([e.tobytes() for e in encoded], pa.large_binary())
-        return pa.table({"id": ords, "text": texts, "tokens": column,
-                         "num_tokens": pa.array([len(e) for e in encoded], pa.int32())}), tokens, 0
+        return (
+            pa.table(
+                {
+                    "id": ords,
+                    "text": texts,
+                    "tokens": column,
+                    "num_tokens": pa.array([len(e) for e in encoded], pa.int32()),
+                }
+            ),
+            tokens,
+            0,
+        )
 
 
 def _tokenizer(job: IngestJob, manifest: dict | None, staging: str, file_stats: list[dict]) -> str:
@@ -463,7 +538,8 @@ def _tokenizer(job: IngestJob, manifest: dict | None, staging: str, file_stats: 
             if budget <= 0 or not stat["kept"]:
                 continue
             docs = _read_parquet(join(staging, "docs", f"f-{stat['file_ord']:08d}.parquet"), job.options).read(
-                columns=["text"])
+                columns=["text"]
+            )
             for text in docs.column("text").to_pylist():
                 sample.append(text)
                 budget -= len(text)
@@ -474,9 +550,19 @@ def _tokenizer(job: IngestJob, manifest: dict | None, staging: str, file_stats: 
     return tok.to_str()
 
 
-def _commit(job: IngestJob, manifest: dict | None, files: list[SourceFile], file_stats: list[dict],
-            written: list[dict], staging: str, batch: int, first_file: int, lsh: LSHParams | None,
-            tokenizer_json: str | None, summary: IngestSummary) -> None:
+def _commit(
+    job: IngestJob,
+    manifest: dict | None,
+    files: list[SourceFile],
+    file_stats: list[dict],
+    written: list[dict],
+    staging: str,
+    batch: int,
+    first_file: int,
+    lsh: LSHParams | None,
+    tokenizer_json: str | None,
+    summary: IngestSummary,
+) -> None:
     out, options = job.out, job.options
     # Rejects and duplicate records of this batch, then dedup state and tokenizer.
     rejects = [] if manifest is None else list(manifest.get("rejects", []))
@@ -497,24 +583,48 @@ def _commit(job: IngestJob, manifest: dict | None, files: list[SourceFile], file
         from tokenizers import Tokenizer
 
         tok = Tokenizer.from_str(tokenizer_json)
-        tokenizer_meta = {"path": "_index/tokenizer.json", "checksum": checksum, "spec": job.config.tokenizer,
-                          "vocab_size": tok.get_vocab_size(with_added_tokens=True), "eos_id": tk.eos_id(tok),
-                          "dtype": tk.token_dtype(tok).name}
+        tokenizer_meta = {
+            "path": "_index/tokenizer.json",
+            "checksum": checksum,
+            "spec": job.config.tokenizer,
+            "vocab_size": tok.get_vocab_size(with_added_tokens=True),
+            "eos_id": tk.eos_id(tok),
+            "dtype": tk.token_dtype(tok).name,
+        }
 
     old = idx.read_shard_index(out, manifest, options) if manifest else idx.SHARD_SCHEMA.empty_table()
     first_row = int(manifest["totals"]["rows"]) if manifest else 0
     rows = []
     for w in written:
-        rows.append({"path": w["path"], "rows": w["rows"], "bytes": w["bytes"], "checksum": w["checksum"],
-                     "first_row": first_row})
+        rows.append(
+            {
+                "path": w["path"],
+                "rows": w["rows"],
+                "bytes": w["bytes"],
+                "checksum": w["checksum"],
+                "first_row": first_row,
+            }
+        )
         first_row += w["rows"]
     shards = pa.concat_tables([old, pa.Table.from_pylist(rows, schema=idx.SHARD_SCHEMA)]) if rows else old
     idx.write_shard_index(out, shards, options)
 
     schema = _schema_of(out, written, options) if written else (manifest or {}).get("schema", [])
-    totals = dict(manifest["totals"]) if manifest else {"shards": 0, "rows": 0, "bytes": 0, "documents": 0,
-                                                        "rows_in": 0, "rejected": {}, "exact_duplicates": 0,
-                                                        "near_duplicates": 0, "tokens": 0}
+    totals = (
+        dict(manifest["totals"])
+        if manifest
+        else {
+            "shards": 0,
+            "rows": 0,
+            "bytes": 0,
+            "documents": 0,
+            "rows_in": 0,
+            "rejected": {},
+            "exact_duplicates": 0,
+            "near_duplicates": 0,
+            "tokens": 0,
+        }
+    )
     summary.rows_out = sum(w["rows"] for w in written)
     summary.shards = len(written)
     summary.bytes = sum(w["bytes"] for w in written)
@@ -535,11 +645,27 @@ def _commit(job: IngestJob, manifest: dict | None, files: list[SourceFile], file
     stats = {s["file_ord"]: s for s in file_stats}
     lineage = manifest["lineage"] if manifest else {"sources": [], "batches": [], "next_file_ord": 0}
     lineage = {
-        "sources": lineage["sources"] + [
-            {"url": f.url, "size": f.size, "fingerprint": f.fingerprint, "checksum": stats[first_file + i]["checksum"],
-             "file_ord": first_file + i, "batch": batch} for i, f in enumerate(files)],
-        "batches": lineage["batches"] + [{"batch": batch, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                                          "files": len(files), "rows_out": summary.rows_out}],
+        "sources": lineage["sources"]
+        + [
+            {
+                "url": f.url,
+                "size": f.size,
+                "fingerprint": f.fingerprint,
+                "checksum": stats[first_file + i]["checksum"],
+                "file_ord": first_file + i,
+                "batch": batch,
+            }
+            for i, f in enumerate(files)
+        ],
+        "batches": lineage["batches"]
+        + [
+            {
+                "batch": batch,
+                "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "files": len(files),
+                "rows_out": summary.rows_out,
+            }
+        ],
         "next_file_ord": first_file + len(files),
     }
     new_manifest = {
@@ -547,8 +673,10 @@ def _commit(job: IngestJob, manifest: dict | None, files: list[SourceFile], file
         "kind": "packed" if job.config.pack_length else "tokens" if job.config.tokenizer else "text",
         "schema": schema,
         "totals": totals,
-        "ingest": {**asdict(job.config), **({"num_perm": lsh.num_perm, "bands": lsh.bands, "rows": lsh.rows,
-                                             "ngram": lsh.ngram} if lsh else {})},
+        "ingest": {
+            **asdict(job.config),
+            **({"num_perm": lsh.num_perm, "bands": lsh.bands, "rows": lsh.rows, "ngram": lsh.ngram} if lsh else {}),
+        },
         "file_bits": FILE_BITS,
         "tokenizer": tokenizer_meta,
         "lineage": lineage,

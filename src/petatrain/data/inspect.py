@@ -12,8 +12,9 @@ from petatrain.data import index as idx
 from petatrain.storage import StorageOptions, read_bytes
 
 
-def describe(url: str, *, options: StorageOptions | None = None, verify: bool = False,
-             samples: int = 3) -> dict[str, Any]:
+def describe(
+    url: str, *, options: StorageOptions | None = None, verify: bool = False, samples: int = 3
+) -> dict[str, Any]:
     dataset = idx.open_dataset(url, options)
     m = dataset.manifest
     totals = m["totals"]

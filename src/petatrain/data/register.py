@@ -29,8 +29,13 @@ def _describe(f: SourceFile, options) -> dict:
         meta = pq.ParquetFile(pa.BufferReader(data))
     except pa.ArrowException as exc:
         raise PetatrainError(f"--register: {f.url} is not a Parquet file ({exc})") from None
-    return {"url": f.url, "rows": meta.metadata.num_rows, "bytes": len(data), "checksum": checksum_bytes(data),
-            "schema": meta.schema_arrow}
+    return {
+        "url": f.url,
+        "rows": meta.metadata.num_rows,
+        "bytes": len(data),
+        "checksum": checksum_bytes(data),
+        "schema": meta.schema_arrow,
+    }
 
 
 def register(job: IngestJob, files: list[SourceFile], manifest: dict | None, summary: IngestSummary) -> None:
@@ -44,47 +49,86 @@ def register(job: IngestJob, files: list[SourceFile], manifest: dict | None, sum
     if manifest and manifest["schema"] != columns:
         raise PetatrainError(f"--register: new files have schema {columns}, the dataset has {manifest['schema']}")
     if job.config.text_field and job.config.text_field not in schema.names:
-        raise PetatrainError(f"--register: no column {job.config.text_field!r} in {described[0]['url']} "
-                             f"(columns: {', '.join(schema.names)}); pass --text-field")
+        raise PetatrainError(
+            f"--register: no column {job.config.text_field!r} in {described[0]['url']} "
+            f"(columns: {', '.join(schema.names)}); pass --text-field"
+        )
 
     old = idx.read_shard_index(job.out, manifest, job.options) if manifest else idx.SHARD_SCHEMA.empty_table()
     first_row = int(manifest["totals"]["rows"]) if manifest else 0
     rows = []
     for d in described:
-        rows.append({"path": d["url"], "rows": d["rows"], "bytes": d["bytes"], "checksum": d["checksum"],
-                     "first_row": first_row})
+        rows.append(
+            {
+                "path": d["url"],
+                "rows": d["rows"],
+                "bytes": d["bytes"],
+                "checksum": d["checksum"],
+                "first_row": first_row,
+            }
+        )
         first_row += d["rows"]
-    idx.write_shard_index(job.out, pa.concat_tables([old, pa.Table.from_pylist(rows, schema=idx.SHARD_SCHEMA)]),
-                          job.options)
-    totals = dict(manifest["totals"]) if manifest else {"shards": 0, "rows": 0, "bytes": 0, "documents": 0,
-                                                        "rows_in": 0, "rejected": {}, "exact_duplicates": 0,
-                                                        "near_duplicates": 0, "tokens": 0}
+    idx.write_shard_index(
+        job.out, pa.concat_tables([old, pa.Table.from_pylist(rows, schema=idx.SHARD_SCHEMA)]), job.options
+    )
+    totals = (
+        dict(manifest["totals"])
+        if manifest
+        else {
+            "shards": 0,
+            "rows": 0,
+            "bytes": 0,
+            "documents": 0,
+            "rows_in": 0,
+            "rejected": {},
+            "exact_duplicates": 0,
+            "near_duplicates": 0,
+            "tokens": 0,
+        }
+    )
     summary.files_new = len(files)
     summary.rows_in = summary.rows_out = sum(d["rows"] for d in described)
     summary.shards = len(described)
     summary.bytes = sum(d["bytes"] for d in described)
-    for key, value in (("shards", summary.shards), ("rows", summary.rows_out), ("documents", summary.rows_out),
-                       ("bytes", summary.bytes), ("rows_in", summary.rows_in)):
+    for key, value in (
+        ("shards", summary.shards),
+        ("rows", summary.rows_out),
+        ("documents", summary.rows_out),
+        ("bytes", summary.bytes),
+        ("rows_in", summary.rows_in),
+    ):
         totals[key] += value
     lineage = manifest["lineage"] if manifest else {"sources": [], "batches": [], "next_file_ord": 0}
     batch = len(lineage["batches"]) + 1
     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    idx.write_manifest(job.out, {
-        "created": manifest["created"] if manifest else now,
-        "kind": "registered",
-        "registered": True,
-        "schema": columns,
-        "totals": totals,
-        "ingest": {"text_field": job.config.text_field},
-        "tokenizer": None,
-        "lineage": {
-            "sources": lineage["sources"] + [{"url": f.url, "size": f.size, "fingerprint": f.fingerprint,
-                                              "checksum": d["checksum"], "batch": batch}
-                                             for f, d in zip(files, described, strict=True)],
-            "batches": lineage["batches"] + [{"batch": batch, "time": now, "files": len(files),
-                                              "rows_out": summary.rows_out}],
-            "next_file_ord": lineage["next_file_ord"] + len(files),
+    idx.write_manifest(
+        job.out,
+        {
+            "created": manifest["created"] if manifest else now,
+            "kind": "registered",
+            "registered": True,
+            "schema": columns,
+            "totals": totals,
+            "ingest": {"text_field": job.config.text_field},
+            "tokenizer": None,
+            "lineage": {
+                "sources": lineage["sources"]
+                + [
+                    {
+                        "url": f.url,
+                        "size": f.size,
+                        "fingerprint": f.fingerprint,
+                        "checksum": d["checksum"],
+                        "batch": batch,
+                    }
+                    for f, d in zip(files, described, strict=True)
+                ],
+                "batches": lineage["batches"]
+                + [{"batch": batch, "time": now, "files": len(files), "rows_out": summary.rows_out}],
+                "next_file_ord": lineage["next_file_ord"] + len(files),
+            },
+            "dedup_state": [],
+            "rejects": [],
         },
-        "dedup_state": [],
-        "rejects": [],
-    }, job.options)
+        job.options,
+    )

@@ -24,10 +24,16 @@ from petatrain.errors import PetatrainError
 
 FORMATS = ("jsonl", "parquet", "csv", "text", "webdataset")
 _EXTENSIONS = {
-    ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl",
-    ".parquet": "parquet", ".pq": "parquet",
-    ".csv": "csv", ".tsv": "csv",
-    ".txt": "text", ".text": "text", ".md": "text",
+    ".jsonl": "jsonl",
+    ".ndjson": "jsonl",
+    ".json": "jsonl",
+    ".parquet": "parquet",
+    ".pq": "parquet",
+    ".csv": "csv",
+    ".tsv": "csv",
+    ".txt": "text",
+    ".text": "text",
+    ".md": "text",
     ".tar": "webdataset",
 }
 
@@ -62,8 +68,7 @@ def detect_format(url: str) -> str:
         name = os.path.splitext(name)[0]
     ext = os.path.splitext(name)[1]
     if ext not in _EXTENSIONS:
-        raise PetatrainError(f"cannot tell the format of {url} from its name; pass --format "
-                             f"({'|'.join(FORMATS)})")
+        raise PetatrainError(f"cannot tell the format of {url} from its name; pass --format ({'|'.join(FORMATS)})")
     return _EXTENSIONS[ext]
 
 
@@ -192,8 +197,11 @@ def _read_webdataset(data: bytes, text_field: str, out: FileRecords) -> None:
             base = os.path.basename(member.name)
             if "." not in base:
                 continue
-            key, ext = member.name.split(".", 1) if "/" not in member.name else (
-                os.path.join(os.path.dirname(member.name), base.split(".", 1)[0]), base.split(".", 1)[1])
+            key, ext = (
+                member.name.split(".", 1)
+                if "/" not in member.name
+                else (os.path.join(os.path.dirname(member.name), base.split(".", 1)[0]), base.split(".", 1)[1])
+            )
             if key not in samples:
                 samples[key] = {}
                 order.append(key)

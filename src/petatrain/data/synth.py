@@ -22,7 +22,7 @@ def shingles(text: str, n: int = 5) -> set[tuple[str, ...]]:
     words = _WORD.findall(text.lower())
     if len(words) < n:
         return {tuple(words)}
-    return {tuple(words[i:i + n]) for i in range(len(words) - n + 1)}
+    return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
 
 
 def jaccard(a: str, b: str) -> float:
@@ -77,9 +77,18 @@ def mutate(text: str, rng: random.Random, words: _Words, share: float) -> str:
     return " ".join(parts)
 
 
-def generate(out_dir: str, *, documents: int = 2000, files: int = 4, mean_words: int = 150,
-             exact_rate: float = 0.05, near_rate: float = 0.05, far_rate: float = 0.02,
-             bad_records: bool = True, seed: int = 0) -> Corpus:
+def generate(
+    out_dir: str,
+    *,
+    documents: int = 2000,
+    files: int = 4,
+    mean_words: int = 150,
+    exact_rate: float = 0.05,
+    near_rate: float = 0.05,
+    far_rate: float = 0.02,
+    bad_records: bool = True,
+    seed: int = 0,
+) -> Corpus:
     """Write `files` JSONL files with `documents` unique documents plus planted copies."""
     rng = random.Random(seed)
     words = _Words(rng)
@@ -108,7 +117,7 @@ def generate(out_dir: str, *, documents: int = 2000, files: int = 4, mean_words:
     for f in range(files):
         path = os.path.join(out_dir, f"part-{f:03d}.jsonl")
         with open(path, "wb") as handle:
-            for i, text in enumerate(docs[f * per_file:(f + 1) * per_file]):
+            for i, text in enumerate(docs[f * per_file : (f + 1) * per_file]):
                 handle.write(json.dumps({"text": text, "id": f"{f}-{i}"}).encode() + b"\n")
                 if bad_records and i % 97 == 13:
                     handle.write(_bad_record(i, rng))

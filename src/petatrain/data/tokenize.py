@@ -35,8 +35,12 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(texts, trainer=trainer)
     return tok
 
@@ -54,7 +58,9 @@ def load(spec: str, sample: Iterable[str] | None = None) -> Tokenizer:
     try:
         tok = Tokenizer.from_file(spec)
     except Exception as exc:
-        raise PetatrainError(f"--tokenizer {spec}: not 'bytes', 'train:N' or a readable tokenizer.json ({exc})") from None
+        raise PetatrainError(
+            f"--tokenizer {spec}: not 'bytes', 'train:N' or a readable tokenizer.json ({exc})"
+        ) from None
     return tok
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from dataclasses import dataclass, field
@@ -32,8 +33,9 @@ class StorageOptions:
     def fsspec_kwargs(self, protocol: str) -> dict[str, Any]:
         if protocol not in ("s3", "s3a"):
             return dict(self.extra)
-        endpoint = self.s3_endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get(
-            "AWS_ENDPOINT_URL", "")
+        endpoint = (
+            self.s3_endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL", "")
+        )
         region = self.s3_region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION", "")
         kwargs: dict[str, Any] = {"anon": self.s3_anonymous}
         client: dict[str, Any] = {}
@@ -147,10 +149,8 @@ def atomic_write(url: str, data: bytes, options: StorageOptions | None = None) -
 def remove_tree(url: str, options: StorageOptions | None = None) -> None:
     """Remove a folder and everything under it; a missing folder is fine."""
     fs, path = resolve(url, options)
-    try:
+    with contextlib.suppress(FileNotFoundError):
         retrying(f"remove {url}", lambda: fs.rm(path, recursive=True))
-    except FileNotFoundError:
-        pass
 
 
 def copy(src: str, dst: str, options: StorageOptions | None = None) -> None:
@@ -193,11 +193,11 @@ def expand_sources(patterns: list[str], options: StorageOptions | None = None) -
         fs, path = resolve(pattern, options)
         try:
             if any(ch in path for ch in "*?["):
-                infos = retrying(f"glob {pattern}", lambda: fs.glob(path, detail=True))
+                infos = retrying(f"glob {pattern}", lambda fs=fs, path=path: fs.glob(path, detail=True))
             else:
-                info = retrying(f"stat {pattern}", lambda: fs.info(path))
+                info = retrying(f"stat {pattern}", lambda fs=fs, path=path: fs.info(path))
                 if info["type"] == "directory":
-                    infos = retrying(f"list {pattern}", lambda: fs.find(path, detail=True))
+                    infos = retrying(f"list {pattern}", lambda fs=fs, path=path: fs.find(path, detail=True))
                 else:
                     infos = {path: info}
         except FileNotFoundError:
@@ -209,7 +209,8 @@ def expand_sources(patterns: list[str], options: StorageOptions | None = None) -
         except Exception as exc:
             raise PetatrainError(f"cannot read source {pattern}: {type(exc).__name__}: {exc}") from None
         matched = [
-            (p, i) for p, i in sorted(infos.items())
+            (p, i)
+            for p, i in sorted(infos.items())
             if i.get("type") != "directory" and not os.path.basename(p).startswith((".", "_"))
         ]
         if not matched:

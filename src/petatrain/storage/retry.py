@@ -49,15 +49,22 @@ def is_transient(exc: BaseException) -> bool:
         if code in _TRANSIENT_CODES or (isinstance(status, int) and status >= 500):
             return True
     name = type(exc).__name__
-    if name in {"EndpointConnectionError", "ConnectionClosedError", "ReadTimeoutError", "ClientOSError",
-                "ServerDisconnectedError", "ResponseStreamingError"}:
+    if name in {
+        "EndpointConnectionError",
+        "ConnectionClosedError",
+        "ReadTimeoutError",
+        "ClientOSError",
+        "ServerDisconnectedError",
+        "ResponseStreamingError",
+    }:
         return True
     cause = exc.__cause__ or exc.__context__
     return cause is not None and cause is not exc and is_transient(cause)
 
 
-def retrying(what: str, fn: Callable[[], T], *, attempts: int = MAX_ATTEMPTS,
-             sleep: Callable[[float], None] = time.sleep) -> T:
+def retrying(
+    what: str, fn: Callable[[], T], *, attempts: int = MAX_ATTEMPTS, sleep: Callable[[float], None] = time.sleep
+) -> T:
     """Call `fn`, retrying transient errors up to `attempts` times; each retry is logged."""
     for attempt in range(1, attempts + 1):
         try:
@@ -66,8 +73,9 @@ def retrying(what: str, fn: Callable[[], T], *, attempts: int = MAX_ATTEMPTS,
             if attempt == attempts or not is_transient(exc):
                 raise
             delay = min(MAX_DELAY_S, BASE_DELAY_S * 2 ** (attempt - 1)) * (0.5 + random.random() / 2)
-            log.warning("%s failed (%s: %s); retry %d/%d in %.2fs", what, type(exc).__name__, exc,
-                        attempt, attempts - 1, delay)
+            log.warning(
+                "%s failed (%s: %s); retry %d/%d in %.2fs", what, type(exc).__name__, exc, attempt, attempts - 1, delay
+            )
             sleep(delay)
     raise AssertionError("unreachable")
 

@@ -1,0 +1,251 @@
+"""Ingest throughput with exact + near dedup: petatrain on Ray Data vs datasketch in one process.
+
+Generates a synthetic corpus (default ~300 MB of JSONL with planted exact and near
+duplicates and bad records), then runs, on the same files:
+
+- petatrain ingest (local Ray on every core; reported with and without Ray's start-up);
+- the same dedup with datasketch (MinHash + MinHashLSH, same shingles, permutations
+  and threshold, candidates verified like petatrain's) in one Python process, writing
+  its survivors to Parquet too.
+
+Prints a table of MB/s of input per core and ratios, and writes
+benchmarks/results/ingest.json with the machine it ran on.
+
+    .venv/bin/python benchmarks/ingest.py [--mb 300] [--baseline-mb 60]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import re
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import xxhash
+
+HERE = Path(__file__).resolve().parent
+WORK = HERE / ".work"
+RESULTS = HERE / "results"
+_WORD = re.compile(r"\w+")
+
+
+def machine() -> dict:
+    cpu = ""
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as handle:
+        cpu = next((line.split(":", 1)[1].strip() for line in handle if line.startswith("model name")), "")
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    import ray
+    import torch
+
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gib": round(mem, 1),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "ray": ray.__version__,
+        "pyarrow": pa.__version__,
+        "torch": torch.__version__,
+    }
+
+
+def corpus(mb: int) -> tuple[list[str], int]:
+    from petatrain.data import synth
+
+    folder = WORK / f"corpus-{mb}mb"
+    marker = folder / "DONE"
+    if not marker.exists():
+        shutil.rmtree(folder, ignore_errors=True)
+        docs = int(mb * 1e6 / 1200)  # ~1.1 KB per document with 150 words on average
+        print(f"generating ~{mb} MB corpus in {folder} ...", file=sys.stderr)
+        synth.generate(str(folder), documents=docs, files=max(4, mb // 10), mean_words=150, seed=1)
+        marker.write_text("")
+    files = sorted(str(p) for p in folder.glob("*.jsonl"))
+    return files, sum(os.path.getsize(f) for f in files)
+
+
+def run_petatrain(files: list[str], threshold: float) -> dict:
+    import subprocess
+
+    out = WORK / "petatrain-ds"
+    shutil.rmtree(out, ignore_errors=True)
+    started = time.perf_counter()
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "petatrain",
+            "ingest",
+            *files,
+            "--out",
+            str(out),
+            "--dedup",
+            "near",
+            "--near-threshold",
+            str(threshold),
+            "--shard-size",
+            "64MB",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    wall = time.perf_counter() - started
+    if result.returncode != 0:
+        raise SystemExit(f"petatrain ingest failed:\n{result.stderr[-3000:]}")
+    summary = json.loads(result.stdout)
+    import ray  # noqa: F401  (cores Ray used: all of them by default)
+
+    return {
+        "wall_s": wall,
+        "summary": summary,
+        "cores": os.cpu_count(),
+        "pipeline_s": summary["seconds"] - summary["stage_seconds"].get("ray_init", 0.0),
+    }
+
+
+def run_datasketch(files: list[str], budget_bytes: int, threshold: float) -> dict:
+    """The same cleaning rules and dedup, sequentially, with datasketch's MinHash + LSH."""
+    from datasketch import MinHash, MinHashLSH
+
+    from petatrain.data.minhash import LSHParams
+
+    params = LSHParams.for_threshold(threshold)
+    lsh = MinHashLSH(num_perm=params.num_perm, params=(params.bands, params.rows))
+    seen: set[int] = set()
+    kept_text: list[str] = []
+    sigs: dict[int, np.ndarray] = {}
+    stats = {"rows_in": 0, "rejected": 0, "exact": 0, "near": 0, "bytes": 0}
+    started = time.perf_counter()
+    for path in files:
+        if stats["bytes"] >= budget_bytes:
+            break
+        data = Path(path).read_bytes()
+        stats["bytes"] += len(data)
+        for line in data.split(b"\n"):
+            if not line.strip():
+                continue
+            stats["rows_in"] += 1
+            try:
+                text = json.loads(line)["text"]
+                if not isinstance(text, str) or not text.strip():
+                    raise ValueError
+                text.encode("utf-8")
+            except (ValueError, KeyError, TypeError, UnicodeError):
+                stats["rejected"] += 1
+                continue
+            digest = xxhash.xxh3_128_intdigest(text.encode())
+            if digest in seen:
+                stats["exact"] += 1
+                continue
+            seen.add(digest)
+            words = _WORD.findall(text.lower())
+            shingles = [" ".join(words[i : i + params.ngram]).encode() for i in range(max(1, len(words) - 4))]
+            m = MinHash(num_perm=params.num_perm)
+            m.update_batch(shingles)
+            if any(float(np.mean(sigs[c] == m.hashvalues)) >= threshold for c in lsh.query(m)):
+                stats["near"] += 1
+                continue
+            key = len(kept_text)
+            lsh.insert(key, m)
+            sigs[key] = m.hashvalues
+            kept_text.append(text)
+    pq.write_table(pa.table({"text": kept_text}), WORK / "datasketch.parquet", compression="zstd")
+    stats["seconds"] = time.perf_counter() - started
+    stats["rows_out"] = len(kept_text)
+    return stats
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mb", type=int, default=300, help="corpus size in MB")
+    parser.add_argument(
+        "--baseline-mb",
+        type=int,
+        default=60,
+        help="MB of the same corpus (leading files) the one-process baseline processes; "
+        "its rate per core is what is compared",
+    )
+    parser.add_argument("--threshold", type=float, default=0.8)
+    args = parser.parse_args()
+    WORK.mkdir(parents=True, exist_ok=True)
+    files, total = corpus(args.mb)
+    mb = total / 1e6
+
+    ours = run_petatrain(files, args.threshold)
+    base = run_datasketch(files, int(args.baseline_mb * 1e6), args.threshold)
+
+    s = ours["summary"]
+    rows = [
+        ("petatrain ingest, end to end (incl. Ray start)", mb, ours["wall_s"], ours["cores"]),
+        ("petatrain ingest, pipeline (Ray up)", mb, ours["pipeline_s"], ours["cores"]),
+        ("datasketch MinHash+LSH, one process", base["bytes"] / 1e6, base["seconds"], 1),
+    ]
+    base_rate = rows[2][1] / rows[2][2]
+    print(
+        f"\ningest with exact + near dedup (threshold {args.threshold}), {mb:.0f} MB corpus, {os.cpu_count()} cores\n"
+    )
+    print(f"{'run':<50} {'MB':>7} {'s':>7} {'MB/s':>7} {'MB/s/core':>10} {'vs datasketch/core':>19}")
+    results = []
+    for name, size, seconds, cores in rows:
+        rate = size / seconds
+        per_core = rate / cores
+        print(f"{name:<50} {size:>7.0f} {seconds:>7.1f} {rate:>7.1f} {per_core:>10.1f} {per_core / base_rate:>18.1f}x")
+        results.append(
+            {
+                "run": name,
+                "mb": round(size, 1),
+                "seconds": round(seconds, 2),
+                "mb_per_s": round(rate, 2),
+                "cores": cores,
+                "mb_per_s_per_core": round(per_core, 2),
+                "ratio_vs_datasketch_per_core": round(per_core / base_rate, 2),
+            }
+        )
+    print(
+        f"\npetatrain: {s['rows_in']} records in, {s['exact_duplicates']} exact + {s['near_duplicates']} near "
+        f"duplicates, {sum(s['rejected'].values())} rejected, {s['rows_out']} out; stages {s['stage_seconds']}"
+    )
+    share = base["bytes"] / total
+    print(
+        f"datasketch ({share:.0%} of the corpus): {base['rows_in']} records in, {base['exact']} exact + "
+        f"{base['near']} near duplicates, {base['rejected']} rejected, {base['rows_out']} out"
+    )
+    target = results[1]["mb_per_s_per_core"] >= 10 and results[1]["ratio_vs_datasketch_per_core"] > 1
+    print(
+        f"target (>= 10 MB/s per core with near dedup, faster than datasketch per core): "
+        f"{'met' if target else 'NOT met'}"
+    )
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "ingest.json").write_text(
+        json.dumps(
+            {
+                "benchmark": "ingest",
+                "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "machine": machine(),
+                "corpus_mb": round(mb, 1),
+                "threshold": args.threshold,
+                "results": results,
+                "petatrain_summary": s,
+                "datasketch": base,
+                "target_met": target,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    print(f"wrote {RESULTS / 'ingest.json'}")
+
+
+if __name__ == "__main__":
+    main()
