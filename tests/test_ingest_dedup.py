@@ -88,6 +88,8 @@ def test_dedup_decisions_do_not_depend_on_partitioning(corpus, tmp_path):
         out = tmp_path / f"dups-{partitions}"
         plan = dedup.DedupPlan(mode="near", params=lsh, first_new=0, partitions=partitions)
         dedup.find_duplicates(sigs, plan, groups_url=str(out), num_groups=groups, file_bits=FILE_BITS, options=None)
-        rows = sorted(r for f in sorted(out.iterdir()) for r in pq.read_table(f).to_pylist() for r in [tuple(r.values())])
+        rows = sorted(
+            r for f in sorted(out.iterdir()) for r in pq.read_table(f).to_pylist() for r in [tuple(r.values())]
+        )
         results.append(rows)
     assert results[0] == results[1] and len(results[0]) > 50

@@ -135,6 +135,9 @@ def _reduce_bands(first_new: int, partitions: int, *parts: Parts) -> list[Parts]
     first_copy = np.ones(len(order), dtype=bool)
     first_copy[1:] = (key[1:] != key[:-1]) | (h_lo[1:] != h_lo[:-1])
     key, ords = key[first_copy], ords[first_copy]
+    # Within a bucket, members in input order: rank 0 is the earliest.
+    order = np.lexsort((ords, key))
+    key, ords = key[order], ords[order]
     new_run = np.ones(len(key), dtype=bool)
     new_run[1:] = key[1:] != key[:-1]
     run_start = np.maximum.accumulate(np.where(new_run, np.arange(len(key)), 0))

@@ -427,6 +427,7 @@ class _ShardWriter:
             keep_state,
         )
         self._tokenizer = None
+        self._groups: dict[int, np.ndarray] = {}
 
     def __call__(self, spec: dict[str, Any]) -> dict[str, Any]:
         shard = int(spec["shard"])
@@ -485,12 +486,13 @@ class _ShardWriter:
         return keep, table
 
     def _drops(self, file_ord: int) -> np.ndarray:
+        """Ords of this file's documents that dedup dropped (each group file read once)."""
         group = file_ord % self.num_groups
-        table = pq.read_table(
-            pa.BufferReader(read_bytes(join(self.staging, "dups", f"g-{group:05d}.parquet"), self.options)),
-            columns=["ord"],
-        )
-        ords = table.column("ord").to_numpy()
+        if group not in self._groups:
+            url = join(self.staging, "dups", f"g-{group:05d}.parquet")
+            table = pq.read_table(pa.BufferReader(read_bytes(url, self.options)), columns=["ord"])
+            self._groups[group] = table.column("ord").to_numpy()
+        ords = self._groups[group]
         return ords[(ords >> FILE_BITS) == file_ord]
 
     def _table(self, ords: np.ndarray, texts: pa.ChunkedArray) -> tuple[pa.Table, int, int]:
