@@ -242,3 +242,50 @@ def test_same_output_with_one_and_with_several_workers(corpus, tmp_path):
         outs.append(index.open_dataset(str(out)))
     assert outs[0].shards.to_pylist() == outs[1].shards.to_pylist()
     assert outs[0].num_rows == outs[1].num_rows > 0
+
+
+def test_corrupt_files_are_quarantined_whole_and_the_rest_goes_on(tmp_path):
+    good = _jsonl(tmp_path / "good.jsonl", _sentences(5, "ok"))
+    (tmp_path / "broken.parquet").write_bytes(b"PAR1 this is not parquet PAR1")
+    (tmp_path / "broken.jsonl.gz").write_bytes(b"\x1f\x8b not really gzip")
+    (tmp_path / "rows.csv").write_text('id,text\n1,"fine row"\n2,"too",many,fields\n3,"another fine row"\n')
+    summary = ingest(
+        [good, str(tmp_path / "broken.parquet"), str(tmp_path / "broken.jsonl.gz"), str(tmp_path / "rows.csv")],
+        tmp_path / "ds",
+        dedup="exact",
+    )
+    assert summary.rejected == {"unreadable_file": 2, "malformed_csv_row": 1}
+    texts = read_dataset(tmp_path / "ds").column("text").to_pylist()
+    assert texts == [*_sentences(5, "ok"), "fine row", "another fine row"]
+    details = {r["source"].rsplit("/", 1)[1]: r["detail"] for r in rejects(tmp_path / "ds").to_pylist()}
+    assert "ParquetFile" in details["broken.parquet"] or "Parquet" in details["broken.parquet"], details
+
+
+def test_webdataset_json_members_and_text_field(tmp_path):
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for i, member in enumerate([{"caption": "a red bicycle"}, {"other": 1}, {"caption": "two cats"}]):
+            for ext, data in (("json", json.dumps(member).encode()), ("jpg", b"\xff\xd8fakejpeg")):
+                info = tarfile.TarInfo(f"shard/{i:04d}.{ext}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    (tmp_path / "images.tar").write_bytes(buf.getvalue())
+    summary = ingest([str(tmp_path / "images.tar")], tmp_path / "ds", text_field="caption", dedup="exact")
+    assert read_dataset(tmp_path / "ds").column("text").to_pylist() == ["a red bicycle", "two cats"]
+    assert summary.rejected == {"missing_field": 1}
+
+
+def test_append_to_a_tokenised_dataset_reuses_its_tokenizer(tmp_path):
+    a = _jsonl(tmp_path / "a.jsonl", _sentences(100, "tok-a"))
+    ingest([a], tmp_path / "ds", tokenizer="train:350", pack_length=32)
+    before = (tmp_path / "ds" / "_index" / "tokenizer.json").read_bytes()
+    b = _jsonl(tmp_path / "b.jsonl", _sentences(100, "tok-b"))
+    summary = ingest([a, b], tmp_path / "ds", tokenizer="train:350", pack_length=32, append=True)
+    assert summary.rows_out > 0
+    assert (tmp_path / "ds" / "_index" / "tokenizer.json").read_bytes() == before
+
+
+def test_inspect_of_something_that_is_not_a_dataset(tmp_path):
+    result = run_cli("inspect", str(tmp_path))
+    assert result.returncode == 2
+    assert f"no dataset at {tmp_path}" in result.stderr and "Traceback" not in result.stderr
