@@ -99,6 +99,36 @@ def write_shard_index(url: str, table: pa.Table, options: StorageOptions | None 
     atomic_write(join(url, SHARD_INDEX), sink.getvalue().to_pybytes(), options)
 
 
+def empty_totals() -> dict[str, Any]:
+    return {
+        "shards": 0,
+        "rows": 0,
+        "bytes": 0,
+        "documents": 0,
+        "rows_in": 0,
+        "rejected": {},
+        "exact_duplicates": 0,
+        "near_duplicates": 0,
+        "tokens": 0,
+    }
+
+
+def append_shards(
+    url: str, manifest: dict[str, Any] | None, shards: list[dict[str, Any]], options: StorageOptions | None = None
+) -> None:
+    """Write the shard index: the committed rows, then `shards` (path, rows, bytes, checksum).
+
+    Only the index file is written; the new rows count once the manifest says so.
+    """
+    old = read_shard_index(url, manifest, options) if manifest else SHARD_SCHEMA.empty_table()
+    first_row = int(manifest["totals"]["rows"]) if manifest else 0
+    rows = []
+    for shard in shards:
+        rows.append({**{k: shard[k] for k in ("path", "rows", "bytes", "checksum")}, "first_row": first_row})
+        first_row += shard["rows"]
+    write_shard_index(url, pa.concat_tables([old, pa.Table.from_pylist(rows, schema=SHARD_SCHEMA)]), options)
+
+
 def write_manifest(url: str, manifest: dict[str, Any], options: StorageOptions | None = None) -> None:
     manifest = dict(
         manifest, format=FORMAT, version=VERSION, updated=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

@@ -594,39 +594,9 @@ def _commit(
             "dtype": tk.token_dtype(tok).name,
         }
 
-    old = idx.read_shard_index(out, manifest, options) if manifest else idx.SHARD_SCHEMA.empty_table()
-    first_row = int(manifest["totals"]["rows"]) if manifest else 0
-    rows = []
-    for w in written:
-        rows.append(
-            {
-                "path": w["path"],
-                "rows": w["rows"],
-                "bytes": w["bytes"],
-                "checksum": w["checksum"],
-                "first_row": first_row,
-            }
-        )
-        first_row += w["rows"]
-    shards = pa.concat_tables([old, pa.Table.from_pylist(rows, schema=idx.SHARD_SCHEMA)]) if rows else old
-    idx.write_shard_index(out, shards, options)
-
+    idx.append_shards(out, manifest, written, options)
     schema = _schema_of(out, written, options) if written else (manifest or {}).get("schema", [])
-    totals = (
-        dict(manifest["totals"])
-        if manifest
-        else {
-            "shards": 0,
-            "rows": 0,
-            "bytes": 0,
-            "documents": 0,
-            "rows_in": 0,
-            "rejected": {},
-            "exact_duplicates": 0,
-            "near_duplicates": 0,
-            "tokens": 0,
-        }
-    )
+    totals = dict(manifest["totals"]) if manifest else idx.empty_totals()
     summary.rows_out = sum(w["rows"] for w in written)
     summary.shards = len(written)
     summary.bytes = sum(w["bytes"] for w in written)

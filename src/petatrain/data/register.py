@@ -54,38 +54,8 @@ def register(job: IngestJob, files: list[SourceFile], manifest: dict | None, sum
             f"(columns: {', '.join(schema.names)}); pass --text-field"
         )
 
-    old = idx.read_shard_index(job.out, manifest, job.options) if manifest else idx.SHARD_SCHEMA.empty_table()
-    first_row = int(manifest["totals"]["rows"]) if manifest else 0
-    rows = []
-    for d in described:
-        rows.append(
-            {
-                "path": d["url"],
-                "rows": d["rows"],
-                "bytes": d["bytes"],
-                "checksum": d["checksum"],
-                "first_row": first_row,
-            }
-        )
-        first_row += d["rows"]
-    idx.write_shard_index(
-        job.out, pa.concat_tables([old, pa.Table.from_pylist(rows, schema=idx.SHARD_SCHEMA)]), job.options
-    )
-    totals = (
-        dict(manifest["totals"])
-        if manifest
-        else {
-            "shards": 0,
-            "rows": 0,
-            "bytes": 0,
-            "documents": 0,
-            "rows_in": 0,
-            "rejected": {},
-            "exact_duplicates": 0,
-            "near_duplicates": 0,
-            "tokens": 0,
-        }
-    )
+    idx.append_shards(job.out, manifest, [{**d, "path": d["url"]} for d in described], job.options)
+    totals = dict(manifest["totals"]) if manifest else idx.empty_totals()
     summary.files_new = len(files)
     summary.rows_in = summary.rows_out = sum(d["rows"] for d in described)
     summary.shards = len(described)
