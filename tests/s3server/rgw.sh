@@ -15,7 +15,6 @@
 # Environment:
 #   PETATRAIN_RGW_PORT      S3 HTTP port            (default 7480)
 #   PETATRAIN_RGW_MON_PORT  monitor msgr2 port      (default 3300)
-#   PETATRAIN_RGW_MEM_MB    memstore capacity in MiB (default 2048; lazily used)
 #   PETATRAIN_RGW_TIMEOUT   seconds to wait for each daemon (default 120)
 #
 # Must run as root (installs packages; daemons run as root).
@@ -27,7 +26,6 @@ CMD=${1:-}
 DIR=${2:-/tmp/petatrain-rgw}
 PORT=${PETATRAIN_RGW_PORT:-7480}
 MON_PORT=${PETATRAIN_RGW_MON_PORT:-3300}
-MEM_MB=${PETATRAIN_RGW_MEM_MB:-2048}
 TIMEOUT=${PETATRAIN_RGW_TIMEOUT:-120}
 
 ACCESS_KEY=petatrain
@@ -54,7 +52,6 @@ EOF
 check_args() {
     [[ $PORT =~ ^[0-9]+$ ]] || die "PETATRAIN_RGW_PORT must be a number, got '$PORT'"
     [[ $MON_PORT =~ ^[0-9]+$ ]] || die "PETATRAIN_RGW_MON_PORT must be a number, got '$MON_PORT'"
-    [[ $MEM_MB =~ ^[0-9]+$ ]] || die "PETATRAIN_RGW_MEM_MB must be a number, got '$MEM_MB'"
     [[ $TIMEOUT =~ ^[0-9]+$ ]] || die "PETATRAIN_RGW_TIMEOUT must be a number, got '$TIMEOUT'"
     [[ $DIR == /* ]] || DIR=$(pwd)/$DIR
     DIR=${DIR%/}
@@ -105,10 +102,11 @@ show_logs() {
     done
 }
 
-fail_start() {
+fail_start() { # report, show the logs, kill what was started; DIR is kept for inspection
     echo "[$PROG] ERROR: $*" >&2
     show_logs
-    echo "[$PROG] state left in $DIR for inspection; run '$0 stop $DIR' to clean up" >&2
+    kill_daemons || true
+    echo "[$PROG] ERROR: $* (daemons killed; logs kept in $DIR/log, '$0 stop $DIR' removes them)" >&2
     exit 1
 }
 
@@ -226,8 +224,11 @@ paxos min wait = 0.01
 admin socket = $DIR/run/\$name.asok
 osd data = $DIR/osd/\$name
 osd objectstore = memstore
-memstore device bytes = $((MEM_MB * 1024 * 1024))
-osd memory target = 268435456
+# capacity the OSD *reports*; memstore does not enforce it (and with no mgr
+# there are no full flags): RAM use is ~2x the data currently stored.
+memstore device bytes = 2147483648
+# minimum allowed value (smaller values are ignored); only sizes BlueStore caches
+osd memory target = 939524096
 osd class dir = /usr/lib/x86_64-linux-gnu/rados-classes
 osd op num shards = 1
 osd op num threads per shard = 2
@@ -237,7 +238,7 @@ osd crush update on start = true
 # radosgw defaults to ms_mon_client_mode=secure, which needs cephx; with auth
 # off it then fails with "get_initial_auth_request returned -13" (EACCES)
 ms mon client mode = crc
-rgw init timeout = $TIMEOUT
+rgw init timeout = $((TIMEOUT > 30 ? TIMEOUT : 30))
 admin socket = $DIR/run/\$name.asok
 rgw data = $DIR/rgw
 rgw frontends = beast endpoint=127.0.0.1:$PORT
@@ -245,6 +246,10 @@ rgw thread pool size = 32
 rgw dns name = localhost
 rgw enable usage log = false
 rgw enable ops log = false
+# deleted/overwritten object data is garbage-collected by RGW, by default only
+# after 2 h (and the GC runs hourly): with memstore that is RAM held for hours.
+rgw gc obj min wait = 0
+rgw gc processor period = 15
 EOF
     # osd class dir differs per architecture; let ceph use its compiled default elsewhere
     local classdir
@@ -267,7 +272,6 @@ wait_for() { # wait_for <what> <command...>; polls up to $TIMEOUT s
     done
 }
 
-
 osd_up() {
     ceph_cli osd dump -f json 2>/dev/null | grep -q '"up":1'
 }
@@ -286,7 +290,8 @@ ensure_user() {
 wait_user_ok() {
     local t0=$SECONDS
     while :; do
-        if python3 - "$(endpoint)" "$ACCESS_KEY" "$SECRET_KEY" <<'PY' 2>/dev/null; then
+        # /usr/bin/python3 is a dependency of the ceph CLI; stdlib only
+        if /usr/bin/python3 - "$(endpoint)" "$ACCESS_KEY" "$SECRET_KEY" <<'PY' 2>/dev/null; then
 import sys, hmac, hashlib, base64, email.utils, urllib.request
 ep, ak, sk = sys.argv[1:4]
 date = email.utils.formatdate(usegmt=True)
@@ -313,6 +318,12 @@ cmd_start() {
         fi
         return 0
     fi
+    # stale state from an earlier run: kill what it left behind, then wipe it
+    if [[ -e $DIR ]]; then
+        log "removing stale state in $DIR"
+        if [[ -e $DIR/$MARKER ]]; then kill_daemons; fi
+        wipe_dir
+    fi
     if port_answers; then
         die "port $PORT is taken by something that is not RGW; set PETATRAIN_RGW_PORT"
     fi
@@ -322,12 +333,6 @@ cmd_start() {
     install_if_missing
 
     local t0=$SECONDS fsid osd_uuid osd_id
-    # stale state from an earlier run: kill what it left behind, then wipe it
-    if [[ -e $DIR ]]; then
-        log "removing stale state in $DIR"
-        [[ -e $DIR/$MARKER ]] && kill_daemons
-        wipe_dir
-    fi
     mkdir -p "$DIR"/{run,log,mon/mon.a,osd/osd.0,rgw,crash}
     : >"$DIR/$MARKER"
     fsid=$(cat /proc/sys/kernel/random/uuid)
@@ -340,7 +345,7 @@ cmd_start() {
         fail_start "monmaptool failed"
     ceph-mon -c "$CONF" -i a --mkfs --monmap "$DIR/monmap" --keyring "$DIR/keyring" \
         --mon-data "$DIR/mon/mon.a" 2>>"$DIR/log/mkfs.log" || fail_start "ceph-mon --mkfs failed"
-    ceph-mon -c "$CONF" -i a 2>>"$DIR/log/daemons.log" || fail_start "ceph-mon failed to start"
+    ceph-mon -c "$CONF" -i a 2>>"$DIR/log/daemons.log" 9<&- || fail_start "ceph-mon failed to start"
     wait_for "the monitor (port $MON_PORT)" mon_answers
     log "monitor up ($((SECONDS - t0))s)"
     # radosgw would create its pools itself, lazily (~2 s each: the first bucket
@@ -358,7 +363,7 @@ cmd_start() {
     [[ $osd_id == 0 ]] || fail_start "expected osd id 0, got '$osd_id'"
     ceph-osd -c "$CONF" -i 0 --mkfs --osd-uuid "$osd_uuid" --osd-data "$DIR/osd/osd.0" \
         >>"$DIR/log/mkfs.log" 2>&1 || fail_start "ceph-osd --mkfs failed"
-    ceph-osd -c "$CONF" -i 0 --osd-data "$DIR/osd/osd.0" 2>>"$DIR/log/daemons.log" ||
+    ceph-osd -c "$CONF" -i 0 --osd-data "$DIR/osd/osd.0" 2>>"$DIR/log/daemons.log" 9<&- ||
         fail_start "ceph-osd failed to start"
     wait_for "osd.0 to be up" osd_up
     log "osd.0 up ($((SECONDS - t0))s)"
@@ -372,7 +377,7 @@ cmd_start() {
     log "pools created ($((SECONDS - t0))s)"
 
     # ---- radosgw
-    radosgw -c "$CONF" -n client.rgw.0 2>>"$DIR/log/daemons.log" || fail_start "radosgw failed to start"
+    radosgw -c "$CONF" -n client.rgw.0 2>>"$DIR/log/daemons.log" 9<&- || fail_start "radosgw failed to start"
     local tw=$SECONDS
     until rgw_answers; do
         our_pid client.rgw.0 >/dev/null || fail_start "radosgw exited during startup"
@@ -417,9 +422,18 @@ cmd_status() {
     fi
 }
 
+# serialize start/stop (e.g. parallel test workers all calling start). The
+# daemons are started with fd 9 closed so that they do not inherit the lock.
+lock() {
+    if command -v flock >/dev/null 2>&1; then
+        exec 9<"${BASH_SOURCE[0]}"
+        flock 9
+    fi
+}
+
 case "$CMD" in
-    start) check_args; cmd_start ;;
-    stop) check_args; cmd_stop ;;
+    start) check_args; lock; cmd_start ;;
+    stop) check_args; lock; cmd_stop ;;
     env) check_args; cmd_env ;;
     status) check_args; cmd_status ;;
     -h | --help | help) usage ;;
