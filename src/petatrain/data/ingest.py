@@ -27,7 +27,7 @@ import os
 import time
 import uuid
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -98,6 +98,7 @@ class IngestJob:
 def run(job: IngestJob) -> IngestSummary:
     """Ingest `job.sources` into the dataset at `job.out`; see the module docstring."""
     started = time.perf_counter()
+    job = replace(job, options=(job.options or StorageOptions()).for_workers())
     options = job.options
     summary = IngestSummary(dataset=job.out)
     manifest = idx.read_manifest(job.out, options)

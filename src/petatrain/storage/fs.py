@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import uuid
 from dataclasses import dataclass, field
@@ -30,13 +31,31 @@ class StorageOptions:
     def __hash__(self) -> int:  # extra is a dict; options are compared, not mutated
         return hash((self.s3_endpoint_url, self.s3_region, self.s3_access_key_id, self.s3_anonymous))
 
+    def for_workers(self) -> StorageOptions:
+        """These options with the driver's AWS_* endpoint and credentials filled in.
+
+        Ray workers on other nodes (and workers started before the variables were set)
+        do not share the driver's environment, so a job carries what the driver sees.
+        """
+        env = os.environ
+        key = self.s3_access_key_id or env.get("AWS_ACCESS_KEY_ID", "")
+        return dataclasses.replace(
+            self,
+            s3_endpoint_url=self.s3_endpoint_url or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL", ""),
+            s3_access_key_id=key,
+            s3_secret_access_key=self.s3_secret_access_key or (env.get("AWS_SECRET_ACCESS_KEY", "") if key else ""),
+        )
+
     def fsspec_kwargs(self, protocol: str) -> dict[str, Any]:
         if protocol not in ("s3", "s3a"):
             return dict(self.extra)
         endpoint = (
             self.s3_endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL", "")
         )
-        region = self.s3_region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION", "")
+        # AWS_REGION / AWS_DEFAULT_REGION are read by botocore itself; passing them on as
+        # region_name would also make s3fs send a LocationConstraint when creating buckets,
+        # which us-east-1 and S3-compatible stores reject.
+        region = self.s3_region
         kwargs: dict[str, Any] = {"anon": self.s3_anonymous}
         client: dict[str, Any] = {}
         if endpoint:
