@@ -24,9 +24,11 @@ import json
 import logging
 import math
 import os
+import sys
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -229,6 +231,7 @@ def _ingest(job: IngestJob, files: list[SourceFile], manifest: dict | None, summ
                 num_groups=num_groups,
                 file_bits=FILE_BITS,
                 options=options,
+                progress=_progress("dedup"),
             )
         summary.exact_duplicates = sum(d["exact"] for d in drops.values())
         summary.near_duplicates = sum(d["near"] for d in drops.values())
@@ -271,6 +274,25 @@ def _stage(name: str, timings: dict[str, float]):
     yield
     timings[name] = round(time.perf_counter() - started, 3)
     log.info("ingest: %s done in %.2fs", name, timings[name])
+
+
+def _progress(name: str) -> Callable[[int, int], None]:
+    """A progress callback for stages that run as plain Ray tasks (Ray Data draws its own)."""
+    if sys.stderr.isatty():
+        from rich.progress import Progress
+
+        bar = Progress(transient=True)
+        task = bar.add_task(name, total=None)
+
+        def update(done: int, total: int) -> None:
+            if not bar.live.is_started:
+                bar.start()
+            bar.update(task, completed=done, total=total)
+            if done == total:
+                bar.stop()
+
+        return update
+    return lambda done, total: log.info("%s: %d/%d", name, done, total)
 
 
 def _from_items(items: list[dict]):
