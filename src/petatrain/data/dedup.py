@@ -209,7 +209,10 @@ def _write_group(url: str, options: StorageOptions | None, file_bits: int, *part
     first = np.ones(len(rows["ord"]), dtype=bool)
     first[1:] = rows["ord"][1:] != rows["ord"][:-1]
     rows = {k: v[first] for k, v in rows.items()}
-    table = pa.table({"ord": rows["ord"], "dup_of": rows["dup_of"], "reason": rows["reason"], "nbytes": rows["nbytes"]})
+    reason = pa.DictionaryArray.from_arrays(
+        pa.array(rows["reason"].astype(np.int8) - 1), pa.array([REASONS[EXACT], REASONS[NEAR]])
+    )
+    table = pa.table({"ord": rows["ord"], "dup_of": rows["dup_of"], "reason": reason, "nbytes": rows["nbytes"]})
     sink = pa.BufferOutputStream()
     pq.write_table(table, sink)
     atomic_write(url, sink.getvalue().to_pybytes(), options)
