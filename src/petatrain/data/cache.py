@@ -1,0 +1,122 @@
+"""Node-local shard cache: each shard crosses the network about once per node.
+
+Ranks and DataLoader workers on one node share the cache folder. A shard is fetched
+under an exclusive file lock (so one process downloads it while the others wait),
+verified against its recorded checksum, and published by rename. Least recently used
+shards are evicted to stay under the byte limit; a process that still has an evicted
+file mapped keeps reading it (POSIX unlink semantics).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+import threading
+import time
+import uuid
+from pathlib import Path
+
+from petatrain.errors import CorruptDataError, PetatrainError
+from petatrain.storage import StorageOptions, read_bytes
+from petatrain.storage.checksum import checksum_bytes, checksum_file
+from petatrain.storage.fs import is_local, resolve
+
+log = logging.getLogger(__name__)
+
+
+def default_cache_dir(dataset_url: str) -> str:
+    root = os.environ.get("PETATRAIN_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "petatrain"
+    )
+    return os.path.join(root, hashlib.sha256(dataset_url.encode()).hexdigest()[:16])
+
+
+class ShardCache:
+    """Local paths of verified shards. Local datasets are read in place (verified once per process)."""
+
+    def __init__(self, cache_dir: str | None, *, limit_bytes: int | None, options: StorageOptions | None):
+        self.dir = Path(cache_dir) if cache_dir else None
+        self.limit = limit_bytes
+        self.options = options
+        self._verified: set[str] = set()
+        self._lock = threading.Lock()
+        if self.dir:
+            self.dir.mkdir(parents=True, exist_ok=True)
+
+    def path(self, url: str, checksum: str, size: int, *, pinned: frozenset[str] = frozenset()) -> str:
+        """A local file with the shard's verified bytes; fetches it if needed."""
+        if self.dir is None and is_local(url):
+            _, path = resolve(url)
+            with self._lock:
+                done = path in self._verified
+            if not done:
+                self._verify_local(url, path, checksum)
+                with self._lock:
+                    self._verified.add(path)
+            return path
+        if self.dir is None:
+            raise PetatrainError(f"{url} is remote: the loader needs a cache_dir")
+        target = self.dir / (hashlib.sha256(url.encode()).hexdigest()[:24] + ".parquet")
+        if target.exists():
+            os.utime(target)  # recency for LRU eviction
+            return str(target)
+        with open(self.dir / ".lock", "a+b") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                if target.exists():  # another process fetched it while we waited
+                    os.utime(target)
+                    return str(target)
+                self._make_room(size, pinned)
+                self._fetch(url, checksum, target)
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+        return str(target)
+
+    def _verify_local(self, url: str, path: str, checksum: str) -> None:
+        try:
+            with open(path, "rb") as handle:
+                actual, _ = checksum_file(handle)
+        except FileNotFoundError:
+            raise CorruptDataError(f"shard missing: {url}") from None
+        if actual != checksum:
+            raise CorruptDataError(f"shard corrupt: {url} (checksum {actual} != recorded {checksum})")
+
+    def _fetch(self, url: str, checksum: str, target: Path) -> None:
+        started = time.perf_counter()
+        try:
+            data = read_bytes(url, self.options)
+        except FileNotFoundError:
+            raise CorruptDataError(f"shard missing: {url}") from None
+        actual = checksum_bytes(data)
+        if actual != checksum:
+            raise CorruptDataError(f"shard corrupt: {url} (checksum {actual} != recorded {checksum})")
+        tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}")
+        tmp.write_bytes(data)
+        os.replace(tmp, target)
+        log.debug("fetched %s (%d bytes) in %.2fs", url, len(data), time.perf_counter() - started)
+
+    def _make_room(self, size: int, pinned: frozenset[str]) -> None:
+        if self.limit is None:
+            return
+        files = [(p.stat().st_mtime, p.stat().st_size, p) for p in self.dir.glob("*.parquet")]
+        total = sum(s for _, s, _ in files)
+        for _, s, p in sorted(files):
+            if total + size <= self.limit:
+                break
+            if str(p) in pinned:
+                continue
+            p.unlink(missing_ok=True)
+            total -= s
+        if total + size > self.limit:
+            raise PetatrainError(
+                f"cache_limit {self.limit} bytes cannot hold the shards one shuffle window needs "
+                f"({total + size} bytes); raise cache_limit or lower shuffle_window"
+            )
+
+    def cached_bytes(self) -> int:
+        return sum(p.stat().st_size for p in self.dir.glob("*.parquet")) if self.dir else 0
+
+    def local_name(self, url: str) -> str:
+        return str(self.dir / (hashlib.sha256(url.encode()).hexdigest()[:24] + ".parquet")) if self.dir else url

@@ -1,0 +1,419 @@
+"""Streaming loader: exactly-once, deterministic, elastic-resumable, as fast as the bytes.
+
+`StreamingDataset` is a torch `IterableDataset` over a dataset written by
+`petatrain ingest`; `loader()` wraps it in a DataLoader that yields batches and keeps
+the resume state. See `order.py` for how the sample sequence is built and dealt out.
+
+Resuming is allowed for any world size and any number of workers: the state holds the
+global position in the epoch's sequence (samples consumed by all ranks together), and
+the remaining sequence is dealt out again to whatever layout loads it. The only
+condition is the training loop's lockstep: when the state is saved, every rank has
+consumed the same number of samples (true at any step boundary of data-parallel
+training), so any rank's state describes the global position.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from petatrain.data import index as idx
+from petatrain.data.cache import ShardCache, default_cache_dir
+from petatrain.data.order import Deal, SampleOrder
+from petatrain.errors import CorruptDataError, PetatrainError
+from petatrain.storage import StorageOptions, join, read_bytes
+from petatrain.storage.fs import is_local
+
+log = logging.getLogger(__name__)
+
+STATE_VERSION = 1
+_WINDOW_SHARDS = 4  # default shuffle window: about this many shards' worth of samples
+
+
+class StreamingDataset(IterableDataset):
+    """Samples of a petatrain dataset, each a dict of column -> value plus its global row `index`.
+
+    Keyword arguments:
+        columns: columns to read (default: all); only those are read from storage.
+        seed, shuffle, epoch: the sequence is a pure function of (dataset, seed, epoch).
+        rank, world_size: default from torch.distributed when initialised, else 0 and 1.
+        batch_size: the DataLoader batch size this dataset is used with (workers are
+            handed whole batches, so the order does not depend on the worker count).
+        shuffle_window: samples shuffled together (default: about 4 shards' worth).
+        drop_last: cut the epoch tail to a multiple of world_size * batch_size, so every
+            rank gets the same number of full batches; `dropped` counts the cut samples.
+        cache_dir, cache_limit: node-local shard cache for remote datasets (shared by the
+            ranks and workers of a node), and its byte limit with LRU eviction.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        columns: list[str] | None = None,
+        seed: int = 0,
+        shuffle: bool = True,
+        epoch: int = 0,
+        rank: int | None = None,
+        world_size: int | None = None,
+        batch_size: int = 1,
+        shuffle_window: int | None = None,
+        drop_last: bool = False,
+        cache_dir: str | None = None,
+        cache_limit: int | None = None,
+        options: StorageOptions | None = None,
+        prefetch: bool = True,
+    ):
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.url = url
+        self.options = options
+        if rank is None or world_size is None:
+            dist = torch.distributed.is_available() and torch.distributed.is_initialized()
+            rank = torch.distributed.get_rank() if dist else 0 if rank is None else rank
+            world_size = torch.distributed.get_world_size() if dist else 1 if world_size is None else world_size
+        self.rank, self.world_size = rank, world_size
+        self.seed, self.shuffle, self.epoch = seed, shuffle, epoch
+        self.batch_size, self.drop_last, self.prefetch = batch_size, drop_last, prefetch
+        remote = not is_local(url)
+        self.cache_dir = cache_dir or (default_cache_dir(url) if remote else None)
+        self.cache_limit = cache_limit
+        manifest, shards = _load_index(url, options, self.cache_dir)
+        self.manifest = manifest
+        self._paths = shards.column("path").combine_chunks()
+        self._checksums = shards.column("checksum").combine_chunks()
+        self._rows = shards.column("rows").to_numpy()
+        self._bytes = shards.column("bytes").to_numpy()
+        self._first_row = shards.column("first_row").to_numpy()
+        names = [c["name"] for c in manifest.get("schema", [])]
+        if columns is not None:
+            unknown = [c for c in columns if c not in names]
+            if unknown:
+                raise PetatrainError(f"no column {unknown[0]!r} in {url} (columns: {', '.join(names)})")
+        self.columns = list(columns) if columns is not None else names
+        self.token_dtype = np.dtype((manifest.get("tokenizer") or {}).get("dtype", "uint16"))
+        mean_rows = float(self._rows.mean()) if len(self._rows) else 1.0
+        self.shuffle_window = int(shuffle_window or max(1, math.ceil(_WINDOW_SHARDS * mean_rows)))
+        self._start = 0  # global position in this epoch's sequence where iteration resumes
+        self._yielded = 0  # samples this process yielded since _start (main-process iteration)
+        self._order_cache: SampleOrder | None = None
+
+    # -- sequence --------------------------------------------------------------------------
+    @property
+    def num_samples(self) -> int:
+        """Samples in one epoch of the whole dataset (all ranks)."""
+        return int(self._rows.sum())
+
+    def order(self) -> SampleOrder:
+        o = self._order_cache
+        if o is None or o.epoch != self.epoch:
+            o = SampleOrder(
+                self._rows, seed=self.seed, epoch=self.epoch, shuffle=self.shuffle, window=self.shuffle_window
+            )
+            self._order_cache = o
+        return o
+
+    def deal(self) -> Deal:
+        return self.order().deal(
+            self._start, self.rank, self.world_size, drop_last=self.drop_last, batch_size=self.batch_size
+        )
+
+    def __len__(self) -> int:
+        """Samples this rank consumes from the current position to the end of the epoch."""
+        return self.deal().count
+
+    @property
+    def dropped(self) -> int:
+        """Samples of the epoch tail that drop_last leaves out (all ranks together)."""
+        return self.deal().dropped
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch, self._start, self._yielded = epoch, 0, 0
+
+    # -- resume ----------------------------------------------------------------------------
+    def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
+        """Small JSON state. `consumed`: samples this rank consumed since the last (re)start;
+        default: what this process yielded itself (main-process iteration)."""
+        consumed = self._yielded if consumed is None else consumed
+        return {
+            "version": STATE_VERSION,
+            "epoch": self.epoch,
+            "position": self._start + consumed * self.world_size,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "shuffle_window": self.shuffle_window,
+            "num_samples": self.num_samples,
+            "world_size": self.world_size,
+            "batch_size": self.batch_size,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue at the exact next sample of the saved sequence, for any rank/worker layout."""
+        if state.get("version") != STATE_VERSION:
+            raise PetatrainError(f"loader state version {state.get('version')} is not {STATE_VERSION}")
+        if state["num_samples"] != self.num_samples:
+            raise PetatrainError(
+                f"loader state is for a dataset of {state['num_samples']} samples; {self.url} has {self.num_samples}"
+            )
+        for key in ("seed", "shuffle", "shuffle_window"):
+            if state[key] != getattr(self, key):
+                raise PetatrainError(f"loader state has {key}={state[key]!r}, this loader {getattr(self, key)!r}")
+        if not 0 <= state["position"] <= self.num_samples:
+            raise PetatrainError(f"loader state position {state['position']} is outside the epoch")
+        self.epoch, self._start, self._yielded = state["epoch"], int(state["position"]), 0
+
+    # -- iteration -------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        worker = get_worker_info()
+        reader = self._reader()
+        for batch in self._batches(reader, worker.id if worker else 0, worker.num_workers if worker else 1):
+            n = len(batch["index"])
+            for i in range(n):
+                sample = {k: v[i] for k, v in batch.items()}
+                sample["index"] = int(batch["index"][i])
+                if worker is None:
+                    self._yielded += 1
+                yield sample
+
+    def iter_batches(self, worker_id: int = 0, num_workers: int = 1) -> Iterator[dict[str, Any]]:
+        """This rank's batches j with j % num_workers == worker_id, as dicts of tensors/lists."""
+        return self._batches(self._reader(), worker_id, num_workers)
+
+    def _reader(self) -> _ShardReader:
+        return _ShardReader(self)
+
+    def _batches(self, reader: _ShardReader, worker_id: int, num_workers: int) -> Iterator[dict[str, Any]]:
+        order, deal = self.order(), self.deal()
+        b = self.batch_size
+        n_batches = math.ceil(deal.count / b)
+        last_window = -1
+        try:
+            for j in range(worker_id, n_batches, num_workers):
+                positions = deal.positions(j * b, (j + 1) * b)
+                shards, rows = order.locate(positions)
+                window = int(positions[-1] // order.window)
+                if window != last_window and self.prefetch:
+                    reader.prefetch(_window_shards(order, window + 1))
+                    last_window = window
+                yield reader.read(shards, rows)
+        finally:
+            reader.close()
+
+
+def _window_shards(order: SampleOrder, window: int) -> list[int]:
+    lo = window * order.window
+    if lo >= order.num_samples:
+        return []
+    hi = min(lo + order.window, order.num_samples) - 1
+    k0, k1 = np.searchsorted(order.ends, [lo, hi], side="right")
+    return order.shard_order[k0 : k1 + 1].tolist()
+
+
+class _ShardReader:
+    """Opens shards (through the cache), keeps the recent ones, prefetches the next window's."""
+
+    def __init__(self, ds: StreamingDataset):
+        self.ds = ds
+        self.cache = ShardCache(ds.cache_dir, limit_bytes=ds.cache_limit, options=ds.options)
+        mean = float(ds._rows.mean()) if len(ds._rows) else 1.0
+        self.keep = max(4, 2 * math.ceil(ds.shuffle_window / max(mean, 1.0)) + 2)
+        self.tables: OrderedDict[int, pa.Table] = OrderedDict()
+        self.pending: dict[int, Future] = {}
+        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="petatrain-prefetch")
+        self.lock = threading.Lock()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def _load(self, shard: int) -> pa.Table:
+        ds = self.ds
+        url = _shard_url(ds, shard)
+        pinned = frozenset(self.cache.local_name(_shard_url(ds, s)) for s in list(self.tables))
+        path = self.cache.path(url, ds._checksums[shard].as_py(), int(ds._bytes[shard]), pinned=pinned)
+        try:
+            table = pq.read_table(path, columns=ds.columns, memory_map=True)
+        except (pa.ArrowException, OSError) as exc:
+            raise CorruptDataError(f"shard unreadable: {url} ({exc})") from None
+        # One chunk per column: take() on a many-chunk column costs ~10x more per batch.
+        table = table.combine_chunks()
+        if table.num_rows != ds._rows[shard]:
+            raise CorruptDataError(f"shard {url} has {table.num_rows} rows; the index says {ds._rows[shard]}")
+        return table
+
+    def prefetch(self, shards: list[int]) -> None:
+        with self.lock:
+            for s in shards:
+                if s not in self.tables and s not in self.pending:
+                    self.pending[s] = self.pool.submit(self._load, s)
+
+    def table(self, shard: int) -> pa.Table:
+        with self.lock:
+            table = self.tables.get(shard)
+            if table is not None:
+                self.tables.move_to_end(shard)
+                return table
+            future = self.pending.pop(shard, None)
+        table = future.result() if future is not None else self._load(shard)  # re-raises fetch errors
+        with self.lock:
+            self.tables[shard] = table
+            while len(self.tables) > self.keep:
+                self.tables.popitem(last=False)
+        return table
+
+    def read(self, shards: np.ndarray, rows: np.ndarray) -> dict[str, Any]:
+        """The batch of rows (shard, row) in the given order, converted to tensors."""
+        ds = self.ds
+        order = np.argsort(shards, kind="stable")
+        parts = []
+        for shard in np.unique(shards):
+            sel = order[shards[order] == shard]
+            parts.append(self.table(int(shard)).take(pa.array(rows[sel])))
+        grouped = pa.concat_tables(parts) if len(parts) > 1 else parts[0]
+        inverse = np.empty_like(order)
+        inverse[order] = np.arange(len(order))
+        batch = grouped.take(pa.array(inverse)) if len(parts) > 1 or not np.array_equal(order, inverse) else grouped
+        out: dict[str, Any] = {name: _to_torch(batch.column(name), ds.token_dtype) for name in batch.column_names}
+        out["index"] = torch.from_numpy(ds._first_row[shards] + rows)
+        return out
+
+
+def _shard_url(ds: StreamingDataset, shard: int) -> str:
+    path = ds._paths[shard].as_py()
+    return path if "://" in path or path.startswith("/") else join(ds.url, path)
+
+
+def _to_torch(column: pa.ChunkedArray, token_dtype: np.dtype) -> Any:
+    array = column.combine_chunks()
+    kind = array.type
+    if pa.types.is_fixed_size_binary(kind):
+        width = kind.byte_width // token_dtype.itemsize
+        buf = array.buffers()[1]
+        flat = np.frombuffer(buf, dtype=token_dtype, count=len(array) * width, offset=array.offset * kind.byte_width)
+        return torch.from_numpy(flat.reshape(len(array), width))
+    if pa.types.is_integer(kind) or pa.types.is_floating(kind):
+        return torch.from_numpy(array.to_numpy(zero_copy_only=False))
+    if pa.types.is_binary(kind) or pa.types.is_large_binary(kind):
+        return [
+            torch.from_numpy(np.frombuffer(v, dtype=token_dtype)) if v is not None else None for v in array.to_pylist()
+        ]
+    return array.to_pylist()
+
+
+def _load_index(url: str, options: StorageOptions | None, cache_dir: str | None) -> tuple[dict, pa.Table]:
+    """Manifest and shard index; a remote index is fetched once per node into the cache."""
+    manifest = idx.read_manifest(url, options)
+    if manifest is None:
+        raise PetatrainError(f"no dataset at {url} (missing {idx.MANIFEST})")
+    count = int(manifest["totals"]["shards"])
+    if count == 0:
+        return manifest, idx.SHARD_SCHEMA.empty_table()
+    if cache_dir is None:
+        return manifest, idx.read_shard_index(url, manifest, options)
+    key = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:24]
+    local = os.path.join(cache_dir, f"index-{key}.parquet")
+    if not os.path.exists(local):
+        os.makedirs(cache_dir, exist_ok=True)
+        data = read_bytes(join(url, idx.SHARD_INDEX), options)
+        tmp = f"{local}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as handle:
+            handle.write(data)
+        os.replace(tmp, local)
+    table = pq.read_table(local, memory_map=True)
+    if table.num_rows < count:
+        raise CorruptDataError(f"{join(url, idx.SHARD_INDEX)} has {table.num_rows} rows; the manifest lists {count}")
+    return manifest, table.slice(0, count)
+
+
+class StreamingLoader:
+    """A DataLoader over a `StreamingDataset` that yields batches and keeps the resume state.
+
+    `wait_seconds` is the time the consumer spent waiting for batches (data-wait).
+    """
+
+    def __init__(self, dataset: StreamingDataset, *, num_workers: int, pin_memory: bool, prefetch_factor: int):
+        self.dataset = dataset
+        self.num_workers = num_workers
+        self._loader = DataLoader(
+            _Batches(dataset),
+            batch_size=None,
+            num_workers=num_workers,
+            pin_memory=pin_memory,
+            prefetch_factor=prefetch_factor if num_workers else None,
+            in_order=True,
+        )
+        self._consumed = 0
+        self.wait_seconds = 0.0
+        self.batches = 0
+
+    def __len__(self) -> int:
+        return math.ceil(len(self.dataset) / self.dataset.batch_size)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        it = iter(self._loader)
+        while True:
+            started = time.perf_counter()
+            try:
+                batch = next(it)
+            except StopIteration:
+                return
+            self.wait_seconds += time.perf_counter() - started
+            self._consumed += len(batch["index"])
+            self.batches += 1
+            yield batch
+
+    def set_epoch(self, epoch: int) -> None:
+        self.dataset.set_epoch(epoch)
+        self._consumed = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.dataset.state_dict(consumed=self._consumed)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.dataset.load_state_dict(state)
+        self._consumed = 0
+
+
+class _Batches(IterableDataset):
+    def __init__(self, dataset: StreamingDataset):
+        self.dataset = dataset
+
+    def __iter__(self):
+        worker = get_worker_info()
+        return self.dataset.iter_batches(worker.id if worker else 0, worker.num_workers if worker else 1)
+
+
+def loader(
+    dataset: str | StreamingDataset,
+    *,
+    batch_size: int | None = None,
+    num_workers: int | None = None,
+    pin_memory: bool | None = None,
+    prefetch_factor: int = 4,
+    **kwargs: Any,
+) -> StreamingLoader:
+    """A `StreamingLoader` for a dataset URL (kwargs go to `StreamingDataset`) or a dataset."""
+    if isinstance(dataset, str):
+        dataset = StreamingDataset(dataset, batch_size=batch_size or 1, **kwargs)
+    elif batch_size is not None and batch_size != dataset.batch_size:
+        raise ValueError(f"batch_size {batch_size} differs from the dataset's batch_size {dataset.batch_size}")
+    if num_workers is None:
+        num_workers = min(4, max(1, (os.cpu_count() or 2) // 2))
+    if pin_memory is None:
+        pin_memory = torch.cuda.is_available()
+    return StreamingLoader(dataset, num_workers=num_workers, pin_memory=pin_memory, prefetch_factor=prefetch_factor)
