@@ -64,3 +64,50 @@ def test_missing_bucket_is_a_clear_error(s3_endpoint, tmp_path):
     result = run_cli("ingest", "s3://no-such-bucket-petatrain/x.jsonl", "--out", str(tmp_path / "ds"))
     assert result.returncode == 2
     assert "source not found: s3://no-such-bucket-petatrain/x.jsonl" in result.stderr
+
+
+@pytest.fixture
+def s3_token_ds(s3_bucket, ray_local, tmp_path):
+    from petatrain.data import synth
+
+    corpus = synth.generate(str(tmp_path / "raw"), documents=400, files=2, mean_words=60, bad_records=False, seed=4)
+    out = storage.join(s3_bucket, "tokens")
+    ingest(corpus.files, out, dedup="exact", tokenizer="bytes", pack_length=64, shard_size="20KB")
+    return out
+
+
+def test_stream_from_s3_fetches_each_shard_once_per_node(s3_token_ds, tmp_path, monkeypatch):
+    from petatrain.data import StreamingDataset, cache
+
+    fetched = []
+    original = cache.ShardCache._fetch
+
+    def counting(self, url, checksum, target):
+        fetched.append(url)
+        return original(self, url, checksum, target)
+
+    monkeypatch.setattr(cache.ShardCache, "_fetch", counting)
+    seen = []
+    for rank in range(2):  # two ranks of one node share the cache folder
+        ds = StreamingDataset(s3_token_ds, rank=rank, world_size=2, seed=1, cache_dir=str(tmp_path / "cache"))
+        seen += [s["index"] for s in ds]
+    assert sorted(seen) == list(range(ds.num_samples))
+    assert len(fetched) == len(set(fetched)) == len(ds._rows)
+
+
+def test_stream_cache_limit_is_honoured(s3_token_ds, tmp_path):
+    from petatrain.data import StreamingDataset
+    from petatrain.errors import PetatrainError
+
+    probe = StreamingDataset(s3_token_ds, cache_dir=str(tmp_path / "probe"))
+    limit = int(probe._bytes.max() * 4)
+    rows = int(probe._rows.min())
+    ds = StreamingDataset(
+        s3_token_ds, seed=2, cache_dir=str(tmp_path / "cache"), cache_limit=limit, shuffle_window=rows
+    )
+    assert sorted(s["index"] for s in ds) == list(range(ds.num_samples))
+    cached = sum(p.stat().st_size for p in (tmp_path / "cache").glob("*.parquet"))
+    assert 0 < cached <= limit
+    tiny = StreamingDataset(s3_token_ds, cache_dir=str(tmp_path / "tiny"), cache_limit=100)
+    with pytest.raises(PetatrainError, match="cache_limit 100 bytes cannot hold"):
+        list(tiny)

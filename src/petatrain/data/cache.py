@@ -3,12 +3,14 @@
 Ranks and DataLoader workers on one node share the cache folder. A shard is fetched
 under an exclusive file lock (so one process downloads it while the others wait),
 verified against its recorded checksum, and published by rename. Least recently used
-shards are evicted to stay under the byte limit; a process that still has an evicted
-file mapped keeps reading it (POSIX unlink semantics).
+shards are evicted to stay under the byte limit; readers hold shards memory-mapped, so
+an evicted file stays readable to them (POSIX unlink semantics) and is never re-read
+half-gone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import logging
@@ -17,6 +19,8 @@ import threading
 import time
 import uuid
 from pathlib import Path
+
+import pyarrow as pa
 
 from petatrain.errors import CorruptDataError, PetatrainError
 from petatrain.storage import StorageOptions, read_bytes
@@ -45,8 +49,13 @@ class ShardCache:
         if self.dir:
             self.dir.mkdir(parents=True, exist_ok=True)
 
-    def path(self, url: str, checksum: str, size: int, *, pinned: frozenset[str] = frozenset()) -> str:
-        """A local file with the shard's verified bytes; fetches it if needed."""
+    def open(self, url: str, checksum: str, size: int) -> pa.MemoryMappedFile:
+        """The shard's verified bytes, memory-mapped; fetched first if needed.
+
+        The file is opened before the cache lock is released (or, for a hit, opened
+        directly), so a concurrent eviction can only unlink it, never pull it from
+        under a reader.
+        """
         if self.dir is None and is_local(url):
             _, path = resolve(url)
             with self._lock:
@@ -55,24 +64,28 @@ class ShardCache:
                 self._verify_local(url, path, checksum)
                 with self._lock:
                     self._verified.add(path)
-            return path
+            return pa.memory_map(path)
         if self.dir is None:
             raise PetatrainError(f"{url} is remote: the loader needs a cache_dir")
-        target = self.dir / (hashlib.sha256(url.encode()).hexdigest()[:24] + ".parquet")
-        if target.exists():
+        target = self.dir / self._name(url)
+        with contextlib.suppress(FileNotFoundError):
+            handle = pa.memory_map(str(target))
             os.utime(target)  # recency for LRU eviction
-            return str(target)
+            return handle
         with open(self.dir / ".lock", "a+b") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
-                if target.exists():  # another process fetched it while we waited
-                    os.utime(target)
-                    return str(target)
-                self._make_room(size, pinned)
-                self._fetch(url, checksum, target)
+                if not target.exists():  # else another process fetched it while we waited
+                    self._make_room(size)
+                    self._fetch(url, checksum, target)
+                os.utime(target)
+                return pa.memory_map(str(target))
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
-        return str(target)
+
+    @staticmethod
+    def _name(url: str) -> str:
+        return hashlib.sha256(url.encode()).hexdigest()[:24] + ".parquet"
 
     def _verify_local(self, url: str, path: str, checksum: str) -> None:
         try:
@@ -97,7 +110,7 @@ class ShardCache:
         os.replace(tmp, target)
         log.debug("fetched %s (%d bytes) in %.2fs", url, len(data), time.perf_counter() - started)
 
-    def _make_room(self, size: int, pinned: frozenset[str]) -> None:
+    def _make_room(self, size: int) -> None:
         if self.limit is None:
             return
         files = [(p.stat().st_mtime, p.stat().st_size, p) for p in self.dir.glob("*.parquet")]
@@ -105,8 +118,6 @@ class ShardCache:
         for _, s, p in sorted(files):
             if total + size <= self.limit:
                 break
-            if str(p) in pinned:
-                continue
             p.unlink(missing_ok=True)
             total -= s
         if total + size > self.limit:
@@ -117,6 +128,3 @@ class ShardCache:
 
     def cached_bytes(self) -> int:
         return sum(p.stat().st_size for p in self.dir.glob("*.parquet")) if self.dir else 0
-
-    def local_name(self, url: str) -> str:
-        return str(self.dir / (hashlib.sha256(url.encode()).hexdigest()[:24] + ".parquet")) if self.dir else url

@@ -244,10 +244,9 @@ class _ShardReader:
     def _load(self, shard: int) -> pa.Table:
         ds = self.ds
         url = _shard_url(ds, shard)
-        pinned = frozenset(self.cache.local_name(_shard_url(ds, s)) for s in list(self.tables))
-        path = self.cache.path(url, ds._checksums[shard].as_py(), int(ds._bytes[shard]), pinned=pinned)
+        source = self.cache.open(url, ds._checksums[shard].as_py(), int(ds._bytes[shard]))
         try:
-            table = pq.read_table(path, columns=ds.columns, memory_map=True)
+            table = pq.read_table(source, columns=ds.columns)
         except (pa.ArrowException, OSError) as exc:
             raise CorruptDataError(f"shard unreadable: {url} ({exc})") from None
         # One chunk per column: take() on a many-chunk column costs ~10x more per batch.
