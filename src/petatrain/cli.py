@@ -224,10 +224,12 @@ def demo(
     documents: Annotated[int, typer.Option(help="Unique documents to generate.")] = 3000,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
-    """Generate a small corpus with duplicates and bad records, ingest it, inspect it."""
+    """Generate a corpus with duplicates and bad records, ingest it, inspect it, and stream it
+    with 2 ranks, resuming half-way with 3."""
 
     def go():
         from petatrain.data import synth
+        from petatrain.data.elastic_demo import elastic_resume
         from petatrain.data.ingest import IngestJob, run
         from petatrain.data.inspect import describe
 
@@ -238,14 +240,30 @@ def demo(
             synth.generate(corpus_dir, documents=documents, files=4)
         summary = run(IngestJob(sources=[corpus_dir], out=dataset, config=config_mod.IngestConfig()))
         report = describe(dataset, verify=True, samples=2)
+        stream = elastic_resume(dataset)
         if as_json:
-            _print_json({"ingest": summary.to_dict(), "inspect": report})
+            _print_json({"ingest": summary.to_dict(), "inspect": report, "stream": stream})
             return
         _render_ingest(summary.to_dict())
         _render_inspect(report)
+        _render_stream(stream)
         out.print(f"\nNext: [bold].venv/bin/petatrain inspect {dataset} --verify[/bold]")
+        if not stream["exactly_once"]:
+            _fail("the loader did not deliver every sample exactly once", 1)
 
     _guarded(go)
+
+
+def _render_stream(s: dict[str, Any]) -> None:
+    table = Table(title="stream one epoch, stop half-way, resume with another world size", show_header=False)
+    table.add_row("samples in the epoch", str(s["samples_in_epoch"]))
+    table.add_row(f"consumed by {s['ranks_before']} ranks", str(s["consumed_before"]))
+    table.add_row(f"resumed by {s['ranks_after']} ranks", str(s["consumed_after"]))
+    table.add_row("saved loader state", json.dumps(s["state"]))
+    table.add_row("duplicates / missing", f"{s['duplicates']} / {s['missing']}")
+    verdict = "[green]every sample exactly once[/green]" if s["exactly_once"] else "[red]NOT exactly once[/red]"
+    table.add_row("result", verdict)
+    out.print(table)
 
 
 @app.command("config")
