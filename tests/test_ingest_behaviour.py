@@ -289,3 +289,15 @@ def test_inspect_of_something_that_is_not_a_dataset(tmp_path):
     result = run_cli("inspect", str(tmp_path))
     assert result.returncode == 2
     assert f"no dataset at {tmp_path}" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_byte_tokenizer_fast_path_matches_the_tokenizer():
+    from petatrain.data import tokenize as tk
+
+    tok = tk.byte_level()
+    texts = ["héllo wörld ✓\n\t" * 20, "plain ascii", "", "日本語のテキスト"]
+    table = tk.byte_table(tok)
+    assert table is not None
+    fast, slow = tk.encode(tok, texts, table), tk.encode(tok, texts)
+    assert all(np.array_equal(a, b) for a, b in zip(fast, slow, strict=True))
+    assert tk.byte_table(tk.train_bpe(["hello world"] * 50, 300)) is None

@@ -450,6 +450,7 @@ class _ShardWriter:
             keep_state,
         )
         self._tokenizer = None
+        self._byte_table = None
         self._groups: dict[int, np.ndarray] = {}
 
     def __call__(self, spec: dict[str, Any]) -> dict[str, Any]:
@@ -525,9 +526,10 @@ class _ShardWriter:
             from tokenizers import Tokenizer
 
             self._tokenizer = Tokenizer.from_str(self.tokenizer_json)
+            self._byte_table = tk.byte_table(self._tokenizer)
         tok = self._tokenizer
         dtype = tk.token_dtype(tok)
-        encoded = tk.encode(tok, texts.to_pylist())
+        encoded = tk.encode(tok, texts.to_pylist(), self._byte_table)
         tokens = int(sum(len(e) for e in encoded))
         if self.cfg.pack_length:
             rows, left = tk.pack(encoded, self.cfg.pack_length, tk.eos_id(tok), dtype)
