@@ -221,3 +221,15 @@ def test_order_scales_to_ten_million_shards(tmp_path):
     shards, within = order.locate(positions)
     assert ((within >= 0) & (within < 1000)).all() and len(np.unique(shards)) > 1
     assert order.shard_order.nbytes + order.ends.nbytes <= 2 * 8 * n
+
+
+def test_background_thread_errors_reach_the_consumer(token_ds, tmp_path):
+    import shutil
+
+    copy = tmp_path / "ds"
+    shutil.copytree(token_ds, copy)
+    for shard in (copy / "data").iterdir():
+        shard.write_bytes(b"garbage")
+    dl = loader(str(copy), batch_size=BATCH, num_workers=0)
+    with pytest.raises(CorruptDataError, match="shard corrupt"):
+        next(iter(dl))

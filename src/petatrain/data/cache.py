@@ -24,7 +24,7 @@ import pyarrow as pa
 
 from petatrain.errors import CorruptDataError, PetatrainError
 from petatrain.storage import StorageOptions, read_bytes
-from petatrain.storage.checksum import checksum_bytes, checksum_file
+from petatrain.storage.checksum import checksum_bytes
 from petatrain.storage.fs import is_local, resolve
 
 log = logging.getLogger(__name__)
@@ -89,10 +89,12 @@ class ShardCache:
 
     def _verify_local(self, url: str, path: str, checksum: str) -> None:
         try:
-            with open(path, "rb") as handle:
-                actual, _ = checksum_file(handle)
+            mapped = pa.memory_map(path)
         except FileNotFoundError:
             raise CorruptDataError(f"shard missing: {url}") from None
+        # Hash the mapped pages in place: no read() copy, and the pages stay cached for
+        # the Parquet reader that comes next.
+        actual = checksum_bytes(memoryview(mapped.read_buffer()))
         if actual != checksum:
             raise CorruptDataError(f"shard corrupt: {url} (checksum {actual} != recorded {checksum})")
 

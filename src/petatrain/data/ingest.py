@@ -54,6 +54,7 @@ log = logging.getLogger(__name__)
 FILE_BITS = 36  # records per file < 2^36; files per dataset < 2^27
 _STAGED_ROW_GROUP = 4096
 _SHARD_ROW_GROUP = 4096
+_TOKEN_ROW_GROUP_BYTES = 64 << 20
 _SIGN_CHUNK = 2048  # documents per MinHash batch (bounds the (perms, shingles) block)
 _TOKENIZER_SAMPLE_BYTES = 32 << 20
 # Settings that must match between an ingest and the append that extends it.
@@ -467,10 +468,7 @@ class _ShardWriter:
         text_arr = pa.chunked_array([c for t in texts for c in t.chunks], pa.large_string())
         table, tokens, left_over = self._table(ord_arr, text_arr)
         path = f"data/part-{shard:06d}.parquet"
-        compression = {name: ("none" if name == "tokens" else "zstd") for name in table.column_names}
-        checksum, size = _write_parquet(
-            join(self.out, path), table, self.options, row_group_size=_SHARD_ROW_GROUP, compression=compression
-        )
+        checksum, size = _write_parquet(join(self.out, path), table, self.options, **_shard_layout(table))
         result = {
             "shard": shard,
             "path": path,
@@ -551,6 +549,26 @@ class _ShardWriter:
             tokens,
             0,
         )
+
+
+def _shard_layout(table: pa.Table) -> dict[str, Any]:
+    """Parquet settings for a shard.
+
+    Token columns are stored so that reading them costs what the bytes cost: no
+    compression, no dictionary, no statistics, and (for packed fixed-width rows) row
+    groups of ~64 MB, so a shard decodes into one contiguous buffer per row group.
+    Text is zstd-compressed in row groups of 4096 rows.
+    """
+    tokens = "tokens" in table.column_names
+    rows = _SHARD_ROW_GROUP
+    if tokens and pa.types.is_fixed_size_binary(table.schema.field("tokens").type):
+        rows = max(1, _TOKEN_ROW_GROUP_BYTES // table.schema.field("tokens").type.byte_width)
+    return {
+        "row_group_size": rows,
+        "compression": {name: ("none" if name == "tokens" else "zstd") for name in table.column_names},
+        "use_dictionary": [name for name in table.column_names if name != "tokens"],
+        "write_statistics": [name for name in table.column_names if name != "tokens"],
+    }
 
 
 def _tokenizer(job: IngestJob, manifest: dict | None, staging: str, file_stats: list[dict]) -> str:

@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import os
+import queue
 import threading
 import time
 from collections import OrderedDict
@@ -207,11 +208,13 @@ class StreamingDataset(IterableDataset):
             for j in range(worker_id, n_batches, num_workers):
                 positions = deal.positions(j * b, (j + 1) * b)
                 shards, rows = order.locate(positions)
+                yield reader.read(shards, rows)
+                # Once a window's first batch is out (its shards are loaded), fetch the
+                # next window's in the background; earlier would delay the first batch.
                 window = int(positions[-1] // order.window)
                 if window != last_window and self.prefetch:
                     reader.prefetch(_window_shards(order, window + 1))
                     last_window = window
-                yield reader.read(shards, rows)
         finally:
             reader.close()
 
@@ -225,6 +228,28 @@ def _window_shards(order: SampleOrder, window: int) -> list[int]:
     return order.shard_order[k0 : k1 + 1].tolist()
 
 
+class _Shard:
+    """A decoded shard: its table, and numpy views of the fixed-width and numeric columns."""
+
+    def __init__(self, table: pa.Table, token_dtype: np.dtype):
+        self.table = table
+        self.arrays: dict[str, np.ndarray] = {}
+        for name in table.column_names:
+            array = table.column(name).combine_chunks()
+            kind = array.type
+            if pa.types.is_fixed_size_binary(kind):
+                width = kind.byte_width // token_dtype.itemsize
+                flat = np.frombuffer(
+                    array.buffers()[1],
+                    dtype=token_dtype,
+                    count=len(array) * width,
+                    offset=array.offset * kind.byte_width,
+                )
+                self.arrays[name] = flat.reshape(len(array), width)
+            elif (pa.types.is_integer(kind) or pa.types.is_floating(kind)) and array.null_count == 0:
+                self.arrays[name] = array.to_numpy()
+
+
 class _ShardReader:
     """Opens shards (through the cache), keeps the recent ones, prefetches the next window's."""
 
@@ -233,7 +258,7 @@ class _ShardReader:
         self.cache = ShardCache(ds.cache_dir, limit_bytes=ds.cache_limit, options=ds.options)
         mean = float(ds._rows.mean()) if len(ds._rows) else 1.0
         self.keep = max(4, 2 * math.ceil(ds.shuffle_window / max(mean, 1.0)) + 2)
-        self.tables: OrderedDict[int, pa.Table] = OrderedDict()
+        self.shards: OrderedDict[int, _Shard] = OrderedDict()
         self.pending: dict[int, Future] = {}
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="petatrain-prefetch")
         self.lock = threading.Lock()
@@ -241,7 +266,7 @@ class _ShardReader:
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
-    def _load(self, shard: int) -> pa.Table:
+    def _load(self, shard: int) -> _Shard:
         ds = self.ds
         url = _shard_url(ds, shard)
         source = self.cache.open(url, ds._checksums[shard].as_py(), int(ds._bytes[shard]))
@@ -249,45 +274,55 @@ class _ShardReader:
             table = pq.read_table(source, columns=ds.columns)
         except (pa.ArrowException, OSError) as exc:
             raise CorruptDataError(f"shard unreadable: {url} ({exc})") from None
-        # One chunk per column: take() on a many-chunk column costs ~10x more per batch.
-        table = table.combine_chunks()
         if table.num_rows != ds._rows[shard]:
             raise CorruptDataError(f"shard {url} has {table.num_rows} rows; the index says {ds._rows[shard]}")
-        return table
+        # One chunk per column: take() on a many-chunk column costs ~10x more per batch.
+        return _Shard(table.combine_chunks(), ds.token_dtype)
 
     def prefetch(self, shards: list[int]) -> None:
         with self.lock:
             for s in shards:
-                if s not in self.tables and s not in self.pending:
+                if s not in self.shards and s not in self.pending:
                     self.pending[s] = self.pool.submit(self._load, s)
 
-    def table(self, shard: int) -> pa.Table:
+    def shard(self, shard: int) -> _Shard:
         with self.lock:
-            table = self.tables.get(shard)
-            if table is not None:
-                self.tables.move_to_end(shard)
-                return table
+            loaded = self.shards.get(shard)
+            if loaded is not None:
+                self.shards.move_to_end(shard)
+                return loaded
             future = self.pending.pop(shard, None)
-        table = future.result() if future is not None else self._load(shard)  # re-raises fetch errors
+        loaded = future.result() if future is not None else self._load(shard)  # re-raises fetch errors
         with self.lock:
-            self.tables[shard] = table
-            while len(self.tables) > self.keep:
-                self.tables.popitem(last=False)
-        return table
+            self.shards[shard] = loaded
+            while len(self.shards) > self.keep:
+                self.shards.popitem(last=False)
+        return loaded
 
     def read(self, shards: np.ndarray, rows: np.ndarray) -> dict[str, Any]:
-        """The batch of rows (shard, row) in the given order, converted to tensors."""
+        """The batch of rows (shard, row), in the given order: tensors where the type allows."""
         ds = self.ds
-        order = np.argsort(shards, kind="stable")
-        parts = []
-        for shard in np.unique(shards):
-            sel = order[shards[order] == shard]
-            parts.append(self.table(int(shard)).take(pa.array(rows[sel])))
-        grouped = pa.concat_tables(parts) if len(parts) > 1 else parts[0]
-        inverse = np.empty_like(order)
-        inverse[order] = np.arange(len(order))
-        batch = grouped.take(pa.array(inverse)) if len(parts) > 1 or not np.array_equal(order, inverse) else grouped
-        out: dict[str, Any] = {name: _to_torch(batch.column(name), ds.token_dtype) for name in batch.column_names}
+        unique, which = np.unique(shards, return_inverse=True)
+        loaded = [self.shard(int(s)) for s in unique]
+        picks = [np.nonzero(which == k)[0] for k in range(len(unique))] if len(unique) > 1 else None
+        out: dict[str, Any] = {}
+        for name in ds.columns:
+            if name in loaded[0].arrays:
+                if picks is None:  # one shard: a single gather
+                    out[name] = torch.from_numpy(loaded[0].arrays[name][rows])
+                    continue
+                first = loaded[0].arrays[name]
+                gathered = np.empty((len(rows), *first.shape[1:]), dtype=first.dtype)
+                for shard, pick in zip(loaded, picks, strict=True):
+                    gathered[pick] = shard.arrays[name][rows[pick]]
+                out[name] = torch.from_numpy(gathered)
+            else:
+                values: list[Any] = [None] * len(rows)
+                for shard, pick in zip(loaded, picks or [np.arange(len(rows))], strict=True):
+                    taken = _to_python(shard.table.column(name).take(pa.array(rows[pick])), ds.token_dtype)
+                    for i, v in zip(pick.tolist(), taken, strict=True):
+                        values[i] = v
+                out[name] = values
         out["index"] = torch.from_numpy(ds._first_row[shards] + rows)
         return out
 
@@ -297,21 +332,14 @@ def _shard_url(ds: StreamingDataset, shard: int) -> str:
     return path if "://" in path or path.startswith("/") else join(ds.url, path)
 
 
-def _to_torch(column: pa.ChunkedArray, token_dtype: np.dtype) -> Any:
-    array = column.combine_chunks()
-    kind = array.type
-    if pa.types.is_fixed_size_binary(kind):
-        width = kind.byte_width // token_dtype.itemsize
-        buf = array.buffers()[1]
-        flat = np.frombuffer(buf, dtype=token_dtype, count=len(array) * width, offset=array.offset * kind.byte_width)
-        return torch.from_numpy(flat.reshape(len(array), width))
-    if pa.types.is_integer(kind) or pa.types.is_floating(kind):
-        return torch.from_numpy(array.to_numpy(zero_copy_only=False))
+def _to_python(column: pa.ChunkedArray | pa.Array, token_dtype: np.dtype) -> list[Any]:
+    """Values of a column without a numpy view: strings, variable-length tokens, nullable numbers."""
+    kind = column.type
     if pa.types.is_binary(kind) or pa.types.is_large_binary(kind):
         return [
-            torch.from_numpy(np.frombuffer(v, dtype=token_dtype)) if v is not None else None for v in array.to_pylist()
+            torch.from_numpy(np.frombuffer(v, dtype=token_dtype)) if v is not None else None for v in column.to_pylist()
         ]
-    return array.to_pylist()
+    return column.to_pylist()
 
 
 def _load_index(url: str, options: StorageOptions | None, cache_dir: str | None) -> tuple[dict, pa.Table]:
@@ -340,22 +368,30 @@ def _load_index(url: str, options: StorageOptions | None, cache_dir: str | None)
 
 
 class StreamingLoader:
-    """A DataLoader over a `StreamingDataset` that yields batches and keeps the resume state.
+    """Batches of a `StreamingDataset`, with the resume state and the data-wait time.
 
+    With `num_workers=0` batches are produced by one background thread (bounded by
+    `prefetch_factor` batches): shard reads, checksums and Parquet decoding release the
+    GIL, and nothing crosses a process boundary. With workers, a torch DataLoader runs
+    them in processes, which pays off when decoding is Python-heavy (text columns).
     `wait_seconds` is the time the consumer spent waiting for batches (data-wait).
     """
 
     def __init__(self, dataset: StreamingDataset, *, num_workers: int, pin_memory: bool, prefetch_factor: int):
         self.dataset = dataset
         self.num_workers = num_workers
-        self._loader = DataLoader(
-            _Batches(dataset),
-            batch_size=None,
-            num_workers=num_workers,
-            pin_memory=pin_memory,
-            prefetch_factor=prefetch_factor if num_workers else None,
-            in_order=True,
-        )
+        self.pin_memory = pin_memory
+        self.prefetch_factor = max(1, prefetch_factor)
+        self._loader = None
+        if num_workers:
+            self._loader = DataLoader(
+                _Batches(dataset),
+                batch_size=None,
+                num_workers=num_workers,
+                pin_memory=pin_memory,
+                prefetch_factor=prefetch_factor,
+                in_order=True,
+            )
         self._consumed = 0
         self.wait_seconds = 0.0
         self.batches = 0
@@ -364,16 +400,27 @@ class StreamingLoader:
         return math.ceil(len(self.dataset) / self.dataset.batch_size)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        it = iter(self._loader)
-        while True:
-            started = time.perf_counter()
-            try:
-                batch = next(it)
-            except StopIteration:
-                return
-            self.wait_seconds += time.perf_counter() - started
-            self._consumed += len(batch["index"])
-            self.batches += 1
+        it = iter(self._loader) if self._loader is not None else _background(self._produce(), self.prefetch_factor)
+        try:
+            while True:
+                started = time.perf_counter()
+                try:
+                    batch = next(it)
+                except StopIteration:
+                    return
+                self.wait_seconds += time.perf_counter() - started
+                self._consumed += len(batch["index"])
+                self.batches += 1
+                yield batch
+        finally:
+            close = getattr(it, "close", None)
+            if close:
+                close()
+
+    def _produce(self) -> Iterator[dict[str, Any]]:
+        for batch in self.dataset.iter_batches():
+            if self.pin_memory:
+                batch = {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
             yield batch
 
     def set_epoch(self, epoch: int) -> None:
@@ -386,6 +433,44 @@ class StreamingLoader:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.dataset.load_state_dict(state)
         self._consumed = 0
+
+
+_DONE = object()
+
+
+def _background(source: Iterator[Any], depth: int) -> Iterator[Any]:
+    """Run `source` in a thread, `depth` items ahead; its exceptions re-raise here."""
+    items: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def run() -> None:
+        try:
+            for item in source:
+                while not stop.is_set():
+                    try:
+                        items.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            items.put(_DONE)
+        except BaseException as exc:  # handed to the consumer, never swallowed
+            items.put(exc)
+
+    thread = threading.Thread(target=run, name="petatrain-loader", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item = items.get()
+            if item is _DONE:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        thread.join(timeout=5)
 
 
 class _Batches(IterableDataset):
@@ -412,7 +497,7 @@ def loader(
     elif batch_size is not None and batch_size != dataset.batch_size:
         raise ValueError(f"batch_size {batch_size} differs from the dataset's batch_size {dataset.batch_size}")
     if num_workers is None:
-        num_workers = min(4, max(1, (os.cpu_count() or 2) // 2))
+        num_workers = 0  # a background thread; see StreamingLoader
     if pin_memory is None:
         pin_memory = torch.cuda.is_available()
     return StreamingLoader(dataset, num_workers=num_workers, pin_memory=pin_memory, prefetch_factor=prefetch_factor)
