@@ -63,11 +63,15 @@ class SampleOrder:
         """(shard id, row within shard) for each position of S."""
         positions = np.asarray(positions, dtype=np.int64)
         if self.shuffle and len(positions):
-            q = np.empty_like(positions)
-            windows = positions // self.window
-            for w in np.unique(windows):
-                sel = windows == w
-                q[sel] = w * self.window + self._window_perm(int(w))[positions[sel] - w * self.window]
+            first, last = int(positions[0] // self.window), int(positions[-1] // self.window)
+            if first == last:  # the usual case for a batch: one window, positions ascending
+                q = first * self.window + self._window_perm(first)[positions - first * self.window]
+            else:
+                q = np.empty_like(positions)
+                windows = positions // self.window
+                for w in np.unique(windows):
+                    sel = windows == w
+                    q[sel] = w * self.window + self._window_perm(int(w))[positions[sel] - w * self.window]
         else:
             q = positions
         k = np.searchsorted(self.ends, q, side="right")

@@ -302,9 +302,11 @@ class _ShardReader:
     def read(self, shards: np.ndarray, rows: np.ndarray) -> dict[str, Any]:
         """The batch of rows (shard, row), in the given order: tensors where the type allows."""
         ds = self.ds
-        unique, which = np.unique(shards, return_inverse=True)
-        loaded = [self.shard(int(s)) for s in unique]
-        picks = [np.nonzero(which == k)[0] for k in range(len(unique))] if len(unique) > 1 else None
+        order = np.argsort(shards, kind="stable")
+        sorted_shards = shards[order]
+        cuts = np.flatnonzero(sorted_shards[1:] != sorted_shards[:-1]) + 1
+        loaded = [self.shard(int(sorted_shards[i])) for i in np.concatenate(([0], cuts))]
+        picks = np.split(order, cuts) if len(cuts) else None
         out: dict[str, Any] = {}
         for name in ds.columns:
             if name in loaded[0].arrays:
