@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 
 STATE_VERSION = 1
 _WINDOW_SHARDS = 4  # default shuffle window: about this many shards' worth of samples
+_GROUP_ROWS = 1024  # rows gathered at once; batches are views of the gathered block
 
 
 class StreamingDataset(IterableDataset):
@@ -200,16 +201,31 @@ class StreamingDataset(IterableDataset):
         return _ShardReader(self)
 
     def _batches(self, reader: _ShardReader, worker_id: int, num_workers: int) -> Iterator[dict[str, Any]]:
+        """This worker's batches, read `group` batches at a time.
+
+        One locate + gather for a group of batches, then each batch is a slice (a view)
+        of it: the per-batch Python cost stays small even for small batches.
+        """
         order, deal = self.order(), self.deal()
         b = self.batch_size
         n_batches = math.ceil(deal.count / b)
+        mine = range(worker_id, n_batches, num_workers)
+        group = max(1, _GROUP_ROWS // b)
         last_window = -1
         try:
-            for j in range(worker_id, n_batches, num_workers):
-                positions = deal.positions(j * b, (j + 1) * b)
+            for g in range(0, len(mine), group):
+                batches = mine[g : g + group]
+                spans = [deal.positions(j * b, (j + 1) * b) for j in batches]
+                positions = np.concatenate(spans) if len(spans) > 1 else spans[0]
+                if last_window < 0 and self.prefetch:  # load the first window's shards in parallel
+                    reader.prefetch(_window_shards(order, int(positions[0] // order.window)))
                 shards, rows = order.locate(positions)
-                yield reader.read(shards, rows)
-                # Once a window's first batch is out (its shards are loaded), fetch the
+                gathered = reader.read(shards, rows)
+                offset = 0
+                for span in spans:
+                    yield {k: v[offset : offset + len(span)] for k, v in gathered.items()}
+                    offset += len(span)
+                # Once a window's first batches are out (its shards are loaded), fetch the
                 # next window's in the background; earlier would delay the first batch.
                 window = int(positions[-1] // order.window)
                 if window != last_window and self.prefetch:
