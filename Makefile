@@ -26,8 +26,15 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not slow and not s3"
 
+# MosaicML Streaming is a loader-benchmark peer only; its pins (numpy<2.2, xxhash<4, a CUDA
+# torch) conflict with ours, so it goes in without dependencies (see benchmarks/loader.py).
 bench: $(STAMP)
+	$(BIN)/python -c "import importlib.metadata as m; m.version('mosaicml-streaming')" 2>/dev/null || ( \
+	  $(BIN)/python -m pip install -q --no-deps mosaicml-streaming==0.13.0 && \
+	  $(BIN)/python -m pip install -q brotli==1.2.1 python-snappy==0.7.3 zstd==1.5.7.2 catalogue==2.0.10 \
+	    transformers==5.23.0 )
 	$(BIN)/python benchmarks/ingest.py
+	$(BIN)/python benchmarks/loader.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
