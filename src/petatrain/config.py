@@ -46,7 +46,10 @@ class IngestConfig:
             raise ConfigError("ingest.pack_length needs ingest.tokenizer (try tokenizer: bytes)")
         if self.max_chars < self.min_chars:
             raise ConfigError(f"ingest.max_chars ({self.max_chars}) is below ingest.min_chars ({self.min_chars})")
-        parse_size(self.shard_size, "ingest.shard_size")
+        size = parse_size(self.shard_size, "ingest.shard_size")
+        if self.pack_length and size >= 2**31:
+            # A packed shard is one Parquet data page, whose size is a 32-bit field.
+            raise ConfigError(f"ingest.shard_size {self.shard_size} is too large for packed tokens; use < 2GiB")
 
 
 @dataclass(kw_only=True, slots=True)

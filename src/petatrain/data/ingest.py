@@ -54,7 +54,6 @@ log = logging.getLogger(__name__)
 FILE_BITS = 36  # records per file < 2^36; files per dataset < 2^27
 _STAGED_ROW_GROUP = 4096
 _SHARD_ROW_GROUP = 4096
-_TOKEN_ROW_GROUP_BYTES = 64 << 20
 _SIGN_CHUNK = 2048  # documents per MinHash batch (bounds the (perms, shingles) block)
 _TOKENIZER_SAMPLE_BYTES = 32 << 20
 # Settings that must match between an ingest and the append that extends it.
@@ -535,7 +534,8 @@ class _ShardWriter:
             column = pa.FixedSizeBinaryArray.from_buffers(
                 pa.binary(width), len(rows), [None, pa.py_buffer(rows.tobytes())]
             )
-            return pa.table({"tokens": column}), tokens, left
+            schema = pa.schema([pa.field("tokens", column.type, nullable=False)])
+            return pa.table([column], schema=schema), tokens, left
         column = pa.array([e.tobytes() for e in encoded], pa.large_binary())
         return (
             pa.table(
@@ -555,20 +555,22 @@ def _shard_layout(table: pa.Table) -> dict[str, Any]:
     """Parquet settings for a shard.
 
     Token columns are stored so that reading them costs what the bytes cost: no
-    compression, no dictionary, no statistics, and (for packed fixed-width rows) row
-    groups of ~64 MB, so a shard decodes into one contiguous buffer per row group.
+    compression, no dictionary, no statistics. A packed shard (one required
+    fixed-width `tokens` column) is one row group holding one data page, so its values
+    are a single contiguous run of bytes in the file that a loader can map without
+    decoding (`stream._zero_copy_view`); any Parquet reader still reads it normally.
     Text is zstd-compressed in row groups of 4096 rows.
     """
-    tokens = "tokens" in table.column_names
-    rows = _SHARD_ROW_GROUP
-    if tokens and pa.types.is_fixed_size_binary(table.schema.field("tokens").type):
-        rows = max(1, _TOKEN_ROW_GROUP_BYTES // table.schema.field("tokens").type.byte_width)
-    return {
-        "row_group_size": rows,
+    layout: dict[str, Any] = {
+        "row_group_size": _SHARD_ROW_GROUP,
         "compression": {name: ("none" if name == "tokens" else "zstd") for name in table.column_names},
         "use_dictionary": [name for name in table.column_names if name != "tokens"],
         "write_statistics": [name for name in table.column_names if name != "tokens"],
     }
+    if table.column_names == ["tokens"] and pa.types.is_fixed_size_binary(table.schema.field("tokens").type):
+        rows = max(1, table.num_rows)
+        layout.update(row_group_size=rows, data_page_size=(1 << 31) - 1, max_rows_per_page=rows)
+    return layout
 
 
 def _tokenizer(job: IngestJob, manifest: dict | None, staging: str, file_stats: list[dict]) -> str:

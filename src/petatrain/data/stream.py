@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 STATE_VERSION = 1
 _WINDOW_SHARDS = 4  # default shuffle window: about this many shards' worth of samples
 _GROUP_ROWS = 1024  # rows gathered at once; batches are views of the gathered block
+_MAX_PAGE_HEADER = 256  # bytes; one Parquet page header (no statistics) is ~30
 
 
 class StreamingDataset(IterableDataset):
@@ -247,10 +248,10 @@ def _window_shards(order: SampleOrder, window: int) -> list[int]:
 class _Shard:
     """A decoded shard: its table, and numpy views of the fixed-width and numeric columns."""
 
-    def __init__(self, table: pa.Table, token_dtype: np.dtype):
+    def __init__(self, table: pa.Table | None, token_dtype: np.dtype, arrays: dict[str, np.ndarray] | None = None):
         self.table = table
-        self.arrays: dict[str, np.ndarray] = {}
-        for name in table.column_names:
+        self.arrays: dict[str, np.ndarray] = dict(arrays or {})
+        for name in table.column_names if table is not None else []:
             array = table.column(name).combine_chunks()
             kind = array.type
             if pa.types.is_fixed_size_binary(kind):
@@ -264,6 +265,44 @@ class _Shard:
                 self.arrays[name] = flat.reshape(len(array), width)
             elif (pa.types.is_integer(kind) or pa.types.is_floating(kind)) and array.null_count == 0:
                 self.arrays[name] = array.to_numpy()
+
+
+def _zero_copy_view(
+    source: pa.MemoryMappedFile, meta: pq.FileMetaData, name: str, dtype: np.dtype
+) -> np.ndarray | None:
+    """The values of a fixed-width column straight from the mapped file, or None.
+
+    Possible when the column is stored as ingest writes packed tokens: one row group,
+    one uncompressed PLAIN data page, required (no definition levels), no dictionary.
+    The page is then a small header followed by the rows' bytes, back to back.
+    """
+    if meta.num_row_groups != 1:
+        return None
+    names = [meta.schema.column(i).name for i in range(meta.num_columns)]
+    if name not in names:
+        return None
+    column = meta.schema.column(names.index(name))
+    chunk = meta.row_group(0).column(names.index(name))
+    if (
+        column.physical_type != "FIXED_LEN_BYTE_ARRAY"
+        or column.max_definition_level != 0
+        or chunk.compression != "UNCOMPRESSED"
+        or chunk.has_dictionary_page
+    ):
+        return None
+    width = column.length
+    values = meta.num_rows * width
+    header = chunk.total_compressed_size - values
+    if not 0 < header <= _MAX_PAGE_HEADER:  # more than one page header: not one contiguous run
+        return None
+    start = chunk.data_page_offset + header
+    flat = np.frombuffer(_mapped(source), dtype=np.uint8, count=values, offset=start)
+    return flat.view(dtype).reshape(meta.num_rows, width // dtype.itemsize)
+
+
+def _mapped(source: pa.MemoryMappedFile) -> pa.Buffer:
+    source.seek(0)
+    return source.read_buffer()
 
 
 class _ShardReader:
@@ -287,13 +326,20 @@ class _ShardReader:
         url = _shard_url(ds, shard)
         source = self.cache.open(url, ds._checksums[shard].as_py(), int(ds._bytes[shard]))
         try:
-            table = pq.read_table(source, columns=ds.columns)
+            meta = pq.ParquetFile(source).metadata
+            views = {}
+            for name in ds.columns:
+                view = _zero_copy_view(source, meta, name, ds.token_dtype)
+                if view is not None:
+                    views[name] = view
+            rest = [c for c in ds.columns if c not in views]
+            table = pq.read_table(source, columns=rest) if rest else None
         except (pa.ArrowException, OSError) as exc:
             raise CorruptDataError(f"shard unreadable: {url} ({exc})") from None
-        if table.num_rows != ds._rows[shard]:
-            raise CorruptDataError(f"shard {url} has {table.num_rows} rows; the index says {ds._rows[shard]}")
+        if meta.num_rows != ds._rows[shard]:
+            raise CorruptDataError(f"shard {url} has {meta.num_rows} rows; the index says {ds._rows[shard]}")
         # One chunk per column: take() on a many-chunk column costs ~10x more per batch.
-        return _Shard(table.combine_chunks(), ds.token_dtype)
+        return _Shard(table.combine_chunks() if table is not None else None, ds.token_dtype, views)
 
     def prefetch(self, shards: list[int]) -> None:
         with self.lock:
