@@ -58,7 +58,7 @@ def partitions_for(total_rows: int, num_perm: int, cpus: int) -> int:
 
 
 def read_signatures(url: str, options: StorageOptions | None) -> Parts:
-    table = pq.read_table(pa.BufferReader(read_bytes(url, options)))
+    table = pq.ParquetFile(pa.BufferReader(read_bytes(url, options))).read()
     out = {name: table.column(name).to_numpy() for name in ("ord", "nbytes", "h_hi", "h_lo")}
     if "sig" in table.column_names:
         width = table.schema.field("sig").type.byte_width // 2

@@ -83,7 +83,9 @@ def read_shard_index(url: str, manifest: dict[str, Any], options: StorageOptions
         return SHARD_SCHEMA.empty_table()
     target = join(url, SHARD_INDEX)
     try:
-        table = pq.read_table(pa.BufferReader(read_bytes(target, options)))
+        # ParquetFile.read, unlike pq.read_table, does not import pyarrow.dataset (and pandas):
+        # ~0.3 s off every loader's start.
+        table = pq.ParquetFile(pa.BufferReader(read_bytes(target, options))).read()
     except FileNotFoundError:
         raise CorruptDataError(f"{target} is missing; the manifest lists {count} shards") from None
     except pa.ArrowException as exc:

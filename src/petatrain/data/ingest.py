@@ -511,7 +511,7 @@ class _ShardWriter:
         group = file_ord % self.num_groups
         if group not in self._groups:
             url = join(self.staging, "dups", f"g-{group:05d}.parquet")
-            table = pq.read_table(pa.BufferReader(read_bytes(url, self.options)), columns=["ord"])
+            table = pq.ParquetFile(pa.BufferReader(read_bytes(url, self.options))).read(columns=["ord"])
             self._groups[group] = table.column("ord").to_numpy()
         ords = self._groups[group]
         return ords[(ords >> FILE_BITS) == file_ord]
