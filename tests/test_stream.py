@@ -233,3 +233,17 @@ def test_background_thread_errors_reach_the_consumer(token_ds, tmp_path):
     dl = loader(str(copy), batch_size=BATCH, num_workers=0)
     with pytest.raises(CorruptDataError, match="shard corrupt"):
         next(iter(dl))
+
+
+def test_breaking_out_early_stops_the_producer_thread(token_ds):
+    import threading
+    import time
+
+    dl = loader(token_ds, batch_size=BATCH, num_workers=0)
+    for i, _ in enumerate(dl):
+        if i == 2:
+            break
+    deadline = time.time() + 5
+    while any(t.name == "petatrain-loader" for t in threading.enumerate()) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not any(t.name == "petatrain-loader" for t in threading.enumerate())

@@ -15,6 +15,7 @@ training), so any rank's state describes the global position.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import math
@@ -472,7 +473,11 @@ class StreamingLoader:
         return math.ceil(len(self.dataset) / self.dataset.batch_size)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        it = iter(self._loader) if self._loader is not None else _background(self._produce(), self.prefetch_factor)
+        if self._loader is not None:
+            source = it = iter(self._loader)
+        else:  # hand batches over in small lists: one thread handoff per list, not per batch
+            source = _background(_chunked(self._produce(), _HANDOFF_BATCHES), self.prefetch_factor)
+            it = itertools.chain.from_iterable(source)
         try:
             while True:
                 started = time.perf_counter()
@@ -485,7 +490,7 @@ class StreamingLoader:
                 self.batches += 1
                 yield batch
         finally:
-            close = getattr(it, "close", None)
+            close = getattr(source, "close", None)  # stops the producer thread on an early break
             if close:
                 close()
 
@@ -508,6 +513,18 @@ class StreamingLoader:
 
 
 _DONE = object()
+_HANDOFF_BATCHES = 8
+
+
+def _chunked(source: Iterator[Any], size: int) -> Iterator[list[Any]]:
+    chunk: list[Any] = []
+    for item in source:
+        chunk.append(item)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
 
 
 def _background(source: Iterator[Any], depth: int) -> Iterator[Any]:
