@@ -217,16 +217,21 @@ class StreamingDataset(IterableDataset):
         try:
             for g in range(0, len(mine), group):
                 batches = mine[g : g + group]
-                spans = [deal.positions(j * b, (j + 1) * b) for j in batches]
-                positions = np.concatenate(spans) if len(spans) > 1 else spans[0]
+                if num_workers == 1:  # consecutive batches: one range of local positions
+                    positions = deal.positions(batches[0] * b, (batches[-1] + 1) * b)
+                    sizes = [b] * (len(positions) // b) + ([len(positions) % b] if len(positions) % b else [])
+                else:
+                    spans = [deal.positions(j * b, (j + 1) * b) for j in batches]
+                    positions = np.concatenate(spans)
+                    sizes = [len(span) for span in spans]
                 if last_window < 0 and self.prefetch:  # load the first window's shards in parallel
                     reader.prefetch(_window_shards(order, int(positions[0] // order.window)))
                 shards, rows = order.locate(positions)
                 gathered = reader.read(shards, rows)
                 offset = 0
-                for span in spans:
-                    yield {k: v[offset : offset + len(span)] for k, v in gathered.items()}
-                    offset += len(span)
+                for size in sizes:
+                    yield {k: v[offset : offset + size] for k, v in gathered.items()}
+                    offset += size
                 # Once a window's first batches are out (its shards are loaded), fetch the
                 # next window's in the background; earlier would delay the first batch.
                 window = int(positions[-1] // order.window)
