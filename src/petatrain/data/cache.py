@@ -60,11 +60,12 @@ class ShardCache:
             _, path = resolve(url)
             with self._lock:
                 done = path in self._verified
-            if not done:
-                self._verify_local(url, path, checksum)
-                with self._lock:
-                    self._verified.add(path)
-            return pa.memory_map(path)
+            if done:
+                return pa.memory_map(path)
+            mapped = self._verify_local(url, path, checksum)
+            with self._lock:
+                self._verified.add(path)
+            return mapped
         if self.dir is None:
             raise PetatrainError(f"{url} is remote: the loader needs a cache_dir")
         target = self.dir / self._name(url)
@@ -87,16 +88,18 @@ class ShardCache:
     def _name(url: str) -> str:
         return hashlib.sha256(url.encode()).hexdigest()[:24] + ".parquet"
 
-    def _verify_local(self, url: str, path: str, checksum: str) -> None:
+    def _verify_local(self, url: str, path: str, checksum: str) -> pa.MemoryMappedFile:
+        """Map the file and hash it in place; the same mapping is handed to the reader, so
+        the pages the hash faulted in are not faulted in again (no read() copy either)."""
         try:
             mapped = pa.memory_map(path)
         except FileNotFoundError:
             raise CorruptDataError(f"shard missing: {url}") from None
-        # Hash the mapped pages in place: no read() copy, and the pages stay cached for
-        # the Parquet reader that comes next.
         actual = checksum_bytes(memoryview(mapped.read_buffer()))
         if actual != checksum:
             raise CorruptDataError(f"shard corrupt: {url} (checksum {actual} != recorded {checksum})")
+        mapped.seek(0)
+        return mapped
 
     def _fetch(self, url: str, checksum: str, target: Path) -> None:
         started = time.perf_counter()
