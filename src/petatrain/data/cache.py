@@ -126,10 +126,4 @@ class ShardCache:
             p.unlink(missing_ok=True)
             total -= s
         if total + size > self.limit:
-            raise PetatrainError(
-                f"cache_limit {self.limit} bytes cannot hold the shards one shuffle window needs "
-                f"({total + size} bytes); raise cache_limit or lower shuffle_window"
-            )
-
-    def cached_bytes(self) -> int:
-        return sum(p.stat().st_size for p in self.dir.glob("*.parquet")) if self.dir else 0
+            raise PetatrainError(f"cache_limit {self.limit} bytes cannot hold a {size}-byte shard; raise cache_limit")

@@ -45,7 +45,7 @@ from petatrain.data import sources as src
 from petatrain.data import tokenize as tk
 from petatrain.data.minhash import LSHParams, signatures
 from petatrain.errors import PetatrainError
-from petatrain.storage import StorageOptions, atomic_write, join, read_bytes, remove_tree
+from petatrain.storage import StorageOptions, atomic_write, join, listdir, read_bytes, remove_tree
 from petatrain.storage.checksum import checksum_bytes
 from petatrain.storage.fs import SourceFile, copy, expand_sources, resolve
 
@@ -108,7 +108,6 @@ def run(job: IngestJob) -> IngestSummary:
     new_files = _new_files(files, manifest, job, summary)
     if not new_files:
         summary.note = "nothing new to ingest: every source is already in the dataset"
-        _fill_totals_unchanged(summary, manifest)
         summary.seconds = round(time.perf_counter() - started, 3)
         return summary
 
@@ -120,12 +119,6 @@ def run(job: IngestJob) -> IngestSummary:
         _ingest(job, new_files, manifest, summary)
     summary.seconds = round(time.perf_counter() - started, 3)
     return summary
-
-
-def _fill_totals_unchanged(summary: IngestSummary, manifest: dict | None) -> None:
-    if manifest:
-        summary.shards = 0
-        summary.bytes = 0
 
 
 def _new_files(
@@ -614,7 +607,7 @@ def _commit(
     # Rejects and duplicate records of this batch, then dedup state and tokenizer.
     rejects = [] if manifest is None else list(manifest.get("rejects", []))
     for kind in ("rejects", "dups"):
-        for url in _list(join(staging, kind), options):
+        for url in listdir(join(staging, kind), options):
             name = f"{'records' if kind == 'rejects' else 'duplicates'}-{os.path.basename(url)}"
             target = f"_rejects/batch-{batch:06d}/{name}"
             copy(url, join(out, target), options)
@@ -709,9 +702,3 @@ def _schema_of(out: str, written: list[dict], options: StorageOptions | None) ->
     with fs.open(path, "rb") as handle:
         schema = pq.read_schema(handle)
     return [{"name": f.name, "type": str(f.type)} for f in schema]
-
-
-def _list(url: str, options: StorageOptions | None) -> list[str]:
-    from petatrain.storage import listdir
-
-    return listdir(url, options)

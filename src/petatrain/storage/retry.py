@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import errno
-import functools
 import logging
 import random
 import time
@@ -78,16 +77,3 @@ def retrying(
             )
             sleep(delay)
     raise AssertionError("unreachable")
-
-
-def retried(what: str) -> Callable[[Callable[..., T]], Callable[..., T]]:
-    """Decorator form of `retrying`."""
-
-    def wrap(fn: Callable[..., T]) -> Callable[..., T]:
-        @functools.wraps(fn)
-        def inner(*args, **kwargs) -> T:
-            return retrying(what, lambda: fn(*args, **kwargs))
-
-        return inner
-
-    return wrap
