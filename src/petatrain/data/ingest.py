@@ -48,6 +48,7 @@ from petatrain.errors import PetatrainError
 from petatrain.storage import StorageOptions, atomic_write, join, listdir, read_bytes, remove_tree
 from petatrain.storage.checksum import checksum_bytes
 from petatrain.storage.fs import SourceFile, copy, expand_sources, resolve
+from petatrain.storage.retry import retrying
 
 log = logging.getLogger(__name__)
 
@@ -356,6 +357,8 @@ class _StageOne:
             data = read_bytes(url, self.options)
         except FileNotFoundError:
             raise PetatrainError(f"source disappeared during the ingest: {url}") from None
+        except PermissionError as exc:
+            raise PetatrainError(f"source not readable: {url} ({exc})") from None
         checksum, size = checksum_bytes(data), len(data)
         try:
             fmt = self.cfg.format if self.cfg.format != "auto" else src.detect_format(url)
@@ -450,12 +453,17 @@ class _ShardWriter:
         shard = int(spec["shard"])
         ords, texts, state = [], [], []
         for file_ord, start, end in json.loads(spec["segments"]):
-            keep, docs = self._segment(file_ord, start, end, "docs")
-            ords.append(docs.column("ord").to_numpy()[keep])
+            docs = self._rows(file_ord, start, end, "docs")
+            ords_here = docs.column("ord").to_numpy()
+            keep = (
+                ~np.isin(ords_here, self._drops(file_ord))
+                if self.cfg.dedup != "none"
+                else np.ones(len(ords_here), dtype=bool)
+            )
+            ords.append(ords_here[keep])
             texts.append(docs.column("text").filter(pa.array(keep)))
-            if self.keep_state:
-                _, sigs = self._segment(file_ord, start, end, "sigs")
-                state.append(sigs.filter(pa.array(keep)))
+            if self.keep_state:  # staged signatures are row-aligned with staged docs
+                state.append(self._rows(file_ord, start, end, "sigs").filter(pa.array(keep)))
         ord_arr = np.concatenate(ords)
         text_arr = pa.chunked_array([c for t in texts for c in t.chunks], pa.large_string())
         table, tokens, left_over = self._table(ord_arr, text_arr)
@@ -481,23 +489,25 @@ class _ShardWriter:
             result["state"] = state_path
         return result
 
-    def _segment(self, file_ord: int, start: int, end: int, kind: str) -> tuple[np.ndarray, pa.Table]:
-        """Rows [start, end) of a staged file and the mask of those that survive dedup."""
-        handle = _read_parquet(join(self.staging, kind, f"f-{file_ord:08d}.parquet"), self.options)
-        groups, first, offset = [], None, 0
-        for g in range(handle.num_row_groups):
-            n = handle.metadata.row_group(g).num_rows
-            if offset + n > start and offset < end:
-                groups.append(g)
-                first = offset if first is None else first
-            offset += n
-        table = handle.read_row_groups(groups).slice(start - first, end - start)
-        ords = table.column("ord").to_numpy()
-        keep = np.ones(len(ords), dtype=bool)
-        if self.cfg.dedup != "none":
-            dropped = self._drops(file_ord)
-            keep = ~np.isin(ords, dropped)
-        return keep, table
+    def _rows(self, file_ord: int, start: int, end: int, kind: str) -> pa.Table:
+        """Rows [start, end) of a staged file, reading only the row groups that hold them
+        (a large file is split over several shards; no shard reads all of it)."""
+        url = join(self.staging, kind, f"f-{file_ord:08d}.parquet")
+        fs, path = resolve(url, self.options)
+
+        def read() -> pa.Table:
+            with fs.open(path, "rb") as handle:
+                parquet = pq.ParquetFile(handle)
+                groups, first, offset = [], None, 0
+                for g in range(parquet.num_row_groups):
+                    n = parquet.metadata.row_group(g).num_rows
+                    if offset + n > start and offset < end:
+                        groups.append(g)
+                        first = offset if first is None else first
+                    offset += n
+                return parquet.read_row_groups(groups).slice(start - first, end - start)
+
+        return retrying(f"read {url}", read)
 
     def _drops(self, file_ord: int) -> np.ndarray:
         """Ords of this file's documents that dedup dropped (each group file read once)."""

@@ -197,11 +197,8 @@ def _read_webdataset(data: bytes, text_field: str, out: FileRecords) -> None:
             base = os.path.basename(member.name)
             if "." not in base:
                 continue
-            key, ext = (
-                member.name.split(".", 1)
-                if "/" not in member.name
-                else (os.path.join(os.path.dirname(member.name), base.split(".", 1)[0]), base.split(".", 1)[1])
-            )
+            stem, ext = base.split(".", 1)
+            key = os.path.join(os.path.dirname(member.name), stem)
             if key not in samples:
                 samples[key] = {}
                 order.append(key)

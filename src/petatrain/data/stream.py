@@ -14,12 +14,9 @@ training), so any rank's state describes the global position.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
-import json
 import logging
 import math
-import os
 import queue
 import threading
 import time
@@ -38,7 +35,7 @@ from petatrain.data import index as idx
 from petatrain.data.cache import ShardCache, default_cache_dir
 from petatrain.data.order import Deal, SampleOrder
 from petatrain.errors import CorruptDataError, PetatrainError
-from petatrain.storage import StorageOptions, join, read_bytes
+from petatrain.storage import StorageOptions, join
 from petatrain.storage.fs import is_local
 
 log = logging.getLogger(__name__)
@@ -98,7 +95,8 @@ class StreamingDataset(IterableDataset):
         remote = not is_local(url)
         self.cache_dir = cache_dir or (default_cache_dir(url) if remote else None)
         self.cache_limit = cache_limit
-        manifest, shards = _load_index(url, options, self.cache_dir)
+        dataset = idx.open_dataset(url, options, cache_dir=self.cache_dir)
+        manifest, shards = dataset.manifest, dataset.shards
         self.manifest = manifest
         self._paths = shards.column("path").combine_chunks()
         self._checksums = shards.column("checksum").combine_chunks()
@@ -418,31 +416,6 @@ def _to_python(column: pa.ChunkedArray | pa.Array, token_dtype: np.dtype) -> lis
             torch.from_numpy(np.frombuffer(v, dtype=token_dtype)) if v is not None else None for v in column.to_pylist()
         ]
     return column.to_pylist()
-
-
-def _load_index(url: str, options: StorageOptions | None, cache_dir: str | None) -> tuple[dict, pa.Table]:
-    """Manifest and shard index; a remote index is fetched once per node into the cache."""
-    manifest = idx.read_manifest(url, options)
-    if manifest is None:
-        raise PetatrainError(f"no dataset at {url} (missing {idx.MANIFEST})")
-    count = int(manifest["totals"]["shards"])
-    if count == 0:
-        return manifest, idx.SHARD_SCHEMA.empty_table()
-    if cache_dir is None:
-        return manifest, idx.read_shard_index(url, manifest, options)
-    key = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:24]
-    local = os.path.join(cache_dir, f"index-{key}.parquet")
-    if not os.path.exists(local):
-        os.makedirs(cache_dir, exist_ok=True)
-        data = read_bytes(join(url, idx.SHARD_INDEX), options)
-        tmp = f"{local}.{os.getpid()}.tmp"
-        with open(tmp, "wb") as handle:
-            handle.write(data)
-        os.replace(tmp, local)
-    table = pq.ParquetFile(pa.memory_map(local)).read()
-    if table.num_rows < count:
-        raise CorruptDataError(f"{join(url, idx.SHARD_INDEX)} has {table.num_rows} rows; the manifest lists {count}")
-    return manifest, table.slice(0, count)
 
 
 class StreamingLoader:

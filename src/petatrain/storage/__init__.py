@@ -4,7 +4,7 @@ Everything petatrain writes goes through `atomic_write`, is checksummed, and is 
 on read by `read_verified`. Transient object-store errors are retried with backoff.
 """
 
-from petatrain.storage.checksum import ChecksumMismatch, checksum_bytes, checksum_file
+from petatrain.storage.checksum import ChecksumMismatch, checksum_bytes
 from petatrain.storage.fs import (
     StorageOptions,
     atomic_write,
@@ -24,7 +24,6 @@ __all__ = [
     "StorageOptions",
     "atomic_write",
     "checksum_bytes",
-    "checksum_file",
     "exists",
     "expand_sources",
     "join",

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-from typing import BinaryIO
-
 import xxhash
 
 ALGORITHM = "xxh3-128"
-_READ_CHUNK = 8 << 20
 
 
 class ChecksumMismatch(ValueError):
@@ -16,16 +13,6 @@ class ChecksumMismatch(ValueError):
 
 def checksum_bytes(data: bytes | memoryview) -> str:
     return f"{ALGORITHM}:{xxhash.xxh3_128_hexdigest(data)}"
-
-
-def checksum_file(handle: BinaryIO) -> tuple[str, int]:
-    """Checksum and size of an open binary stream, read in chunks."""
-    digest = xxhash.xxh3_128()
-    size = 0
-    while chunk := handle.read(_READ_CHUNK):
-        digest.update(chunk)
-        size += len(chunk)
-    return f"{ALGORITHM}:{digest.hexdigest()}", size
 
 
 def verify(data: bytes | memoryview, expected: str, where: str) -> None:
