@@ -42,7 +42,7 @@ def test_bad_config_names_the_key(overrides, message):
 
 def test_unknown_key_in_yaml_file(tmp_path):
     path = tmp_path / "job.yaml"
-    path.write_text("model:\n  name: gpt\n  layers: 4\n")
+    path.write_text("model:\n  kind: gpt\n  layers: 4\n")
     with pytest.raises(ConfigError, match=r"unknown config key 'model\.layers'"):
         config.load(path)
 

@@ -62,38 +62,148 @@ class DataConfig:
 
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
-    name: str = "gpt"
-    factory: str = ""  # "package.module:function" for user models
+    """The network: a built-in GPT or MLP, or a user factory `package.module:function`."""
+
+    kind: str = "gpt"  # "gpt" | "mlp" | "package.module:factory"
+    n_layer: int = 2
+    n_head: int = 2
+    d_model: int = 64
+    d_ff: int = 0  # 0 means 4 * d_model
+    vocab_size: int = 256
+    seq_len: int = 64
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("gpt", "mlp") and ":" not in self.kind:
+            raise ConfigError(f"model.kind: {self.kind!r} is not gpt, mlp or package.module:factory")
+        for name in ("n_layer", "n_head", "d_model", "vocab_size", "seq_len"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"model.{name} must be >= 1, got {getattr(self, name)}")
+        if self.kind == "gpt" and self.d_model % self.n_head:
+            raise ConfigError(f"model.d_model ({self.d_model}) must be a multiple of model.n_head ({self.n_head})")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
+
+    @property
+    def ff_dim(self) -> int:
+        return self.d_ff or 4 * self.d_model
 
 
 @dataclass(kw_only=True, slots=True)
 class TrainConfig:
+    """The optimisation: batch, schedule, precision, determinism."""
+
     steps: int = 100
-    global_batch_size: int = 32
+    global_batch: int = 32  # sequences per optimizer step, whatever the worker count
+    micro_batch: int = 8  # sequences per forward/backward on one worker
     lr: float = 3e-4
+    min_lr: float = 3e-5  # cosine decays to this
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  # max global gradient norm; 0 turns clipping off
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    precision: Literal["fp32", "bf16-mixed"] = "fp32"
+    deterministic: bool = True
+    activation_checkpointing: Literal["none", "selective", "full"] = "none"
+    attention: Literal["sdpa", "math"] = "sdpa"
+    tokens: int = 0  # token budget for planning; 0 means steps * global_batch * seq_len
+    eval_every: int = 0  # steps between evaluations on the held-out split; 0 = only at the end
+    eval_batches: int = 4
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "global_batch", "micro_batch", "eval_batches"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if self.global_batch % self.micro_batch:
+            raise ConfigError(
+                f"train.global_batch ({self.global_batch}) must be a multiple of train.micro_batch ({self.micro_batch})"
+            )
+        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ConfigError(f"train.lr must be > 0 and train.min_lr in [0, lr], got {self.lr} and {self.min_lr}")
+        if self.warmup_steps < 0 or self.grad_clip < 0 or self.eval_every < 0 or self.tokens < 0:
+            raise ConfigError("train.warmup_steps, train.grad_clip, train.eval_every and train.tokens must be >= 0")
+
+
+Strategy = Literal["ddp", "zero1", "zero2", "fsdp", "pipeline"]
 
 
 @dataclass(kw_only=True, slots=True)
 class ParallelConfig:
-    strategy: Literal["ddp", "fsdp", "pipeline"] = "ddp"
+    """How the model is spread over workers. `workers` is a count or an elastic `min-max` range."""
+
+    strategy: Strategy = "ddp"
+    workers: str = "2"
+
+    def __post_init__(self) -> None:
+        self.worker_range()
+
+    def worker_range(self) -> tuple[int, int]:
+        text = str(self.workers).strip()
+        low, _, high = text.partition("-")
+        try:
+            lo, hi = int(low), int(high or low)
+        except ValueError:
+            raise ConfigError(f"parallel.workers: {self.workers!r} is not a number or a range like 2-4") from None
+        if not 1 <= lo <= hi:
+            raise ConfigError(f"parallel.workers: need 1 <= min <= max, got {self.workers!r}")
+        return lo, hi
 
 
 @dataclass(kw_only=True, slots=True)
 class CheckpointConfig:
-    every_steps: int = 100
-    keep: int = 3
+    """When checkpoints are taken and which are kept."""
+
+    every: str = "20"  # steps ("20"), seconds ("30s") or "auto" (Young/Daly from stall and faults.mtbf_hours)
+    keep_last: int = 3
+    keep_every: int = 0  # also keep checkpoints whose step is a multiple of this; 0 = none
+    asynchronous: bool = True
+
+    def __post_init__(self) -> None:
+        self.interval()
+        if self.keep_last < 1 or self.keep_every < 0:
+            raise ConfigError("checkpoint.keep_last must be >= 1 and checkpoint.keep_every >= 0")
+
+    def interval(self) -> tuple[str, float]:
+        """("steps", n), ("seconds", s) or ("auto", 0)."""
+        text = str(self.every).strip().lower()
+        try:
+            if text == "auto":
+                return "auto", 0.0
+            if text.endswith("s"):
+                value, unit = float(text[:-1]), "seconds"
+            else:
+                value, unit = float(int(text)), "steps"
+        except ValueError:
+            raise ConfigError(
+                f"checkpoint.every: {self.every!r} is not a step count, seconds like 30s, or auto"
+            ) from None
+        if value <= 0:
+            raise ConfigError(f"checkpoint.every must be positive, got {self.every!r}")
+        return unit, value
 
 
 @dataclass(kw_only=True, slots=True)
 class FaultsConfig:
+    """How failures are survived."""
+
     max_restarts: int = 3
+    hang_timeout_s: float = 20.0  # no step progress for this long on any rank = hung
+    nonfinite: Literal["skip", "rollback"] = "skip"  # what a NaN/inf loss does
+    mtbf_hours: float = 24.0  # mean time between failures per node, for checkpoint.every=auto
+
+    def __post_init__(self) -> None:
+        if self.max_restarts < 0 or self.hang_timeout_s <= 0 or self.mtbf_hours <= 0:
+            raise ConfigError("faults.max_restarts must be >= 0, faults.hang_timeout_s and faults.mtbf_hours > 0")
 
 
 @dataclass(kw_only=True, slots=True)
 class ResourcesConfig:
     address: str = ""  # Ray address; "" starts a local Ray
-    num_workers: int = 1
+    cpus_per_worker: float = 1.0
+    accelerator: Literal["auto", "cpu", "gpu"] = "auto"
 
 
 @dataclass(kw_only=True, slots=True)

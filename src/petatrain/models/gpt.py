@@ -1,0 +1,148 @@
+"""A decoder-only transformer (GPT), small enough to read in one sitting.
+
+Pre-norm blocks, causal self-attention through SDPA (or the materialised-scores "math"
+path the planner also models), GELU MLP, learned positions, output head tied to the token
+embedding. Activation checkpointing: "full" recomputes whole blocks, "selective"
+recomputes only the attention core (Korthikanti et al.).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from petatrain.config import ModelConfig
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, attention: str, selective: bool):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.dropout = cfg.dropout
+        self.attention = attention
+        self.selective = selective
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)  # (B, T, C) each
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
+        if self.selective and self.training:
+            y = checkpoint(self._core, q, k, v, use_reentrant=False)
+        else:
+            y = self._core(q, k, v)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.proj(y)
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        p = self.dropout if self.training else 0.0
+        if self.attention == "sdpa":
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        T = q.size(-2)
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))  # (B, H, T, T)
+        mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~mask, float("-inf"))
+        return F.dropout(scores.softmax(dim=-1), p) @ v
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.up = nn.Linear(cfg.d_model, cfg.ff_dim)
+        self.down = nn.Linear(cfg.ff_dim, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, attention: str, selective: bool):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.attn = CausalSelfAttention(cfg, attention, selective)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = MLP(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln1(x)))
+        return x + self.drop(self.mlp(self.ln2(x)))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig, *, attention: str = "sdpa", activation_checkpointing: str = "none"):
+        super().__init__()
+        self.cfg = cfg
+        self.full_recompute = activation_checkpointing == "full"
+        selective = activation_checkpointing == "selective"
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg, attention, selective) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.head.weight = self.wte.weight  # weight tying
+        self.apply(_init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith(("proj.weight", "down.weight")):  # GPT-2's scaled init of residual projections
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.size(1), device=idx.device)  # (T,)
+        x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False) if self.full_recompute and self.training else block(x)
+        return self.head(self.ln_f(x))  # (B, T, vocab)
+
+
+class TokenMLP(nn.Module):
+    """Next-token MLP: each position sees only its own token (a learned bigram model with depth)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(nn.Sequential(nn.LayerNorm(cfg.d_model), MLP(cfg)) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.head.weight = self.wte.weight
+        self.apply(_init_weights)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx)  # (B, T, C)
+        for layer in self.layers:
+            x = x + layer(x)
+        return self.head(self.ln_f(x))  # (B, T, vocab)
+
+
+def _init_weights(module: nn.Module) -> None:
+    if isinstance(module, nn.Linear):
+        nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.Embedding):
+        nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+
+def next_token_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of predicting tokens[:, 1:] from tokens[:, :-1]; tokens is (B, T+1)."""
+    logits = model(tokens[:, :-1])  # (B, T, vocab)
+    return F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+
+
+@torch.no_grad()
+def generate(model: nn.Module, prompt: torch.Tensor, new_tokens: int, *, temperature: float = 0.8, seed: int = 0):
+    """Sample `new_tokens` after `prompt` (1-D); deterministic for a seed."""
+    gen = torch.Generator().manual_seed(seed)
+    seq_len = model.cfg.seq_len
+    out = prompt.clone()
+    for _ in range(new_tokens):
+        logits = model(out[-seq_len:].unsqueeze(0))[0, -1].float() / temperature
+        nxt = torch.multinomial(logits.softmax(-1).cpu(), 1, generator=gen)
+        out = torch.cat([out, nxt.to(out.device)])
+    return out
