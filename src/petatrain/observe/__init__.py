@@ -1,0 +1,1 @@
+"""Event ledger, goodput accounting, metrics and the run report."""
