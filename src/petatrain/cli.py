@@ -284,5 +284,103 @@ def show_config(
     _guarded(go)
 
 
+RunDir = Annotated[str | None, typer.Option("--run-dir", help="Run directory (local path or s3://...).")]
+Injects = Annotated[
+    list[str] | None, typer.Option("--inject", help="Fault to inject, e.g. kill@step=17,rank=1 (repeatable).")
+]
+
+
+@app.command()
+def train(
+    config: Annotated[Path, typer.Argument(help="Job config YAML (examples/tiny.yaml).")],
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Config override a.b=c (repeatable).")] = None,
+    run_dir: RunDir = None,
+    address: Annotated[str, typer.Option(help="Ray cluster address (default: start a local Ray).")] = "",
+    inject: Injects = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Train on Ray Train (DDP or FSDP), checkpointing asynchronously and recovering from faults."""
+    _guarded(lambda: _train(config, list(set_ or []), run_dir, address, list(inject or []), as_json))
+
+
+@app.command()
+def chaos(
+    config: Annotated[Path, typer.Argument(help="Job config YAML.")],
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Config override a.b=c (repeatable).")] = None,
+    run_dir: RunDir = None,
+    address: Annotated[str, typer.Option(help="Ray cluster address (default: start a local Ray).")] = "",
+    inject: Injects = None,
+    every: Annotated[str, typer.Option("--every", help="Soak: a random fault this often, e.g. 120s.")] = "",
+    duration: Annotated[str, typer.Option("--for", help="Soak: for this long, e.g. 20m.")] = "",
+    seed: Annotated[int, typer.Option(help="Soak: seed of the random fault kinds and ranks.")] = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Train with injected faults (--inject ... or a random soak), then print the goodput report."""
+
+    def go():
+        specs = list(inject or [])
+        if every or duration:
+            from petatrain.chaos.soak import soak_injections
+
+            cfg = config_mod.load(config, list(set_ or []))
+            specs += soak_injections(every, duration, seed=seed, workers=cfg.parallel.worker_range()[0])
+        _train(config, list(set_ or []), run_dir, address, specs, as_json)
+
+    _guarded(go)
+
+
+def _train(config, overrides, run_dir, address, specs, as_json) -> None:
+    import time as _time
+
+    from petatrain.chaos.inject import parse
+    from petatrain.train.launch import TrainJob, run
+
+    cfg = config_mod.load(config, overrides)
+    injections = [parse(s) for s in specs]
+    run_url = run_dir or os.path.join(".petatrain", "runs", _time.strftime("%Y%m%d-%H%M%S"))
+
+    def progress(event: dict[str, Any]) -> None:
+        if as_json:
+            return
+        kind = event["event"]
+        if kind == "step" and (event["step"] % 10 == 0 or event["step"] == cfg.train.steps):
+            console.print(
+                f"step {event['step']:>6}  loss {event['loss'] if event['loss'] is None else round(event['loss'], 4)}"
+            )
+        elif kind in ("failure", "restart", "attempt_start"):
+            detail = {k: v for k, v in event.items() if k not in ("t", "event")}
+            console.print(f"[yellow]{kind}[/yellow] {json.dumps(detail)[:200]}")
+
+    summary = run(
+        TrainJob(
+            config=cfg,
+            run_url=run_url,
+            options=cfg.storage.options(),
+            address=address,
+            injections=injections,
+            on_event=progress,
+        )
+    )
+    summary["report"] = _write_report(summary["run"], cfg)
+    if as_json:
+        _print_json(summary)
+        return
+    out.print(f"trained {summary['steps']} steps in {summary['wall_s']:.1f}s, {summary['attempts']} attempt(s)")
+    for f in summary["failures"]:
+        out.print(f"  recovered from {f['cause']} (rank {f['rank']}): {f['detail'][:120]}")
+    out.print(f"final weights: {summary['final']}")
+    if summary.get("report"):
+        out.print(f"report: {summary['report']}")
+
+
+def _write_report(run_url: str, cfg) -> str | None:
+    try:
+        from petatrain.observe.report import write_report
+    except ImportError:
+        return None
+    write_report(run_url, cfg.storage.options())
+    return os.path.join(run_url, "report.html")
+
+
 if __name__ == "__main__":  # pragma: no cover
     app()

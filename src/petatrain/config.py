@@ -58,6 +58,11 @@ class DataConfig:
 
     dataset: str = ".petatrain/datasets/demo"
     seed: int = 0
+    eval_shards: int = 1  # the dataset's last shards held out for evaluation (when it has more)
+
+    def __post_init__(self) -> None:
+        if self.eval_shards < 0:
+            raise ConfigError(f"data.eval_shards must be >= 0, got {self.eval_shards}")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -60,6 +60,8 @@ class StreamingDataset(IterableDataset):
             rank gets the same number of full batches; `dropped` counts the cut samples.
         cache_dir, cache_limit: node-local shard cache for remote datasets (shared by the
             ranks and workers of a node), and its byte limit with LRU eviction.
+        shards: (start, stop) to read only those shards, e.g. a held-out split; samples
+            keep their global row `index`.
     """
 
     def __init__(
@@ -79,12 +81,14 @@ class StreamingDataset(IterableDataset):
         cache_limit: int | None = None,
         options: StorageOptions | None = None,
         prefetch: bool = True,
+        shards: tuple[int, int] | None = None,
     ):
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.url = url
         self.options = options
+        self.shard_range = tuple(shards) if shards is not None else None
         if rank is None or world_size is None:
             dist = torch.distributed.is_available() and torch.distributed.is_initialized()
             rank = torch.distributed.get_rank() if dist else 0 if rank is None else rank
@@ -103,6 +107,12 @@ class StreamingDataset(IterableDataset):
         self._rows = _int64s(shards.column("rows"))
         self._bytes = _int64s(shards.column("bytes"))
         self._first_row = _int64s(shards.column("first_row"))
+        if self.shard_range is not None:  # a split: shards [start, stop) only, global row indexes kept
+            lo, hi = self.shard_range
+            if not 0 <= lo < hi <= len(self._rows):
+                raise ValueError(f"shards={self.shard_range} is not a range within the {len(self._rows)} shards")
+            self._paths, self._checksums = self._paths[lo:hi], self._checksums[lo:hi]
+            self._rows, self._bytes, self._first_row = self._rows[lo:hi], self._bytes[lo:hi], self._first_row[lo:hi]
         names = [c["name"] for c in manifest.get("schema", [])]
         if columns is not None:
             unknown = [c for c in columns if c not in names]

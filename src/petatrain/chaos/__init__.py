@@ -1,0 +1,1 @@
+"""Fault injectors used by tests, benchmarks and `petatrain chaos`."""

@@ -1,0 +1,1 @@
+"""Fault-tolerant distributed training on Ray Train: worker loop, checkpoints, supervisor."""

@@ -1,0 +1,292 @@
+"""Asynchronous, verified, pickle-free checkpoints.
+
+Layout of one checkpoint (DESIGN.md, "Run on storage"):
+
+    RUN/checkpoints/step-00001200/
+        rank-00000.safetensors   this rank's tensors: model and optimizer state (DDP: rank 0
+                                 only, the replicas are identical; FSDP: every rank its
+                                 shards) and the rank's RNG state
+        state.json               step, world size, strategy, loader state, optimizer
+                                 hyper-parameters, and every file's size and xxh3 checksum
+        COMMITTED                written last; holds the checksum of state.json
+
+The training loop pays only for `snapshot()` (a host-memory copy); `CheckpointWriter`
+serialises, uploads and commits on a background thread. Every rank writes its own file
+and reports its checksum to the run hub; rank 0 waits for all parts, then writes
+state.json and COMMITTED. A checkpoint without COMMITTED, or whose checksums do not
+verify, is skipped on resume in favour of the previous one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from petatrain.errors import CorruptDataError, PetatrainError
+from petatrain.storage import StorageOptions, join
+from petatrain.storage.checksum import checksum_bytes, verify
+from petatrain.storage.fs import atomic_write, exists, read_bytes, remove_tree, resolve
+from petatrain.storage.retry import retrying
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+COMMITTED = "COMMITTED"
+STATE = "state.json"
+
+
+def step_dir(run_url: str, step: int) -> str:
+    return join(run_url, "checkpoints", f"step-{step:08d}")
+
+
+def rank_file(rank: int) -> str:
+    return f"rank-{rank:05d}.safetensors"
+
+
+@dataclass(slots=True)
+class Snapshot:
+    """Host-memory copy of one rank's state at a step boundary."""
+
+    step: int
+    rank: int
+    world_size: int
+    tensors: dict[str, torch.Tensor]  # flat names -> CPU tensors (may be empty on DDP ranks > 0)
+    meta: dict[str, Any] = field(default_factory=dict)  # JSON: loader state, optimizer groups, ...
+
+
+def flatten_state(model_sd: dict[str, Any], optim_sd: dict[str, Any], *, with_model: bool) -> tuple[dict, dict]:
+    """(tensors, json) of a model + optimizer state dict keyed by parameter name (FQN)."""
+    tensors: dict[str, torch.Tensor] = {}
+    if with_model:
+        for name, value in model_sd.items():
+            tensors[f"model/{name}"] = _host_copy(value)
+        for fqn, state in optim_sd["state"].items():
+            for key, value in state.items():
+                tensors[f"optim/{fqn}/{key}"] = _host_copy(value)
+    groups = [{k: v for k, v in g.items()} for g in optim_sd["param_groups"]]
+    return tensors, {"param_groups": groups}
+
+
+def _host_copy(value: Any) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        value = torch.tensor(value)
+    if hasattr(value, "to_local"):  # a DTensor (FSDP): this rank's shard
+        value = value.to_local()
+    return value.detach().to("cpu", copy=True).contiguous()
+
+
+def unflatten_state(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+    model: dict[str, torch.Tensor] = {}
+    optim: dict[str, dict[str, torch.Tensor]] = {}
+    for name, value in tensors.items():
+        kind, _, rest = name.partition("/")
+        if kind == "model":
+            model[rest] = value
+        elif kind == "optim":
+            fqn, _, key = rest.rpartition("/")
+            optim.setdefault(fqn, {})[key] = value
+    return model, optim
+
+
+class StorageFaults:
+    """Injected object-store failures: the next `count` writes raise a transient error."""
+
+    def __init__(self) -> None:
+        self._left = 0
+        self._lock = threading.Lock()
+        self.raised = 0
+
+    def arm(self, count: int) -> None:
+        with self._lock:
+            self._left += count
+
+    def check(self, url: str) -> None:
+        with self._lock:
+            if self._left <= 0:
+                return
+            self._left -= 1
+            self.raised += 1
+        raise ConnectionError(f"injected storage fault writing {url}")
+
+
+class CheckpointWriter:
+    """Writes snapshots on a background thread; one write in flight at a time.
+
+    `submit()` returns at once unless the previous write is still running, in which case
+    it waits for it; that wait is returned so the loop can count it as stall.
+    `parts` is how this rank reports its file and how rank 0 learns the others':
+    `report(step, rank, files)` and `wait_parts(step, world_size, timeout) -> files`.
+    """
+
+    def __init__(
+        self,
+        run_url: str,
+        options: StorageOptions | None,
+        *,
+        report_part: Callable[[int, int, dict], None],
+        wait_parts: Callable[[int, int, float], dict | None],
+        on_commit: Callable[[dict[str, Any]], None],
+        keep_last: int = 3,
+        keep_every: int = 0,
+        faults: StorageFaults | None = None,
+        parts_timeout_s: float = 120.0,
+    ):
+        self.run_url, self.options = run_url, options
+        self._report_part, self._wait_parts, self._on_commit = report_part, wait_parts, on_commit
+        self.keep_last, self.keep_every = keep_last, keep_every
+        self.faults = faults or StorageFaults()
+        self.parts_timeout_s = parts_timeout_s
+        self._jobs: queue.Queue[Snapshot | None] = queue.Queue(maxsize=1)
+        self._idle = threading.Event()
+        self._idle.set()
+        self.error: BaseException | None = None
+        self.last_write_s = 0.0
+        self._thread = threading.Thread(target=self._run, name="petatrain-ckpt", daemon=True)
+        self._thread.start()
+
+    def submit(self, snap: Snapshot) -> float:
+        """Queue a snapshot; returns the seconds spent waiting for the previous write."""
+        t0 = time.perf_counter()
+        self._idle.wait()
+        waited = time.perf_counter() - t0
+        self._idle.clear()
+        self._jobs.put(snap)
+        return waited
+
+    def wait(self) -> float:
+        t0 = time.perf_counter()
+        self._idle.wait()
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.wait()
+        self._jobs.put(None)
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        while (snap := self._jobs.get()) is not None:
+            try:
+                self._write(snap)
+            except Exception as exc:  # training continues; the next checkpoint tries again
+                self.error = exc
+                log.error("checkpoint of step %d on rank %d failed: %s", snap.step, snap.rank, exc)
+            finally:
+                self._idle.set()
+
+    def _put(self, url: str, data: bytes) -> tuple[str, int]:
+        def attempt() -> tuple[str, int]:
+            self.faults.check(url)
+            return atomic_write(url, data, self.options)
+
+        return retrying(f"checkpoint write {url}", attempt)
+
+    def _write(self, snap: Snapshot) -> None:
+        t0 = time.perf_counter()
+        folder = step_dir(self.run_url, snap.step)
+        files: dict[str, dict[str, Any]] = {}
+        if snap.tensors or snap.rank == 0:
+            data = st_save(snap.tensors, metadata={"step": str(snap.step), "rank": str(snap.rank)})
+            checksum, size = self._put(join(folder, rank_file(snap.rank)), data)
+            files[rank_file(snap.rank)] = {"checksum": checksum, "bytes": size}
+        self._report_part(snap.step, snap.rank, files)
+        if snap.rank != 0:
+            self.last_write_s = time.perf_counter() - t0
+            return
+        parts = self._wait_parts(snap.step, snap.world_size, self.parts_timeout_s)
+        if parts is None:
+            raise PetatrainError(f"checkpoint step {snap.step}: not every rank wrote its part in time; not committed")
+        state = {
+            "format": FORMAT_VERSION,
+            "step": snap.step,
+            "world_size": snap.world_size,
+            "time": time.time(),
+            "files": parts,
+            **snap.meta,
+        }
+        state_bytes = json.dumps(state, indent=1, sort_keys=True).encode()
+        state_sum, _ = self._put(join(folder, STATE), state_bytes)
+        self._put(join(folder, COMMITTED), json.dumps({"state_checksum": state_sum}).encode())
+        self.last_write_s = time.perf_counter() - t0
+        nbytes = sum(f["bytes"] for f in parts.values()) + len(state_bytes)
+        self._on_commit({"step": snap.step, "write_s": self.last_write_s, "bytes": nbytes, "url": folder})
+        self._retain()
+
+    def _retain(self) -> None:
+        steps = committed_steps(self.run_url, self.options)
+        keep = set(steps[-self.keep_last :])
+        if self.keep_every:
+            keep |= {s for s in steps if s % self.keep_every == 0}
+        for s in steps:
+            if s not in keep:
+                remove_tree(step_dir(self.run_url, s), self.options)
+
+
+def committed_steps(run_url: str, options: StorageOptions | None = None) -> list[int]:
+    """Steps that have a COMMITTED marker, oldest first (not yet verified)."""
+    root = join(run_url, "checkpoints")
+    if not exists(root, options):
+        return []
+    fs, path = resolve(root, options)
+    fs.invalidate_cache(path)
+    steps = []
+    for child in fs.ls(path, detail=False):
+        name = child.rstrip("/").rsplit("/", 1)[-1]
+        if name.startswith("step-") and name[5:].isdigit() and fs.exists(f"{child.rstrip('/')}/{COMMITTED}"):
+            steps.append(int(name[5:]))
+    return sorted(steps)
+
+
+def verify_checkpoint(run_url: str, step: int, options: StorageOptions | None = None) -> dict[str, Any]:
+    """state.json of a committed checkpoint whose every file verifies; CorruptDataError otherwise."""
+    folder = step_dir(run_url, step)
+    try:
+        marker = json.loads(read_bytes(join(folder, COMMITTED), options))
+        raw = read_bytes(join(folder, STATE), options)
+        verify(raw, marker["state_checksum"], join(folder, STATE))
+        state = json.loads(raw)
+        for name, info in state["files"].items():
+            data = read_bytes(join(folder, name), options)
+            verify(data, info["checksum"], join(folder, name))
+    except (OSError, ValueError, KeyError) as exc:
+        raise CorruptDataError(f"checkpoint {folder} does not verify: {exc}") from None
+    return state
+
+
+def latest_verified(
+    run_url: str, options: StorageOptions | None = None, on_skip: Callable[[str, str], None] | None = None
+) -> dict[str, Any] | None:
+    """The newest checkpoint that verifies (its state.json), skipping torn or corrupt ones."""
+    for step in reversed(committed_steps(run_url, options)):
+        try:
+            return verify_checkpoint(run_url, step, options)
+        except CorruptDataError as exc:
+            log.warning("skipping checkpoint: %s", exc)
+            if on_skip:
+                on_skip(step_dir(run_url, step), str(exc))
+    return None
+
+
+def read_rank_tensors(run_url: str, state: dict[str, Any], rank: int, options: StorageOptions | None = None):
+    """The tensors rank `rank` saved in a verified checkpoint, checked against state.json."""
+    name = rank_file(rank)
+    info = state["files"].get(name)
+    if info is None:
+        return {}
+    url = join(step_dir(run_url, state["step"]), name)
+    data = read_bytes(url, options)
+    verify(data, info["checksum"], url)
+    return st_load(data)
+
+
+def checksum_of(data: bytes) -> str:
+    return checksum_bytes(data)

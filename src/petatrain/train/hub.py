@@ -1,0 +1,97 @@
+"""The run hub: one small Ray actor per run, on the driver's node, that outlives worker restarts.
+
+It owns the event ledger (workers on any node send events here; the ledger may live on an
+object store that cannot be appended to), receives step heartbeats for the hang watchdog,
+collects the checkpoint parts of every rank so rank 0 can commit, and remembers which
+injected faults already fired so that none fires again after the resume.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import ray
+
+from petatrain.observe.ledger import EventLog
+from petatrain.storage import StorageOptions
+
+
+@ray.remote(num_cpus=0, max_concurrency=32)
+class RunHub:
+    def __init__(self, run_url: str, options: StorageOptions | None):
+        self.log = EventLog(run_url, options)
+        self.listeners: list[Any] = []
+        self._lock = threading.Condition()
+        self.attempt = -1
+        self.beats: dict[int, dict[str, Any]] = {}
+        self.parts: dict[tuple[int, int], dict[int, dict]] = {}  # (attempt, step) -> rank -> files
+        self.fired: set[str] = set()
+        self.last_flush = time.time()
+
+    # -- ledger ------------------------------------------------------------------------------
+    def emit(self, event: str, fields: dict[str, Any]) -> dict[str, Any]:
+        record = self.log.emit(event, **fields)
+        if time.time() - self.last_flush > 5:
+            self.flush()
+        return record
+
+    def flush(self) -> None:
+        self.log.flush()
+        self.last_flush = time.time()
+
+    def close(self) -> None:
+        self.log.close()
+
+    # -- attempts and heartbeats ---------------------------------------------------------------
+    def new_attempt(self, attempt: int) -> None:
+        with self._lock:
+            self.attempt = attempt
+            self.beats = {}
+            # A waiter of a failed attempt must not take the parts of the new one.
+            self.parts = {k: v for k, v in self.parts.items() if k[0] >= attempt}
+            self._lock.notify_all()
+
+    def beat(self, attempt: int, rank: int, step: int, pid: int, node_id: str) -> None:
+        with self._lock:
+            if attempt == self.attempt:
+                self.beats[rank] = {"t": time.time(), "step": step, "pid": pid, "node_id": node_id}
+
+    def heartbeats(self) -> dict[int, dict[str, Any]]:
+        with self._lock:
+            return dict(self.beats)
+
+    # -- checkpoint parts ----------------------------------------------------------------------
+    def report_part(self, attempt: int, step: int, rank: int, files: dict) -> None:
+        with self._lock:
+            self.parts.setdefault((attempt, step), {})[rank] = files
+            self._lock.notify_all()
+
+    def wait_parts(self, attempt: int, step: int, world_size: int, timeout_s: float) -> dict | None:
+        """Every rank's files of a checkpoint, or None on timeout or when the attempt is over."""
+        deadline = time.time() + timeout_s
+        key = (attempt, step)
+        with self._lock:
+            while len(self.parts.get(key, {})) < world_size:
+                left = deadline - time.time()
+                if left <= 0 or attempt != self.attempt:
+                    return None
+                self._lock.wait(left)
+            got = self.parts.pop(key)
+        return {name: info for files in got.values() for name, info in files.items()}
+
+    # -- fault injection -----------------------------------------------------------------------
+    def fire(self, key: str, fields: dict[str, Any]) -> bool:
+        """True the first time `key` fires; the fault_injected event is written before it acts."""
+        with self._lock:
+            if key in self.fired:
+                return False
+            self.fired.add(key)
+        self.log.emit("fault_injected", **fields)
+        self.flush()
+        return True
+
+    def fired_keys(self) -> list[str]:
+        with self._lock:
+            return sorted(self.fired)

@@ -1,0 +1,353 @@
+"""The driver: launches attempts with Ray Train's TorchTrainer and recovers from every fault.
+
+An explicit supervisor (as in Ray Train v2's controller) around `TorchTrainer.fit()`:
+each attempt runs the worker loop on N workers (N chosen from `parallel.workers` and what
+the cluster has alive, so a lost node shrinks the next attempt), a watchdog thread reads
+the step heartbeats and kills a hung worker group after `faults.hang_timeout_s`, and every
+failure is classified, written to the ledger and answered by `RestartPolicy`: retry from
+the newest verified checkpoint, or give up after `faults.max_restarts`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from petatrain.chaos.inject import Injection
+from petatrain.config import JobConfig
+from petatrain.errors import ConfigError, PetatrainError
+from petatrain.storage import StorageOptions, join
+from petatrain.storage.fs import atomic_write, is_local, resolve
+
+log = logging.getLogger(__name__)
+
+CAUSES = ("kill", "exception", "hang", "node_lost", "preempt", "storage", "nonfinite", "unknown")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainJob:
+    config: JobConfig
+    run_url: str
+    options: StorageOptions | None = None
+    address: str = ""
+    injections: list[Injection] = field(default_factory=list)
+    on_event: Callable[[dict[str, Any]], None] | None = None  # progress for the CLI
+    local_cpus: int = 0
+
+
+@dataclass(slots=True)
+class Failure:
+    cause: str
+    detail: str
+    rank: int | None = None
+
+
+class RestartPolicy:
+    """Decides what a failure leads to: "retry" or "raise". Preemptions do not use up the budget."""
+
+    def __init__(self, max_restarts: int):
+        self.max_restarts = max_restarts
+        self.used = 0
+
+    def decide(self, failure: Failure) -> str:
+        if failure.cause == "preempt":
+            return "retry"
+        self.used += 1
+        return "retry" if self.used <= self.max_restarts else "raise"
+
+
+def classify(error: BaseException, *, hang: Failure | None, nodes_lost: bool) -> Failure:
+    """The cause of a failed attempt, from the watchdog's verdict and Ray Train's error."""
+    if hang is not None:
+        return hang
+    text = str(error)
+    rank = None
+    for line in text.splitlines():
+        if line.startswith("[Rank ") and "Error" in line:
+            with contextlib.suppress(IndexError, ValueError):
+                rank = int(line.split()[1].rstrip("]"))
+            break
+    first = next((ln for ln in reversed(text.splitlines()) if ln.strip() and not ln.startswith(" ")), text)[:300]
+    if "Preempted" in text:
+        return Failure("preempt", first, rank)
+    if "NonFiniteLoss" in text:
+        return Failure("nonfinite", first, rank)
+    if nodes_lost:
+        return Failure("node_lost", first, rank)
+    if "health check failed" in text or "ActorDiedError" in text or "actor died" in text.lower():
+        rank = _dead_rank(text, rank)
+        return Failure("kill", "worker process died: " + first, rank)
+    if "Traceback" in text:
+        return Failure("exception", first, rank)
+    return Failure("unknown", first, rank)
+
+
+def _dead_rank(text: str, default: int | None) -> int | None:
+    """The rank whose snippet says its health check failed (the one that died)."""
+    current = None
+    for line in text.splitlines():
+        if line.startswith("[Rank "):
+            try:
+                current = int(line.split()[1].rstrip("]"))
+            except (IndexError, ValueError):
+                current = None
+        elif "health check failed" in line and current is not None:
+            return current
+    return default
+
+
+def choose_world(cfg: JobConfig, cpus: float, gpus: float) -> int:
+    """Largest worker count in parallel.workers that the alive cluster can host and that divides the batch."""
+    lo, hi = cfg.parallel.worker_range()
+    per = cfg.resources.cpus_per_worker
+    fit = int(cpus // per) if per else hi
+    if _use_gpu(cfg, gpus):
+        fit = min(fit, int(gpus))
+    for n in range(min(hi, fit), lo - 1, -1):
+        if cfg.train.global_batch % n == 0:
+            return n
+    raise PetatrainError(
+        f"the cluster can host {fit} worker(s) of {per} CPU; parallel.workers={cfg.parallel.workers} "
+        f"and train.global_batch={cfg.train.global_batch} need at least {lo} (and a count dividing the batch)"
+    )
+
+
+def _use_gpu(cfg: JobConfig, gpus: float) -> bool:
+    return cfg.resources.accelerator == "gpu" or (cfg.resources.accelerator == "auto" and gpus >= 1)
+
+
+def run(job: TrainJob) -> dict[str, Any]:
+    """Train to `train.steps`, recovering from faults; returns a summary (also in the ledger)."""
+    import ray
+
+    from petatrain.data.ingest import init_ray
+    from petatrain.train.hub import RunHub
+
+    cfg = job.config
+    if cfg.parallel.strategy not in ("ddp", "fsdp"):
+        raise ConfigError(
+            f"parallel.strategy {cfg.parallel.strategy!r}: train runs ddp or fsdp "
+            f"({cfg.parallel.strategy} is modelled by `petatrain plan` only)"
+        )
+    _check_dataset(cfg, job.options)
+    # Faster failure detection than Ray Train's 2 s poll; propagated to the controller and workers.
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
+    init_ray(job.address or cfg.resources.address, job.local_cpus)
+    run_url = job.run_url
+    if is_local(run_url):
+        run_url = os.path.abspath(resolve(run_url)[1])
+    atomic_write(join(run_url, "config.yaml"), cfg.to_yaml().encode(), job.options)
+    run_id = uuid.uuid4().hex[:8]
+    hub = RunHub.options(name=f"petatrain-hub-{run_id}").remote(run_url, job.options)
+    started = time.time()
+
+    def emit(event: str, **fields: Any) -> dict[str, Any]:
+        record = ray.get(hub.emit.remote(event, fields))
+        if job.on_event:
+            job.on_event(record)
+        return record
+
+    lo, hi = cfg.parallel.worker_range()
+    emit("run_start", run_id=run_id, workers=[lo, hi], steps=cfg.train.steps, config=cfg.to_dict(), t=started)
+    policy = RestartPolicy(cfg.faults.max_restarts)
+    attempt, failures = 0, []
+    watch = _Watchdog(hub, cfg.faults.hang_timeout_s)
+    try:
+        while True:
+            # Totals of the alive nodes: the failed attempt's workers are still being released.
+            resources = ray.cluster_resources()
+            world = choose_world(cfg, resources.get("CPU", 0), resources.get("GPU", 0))
+            nodes_before = _alive_nodes()
+            fired = set(ray.get(hub.fired_keys.remote()))
+            ray.get(hub.new_attempt.remote(attempt))
+            emit("attempt_start", attempt=attempt, world_size=world)
+            payload = _payload(job, cfg, run_url, hub, attempt, started, fired)
+            error = _fit(cfg, payload, world, run_id, attempt, watch, job)
+            if error is None:
+                break
+            failure = classify(error, hang=watch.verdict, nodes_lost=bool(nodes_before - _alive_nodes()))
+            if failure.cause != "node_lost" and nodes_before - _alive_nodes():
+                failure.cause = "node_lost"
+            failures.append(failure)
+            emit("failure", attempt=attempt, cause=failure.cause, detail=failure.detail, rank=failure.rank)
+            if policy.decide(failure) == "raise":
+                emit("end", status="failed", step=None, detail=f"gave up after {policy.used - 1} restarts")
+                raise PetatrainError(
+                    f"training failed {policy.used} times (faults.max_restarts={cfg.faults.max_restarts}); "
+                    f"last cause: {failure.cause}: {failure.detail}"
+                )
+            attempt += 1
+            if failure.cause == "node_lost":
+                time.sleep(1.0)  # let the cluster's view of resources settle
+            emit("restart", attempt=attempt, world_size=None, reason=failure.cause)
+        final = join(run_url, "final", "model.safetensors")
+        emit("end", status="ok", step=cfg.train.steps, detail="", final=final)
+        return {
+            "run": run_url,
+            "final": final,
+            "steps": cfg.train.steps,
+            "attempts": attempt + 1,
+            "failures": [{"cause": f.cause, "detail": f.detail, "rank": f.rank} for f in failures],
+            "wall_s": time.time() - started,
+        }
+    finally:
+        watch.stop()
+        try:
+            ray.get(hub.close.remote())
+            ray.kill(hub)
+        except Exception:  # the ledger was flushed on every event; closing is best effort
+            log.debug("hub close failed", exc_info=True)
+
+
+def _check_dataset(cfg: JobConfig, options: StorageOptions | None) -> None:
+    from petatrain.storage.fs import exists
+
+    if not exists(join(cfg.data.dataset, "_index", "manifest.json"), options):
+        raise PetatrainError(
+            f"no dataset at {cfg.data.dataset} (data.dataset); `petatrain demo` builds the demo dataset, "
+            "`petatrain ingest SOURCES --out URL --tokenizer bytes --pack-length N` builds yours"
+        )
+
+
+def _payload(job, cfg, run_url, hub, attempt, started, fired):
+    from petatrain.train.loop import Payload
+
+    return Payload(
+        config=cfg.to_dict(),
+        run_url=run_url,
+        options=job.options.for_workers() if job.options else None,
+        hub=hub,
+        attempt=attempt,
+        run_started=started,
+        injections=[i for i in job.injections if i.key not in fired],
+    )
+
+
+def _entry(config: dict[str, Any]) -> None:
+    from petatrain.train.loop import train_worker
+
+    train_worker(config["payload"])
+
+
+def _fit(cfg, payload, world: int, run_id: str, attempt: int, watch: _Watchdog, job: TrainJob) -> BaseException | None:
+    """One attempt; returns its error or None. The watchdog runs while it trains."""
+    import ray
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    gpu = _use_gpu(cfg, ray.cluster_resources().get("GPU", 0))
+    resources = {"CPU": cfg.resources.cpus_per_worker} | ({"GPU": 1} if gpu else {})
+    storage = os.path.join(os.path.expanduser("~"), ".cache", "petatrain", "ray-train")
+    trainer = TorchTrainer(
+        _entry,
+        train_loop_config={"payload": payload},
+        torch_config=TorchConfig(
+            backend="nccl" if gpu else "gloo", timeout_s=int(max(60, 3 * cfg.faults.hang_timeout_s))
+        ),
+        scaling_config=ScalingConfig(num_workers=world, use_gpu=gpu, resources_per_worker=resources),
+        run_config=RunConfig(
+            name=f"petatrain-{run_id}-attempt{attempt}",
+            storage_path=storage,
+            failure_config=FailureConfig(max_failures=0),  # the supervisor decides, not Ray Train
+        ),
+    )
+    watch.start(attempt)
+    try:
+        trainer.fit()
+        return None
+    except Exception as exc:
+        return exc
+    finally:
+        watch.pause()
+
+
+class _Watchdog:
+    """Declares a hang when no rank has made step progress for `timeout_s`, and kills the group.
+
+    Killing the stuck processes (SIGKILL through a task on their node) turns a hang into a
+    worker death that Ray Train reports at once, instead of a collective that waits for
+    its timeout. Until the first step the allowance is three times longer (start-up, resume).
+    """
+
+    def __init__(self, hub: Any, timeout_s: float):
+        self.hub, self.timeout_s = hub, timeout_s
+        self.verdict: Failure | None = None
+        self._attempt = -1
+        self._active = threading.Event()
+        self._stop = threading.Event()
+        self._started_at = 0.0
+        self._thread = threading.Thread(target=self._run, name="petatrain-watchdog", daemon=True)
+        self._thread.start()
+
+    def start(self, attempt: int) -> None:
+        self.verdict, self._attempt, self._started_at = None, attempt, time.time()
+        self._active.set()
+
+    def pause(self) -> None:
+        self._active.clear()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._active.set()
+
+    def _run(self) -> None:
+        import ray
+
+        while not self._stop.is_set():
+            self._active.wait()
+            if self._stop.wait(0.5) or not self._active.is_set() or self.verdict is not None:
+                continue
+            try:
+                beats = ray.get(self.hub.heartbeats.remote(), timeout=5)
+            except Exception:
+                continue
+            now = time.time()
+            stepped = [b for b in beats.values() if b["step"] >= 0]
+            limit = self.timeout_s if stepped else 3 * self.timeout_s
+            last = max((b["t"] for b in beats.values()), default=self._started_at)
+            if beats and now - last > limit:
+                stale = min(beats.items(), key=lambda kv: (kv[1]["step"], kv[1]["t"]))
+                self.verdict = Failure(
+                    "hang",
+                    f"no step progress for {now - last:.1f}s (faults.hang_timeout_s={self.timeout_s:g}); "
+                    f"rank {stale[0]} last at step {stale[1]['step']}",
+                    stale[0],
+                )
+                _kill_group(beats)
+
+
+def _kill_group(beats: dict[int, dict[str, Any]]) -> None:
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    refs = [
+        ray.remote(num_cpus=0)(_kill_pid)
+        .options(scheduling_strategy=NodeAffinitySchedulingStrategy(b["node_id"], soft=False))
+        .remote(b["pid"])
+        for b in beats.values()
+    ]
+    ray.wait(refs, num_returns=len(refs), timeout=10)
+
+
+def _alive_nodes() -> set[str]:
+    import ray
+
+    return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+
+
+def _kill_pid(pid: int) -> None:
+    """Dump the stuck worker's stacks to its log (faulthandler on SIGUSR1), then kill it."""
+    import signal
+
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGUSR1)
+        time.sleep(0.5)
+        os.kill(pid, signal.SIGKILL)

@@ -1,0 +1,459 @@
+"""The worker loop that Ray Train runs on every rank.
+
+Reads top down: set up (device, determinism, model, parallelism, optimizer, data), resume
+from the newest verified checkpoint, then steps: gradient accumulation over micro-batches,
+one all-reduce of the step's flags (loss, non-finite, preemption, checkpoint due), clip,
+optimizer step, heartbeat, injected faults, asynchronous checkpoint, evaluation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import logging
+import math
+import os
+import signal
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from petatrain import config as config_mod
+from petatrain.chaos import inject
+from petatrain.config import JobConfig
+from petatrain.errors import ConfigError, PetatrainError
+from petatrain.models import ModelSpec, build_model
+from petatrain.storage import StorageOptions, join
+from petatrain.storage.fs import atomic_write
+from petatrain.train import checkpoint as ckpt
+from petatrain.train.parallel import load_into, parallelize, state_for_save
+
+log = logging.getLogger(__name__)
+
+
+class Preempted(PetatrainError):
+    """Raised after a preemption notice once the checkpoint of the current step is committed."""
+
+
+class NonFiniteLoss(PetatrainError):
+    """Raised when the loss is NaN/inf and faults.nonfinite is rollback."""
+
+
+@dataclass(slots=True)
+class Payload:
+    """What the driver hands every worker (plain data: it crosses process boundaries)."""
+
+    config: dict[str, Any]
+    run_url: str
+    options: StorageOptions | None
+    hub: Any  # RunHub actor handle
+    attempt: int
+    run_started: float
+    injections: list[inject.Injection]
+
+
+class PreemptionNotice:
+    """Turns SIGTERM into a flag the loop checks at the step boundary.
+
+    Ray worker processes install a SIGTERM handler on their main thread that exits the
+    process; the training function runs on another thread, where `signal.signal` is not
+    allowed. The handler calls `ray._private.worker.raise_sys_exit_with_custom_error_message`
+    by global name, so replacing that name turns the exit into a flag. Checked by
+    tests/test_train.py (preempt: zero steps lost).
+    """
+
+    def __init__(self) -> None:
+        self.received_at: float | None = None
+        try:
+            import ray._private.worker as ray_worker
+
+            ray_worker.raise_sys_exit_with_custom_error_message = self._on_sigterm
+        except (ImportError, AttributeError):  # outside Ray: a plain handler
+            import signal
+
+            with contextlib.suppress(ValueError):
+                signal.signal(signal.SIGTERM, lambda *_: self._on_sigterm())
+
+    def _on_sigterm(self, *args: Any, **kwargs: Any) -> None:
+        if self.received_at is None:
+            self.received_at = time.time()
+
+    @property
+    def received(self) -> bool:
+        return self.received_at is not None
+
+
+class TokenBatches:
+    """Micro-batches of token sequences from the petatrain loader, rolling over epochs.
+
+    The held-out split is the dataset's last `data.eval_shards` shards; training reads
+    the others. The state is the loader's JSON state.
+    """
+
+    def __init__(self, cfg: JobConfig, *, rank: int, world: int, micro: int, options: StorageOptions | None):
+        from petatrain.data import index as idx
+        from petatrain.data.stream import StreamingDataset
+
+        url = cfg.data.dataset
+        n_shards = idx.open_dataset(url, options).manifest["totals"]["shards"]
+        held = cfg.data.eval_shards if n_shards > cfg.data.eval_shards else 0
+        self.cfg, self.micro, self.seq = cfg, micro, cfg.model.seq_len + 1
+        common = {"columns": ["tokens"], "options": options}
+        self.train = StreamingDataset(
+            url,
+            seed=cfg.data.seed,
+            rank=rank,
+            world_size=world,
+            batch_size=micro,
+            drop_last=True,
+            shards=(0, n_shards - held),
+            **common,
+        )
+        self.eval = (
+            StreamingDataset(
+                url,
+                shuffle=False,
+                rank=rank,
+                world_size=world,
+                batch_size=micro,
+                shards=(n_shards - held, n_shards),
+                **common,
+            )
+            if held
+            else None
+        )
+        manifest = self.train.manifest
+        width = self._width(manifest)
+        if width < self.seq:
+            raise ConfigError(
+                f"model.seq_len {cfg.model.seq_len} needs rows of >= {self.seq} tokens; {url} has {width} "
+                f"(ingest with --pack-length {self.seq})"
+            )
+        vocab = (manifest.get("tokenizer") or {}).get("vocab_size")
+        if vocab and vocab > cfg.model.vocab_size:
+            raise ConfigError(f"model.vocab_size {cfg.model.vocab_size} is below the dataset's vocabulary ({vocab})")
+        if len(self.train) < micro:
+            raise ConfigError(f"{url}: fewer than train.micro_batch samples per rank in the training split")
+        self.consumed = 0
+        self.wait_s = 0.0
+        self._it = None
+
+    def _width(self, manifest: dict[str, Any]) -> int:
+        """Tokens per row: packed token rows are fixed_size_binary[bytes]."""
+        for col in manifest.get("schema", []):
+            if col["name"] == "tokens" and str(col["type"]).startswith("fixed_size_binary["):
+                return int(str(col["type"])[len("fixed_size_binary[") : -1]) // self.train.token_dtype.itemsize
+        raise ConfigError(
+            f"{self.cfg.data.dataset} has no packed tokens column (ingest with --tokenizer and --pack-length)"
+        )
+
+    def next(self) -> torch.Tensor:
+        t0 = time.perf_counter()
+        while True:
+            if self._it is None:
+                self._it = self.train.iter_batches()
+            batch = next(self._it, None)
+            if batch is not None:
+                break
+            self.train.set_epoch(self.train.epoch + 1)
+            self.consumed, self._it = 0, None
+        self.consumed += len(batch["index"])
+        self.wait_s += time.perf_counter() - t0
+        return torch.as_tensor(batch["tokens"])[:, : self.seq].to(torch.long)  # (B, T+1)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.train.state_dict(consumed=self.consumed)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.train.load_state_dict(state)
+        self.consumed, self._it = 0, None
+
+    def eval_batches(self, n: int):
+        if self.eval is None:
+            return
+        for i, batch in enumerate(self.eval.iter_batches()):
+            if i >= n:
+                return
+            yield torch.as_tensor(batch["tokens"])[:, : self.seq].to(torch.long)
+
+
+def lr_at(step: int, cfg: config_mod.TrainConfig) -> float:
+    """Linear warmup to train.lr, then cosine decay to train.min_lr at train.steps."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def build_optimizer(model: torch.nn.Module, cfg: config_mod.TrainConfig) -> torch.optim.Optimizer:
+    """AdamW (decay on matrices only, as in GPT-2/nanoGPT) or SGD with momentum."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    other = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": other, "weight_decay": 0.0}]
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.beta1)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), foreach=False)
+
+
+def micro_batching(cfg: JobConfig, world: int) -> tuple[int, int]:
+    """(micro-batch, accumulation steps) that keep train.global_batch fixed on `world` ranks."""
+    g = cfg.train.global_batch
+    if g % world:
+        raise ConfigError(f"train.global_batch {g} is not divisible by {world} workers")
+    per_rank = g // world
+    micro = max(m for m in range(1, min(cfg.train.micro_batch, per_rank) + 1) if per_rank % m == 0)
+    return micro, per_rank // micro
+
+
+class CheckpointSchedule:
+    """When to checkpoint: every N steps, every S seconds, or the Young/Daly interval."""
+
+    def __init__(self, cfg: JobConfig, world: int):
+        self.unit, self.value = cfg.checkpoint.interval()
+        self.mtbf_s = cfg.faults.mtbf_hours * 3600 / max(1, world)  # job MTBF: any of the nodes fails
+        self.last_t = time.time()
+        self.stall_s: float | None = None
+        self.write_s = 0.0
+
+    def due(self, step: int) -> bool:
+        if self.unit == "steps":
+            return step % int(self.value) == 0
+        elapsed = time.time() - self.last_t
+        return elapsed >= self.interval_s()
+
+    def interval_s(self) -> float:
+        if self.unit == "seconds":
+            return self.value
+        if self.stall_s is None:  # auto: take one early checkpoint to measure what it costs
+            return 10.0
+        # Young/Daly: sqrt(2 * cost * MTBF); with asynchronous writes the cost to the loop is
+        # the stall, and checkpoints cannot usefully come faster than they are written.
+        return max(math.sqrt(2 * max(self.stall_s, 1e-4) * self.mtbf_s), self.write_s)
+
+    def taken(self, stall_s: float, write_s: float) -> None:
+        self.last_t = time.time()
+        self.stall_s = stall_s if self.stall_s is None else 0.8 * self.stall_s + 0.2 * stall_s
+        self.write_s = write_s
+
+
+def train_worker(payload: Payload) -> None:
+    """Entry point of one rank, called by Ray Train's TorchTrainer."""
+    import ray
+    import ray.train
+
+    cfg = config_mod.build(JobConfig, payload.config)
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    hub, attempt = payload.hub, payload.attempt
+    preemption = PreemptionNotice()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the watchdog asks for stacks before a kill
+    node_id = ray.get_runtime_context().get_node_id()
+
+    def emit(event: str, sync: bool = False, **fields: Any) -> None:
+        ref = hub.emit.remote(event, {"attempt": attempt, **fields})
+        if sync:
+            ray.get(ref)
+
+    emit("worker_start", rank=rank, pid=os.getpid(), node=node_id)
+    hub.beat.remote(attempt, rank, -1, os.getpid(), node_id)
+
+    device = ray.train.torch.get_device() if cfg.resources.accelerator != "cpu" else torch.device("cpu")
+    if cfg.train.deterministic:
+        torch.use_deterministic_algorithms(True)
+        if device.type == "cuda":
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.backends.cudnn.benchmark = False
+    torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
+    spec: ModelSpec = build_model(cfg.model, cfg.train)
+    model = parallelize(spec, cfg, device)
+    optimizer = build_optimizer(model, cfg.train)
+    torch.manual_seed(cfg.train.seed * 1000 + rank + 1)  # per-rank stream (dropout)
+    micro, accum = micro_batching(cfg, world)
+    data = TokenBatches(cfg, rank=rank, world=world, micro=micro, options=payload.options)
+    amp = (
+        torch.autocast(device.type, dtype=torch.bfloat16)
+        if cfg.train.precision == "bf16-mixed"
+        else contextlib.nullcontext()
+    )
+
+    faults = ckpt.StorageFaults()
+    writer = ckpt.CheckpointWriter(
+        payload.run_url,
+        payload.options,
+        report_part=lambda s, r, f: ray.get(hub.report_part.remote(attempt, s, r, f)),
+        wait_parts=lambda s, w, t: ray.get(hub.wait_parts.remote(attempt, s, w, t)),
+        on_commit=lambda info: emit("checkpoint_commit", **info),
+        keep_last=cfg.checkpoint.keep_last,
+        keep_every=cfg.checkpoint.keep_every,
+        faults=faults,
+    )
+
+    # -- resume ---------------------------------------------------------------------------------
+    start = 0
+    state = _choose_checkpoint(payload, rank, emit)
+    if state is not None:
+        tensors = ckpt.read_rank_tensors(payload.run_url, state, rank, payload.options)
+        load_into(model, optimizer, state, tensors, rank=rank, world=world, cfg=cfg, payload=payload)
+        data.load_state_dict(state["loader"])
+        rng = tensors.get("rng/cpu")
+        if rng is not None and state["world_size"] == world:
+            torch.set_rng_state(rng)
+        start = state["step"]
+    if rank == 0:
+        emit("resume", step=start, checkpoint=ckpt.step_dir(payload.run_url, start) if state else None)
+
+    schedule = CheckpointSchedule(cfg, world)
+    tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
+    pending = [i for i in payload.injections if i.rank == rank]
+    nan_next = False
+    last_end = time.perf_counter()
+    wait_mark = data.wait_s
+    step = start
+    try:
+        while step < cfg.train.steps:
+            lr = lr_at(step, cfg.train)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            loss_sum = torch.zeros((), device=device)
+            for m in range(accum):
+                tokens = data.next().to(device, non_blocking=True)
+                sync = m == accum - 1 or not hasattr(model, "no_sync")
+                with contextlib.nullcontext() if sync else model.no_sync(), amp:
+                    loss = spec.loss_fn(model, tokens) / accum
+                if nan_next:
+                    loss = loss * float("nan")
+                loss.backward()
+                loss_sum += loss.detach().float()
+            nan_next = False
+            step += 1
+            # One all-reduce per step carries the loss and every decision all ranks must share.
+            due = 1.0 if rank == 0 and schedule.due(step) else 0.0
+            flags = torch.stack(
+                [
+                    loss_sum,
+                    torch.tensor(float(not torch.isfinite(loss_sum)), device=device),
+                    torch.tensor(float(preemption.received), device=device),
+                    torch.tensor(due, device=device),
+                ]
+            )
+            dist.all_reduce(flags)
+            nonfinite = flags[1].item() > 0 or not math.isfinite(flags[0].item())
+            preempt, checkpoint_due = flags[2].item() > 0, flags[3].item() > 0
+            loss_value = flags[0].item() / world
+            grad_norm = 0.0
+            if nonfinite:
+                optimizer.zero_grad(set_to_none=True)
+                emit("nonfinite", step=step, action=cfg.faults.nonfinite) if rank == 0 else None
+                if cfg.faults.nonfinite == "rollback":
+                    raise NonFiniteLoss(f"non-finite loss at step {step}; rolling back to the last checkpoint")
+            else:
+                if cfg.train.grad_clip:
+                    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip))
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            now = time.perf_counter()
+            if rank == 0:
+                emit(
+                    "step",
+                    step=step,
+                    step_s=now - last_end,
+                    data_wait_s=data.wait_s - wait_mark,
+                    loss=loss_value if not nonfinite else None,
+                    lr=lr,
+                    tokens=tokens_per_step,
+                    grad_norm=grad_norm,
+                )
+            hub.beat.remote(attempt, rank, step, os.getpid(), node_id)
+
+            elapsed = time.time() - payload.run_started
+            for injection in [i for i in pending if i.due(step, elapsed)]:
+                pending.remove(injection)
+                fields = {"fault": injection.kind, "step": step, "rank": rank, "key": injection.key}
+                if not ray.get(hub.fire.remote(injection.key, {"attempt": attempt, **fields})):
+                    continue
+                if injection.kind == "storage":
+                    faults.arm(injection.count)
+                elif injection.kind == "nan":
+                    nan_next = True
+                else:
+                    inject.act(injection)
+
+            if checkpoint_due or preempt or step == cfg.train.steps:
+                stall = _checkpoint(model, optimizer, data, writer, step, rank, world, cfg)
+                if rank == 0:
+                    emit("checkpoint_snapshot", step=step, stall_s=stall)
+                schedule.taken(stall, writer.last_write_s)
+            if preempt:
+                writer.wait()
+                raise Preempted(f"preemption notice: checkpoint of step {step} committed, exiting")
+            if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
+                _evaluate(model, spec, data, cfg, device, amp, step, rank, world, emit)
+            last_end = time.perf_counter()
+            wait_mark = data.wait_s
+        writer.wait()
+        _evaluate(model, spec, data, cfg, device, amp, step, rank, world, emit)
+        _save_final(model, payload, rank)
+    finally:
+        writer.close()
+
+
+def _choose_checkpoint(payload: Payload, rank: int, emit) -> dict[str, Any] | None:
+    """Rank 0 picks the newest verified checkpoint; its step is broadcast so all ranks agree."""
+    state = None
+    if rank == 0:
+        state = ckpt.latest_verified(
+            payload.run_url, payload.options, on_skip=lambda url, why: emit("checkpoint_skipped", url=url, reason=why)
+        )
+    chosen = torch.tensor([state["step"] if state else -1], dtype=torch.long)
+    dist.broadcast(chosen, src=0)
+    step = int(chosen.item())
+    if step < 0:
+        return None
+    return state if rank == 0 else ckpt.verify_checkpoint(payload.run_url, step, payload.options)
+
+
+def _checkpoint(model, optimizer, data, writer, step, rank, world, cfg) -> float:
+    """Snapshot to host memory and hand it to the writer; returns the stall in seconds."""
+    t0 = time.perf_counter()
+    waited = writer.wait()  # the previous write must finish before its buffers are reused
+    tensors, meta = state_for_save(model, optimizer, rank=rank, cfg=cfg)
+    tensors["rng/cpu"] = torch.get_rng_state()
+    meta.update(loader=data.state_dict(), strategy=cfg.parallel.strategy, config_digest=_digest(cfg))
+    writer.submit(ckpt.Snapshot(step=step, rank=rank, world_size=world, tensors=tensors, meta=meta))
+    return time.perf_counter() - t0 + 0 * waited
+
+
+def _digest(cfg: JobConfig) -> str:
+    from petatrain.storage.checksum import checksum_bytes
+
+    return checksum_bytes(cfg.to_yaml().encode())
+
+
+@torch.no_grad()
+def _evaluate(model, spec, data, cfg, device, amp, step, rank, world, emit) -> None:
+    if data.eval is None:
+        return
+    model.eval()
+    total = torch.zeros(2, device=device)
+    for tokens in data.eval_batches(cfg.train.eval_batches):
+        with amp:
+            total[0] += spec.loss_fn(model, tokens.to(device)).float()
+        total[1] += 1
+    model.train()
+    dist.all_reduce(total)
+    if rank == 0 and total[1] > 0:
+        emit("eval", step=step, loss=float(total[0] / total[1]))
+
+
+def _save_final(model, payload: Payload, rank: int) -> None:
+    from safetensors.torch import save
+
+    from petatrain.train.parallel import full_model_state
+
+    full = full_model_state(model)  # collective for FSDP
+    if rank == 0:
+        atomic_write(join(payload.run_url, "final", "model.safetensors"), save(full), payload.options)
