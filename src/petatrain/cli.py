@@ -284,5 +284,78 @@ def show_config(
     _guarded(go)
 
 
+# --- petatrain report (observe) -------------------------------------------------------
+
+
+@app.command()
+def report(
+    run: Annotated[str, typer.Argument(help="Run directory URL or path (holds events.jsonl).")],
+    config: Annotated[Path | None, typer.Option(help="Job config YAML; its storage section is used.")] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Config override a.b=c (repeatable).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (report.json).")] = False,
+) -> None:
+    """Goodput of a run: where its wall time went, its faults, loss curve and timeline (PNG + HTML)."""
+
+    def go():
+        from petatrain.observe.report import write_report
+
+        options = config_mod.load(config, list(set_ or [])).storage.options()
+        written = write_report(run, options)
+        if as_json:
+            _print_json(written)
+        else:
+            _render_report(written)
+
+    _guarded(go)
+
+
+def _render_report(r: dict[str, Any]) -> None:
+    steps = r["steps"]
+    target = steps["target"] if steps["target"] is not None else "?"
+    out.print(
+        f"[bold]goodput {100 * r['goodput']:.1f}%[/bold]  run {r.get('run_id') or r['run']}  status {r['status']}\n"
+        f"wall {r['wall_s']:.1f} s  steps {steps['kept']}/{target} kept, {steps['recomputed']} recomputed  "
+        f"attempts {r['attempts']}",
+        highlight=False,
+    )
+    wall = r["wall_s"] or 0.0
+    split = Table(title="where the wall time went")
+    split.add_column("part")
+    split.add_column("seconds", justify="right")
+    split.add_column("share", justify="right")
+    for name, seconds in r["time"].items():
+        share = f"{100 * seconds / wall:.1f}%" if wall > 0 else "–"
+        split.add_row(name.removesuffix("_s").replace("_", " "), f"{seconds:.2f}", share)
+    out.print(split)
+    if r["note"]:
+        out.print(f"[yellow]{r['note']}[/yellow]", highlight=False)
+    if r["faults"]:
+        faults = Table(title="faults")
+        for column in ("cause", "rank", "attempt", "step", "detected (s)", "recovered (s)", "steps lost"):
+            faults.add_column(column, justify="left" if column == "cause" else "right")
+        for f in r["faults"]:
+            faults.add_row(
+                f["cause"],
+                _or_dash(f["rank"]),
+                str(f["attempt"]),
+                _or_dash(f["step"]),
+                _or_dash(f["detected_after_s"], "{:.2f}"),
+                _or_dash(f["recovered_after_s"], "{:.2f}"),
+                _or_dash(f["steps_lost"]),
+            )
+        out.print(faults)
+    else:
+        out.print("no faults")
+    files = r["files"]
+    out.print(f"report: {files['html']}\nplots:  {files['loss_png']}, {files['timeline_png']}", highlight=False)
+
+
+def _or_dash(value: Any, fmt: str = "{}") -> str:
+    return "–" if value is None else fmt.format(value)
+
+
+# --- end petatrain report -------------------------------------------------------------
+
+
 if __name__ == "__main__":  # pragma: no cover
     app()
