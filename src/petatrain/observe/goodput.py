@@ -91,7 +91,7 @@ class CheckpointRecord:
         }
 
 
-@dataclass(kw_only=True, slots=True, frozen=True)
+@dataclass(slots=True)  # positional and not frozen: one per step of a long run, built fast
 class StepPoint:
     """One step occurrence, for plots: when it ended, which step, in which attempt."""
 
@@ -236,10 +236,7 @@ def account(events: list[dict[str, Any]]) -> Goodput:
     g.tokens_kept = sum(o.tokens for o in kept)
     g.last_step = max((o.step for o in kept), default=None)
     g.loss_curve = sorted((o.step, o.loss) for o in kept if o.loss is not None)
-    g.timeline = [
-        StepPoint(t_s=o.t - t0, step=o.step, attempt=o.attempt, loss=o.loss, kept=last_of_step[o.step] == o.index)
-        for o in occurrences
-    ]
+    g.timeline = [StepPoint(o.t - t0, o.step, o.attempt, o.loss, last_of_step[o.step] == o.index) for o in occurrences]
 
     g.checkpoints, g.checkpoints_skipped = _checkpoints(events, attempts, t0)
     g.checkpoint_stall_s = sum(c.stall_s for c in g.checkpoints)
@@ -280,6 +277,8 @@ def _checkpoints(
     skipped = []
     for e, (attempt, _) in zip(events, attempts, strict=True):
         kind = e.get("event")
+        if kind not in ("checkpoint_snapshot", "checkpoint_commit", "checkpoint_skipped"):
+            continue
         step = _int(e.get("step"))
         if kind == "checkpoint_snapshot" and step is not None:
             by_key[(attempt, step)] = CheckpointRecord(
@@ -306,8 +305,10 @@ def _checkpoints(
 def _evals(events: list[dict[str, Any]], attempts: list[tuple[int, bool]], t0: float) -> list[dict[str, Any]]:
     latest: dict[int, dict[str, Any]] = {}
     for e, (attempt, _) in zip(events, attempts, strict=True):
+        if e.get("event") != "eval":
+            continue
         step, loss = _int(e.get("step")), as_number(e.get("loss"))
-        if e.get("event") == "eval" and step is not None and loss is not None:
+        if step is not None and loss is not None:
             latest[step] = {"step": step, "loss": loss, "attempt": attempt, "t_s": _round(as_number(e["t"]) - t0)}
     return [latest[s] for s in sorted(latest)]
 
@@ -416,9 +417,10 @@ def _faults(
 
 def as_number(value: Any) -> float | None:
     """A JSON value as a float; None for anything else (missing, text, bool, NaN)."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return float(value) if value == value else None  # NaN is "missing", not a number to add up
+    kind = type(value)  # not isinstance: a bool is not a number here; called once or more per event
+    if kind is float:
+        return value if value == value else None  # NaN is "missing", not a number to add up
+    return float(value) if kind is int else None
 
 
 def _int(value: Any) -> int | None:
