@@ -220,12 +220,13 @@ def _render_inspect(r: dict[str, Any]) -> None:
 
 @app.command()
 def demo(
-    root: Annotated[str, typer.Option(help="Where the demo corpus and dataset go.")] = DEMO_ROOT,
+    root: Annotated[str, typer.Option(help="Where the demo corpus, dataset and run go.")] = DEMO_ROOT,
     documents: Annotated[int, typer.Option(help="Unique documents to generate.")] = 3000,
+    train_: Annotated[bool, typer.Option("--train/--no-train", help="End with the training demo.")] = True,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
-    """Generate a corpus with duplicates and bad records, ingest it, inspect it, and stream it
-    with 2 ranks, resuming half-way with 3."""
+    """Generate a corpus with duplicates and bad records, ingest it, stream it with 2 ranks
+    resuming half-way with 3, then train a small GPT on 2 workers through a worker kill."""
 
     def go():
         from petatrain.data import synth
@@ -238,20 +239,52 @@ def demo(
         if not os.path.isdir(corpus_dir):
             console.print(f"generating a synthetic corpus in {corpus_dir}")
             synth.generate(corpus_dir, documents=documents, files=4)
-        summary = run(IngestJob(sources=[corpus_dir], out=dataset, config=config_mod.IngestConfig()))
-        report = describe(dataset, verify=True, samples=2)
+        # Byte tokens packed into rows of 65 (64 inputs + 1 target), in shards small enough
+        # that the last one can be held out for evaluation.
+        ingest_cfg = config_mod.IngestConfig(tokenizer="bytes", pack_length=65, shard_size="1MB")
+        summary = run(IngestJob(sources=[corpus_dir], out=dataset, config=ingest_cfg))
+        report = describe(dataset, verify=True, samples=1)
         stream = elastic_resume(dataset)
-        if as_json:
-            _print_json({"ingest": summary.to_dict(), "inspect": report, "stream": stream})
-            return
-        _render_ingest(summary.to_dict())
-        _render_inspect(report)
-        _render_stream(stream)
-        out.print(f"\nNext: [bold].venv/bin/petatrain inspect {dataset} --verify[/bold]")
+        result = {"ingest": summary.to_dict(), "inspect": report, "stream": stream}
+        if not as_json:
+            _render_ingest(summary.to_dict())
+            _render_inspect(report)
+            _render_stream(stream)
         if not stream["exactly_once"]:
             _fail("the loader did not deliver every sample exactly once", 1)
+        if train_:
+            result["train"] = _demo_train(root, dataset, as_json)
+        if as_json:
+            _print_json(result)
+            return
+        out.print(f"\nNext: [bold].venv/bin/petatrain report {result.get('train', {}).get('run', '')}[/bold]")
 
     _guarded(go)
+
+
+def _demo_train(root: str, dataset: str, as_json: bool) -> dict[str, Any]:
+    from petatrain.chaos.inject import parse
+    from petatrain.observe.report import write_report
+    from petatrain.storage.fs import remove_tree
+    from petatrain.train.launch import TrainJob, run
+    from petatrain.train.sample import sample_text
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "tiny.yaml"
+    cfg = config_mod.load(example if example.exists() else None, [f"data.dataset={dataset}"])
+    run_dir = os.path.join(root, "runs", "demo")
+    remove_tree(run_dir)  # a fresh run each time: resuming a finished run would train nothing
+    if not as_json:
+        out.print(f"\n[bold]training[/bold] a {cfg.model.n_layer}-layer GPT on 2 workers; rank 1 is killed at step 17")
+    summary = run(TrainJob(config=cfg, run_url=run_dir, injections=[parse("kill@step=17,rank=1")]))
+    report = write_report(summary["run"])
+    samples = sample_text(cfg, summary["final"], prompts=["the ", "data "], new_tokens=60)
+    if not as_json:
+        for f in summary["failures"]:
+            out.print(f"recovered from {f['cause']} (rank {f['rank']})", highlight=False)
+        _render_report(report)
+        for text in samples:
+            out.print(f"[bold]sample[/bold] {text!r}", highlight=False)
+    return {**summary, "goodput": report["goodput"], "samples": samples}
 
 
 def _render_stream(s: dict[str, Any]) -> None:
@@ -326,6 +359,29 @@ def chaos(
             specs += soak_injections(every, duration, seed=seed, workers=cfg.parallel.worker_range()[0])
         _train(config, list(set_ or []), run_dir, address, specs, as_json)
 
+
+# --- petatrain report (observe) -------------------------------------------------------
+
+
+@app.command()
+def report(
+    run: Annotated[str, typer.Argument(help="Run directory URL or path (holds events.jsonl).")],
+    config: Annotated[Path | None, typer.Option(help="Job config YAML; its storage section is used.")] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Config override a.b=c (repeatable).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (report.json).")] = False,
+) -> None:
+    """Goodput of a run: where its wall time went, its faults, loss curve and timeline (PNG + HTML)."""
+
+    def go():
+        from petatrain.observe.report import write_report
+
+        options = config_mod.load(config, list(set_ or [])).storage.options()
+        written = write_report(run, options)
+        if as_json:
+            _print_json(written)
+        else:
+            _render_report(written)
+
     _guarded(go)
 
 
@@ -361,25 +417,65 @@ def _train(config, overrides, run_dir, address, specs, as_json) -> None:
             on_event=progress,
         )
     )
-    summary["report"] = _write_report(summary["run"], cfg)
+    from petatrain.observe.report import write_report
+
+    report = write_report(summary["run"], cfg.storage.options())
     if as_json:
-        _print_json(summary)
+        _print_json({**summary, "report": report})
         return
     out.print(f"trained {summary['steps']} steps in {summary['wall_s']:.1f}s, {summary['attempts']} attempt(s)")
     for f in summary["failures"]:
         out.print(f"  recovered from {f['cause']} (rank {f['rank']}): {f['detail'][:120]}")
+    _render_report(report)
     out.print(f"final weights: {summary['final']}")
-    if summary.get("report"):
-        out.print(f"report: {summary['report']}")
 
 
-def _write_report(run_url: str, cfg) -> str | None:
-    try:
-        from petatrain.observe.report import write_report
-    except ImportError:
-        return None
-    write_report(run_url, cfg.storage.options())
-    return os.path.join(run_url, "report.html")
+def _render_report(r: dict[str, Any]) -> None:
+    steps = r["steps"]
+    target = steps["target"] if steps["target"] is not None else "?"
+    out.print(
+        f"[bold]goodput {100 * r['goodput']:.1f}%[/bold]  run {r.get('run_id') or r['run']}  status {r['status']}\n"
+        f"wall {r['wall_s']:.1f} s  steps {steps['kept']}/{target} kept, {steps['recomputed']} recomputed  "
+        f"attempts {r['attempts']}",
+        highlight=False,
+    )
+    wall = r["wall_s"] or 0.0
+    split = Table(title="where the wall time went")
+    split.add_column("part")
+    split.add_column("seconds", justify="right")
+    split.add_column("share", justify="right")
+    for name, seconds in r["time"].items():
+        share = f"{100 * seconds / wall:.1f}%" if wall > 0 else "–"
+        split.add_row(name.removesuffix("_s").replace("_", " "), f"{seconds:.2f}", share)
+    out.print(split)
+    if r["note"]:
+        out.print(f"[yellow]{r['note']}[/yellow]", highlight=False)
+    if r["faults"]:
+        faults = Table(title="faults")
+        for column in ("cause", "rank", "attempt", "step", "detected (s)", "recovered (s)", "steps lost"):
+            faults.add_column(column, justify="left" if column == "cause" else "right")
+        for f in r["faults"]:
+            faults.add_row(
+                f["cause"],
+                _or_dash(f["rank"]),
+                str(f["attempt"]),
+                _or_dash(f["step"]),
+                _or_dash(f["detected_after_s"], "{:.2f}"),
+                _or_dash(f["recovered_after_s"], "{:.2f}"),
+                _or_dash(f["steps_lost"]),
+            )
+        out.print(faults)
+    else:
+        out.print("no faults")
+    files = r["files"]
+    out.print(f"report: {files['html']}\nplots:  {files['loss_png']}, {files['timeline_png']}", highlight=False)
+
+
+def _or_dash(value: Any, fmt: str = "{}") -> str:
+    return "–" if value is None else fmt.format(value)
+
+
+# --- end petatrain report -------------------------------------------------------------
 
 
 if __name__ == "__main__":  # pragma: no cover

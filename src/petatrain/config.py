@@ -213,8 +213,8 @@ class ResourcesConfig:
 
 @dataclass(kw_only=True, slots=True)
 class ObserveConfig:
-    metrics_port: int = 0
-    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 0  # 0 picks a free port (written to the ledger's run_start)
+    metrics_host: str = "127.0.0.1"  # "" turns the Prometheus endpoint off
 
 
 @dataclass(kw_only=True, slots=True)

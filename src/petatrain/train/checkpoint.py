@@ -194,17 +194,21 @@ class CheckpointWriter:
         t0 = time.perf_counter()
         folder = step_dir(self.run_url, snap.step)
         files: dict[str, dict[str, Any]] = {}
-        if snap.tensors or snap.rank == 0:
-            data = st_save(snap.tensors, metadata={"step": str(snap.step), "rank": str(snap.rank)})
-            checksum, size = self._put(join(folder, rank_file(snap.rank)), data)
-            files[rank_file(snap.rank)] = {"checksum": checksum, "bytes": size}
+        try:
+            if snap.tensors or snap.rank == 0:
+                data = st_save(snap.tensors, metadata={"step": str(snap.step), "rank": str(snap.rank)})
+                checksum, size = self._put(join(folder, rank_file(snap.rank)), data)
+                files[rank_file(snap.rank)] = {"checksum": checksum, "bytes": size}
+        except Exception:
+            self._report_part(snap.step, snap.rank, None)  # rank 0 stops waiting: no commit of this step
+            raise
         self._report_part(snap.step, snap.rank, files)
         if snap.rank != 0:
             self.last_write_s = time.perf_counter() - t0
             return
         parts = self._wait_parts(snap.step, snap.world_size, self.parts_timeout_s)
         if parts is None:
-            raise PetatrainError(f"checkpoint step {snap.step}: not every rank wrote its part in time; not committed")
+            raise PetatrainError(f"checkpoint step {snap.step}: not every rank wrote its part; not committed")
         state = {
             "format": FORMAT_VERSION,
             "step": snap.step,

@@ -20,9 +20,12 @@ from petatrain.storage import StorageOptions
 
 @ray.remote(num_cpus=0, max_concurrency=32)
 class RunHub:
-    def __init__(self, run_url: str, options: StorageOptions | None):
+    def __init__(self, run_url: str, options: StorageOptions | None, metrics_host: str = "", metrics_port: int = 0):
+        from petatrain.observe.metrics import MetricsServer
+
         self.log = EventLog(run_url, options)
-        self.listeners: list[Any] = []
+        # Prometheus endpoint fed by every event; bound to 127.0.0.1 unless observe.metrics_host says otherwise.
+        self.metrics = MetricsServer(metrics_host or "127.0.0.1", metrics_port) if metrics_host else None
         self._lock = threading.Condition()
         self.attempt = -1
         self.beats: dict[int, dict[str, Any]] = {}
@@ -33,6 +36,8 @@ class RunHub:
     # -- ledger ------------------------------------------------------------------------------
     def emit(self, event: str, fields: dict[str, Any]) -> dict[str, Any]:
         record = self.log.emit(event, **fields)
+        if self.metrics is not None:
+            self.metrics.observe(record)
         if time.time() - self.last_flush > 5:
             self.flush()
         return record
@@ -41,8 +46,13 @@ class RunHub:
         self.log.flush()
         self.last_flush = time.time()
 
+    def metrics_url(self) -> str | None:
+        return self.metrics.url if self.metrics is not None else None
+
     def close(self) -> None:
         self.log.close()
+        if self.metrics is not None:
+            self.metrics.close()
 
     # -- attempts and heartbeats ---------------------------------------------------------------
     def new_attempt(self, attempt: int) -> None:
@@ -63,7 +73,8 @@ class RunHub:
             return dict(self.beats)
 
     # -- checkpoint parts ----------------------------------------------------------------------
-    def report_part(self, attempt: int, step: int, rank: int, files: dict) -> None:
+    def report_part(self, attempt: int, step: int, rank: int, files: dict | None) -> None:
+        """A rank's written files for a checkpoint, or None when its write failed."""
         with self._lock:
             self.parts.setdefault((attempt, step), {})[rank] = files
             self._lock.notify_all()
@@ -74,11 +85,16 @@ class RunHub:
         key = (attempt, step)
         with self._lock:
             while len(self.parts.get(key, {})) < world_size:
+                if any(files is None for files in self.parts.get(key, {}).values()):
+                    self.parts.pop(key)
+                    return None  # a rank's write failed
                 left = deadline - time.time()
                 if left <= 0 or attempt != self.attempt:
                     return None
                 self._lock.wait(left)
             got = self.parts.pop(key)
+        if any(files is None for files in got.values()):
+            return None
         return {name: info for files in got.values() for name, info in files.items()}
 
     # -- fault injection -----------------------------------------------------------------------

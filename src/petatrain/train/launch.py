@@ -126,6 +126,7 @@ def _use_gpu(cfg: JobConfig, gpus: float) -> bool:
 def run(job: TrainJob) -> dict[str, Any]:
     """Train to `train.steps`, recovering from faults; returns a summary (also in the ledger)."""
     import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from petatrain.data.ingest import init_ray
     from petatrain.train.hub import RunHub
@@ -146,7 +147,12 @@ def run(job: TrainJob) -> dict[str, Any]:
         run_url = os.path.abspath(resolve(run_url)[1])
     atomic_write(join(run_url, "config.yaml"), cfg.to_yaml().encode(), job.options)
     run_id = uuid.uuid4().hex[:8]
-    hub = RunHub.options(name=f"petatrain-hub-{run_id}").remote(run_url, job.options)
+    # The hub lives on the driver's node, so its metrics endpoint is on this machine's 127.0.0.1.
+    node = ray.get_runtime_context().get_node_id()
+    hub = RunHub.options(
+        name=f"petatrain-hub-{run_id}",
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+    ).remote(run_url, job.options, cfg.observe.metrics_host, cfg.observe.metrics_port)
     started = time.time()
 
     def emit(event: str, **fields: Any) -> dict[str, Any]:
@@ -156,7 +162,18 @@ def run(job: TrainJob) -> dict[str, Any]:
         return record
 
     lo, hi = cfg.parallel.worker_range()
-    emit("run_start", run_id=run_id, workers=[lo, hi], steps=cfg.train.steps, config=cfg.to_dict(), t=started)
+    metrics = ray.get(hub.metrics_url.remote())
+    if metrics:
+        log.info("metrics: %s", metrics)
+    emit(
+        "run_start",
+        run_id=run_id,
+        workers=[lo, hi],
+        steps=cfg.train.steps,
+        metrics=metrics,
+        config=cfg.to_dict(),
+        t=started,
+    )
     policy = RestartPolicy(cfg.faults.max_restarts)
     attempt, failures = 0, []
     watch = _Watchdog(hub, cfg.faults.hang_timeout_s)

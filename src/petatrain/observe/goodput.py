@@ -1,0 +1,440 @@
+"""Goodput accounting: where a run's wall time went, computed from its event ledger.
+
+`account(events)` is a pure function of the events `ledger.read_events` returns. The
+wall time (run_start to end, or to the last event while a run is in progress) is split
+into parts that do not overlap:
+
+    productive        step time of the steps kept in the final model, data wait excluded
+    data_wait         data wait of the kept steps
+    checkpoint_stall  what the training loop paid for every checkpoint snapshot
+    fault_detection   per failure: from the fault to the moment it was noticed
+    restart           per failure: from the failure to the start of the next attempt's first step
+    recomputed        step time of step occurrences that a later attempt redid (lost work)
+    idle              the rest: start-up, final save, gaps; never negative
+
+A step "kept" is the last occurrence of its step number in the ledger; every earlier
+occurrence was lost to a fault and is recomputed time. goodput = productive / wall.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# report.json stays small for long runs: the loss curve is thinned to this many points.
+MAX_CURVE_POINTS = 5000
+
+_TIME_PARTS = (
+    "productive_s",
+    "data_wait_s",
+    "checkpoint_stall_s",
+    "fault_detection_s",
+    "restart_s",
+    "recomputed_s",
+    "idle_s",
+)
+
+
+@dataclass(kw_only=True, slots=True)
+class FaultRecord:
+    """One failure: what it was, when it was noticed, when training was productive again."""
+
+    cause: str
+    rank: int | None
+    attempt: int
+    step: int | None  # the step at which it happened (injected step, else the last step reached)
+    t_s: float  # failure time, seconds since the run started
+    detected_after_s: float | None  # fault -> failure event; None when nothing says when the fault happened
+    recovered_after_s: float | None  # failure -> first step of the next attempt done; None if none came
+    restart_s: float  # failure -> start of the next attempt's first step (the part counted as restart)
+    steps_lost: int | None  # last step reached in the failed attempt - step the next attempt resumed from
+    detail: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "cause": self.cause,
+            "rank": self.rank,
+            "attempt": self.attempt,
+            "step": self.step,
+            "t_s": _round(self.t_s),
+            "detected_after_s": _round(self.detected_after_s),
+            "recovered_after_s": _round(self.recovered_after_s),
+            "restart_s": _round(self.restart_s),
+            "steps_lost": self.steps_lost,
+            "detail": self.detail,
+        }
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointRecord:
+    """A checkpoint snapshot and, once written, its commit."""
+
+    step: int
+    attempt: int
+    t_s: float  # snapshot time, seconds since the run started
+    stall_s: float
+    committed: bool = False
+    write_s: float | None = None
+    bytes: int | None = None
+    url: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "attempt": self.attempt,
+            "t_s": _round(self.t_s),
+            "stall_s": _round(self.stall_s),
+            "committed": self.committed,
+            "write_s": _round(self.write_s),
+            "bytes": self.bytes,
+            "url": self.url,
+        }
+
+
+@dataclass(slots=True)  # positional and not frozen: one per step of a long run, built fast
+class StepPoint:
+    """One step occurrence, for plots: when it ended, which step, in which attempt."""
+
+    t_s: float
+    step: int
+    attempt: int
+    loss: float | None
+    kept: bool
+
+
+@dataclass(kw_only=True, slots=True)
+class Goodput:
+    """The accounting of one run (see the module docstring for what each part means)."""
+
+    run_id: str | None = None
+    status: str = "running"  # ok | failed | running (no end event yet)
+    wall_s: float = 0.0
+    productive_s: float = 0.0
+    data_wait_s: float = 0.0
+    checkpoint_stall_s: float = 0.0
+    fault_detection_s: float = 0.0
+    restart_s: float = 0.0
+    recomputed_s: float = 0.0
+    idle_s: float = 0.0
+    note: str = ""
+    steps_target: int | None = None
+    steps_kept: int = 0
+    steps_recomputed: int = 0
+    last_step: int | None = None
+    tokens_kept: int = 0
+    attempts: int = 0
+    faults: list[FaultRecord] = field(default_factory=list)
+    checkpoints: list[CheckpointRecord] = field(default_factory=list)
+    checkpoints_skipped: list[dict[str, Any]] = field(default_factory=list)
+    evals: list[dict[str, Any]] = field(default_factory=list)  # step, loss, t_s of the kept evals
+    loss_curve: list[tuple[int, float]] = field(default_factory=list)  # (step, loss) of kept steps
+    timeline: list[StepPoint] = field(default_factory=list)  # every step occurrence, for the plot
+
+    @property
+    def goodput(self) -> float:
+        return self.productive_s / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Kept tokens per second of wall time: the throughput that ends up in the model."""
+        return self.tokens_kept / self.wall_s if self.wall_s > 0 else 0.0
+
+    def time_split(self) -> dict[str, float]:
+        """The parts of the wall time, in seconds, in the order they are reported."""
+        return {name: getattr(self, name) for name in _TIME_PARTS}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "run_id": self.run_id,
+            "status": self.status,
+            "goodput": _round(self.goodput),
+            "wall_s": _round(self.wall_s),
+            "time": {name: _round(value) for name, value in self.time_split().items()},
+            "note": self.note,
+            "steps": {
+                "target": self.steps_target,
+                "kept": self.steps_kept,
+                "recomputed": self.steps_recomputed,
+                "last": self.last_step,
+            },
+            "tokens_kept": self.tokens_kept,
+            "tokens_per_s": _round(self.tokens_per_s),
+            "attempts": self.attempts,
+            "restarts": max(self.attempts - 1, 0),
+            "faults": [f.to_dict() for f in self.faults],
+            "checkpoints": [c.to_dict() for c in self.checkpoints],
+            "checkpoints_skipped": self.checkpoints_skipped,
+            "evals": self.evals,
+            "loss_curve": [[step, loss] for step, loss in thin(self.loss_curve, MAX_CURVE_POINTS)],
+        }
+
+
+@dataclass(slots=True)
+class _Occurrence:
+    index: int  # position in the ledger
+    t: float
+    attempt: int
+    step: int
+    step_s: float
+    data_wait_s: float
+    loss: float | None
+    tokens: int
+
+
+def account(events: list[dict[str, Any]]) -> Goodput:
+    """Split a run's wall time into goodput and its losses; see the module docstring.
+
+    Robust to what a ledger of a crashed or running run looks like: missing run_start
+    (the first event starts the clock), missing end (the last event stops it), events
+    without an attempt number (they belong to the attempt in progress), missing fields.
+    """
+    events = [e for e in events if isinstance(e, dict) and as_number(e.get("t")) is not None]
+    g = Goodput()
+    if not events:
+        g.note = "no events"
+        return g
+
+    start_event = next((e for e in events if e.get("event") == "run_start"), None)
+    end_event = next((e for e in reversed(events) if e.get("event") == "end"), None)
+    t0 = as_number(start_event["t"]) if start_event else min(as_number(e["t"]) for e in events)
+    t_end = as_number(end_event["t"]) if end_event else max(as_number(e["t"]) for e in events)
+    g.wall_s = max(t_end - t0, 0.0)
+    if start_event:
+        g.run_id = start_event.get("run_id")
+        g.steps_target = _int(start_event.get("steps"))
+    if end_event:
+        g.status = str(end_event.get("status") or "failed")
+
+    attempts = _attempt_numbers(events)
+    g.attempts = len({a for a, _ in attempts})
+
+    # Steps: the last occurrence of each step number is kept, earlier ones were redone.
+    occurrences = []
+    for i, (e, (attempt, _)) in enumerate(zip(events, attempts, strict=True)):
+        if e.get("event") != "step" or _int(e.get("step")) is None:
+            continue
+        occurrences.append(
+            _Occurrence(
+                index=i,
+                t=as_number(e["t"]),
+                attempt=attempt,
+                step=_int(e["step"]),
+                step_s=max(as_number(e.get("step_s")) or 0.0, 0.0),
+                data_wait_s=max(as_number(e.get("data_wait_s")) or 0.0, 0.0),
+                loss=as_number(e.get("loss")),
+                tokens=_int(e.get("tokens")) or 0,
+            )
+        )
+    last_of_step = {o.step: o.index for o in occurrences}
+    kept = [o for o in occurrences if last_of_step[o.step] == o.index]
+    redone = [o for o in occurrences if last_of_step[o.step] != o.index]
+    g.data_wait_s = sum(min(o.data_wait_s, o.step_s) for o in kept)
+    g.productive_s = sum(o.step_s for o in kept) - g.data_wait_s
+    g.recomputed_s = sum(o.step_s for o in redone)
+    g.steps_kept = len(kept)
+    g.steps_recomputed = len(redone)
+    g.tokens_kept = sum(o.tokens for o in kept)
+    g.last_step = max((o.step for o in kept), default=None)
+    g.loss_curve = sorted((o.step, o.loss) for o in kept if o.loss is not None)
+    g.timeline = [StepPoint(o.t - t0, o.step, o.attempt, o.loss, last_of_step[o.step] == o.index) for o in occurrences]
+
+    g.checkpoints, g.checkpoints_skipped = _checkpoints(events, attempts, t0)
+    g.checkpoint_stall_s = sum(c.stall_s for c in g.checkpoints)
+    g.evals = _evals(events, attempts, t0)
+
+    g.faults = _faults(events, attempts, occurrences, t0, t_end)
+    g.fault_detection_s = sum(f.detected_after_s or 0.0 for f in g.faults)
+    g.restart_s = sum(f.restart_s for f in g.faults)
+
+    busy = sum(getattr(g, name) for name in _TIME_PARTS if name != "idle_s")
+    g.idle_s = max(g.wall_s - busy, 0.0)
+    if busy > g.wall_s + 1e-6:
+        g.note = (
+            f"the parts add up to {busy:.3f} s, more than the {g.wall_s:.3f} s of wall time "
+            "(clocks of different machines disagree, or events overlap); idle is set to 0"
+        )
+    elif g.status == "running":
+        g.note = "no end event: the run is in progress or its driver died; wall time ends at the last event"
+    return g
+
+
+def _attempt_numbers(events: list[dict[str, Any]]) -> list[tuple[int, bool]]:
+    """(attempt, explicit) for each event; events without one belong to the attempt in progress."""
+    current = 0
+    out = []
+    for e in events:
+        attempt = _int(e.get("attempt"))
+        if attempt is not None and e.get("event") in ("attempt_start", "restart", "resume", "worker_start"):
+            current = attempt
+        out.append((attempt if attempt is not None else current, attempt is not None))
+    return out
+
+
+def _checkpoints(
+    events: list[dict[str, Any]], attempts: list[tuple[int, bool]], t0: float
+) -> tuple[list[CheckpointRecord], list[dict[str, Any]]]:
+    by_key: dict[tuple[int, int], CheckpointRecord] = {}
+    skipped = []
+    for e, (attempt, _) in zip(events, attempts, strict=True):
+        kind = e.get("event")
+        if kind not in ("checkpoint_snapshot", "checkpoint_commit", "checkpoint_skipped"):
+            continue
+        step = _int(e.get("step"))
+        if kind == "checkpoint_snapshot" and step is not None:
+            by_key[(attempt, step)] = CheckpointRecord(
+                step=step,
+                attempt=attempt,
+                t_s=as_number(e["t"]) - t0,
+                stall_s=max(as_number(e.get("stall_s")) or 0.0, 0.0),
+            )
+        elif kind == "checkpoint_commit" and step is not None:
+            record = by_key.get((attempt, step))
+            if record is None:  # a commit whose snapshot line was lost: still a checkpoint
+                record = by_key[(attempt, step)] = CheckpointRecord(
+                    step=step, attempt=attempt, t_s=as_number(e["t"]) - t0, stall_s=0.0
+                )
+            record.committed = True
+            record.write_s = as_number(e.get("write_s"))
+            record.bytes = _int(e.get("bytes"))
+            record.url = e.get("url")
+        elif kind == "checkpoint_skipped":
+            skipped.append({"url": e.get("url"), "reason": e.get("reason"), "t_s": _round(as_number(e["t"]) - t0)})
+    return list(by_key.values()), skipped
+
+
+def _evals(events: list[dict[str, Any]], attempts: list[tuple[int, bool]], t0: float) -> list[dict[str, Any]]:
+    latest: dict[int, dict[str, Any]] = {}
+    for e, (attempt, _) in zip(events, attempts, strict=True):
+        if e.get("event") != "eval":
+            continue
+        step, loss = _int(e.get("step")), as_number(e.get("loss"))
+        if step is not None and loss is not None:
+            latest[step] = {"step": step, "loss": loss, "attempt": attempt, "t_s": _round(as_number(e["t"]) - t0)}
+    return [latest[s] for s in sorted(latest)]
+
+
+def _faults(
+    events: list[dict[str, Any]],
+    attempts: list[tuple[int, bool]],
+    occurrences: list[_Occurrence],
+    t0: float,
+    t_end: float,
+) -> list[FaultRecord]:
+    """One row per failure event; detection and restart windows never overlap each other or steps."""
+    # Per attempt, in ledger order: injections and progress marks (steps, snapshots), first resume.
+    injections: dict[int, list[tuple[int, dict[str, Any]]]] = {}
+    progress: dict[int, list[tuple[int, float]]] = {}
+    resumes: dict[int, dict[str, Any]] = {}
+    failures = []
+    for i, (e, (attempt, _)) in enumerate(zip(events, attempts, strict=True)):
+        kind = e.get("event")
+        if kind == "fault_injected":
+            injections.setdefault(attempt, []).append((i, e))
+        elif kind in ("step", "checkpoint_snapshot"):
+            progress.setdefault(attempt, []).append((i, as_number(e["t"])))
+        elif kind == "resume":
+            resumes.setdefault(attempt, e)
+        elif kind == "failure":
+            failures.append((i, e, attempt))
+    steps_of: dict[int, list[_Occurrence]] = {}
+    for o in occurrences:
+        steps_of.setdefault(o.attempt, []).append(o)
+    known_attempts = sorted({a for a, _ in attempts})
+
+    # When each fault started to cost time: its injection (else the attempt's last step),
+    # moved later past any progress made after it and past the previous failure, so that
+    # no second is counted twice.
+    detect_start: list[float | None] = []
+    previous_failure_t = t0
+    for i, failure, attempt in failures:
+        t_fail = as_number(failure["t"])
+        injected = [e for j, e in injections.get(attempt, []) if j < i and as_number(e["t"]) <= t_fail]
+        marks = [t for j, t in progress.get(attempt, []) if j < i and t <= t_fail]
+        last_step_t = max((o.t for o in steps_of.get(attempt, []) if o.index < i), default=None)
+        fault_t = as_number(injected[-1]["t"]) if injected else last_step_t
+        if fault_t is None:
+            detect_start.append(None)
+        else:
+            detect_start.append(min(max(fault_t, *marks, previous_failure_t), t_fail))
+        previous_failure_t = t_fail
+
+    rows = []
+    for n, (i, failure, attempt) in enumerate(failures):
+        t_fail = as_number(failure["t"])
+        last_reached = max((o.step for o in steps_of.get(attempt, []) if o.index < i), default=None)
+        injected = next((e for j, e in reversed(injections.get(attempt, [])) if j < i), None)
+        step = _int(injected.get("step")) if injected else None
+        if step is None:
+            step = last_reached
+        rank = _int(failure.get("rank"))
+        if rank is None and injected:
+            rank = _int(injected.get("rank"))
+
+        next_attempt = next((a for a in known_attempts if a > attempt), None)
+        next_steps = steps_of.get(next_attempt, [])
+        first = next_steps[0] if next_steps else None
+        next_failure = next((k for k, (_, _, a) in enumerate(failures) if a == next_attempt), None)
+        last_failure_of_attempt = all(a != attempt for _, _, a in failures[n + 1 :])
+
+        # Restart: until the next attempt's first step starts; if it failed before stepping,
+        # until its own fault window; if it is still starting, until the last event.
+        restart_end = None
+        if next_attempt is not None and last_failure_of_attempt:
+            if first is not None and (next_failure is None or first.index < failures[next_failure][0]):
+                restart_end = first.t - first.step_s
+            elif next_failure is not None:
+                start = detect_start[next_failure]
+                restart_end = start if start is not None else as_number(failures[next_failure][1]["t"])
+            else:
+                restart_end = t_end
+        restart_s = max(restart_end - t_fail, 0.0) if restart_end is not None else 0.0
+
+        resumed_from = None  # the last step whose result the next attempt started from
+        if first is not None:
+            resumed_from = first.step - 1
+        elif _int(resumes.get(next_attempt, {}).get("step")) is not None:
+            resumed_from = _int(resumes[next_attempt]["step"]) - 1  # resume.step is the next step to run
+        steps_lost = None
+        if resumed_from is not None:
+            steps_lost = max((last_reached if last_reached is not None else resumed_from) - resumed_from, 0)
+
+        rows.append(
+            FaultRecord(
+                cause=str(failure.get("cause") or "unknown"),
+                rank=rank,
+                attempt=attempt,
+                step=step,
+                t_s=t_fail - t0,
+                detected_after_s=None if detect_start[n] is None else t_fail - detect_start[n],
+                recovered_after_s=(first.t - t_fail) if first is not None else None,
+                restart_s=restart_s,
+                steps_lost=steps_lost,
+                detail=str(failure.get("detail") or ""),
+            )
+        )
+    return rows
+
+
+def as_number(value: Any) -> float | None:
+    """A JSON value as a float; None for anything else (missing, text, bool, NaN)."""
+    kind = type(value)  # not isinstance: a bool is not a number here; called once or more per event
+    if kind is float:
+        return value if value == value else None  # NaN is "missing", not a number to add up
+    return float(value) if kind is int else None
+
+
+def _int(value: Any) -> int | None:
+    number = as_number(value)
+    return int(number) if number is not None else None
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 6)
+
+
+def thin(points: list[Any], limit: int) -> list[Any]:
+    """At most `limit` evenly spaced points, always keeping the last one."""
+    if len(points) <= limit:
+        return points
+    stride = len(points) / (limit - 1)
+    return [points[int(k * stride)] for k in range(limit - 1)] + [points[-1]]

@@ -1,0 +1,140 @@
+"""Prometheus metrics of a training run, fed by the same events that go into the ledger.
+
+    metrics = MetricsServer(port=0)             # 127.0.0.1, a free port: metrics.port
+    metrics.observe(log.emit("step", ...))      # EventLog.emit returns the event it wrote
+    ...
+    metrics.close()
+
+Every metric is named `petatrain_*`. The goodput gauge is the same quantity
+`goodput.account` reports (productive time of kept steps over wall time), kept up to
+date in O(1) per event so that the driver can feed it every event of a long run.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from array import array
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+from petatrain.observe.goodput import as_number as _num
+
+log = logging.getLogger(__name__)
+
+
+class MetricsServer:
+    """An HTTP endpoint serving a run's metrics; `observe(event)` updates them from ledger events."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0):
+        # A registry of its own: two runs (or two tests) in one process do not share metrics.
+        self.registry = CollectorRegistry()
+        gauge, counter = self._gauge, self._counter
+        self.step = gauge("petatrain_step", "Last step completed")
+        self.attempt = gauge("petatrain_attempt", "Attempt in progress (0 = the first, +1 per restart)")
+        self.step_seconds = gauge("petatrain_step_seconds", "Duration of the last step, data wait included")
+        self.data_wait_seconds = gauge("petatrain_step_data_wait_seconds", "Data wait of the last step")
+        self.tokens_per_second = gauge("petatrain_tokens_per_second", "Tokens per second of the last step")
+        self.loss = gauge("petatrain_loss", "Training loss of the last step")
+        self.eval_loss = gauge("petatrain_eval_loss", "Loss of the last evaluation")
+        self.checkpoint_stall_seconds = gauge(
+            "petatrain_last_checkpoint_stall_seconds", "Training-loop stall of the last checkpoint snapshot"
+        )
+        self.goodput = gauge("petatrain_goodput", "Productive time of kept steps over wall time so far (0..1)")
+        self.steps_total = counter("petatrain_steps", "Steps completed, recomputed ones included")
+        self.tokens_total = counter("petatrain_tokens", "Tokens processed, recomputed steps included")
+        self.data_wait_total = counter("petatrain_data_wait_seconds", "Time the training loop waited for data")
+        self.checkpoint_stall_total = counter(
+            "petatrain_checkpoint_stall_seconds", "Time the training loop paid for checkpoint snapshots"
+        )
+        self.checkpoints_total = counter("petatrain_checkpoints_committed", "Checkpoints committed")
+        self.restarts_total = counter("petatrain_restarts", "Restarts after a failure")
+        self.failures_total = counter("petatrain_failures", "Failures, by cause", "cause")
+
+        self._lock = threading.Lock()
+        self._t_start: float | None = None
+        self._t_last: float | None = None
+        self._productive_of_step = array("d")  # productive seconds of the latest occurrence of each step
+        self._productive = 0.0
+
+        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        self.host = host
+        self.port = int(self._server.server_port)
+        log.info("metrics on http://%s:%d/metrics", host, self.port)
+
+    def _gauge(self, name: str, doc: str) -> Gauge:
+        return Gauge(name, doc, registry=self.registry)
+
+    def _counter(self, name: str, doc: str, *labels: str) -> Counter:
+        return Counter(name, doc, labels, registry=self.registry)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}/metrics"
+
+    def observe(self, event: dict[str, Any]) -> None:
+        """Update the metrics from one ledger event (unknown kinds and missing fields are ignored)."""
+        kind = event.get("event")
+        with self._lock:
+            t = _num(event.get("t"))
+            if t is not None:
+                if kind == "run_start" or self._t_start is None:
+                    self._t_start = t if self._t_start is None else min(self._t_start, t)
+                self._t_last = t if self._t_last is None else max(self._t_last, t)
+            attempt = _num(event.get("attempt"))
+            if attempt is not None and kind in ("attempt_start", "restart", "resume"):
+                self.attempt.set(attempt)
+            if kind == "step":
+                self._observe_step(event)
+            elif kind == "checkpoint_snapshot":
+                stall = max(_num(event.get("stall_s")) or 0.0, 0.0)
+                self.checkpoint_stall_seconds.set(stall)
+                self.checkpoint_stall_total.inc(stall)
+            elif kind == "checkpoint_commit":
+                self.checkpoints_total.inc()
+            elif kind == "eval" and _num(event.get("loss")) is not None:
+                self.eval_loss.set(_num(event["loss"]))
+            elif kind == "failure":
+                self.failures_total.labels(cause=str(event.get("cause") or "unknown")).inc()
+            elif kind == "restart":
+                self.restarts_total.inc()
+            if self._t_start is not None and self._t_last is not None and self._t_last > self._t_start:
+                self.goodput.set(self._productive / (self._t_last - self._t_start))
+
+    def _observe_step(self, event: dict[str, Any]) -> None:
+        step = _num(event.get("step"))
+        step_s = max(_num(event.get("step_s")) or 0.0, 0.0)
+        wait = min(max(_num(event.get("data_wait_s")) or 0.0, 0.0), step_s)
+        tokens = _num(event.get("tokens")) or 0.0
+        self.steps_total.inc()
+        self.step_seconds.set(step_s)
+        self.data_wait_seconds.set(wait)
+        self.data_wait_total.inc(wait)
+        if tokens > 0:
+            self.tokens_total.inc(tokens)
+            if step_s > 0:
+                self.tokens_per_second.set(tokens / step_s)
+        if _num(event.get("loss")) is not None:
+            self.loss.set(_num(event["loss"]))
+        if step is None or step < 0:
+            return
+        self.step.set(step)
+        # A step number seen again replaces its earlier, now lost, occurrence (as in goodput.account).
+        index = int(step)
+        if index >= len(self._productive_of_step):
+            self._productive_of_step.extend([0.0] * (index + 1 - len(self._productive_of_step)))
+        self._productive += (step_s - wait) - self._productive_of_step[index]
+        self._productive_of_step[index] = step_s - wait
+
+    def close(self) -> None:
+        """Stop serving; the port is free again when this returns."""
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+
+    def __enter__(self) -> MetricsServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,331 @@
+"""The run report: `RUN/report.json`, `loss.png`, `timeline.png` and a self-contained `report.html`.
+
+matplotlib is imported only here, and only when a report is drawn, so training workers
+that import `petatrain.observe` do not pay for it.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import logging
+from typing import Any
+
+from petatrain.errors import PetatrainError
+from petatrain.observe.goodput import Goodput, account, thin
+from petatrain.observe.ledger import EVENTS_FILE, read_events
+from petatrain.storage import StorageOptions, join
+from petatrain.storage.fs import atomic_write, exists
+
+log = logging.getLogger(__name__)
+
+REPORT_JSON = "report.json"
+REPORT_HTML = "report.html"
+LOSS_PNG = "loss.png"
+TIMELINE_PNG = "timeline.png"
+
+# Past this many points a plot looks the same and takes longer to draw.
+_MAX_PLOT_POINTS = 20_000
+# Rows beyond this in the HTML checkpoint table are summarised (report.json keeps them all).
+_MAX_TABLE_ROWS = 200
+
+_PART_LABELS = {
+    "productive_s": "productive (kept steps)",
+    "data_wait_s": "data wait",
+    "checkpoint_stall_s": "checkpoint stall",
+    "fault_detection_s": "fault detection",
+    "restart_s": "restart",
+    "recomputed_s": "recomputed (lost) steps",
+    "idle_s": "idle",
+}
+
+
+def write_report(run_url: str, options: StorageOptions | None = None) -> dict[str, Any]:
+    """Account a run's ledger and write its report files into the run; returns report.json's content."""
+    events = load_events(run_url, options)
+    goodput = account(events)
+    report = goodput.to_dict()
+    report["run"] = run_url
+    report["files"] = {
+        "json": join(run_url, REPORT_JSON),
+        "html": join(run_url, REPORT_HTML),
+        "loss_png": join(run_url, LOSS_PNG),
+        "timeline_png": join(run_url, TIMELINE_PNG),
+    }
+    loss_png = plot_loss(goodput)
+    timeline_png = plot_timeline(goodput)
+    atomic_write(report["files"]["loss_png"], loss_png, options)
+    atomic_write(report["files"]["timeline_png"], timeline_png, options)
+    page = render_html(report, loss_png, timeline_png)
+    atomic_write(report["files"]["html"], page.encode("utf-8"), options)
+    atomic_write(report["files"]["json"], (json.dumps(report, indent=2) + "\n").encode("utf-8"), options)
+    log.info("report of %s: goodput %.1f%%", run_url, 100 * goodput.goodput)
+    return report
+
+
+def load_events(run_url: str, options: StorageOptions | None = None) -> list[dict[str, Any]]:
+    """The run's events; a missing run, ledger or an empty ledger is an error saying which."""
+    ledger = join(run_url, EVENTS_FILE)
+    if not exists(ledger, options):
+        if not exists(run_url, options):
+            raise PetatrainError(f"run not found: {run_url}")
+        raise PetatrainError(f"{run_url} has no {EVENTS_FILE}: not a petatrain run, or it has not started")
+    events = read_events(run_url, options)
+    if not events:
+        raise PetatrainError(f"{ledger} holds no readable events")
+    return events
+
+
+def plot_loss(goodput: Goodput) -> bytes:
+    """PNG of the training loss of the kept steps, with the evaluation points."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
+    try:
+        curve = thin(goodput.loss_curve, _MAX_PLOT_POINTS)
+        if curve:
+            ax.plot([s for s, _ in curve], [loss for _, loss in curve], lw=1.2, color="tab:blue", label="train loss")
+        if goodput.evals:
+            ax.plot(
+                [e["step"] for e in goodput.evals],
+                [e["loss"] for e in goodput.evals],
+                "o-",
+                ms=4,
+                color="tab:orange",
+                label="eval loss",
+            )
+        if curve or goodput.evals:
+            ax.legend(loc="upper right")
+        else:
+            ax.text(0.5, 0.5, "no steps recorded yet", ha="center", va="center", transform=ax.transAxes)
+        ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(_integer_ticks())
+        ax.set_ylabel("loss")
+        ax.set_title(f"loss — {goodput.run_id or 'run'}")
+        ax.grid(alpha=0.3)
+        return _png(fig)
+    finally:
+        plt.close(fig)
+
+
+def plot_timeline(goodput: Goodput) -> bytes:
+    """PNG of step progress against wall time: one line per attempt, recomputed steps,
+    detection (orange) and restart (grey) windows around each failure, and checkpoints."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(10, 4.8), dpi=100)
+    try:
+        attempts = sorted({p.attempt for p in goodput.timeline})
+        for attempt in attempts:
+            points = thin([p for p in goodput.timeline if p.attempt == attempt], _MAX_PLOT_POINTS)
+            ax.plot([p.t_s for p in points], [p.step for p in points], lw=1.5, label=f"attempt {attempt}")
+        lost = [p for p in goodput.timeline if not p.kept]
+        if lost:
+            ax.scatter(
+                [p.t_s for p in lost], [p.step for p in lost], s=10, color="red", zorder=3, label="recomputed steps"
+            )
+        committed = [c for c in goodput.checkpoints if c.committed]
+        pending = [c for c in goodput.checkpoints if not c.committed]
+        if committed:
+            ax.scatter(
+                [c.t_s for c in committed],
+                [c.step for c in committed],
+                marker="^",
+                s=40,
+                color="green",
+                zorder=4,
+                label="checkpoint (committed)",
+            )
+        if pending:
+            ax.scatter(
+                [c.t_s for c in pending],
+                [c.step for c in pending],
+                marker="^",
+                s=40,
+                facecolors="none",
+                edgecolors="green",
+                zorder=4,
+                label="checkpoint (not committed)",
+            )
+        for n, fault in enumerate(goodput.faults):
+            first = n == 0
+            if fault.detected_after_s:
+                ax.axvspan(
+                    fault.t_s - fault.detected_after_s,
+                    fault.t_s,
+                    color="orange",
+                    alpha=0.3,
+                    label="fault detection" if first else None,
+                )
+            if fault.restart_s:
+                ax.axvspan(
+                    fault.t_s, fault.t_s + fault.restart_s, color="grey", alpha=0.3, label="restart" if first else None
+                )
+            ax.axvline(fault.t_s, color="red", ls="--", lw=1, label="failure" if first else None)
+            ax.annotate(
+                fault.cause,
+                (fault.t_s, 1.0),
+                xycoords=("data", "axes fraction"),
+                xytext=(3, -12),
+                textcoords="offset points",
+                color="red",
+                fontsize=8,
+            )
+        if not goodput.timeline:
+            ax.text(0.5, 0.5, "no steps recorded yet", ha="center", va="center", transform=ax.transAxes)
+        ax.set_xlim(0, max(goodput.wall_s, 1e-9))
+        ax.set_xlabel("wall time since run start (s)")
+        ax.set_ylabel("step")
+        ax.yaxis.set_major_locator(_integer_ticks())
+        ax.set_title(f"progress — goodput {100 * goodput.goodput:.1f}%")
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(loc="upper left", fontsize=8)
+        return _png(fig)
+    finally:
+        plt.close(fig)
+
+
+def render_html(report: dict[str, Any], loss_png: bytes, timeline_png: bytes) -> str:
+    """A self-contained page: summary, time split, faults, checkpoints, both plots inlined."""
+    e = html.escape
+    wall = report["wall_s"] or 0.0
+    steps = report["steps"]
+    summary = [
+        ("run", report.get("run") or ""),
+        ("status", report["status"]),
+        ("goodput", f"{100 * report['goodput']:.1f}%"),
+        ("wall time", f"{wall:.1f} s"),
+        ("steps kept / target", f"{steps['kept']} / {steps['target'] if steps['target'] is not None else '?'}"),
+        ("steps recomputed", str(steps["recomputed"])),
+        ("attempts", str(report["attempts"])),
+        ("tokens kept", f"{report['tokens_kept']} ({report['tokens_per_s']:.1f}/s of wall time)"),
+    ]
+    split_rows = [
+        [_PART_LABELS[name], f"{seconds:.3f}", f"{100 * seconds / wall:.1f}%" if wall > 0 else "–"]
+        for name, seconds in report["time"].items()
+    ]
+    fault_rows = [
+        [
+            f["cause"],
+            _cell(f["rank"]),
+            str(f["attempt"]),
+            _cell(f["step"]),
+            _seconds(f["t_s"]),
+            _seconds(f["detected_after_s"]),
+            _seconds(f["recovered_after_s"]),
+            _cell(f["steps_lost"]),
+            f["detail"],
+        ]
+        for f in report["faults"]
+    ]
+    checkpoints = report["checkpoints"]
+    checkpoint_rows = [
+        [
+            str(c["step"]),
+            str(c["attempt"]),
+            _seconds(c["t_s"]),
+            f"{c['stall_s']:.3f}",
+            "yes" if c["committed"] else "no",
+            _seconds(c["write_s"]),
+            _cell(c["bytes"]),
+            c["url"] or "",
+        ]
+        for c in checkpoints[-_MAX_TABLE_ROWS:]
+    ]
+    parts = [
+        "<!doctype html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>petatrain report — {e(str(report.get('run_id') or report.get('run') or ''))}</title>",
+        f"<style>{_CSS}</style></head><body>",
+        f"<h1>Run report — {e(str(report.get('run_id') or report.get('run') or ''))}</h1>",
+        _table(["", ""], [[k, v] for k, v in summary], cls="summary"),
+    ]
+    if report["note"]:
+        parts.append(f'<p class="note">{e(report["note"])}</p>')
+    parts += [
+        "<h2>Where the wall time went</h2>",
+        _table(["part", "seconds", "share of wall"], split_rows),
+        f'<img alt="timeline" src="data:image/png;base64,{base64.b64encode(timeline_png).decode()}">',
+        "<h2>Faults</h2>",
+        _table(
+            [
+                "cause",
+                "rank",
+                "attempt",
+                "step",
+                "at (s)",
+                "detected after (s)",
+                "recovered after (s)",
+                "steps lost",
+                "detail",
+            ],
+            fault_rows,
+            cls="faults",
+        )
+        if fault_rows
+        else "<p>No faults.</p>",
+        "<h2>Loss</h2>",
+        f'<img alt="loss curve" src="data:image/png;base64,{base64.b64encode(loss_png).decode()}">',
+        "<h2>Checkpoints</h2>",
+    ]
+    if len(checkpoints) > _MAX_TABLE_ROWS:
+        parts.append(f"<p>The last {_MAX_TABLE_ROWS} of {len(checkpoints)} (all are in report.json).</p>")
+    parts.append(
+        _table(["step", "attempt", "at (s)", "stall (s)", "committed", "write (s)", "bytes", "url"], checkpoint_rows)
+        if checkpoint_rows
+        else "<p>No checkpoints.</p>"
+    )
+    if report["checkpoints_skipped"]:
+        parts += [
+            "<h2>Checkpoints skipped at resume</h2>",
+            _table(["url", "reason"], [[s["url"] or "", s["reason"] or ""] for s in report["checkpoints_skipped"]]),
+        ]
+    parts.append("</body></html>\n")
+    return "\n".join(parts)
+
+
+_CSS = (
+    "body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1100px;color:#222}"
+    "table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:4px 8px;text-align:left}"
+    "th{background:#f3f3f3}img{max-width:100%;display:block;margin:1em 0}.note{color:#a60}"
+    "table.summary th{display:none}"
+)
+
+
+def _table(header: list[str], rows: list[list[str]], cls: str = "") -> str:
+    e = html.escape
+    head = "".join(f"<th>{e(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{e(str(c))}</td>" for c in row) + "</tr>" for row in rows)
+    attr = f' class="{cls}"' if cls else ""
+    return f"<table{attr}><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _cell(value: Any) -> str:
+    return "–" if value is None else str(value)
+
+
+def _seconds(value: float | None) -> str:
+    return "–" if value is None else f"{value:.2f}"
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _integer_ticks():
+    from matplotlib.ticker import MaxNLocator
+
+    return MaxNLocator(integer=True)
+
+
+def _png(fig: Any) -> bytes:
+    buffer = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buffer, format="png")
+    return buffer.getvalue()
