@@ -286,7 +286,8 @@ class Workload:
 
     def executed_flops(self, b: int) -> float:
         """Matmul FLOPs the hardware runs for b sequences: forward, backward (2×), recomputation,
-        causal attention as the kernel computes it (flash skips the masked half; math does not)."""
+        causal attention as the kernel computes it (flash skips the masked half; math does not).
+        Element-wise work (norms, softmax, GELU, the optimizer) is not counted, as in PaLM and Megatron."""
         s = self.seq_len
         block_mm = 2 * b * s * (self.matmul_params - self.d_model * self.vocab_size) / self.n_layer
         head = 2 * b * s * self.d_model * self.vocab_size
@@ -294,7 +295,9 @@ class Workload:
         forward = self.n_layer * (block_mm + attn) + head
         total = 3 * forward
         if self.recompute == "full":
-            total += self.n_layer * (block_mm + attn)
+            # torch's non-reentrant checkpoint stops recomputing once every saved tensor is
+            # back: the MLP's down projection feeds only the residual add, so it is skipped.
+            total += self.n_layer * (block_mm - 2 * b * s * self.d_ff * self.d_model + attn)
         elif self.recompute == "selective":
             total += self.n_layer * attn
         return total
@@ -419,8 +422,9 @@ def memory_per_device(
     # Buffers that live through forward and backward.
     unit = w.layer_params
     buffers = 0.0
-    if w.precision == "bf16-mixed":
-        buffers += 2 * w.matmul_params * (stage_layers / w.n_layer)  # autocast's bf16 weight copies
+    if w.precision == "bf16-mixed" and strategy != "fsdp":
+        # autocast's bf16 weight copies, kept for backward (FSDP gathers bf16 blocks instead).
+        buffers += 2 * w.matmul_params * (stage_layers / w.n_layer)
     if strategy == "fsdp" and n > 1:
         buffers += 2 * unit * (2 if w.precision == "bf16-mixed" else 4)  # gathered current + prefetched block
         buffers += unit * gb  # the block's unsharded gradient before reduce-scatter
