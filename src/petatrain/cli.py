@@ -289,13 +289,19 @@ def show_config(
 
 @app.command("plan")
 def plan_cmd(
-    config: Annotated[Path | None, typer.Argument(help="Job config YAML (model, train, parallel, plan sections).")] = None,
+    config: Annotated[
+        Path | None, typer.Argument(help="Job config YAML (model, train, parallel, plan sections).")
+    ] = None,
     accelerator: Annotated[str, typer.Option(help="Only this catalog accelerator (default: all).")] = "",
     count: Annotated[int, typer.Option(help="Only this many devices (default: powers of two).")] = 0,
     max_count: Annotated[int, typer.Option(help="Largest device count to consider.")] = 1024,
-    budget: Annotated[float, typer.Option(help="Budget in USD (on-demand); with no deadline: fastest within it.")] = 0.0,
+    budget: Annotated[
+        float, typer.Option(help="Budget in USD (on-demand); with no deadline: fastest within it.")
+    ] = 0.0,
     deadline: Annotated[float, typer.Option(help="Deadline in hours: cheapest candidate that finishes in time.")] = 0.0,
-    mtbf_hours: Annotated[float, typer.Option(help="Mean time between failures per node (default faults.mtbf_hours).")] = 0.0,
+    mtbf_hours: Annotated[
+        float, typer.Option(help="Mean time between failures per node (default faults.mtbf_hours).")
+    ] = 0.0,
     show: Annotated[int, typer.Option(help="Rows of the candidates table (the best runnable first).")] = 12,
     set_: Annotated[list[str] | None, typer.Option("--set", help="Config override a.b=c (repeatable).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
@@ -345,15 +351,33 @@ def _duration(seconds: float) -> str:
 def _render_plan(r: dict[str, Any], show: int) -> None:
     m = r["model"]
     out.print(
-        f"[bold]model[/bold] {m['params'] / 1e9:,.3f} B parameters ({m['params_non_embedding'] / 1e9:,.3f} B non-embedding), "
-        f"{m['tokens'] / 1e9:,.2f} B tokens, {m['model_flops_per_token'] / 1e9:,.2f} GFLOP per token",
+        f"[bold]model[/bold] {m['params'] / 1e9:,.3f} B parameters "
+        f"({m['params_non_embedding'] / 1e9:,.3f} B non-embedding), {m['tokens'] / 1e9:,.2f} B tokens, "
+        f"{m['model_flops_per_token'] / 1e9:,.2f} GFLOP per token",
         highlight=False,
     )
     cands = r["candidates"]
     rec = r["recommended"]
-    runnable = sorted((c for c in cands if c["fits"] and not c["reason"].startswith("infeasible")), key=lambda c: (bool(c["reason"]), c["cost_usd"]))
-    table = Table(title=f"candidates ({len(cands)} estimated; showing {min(show, len(runnable))} runnable, cheapest first)")
-    for col in ("accelerator", "n", "strategy", "GiB/dev", "step", "MFU", "goodput", "time", "$ on-demand", "$ spot", "verdict"):
+    runnable = sorted(
+        (c for c in cands if c["fits"] and not c["reason"].startswith("infeasible")),
+        key=lambda c: (bool(c["reason"]), c["cost_usd"]),
+    )
+    table = Table(
+        title=f"candidates ({len(cands)} estimated; showing {min(show, len(runnable))} runnable, cheapest first)"
+    )
+    for col in (
+        "accelerator",
+        "n",
+        "strategy",
+        "GiB/dev",
+        "step",
+        "MFU",
+        "goodput",
+        "time",
+        "$ on-demand",
+        "$ spot",
+        "verdict",
+    ):
         table.add_column(col, justify="left" if col in ("accelerator", "strategy", "verdict") else "right")
     for c in runnable[:show]:
         verdict = "[green]recommended[/green]" if rec and _same(c, rec) else (c["reason"].split(":")[0] or "ok")
@@ -399,7 +423,9 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
 def profile_cmd(
     config: Annotated[Path | None, typer.Argument(help="Job config YAML (model and train sections).")] = None,
     steps: Annotated[int, typer.Option(help="Measured training steps (after one warm-up step).")] = 5,
-    dataset: Annotated[bool, typer.Option("--dataset", help="Read batches from data.dataset instead of random tokens.")] = False,
+    dataset: Annotated[
+        bool, typer.Option("--dataset", help="Read batches from data.dataset instead of random tokens.")
+    ] = False,
     save: Annotated[bool, typer.Option(help="Save the calibration that later plan runs use.")] = True,
     set_: Annotated[list[str] | None, typer.Option("--set", help="Config override a.b=c (repeatable).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
@@ -428,13 +454,13 @@ def _render_profile(r: dict[str, Any]) -> None:
         table.add_column(col, justify="left" if col == "figure" else "right")
     for row in r["comparison"]:
         err = row["error"]
-        table.add_row(
-            row["figure"], row["measured_text"], row["estimate_text"], "" if err is None else f"{err:+.1%}"
-        )
+        table.add_row(row["figure"], row["measured_text"], row["estimate_text"], "" if err is None else f"{err:+.1%}")
     out.print(table)
     t = r["measured"]["time_split_s"]
     out.print(
-        "step split: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in t.items()) + f"; verdict: [bold]{r['verdict']}[/bold]",
+        "step split: "
+        + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in t.items())
+        + f"; verdict: [bold]{r['verdict']}[/bold]",
         highlight=False,
     )
     out.print(f"peak memory measured with {r['memory_method']}", highlight=False)

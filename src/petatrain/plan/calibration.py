@@ -29,7 +29,9 @@ class Calibration:
 
 
 def calibration_dir(configured: str = "") -> Path:
-    return Path(configured or os.environ.get("PETATRAIN_CALIBRATION_DIR") or "~/.cache/petatrain/calibration").expanduser()
+    return Path(
+        configured or os.environ.get("PETATRAIN_CALIBRATION_DIR") or "~/.cache/petatrain/calibration"
+    ).expanduser()
 
 
 def _file_name(accelerator: str) -> str:

@@ -41,22 +41,22 @@ def zero_model_state_bytes(
     return w + g + o
 
 
-def megatron_params(l: int, h: int, V: int, s: int) -> float:
+def megatron_params(layers: int, h: int, V: int, s: int) -> float:
     """GPT parameter count, Narayanan et al. 2021 (Megatron-LM at scale), §5.1 / Appendix:
     P = 12·l·h²·(1 + 13/(12h) + (V + s)/(12·l·h))."""
-    return 12 * l * h**2 * (1 + 13 / (12 * h) + (V + s) / (12 * l * h))
+    return 12 * layers * h**2 * (1 + 13 / (12 * h) + (V + s) / (12 * layers * h))
 
 
-def megatron_flops_per_iteration(B: int, s: int, l: int, h: int, V: int) -> float:
+def megatron_flops_per_iteration(B: int, s: int, layers: int, h: int, V: int) -> float:
     """FLOPs per iteration with full activation recomputation, Narayanan et al. 2021, Appendix:
     F = 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)). (B is the global batch in sequences.)"""
-    return 96 * B * s * l * h**2 * (1 + s / (6 * h) + V / (16 * l * h))
+    return 96 * B * s * layers * h**2 * (1 + s / (6 * h) + V / (16 * layers * h))
 
 
-def megatron_model_flops_per_iteration(B: int, s: int, l: int, h: int, V: int) -> float:
+def megatron_model_flops_per_iteration(B: int, s: int, layers: int, h: int, V: int) -> float:
     """Model FLOPs (no recomputation) per iteration, Korthikanti et al. 2022, §6:
     72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h))."""
-    return 72 * B * s * l * h**2 * (1 + s / (6 * h) + V / (12 * l * h))
+    return 72 * B * s * layers * h**2 * (1 + s / (6 * h) + V / (12 * layers * h))
 
 
 def megatron_training_seconds(tokens: float, params: float, gpus: int, flops_per_gpu: float) -> float:
@@ -90,7 +90,17 @@ def korthikanti_activation_bytes_per_layer(
     - full recompute:                 2·s·b·h (the layer input only)
     """
     return layer_activation_bytes(
-        s=s, b=b, h=h, a=a, ff=4 * h, e=2, dropout=True, attention="math", recompute=recompute, t=t, sp=sequence_parallel
+        s=s,
+        b=b,
+        h=h,
+        a=a,
+        ff=4 * h,
+        e=2,
+        dropout=True,
+        attention="math",
+        recompute=recompute,
+        t=t,
+        sp=sequence_parallel,
     )
 
 
@@ -281,7 +291,9 @@ class Workload:
 
     def model_flops(self, b: int) -> float:
         """PaLM model FLOPs (Appendix B) for b sequences: tokens·(6N + 12·L·H·Q·T), N = matmul weights."""
-        per_token = 6 * self.matmul_params + (12 * self.n_layer * self.d_model * self.seq_len if self.kind == "gpt" else 0)
+        per_token = 6 * self.matmul_params + (
+            12 * self.n_layer * self.d_model * self.seq_len if self.kind == "gpt" else 0
+        )
         return b * self.seq_len * per_token
 
     def executed_flops(self, b: int) -> float:
@@ -466,7 +478,9 @@ def memory_per_device(
         weights=weights, gradients=grads, optimizer=opt, activations=0.0, other=opt_temp, phase="optimizer step"
     )
     for name, g, a, temp in moments:
-        candidate = MemoryEstimate(weights=weights, gradients=g, optimizer=opt, activations=a, other=buffers + temp, phase=name)
+        candidate = MemoryEstimate(
+            weights=weights, gradients=g, optimizer=opt, activations=a, other=buffers + temp, phase=name
+        )
         if candidate.total > best.total:
             best = candidate
     assert persistent <= best.total

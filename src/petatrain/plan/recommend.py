@@ -1,4 +1,4 @@
-"""`petatrain plan`: every (accelerator, count, strategy) candidate estimated, the recommendation, and why the rest lost.
+"""`petatrain plan`: every (accelerator, count, strategy) estimated, the recommendation, why the rest lost.
 
 For each candidate: memory per device (estimate.memory_per_device), FLOPs per step in
 both conventions, step time (compute at a calibrated efficiency, exposed communication,
@@ -150,7 +150,13 @@ def counts_for(request: PlanRequest) -> list[int]:
 
 
 def evaluate(
-    w: est.Workload, acc: Accelerator, count: int, strategy: str, cfg: JobConfig, calibration: Calibration | None, mtbf_hours: float
+    w: est.Workload,
+    acc: Accelerator,
+    count: int,
+    strategy: str,
+    cfg: JobConfig,
+    calibration: Calibration | None,
+    mtbf_hours: float,
 ) -> Candidate:
     """Estimate one candidate (no recommendation logic)."""
     n = count
@@ -167,7 +173,9 @@ def evaluate(
             feasible_reason = f"train.global_batch {G} is not a multiple of {n} devices x train.micro_batch {micro}"
         accumulation = max(accumulation, 1)
     overhead = acc.overhead_gib * GIB
-    memory = est.memory_per_device(w, strategy=strategy, count=n, framework_overhead=overhead, accumulation=accumulation)
+    memory = est.memory_per_device(
+        w, strategy=strategy, count=n, framework_overhead=overhead, accumulation=accumulation
+    )
     capacity = acc.memory_bytes
     fits = memory.total <= capacity
 
@@ -193,7 +201,8 @@ def evaluate(
     elif strategy == "fsdp":
         # ZeRO-3: all-gather for forward and backward, reduce-scatter of gradients, per micro-batch.
         comm = accumulation * (
-            2 * est.ring_collective_seconds(gather_bytes, n, bandwidth) + est.ring_collective_seconds(grad_bytes, n, bandwidth)
+            2 * est.ring_collective_seconds(gather_bytes, n, bandwidth)
+            + est.ring_collective_seconds(grad_bytes, n, bandwidth)
         )
         exposed = max(0.0, comm - OVERLAP * compute)
     else:
@@ -299,8 +308,10 @@ def plan(cfg: JobConfig, request: PlanRequest | None = None) -> Plan:
             c.reason = f"over budget: ${c.cost_usd:,.0f} > ${budget:,.0f}"
     ok = [c for c in candidates if not c.reason]
     if hours or not budget:
-        objective = "cheapest" + (f" within the {hours:g} h deadline" if hours else "") + (
-            f" and the ${budget:,.0f} budget" if budget else ""
+        objective = (
+            "cheapest"
+            + (f" within the {hours:g} h deadline" if hours else "")
+            + (f" and the ${budget:,.0f} budget" if budget else "")
         )
         best = min(ok, key=lambda c: (c.cost_usd, c.run_time_s, c.count), default=None)
     else:
