@@ -77,7 +77,7 @@ MEGATRON_TABLE1 = [
 ]
 
 
-@pytest.mark.parametrize(("printed", "heads", "h", "l"), MEGATRON_TABLE1)
+@pytest.mark.parametrize(("printed", "heads", "h", "layers"), MEGATRON_TABLE1)
 def test_megatron_parameter_count(printed, heads, h, layers):
     value = est.megatron_params(layers, h, 51200, 2048) / 1e9
     assert matches_printed(value, printed)
@@ -93,7 +93,7 @@ def test_megatron_training_time_examples():
     assert round(est.megatron_training_seconds(450e9, one_t, 3072, 163e12) / 86400) == 84
 
 
-@pytest.mark.parametrize(("printed", "heads", "h", "l"), MEGATRON_TABLE1[::3])
+@pytest.mark.parametrize(("printed", "heads", "h", "layers"), MEGATRON_TABLE1[::3])
 def test_flops_per_iteration_is_our_component_count_with_full_recompute(printed, heads, h, layers):
     """96·B·s·l·h²(1 + s/6h + V/16lh) = 3 × forward + one more forward of every layer, with the
     forward counted matmul by matmul (unmasked attention) exactly as Workload does."""
