@@ -483,3 +483,9 @@ def test_cli_plan_json_and_errors(tmp_path):
     assert human.returncode == 0 and "recommended" in human.stdout
     impossible = run_cli("plan", str(ROOT / "examples" / "plan-70b.yaml"), "--deadline", "1")
     assert impossible.returncode == 1 and "no candidate" in impossible.stderr
+
+
+@pytest.mark.parametrize("verb", ["plan", "profile"])
+def test_plan_verbs_have_help(verb):
+    result = run_cli(verb, "--help")
+    assert result.returncode == 0 and "Usage" in result.stdout
