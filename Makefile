@@ -33,8 +33,13 @@ bench: $(STAMP)
 	  $(BIN)/python -m pip install -q --no-deps mosaicml-streaming==0.13.0 && \
 	  $(BIN)/python -m pip install -q brotli==1.2.1 python-snappy==0.7.3 zstd==1.5.7.2 catalogue==2.0.10 \
 	    transformers==5.23.0 )
+	# accelerate and DeepSpeed are plan-accuracy peers only; --no-deps keeps the CPU torch pin.
+	$(BIN)/python -c "import deepspeed, accelerate" 2>/dev/null || \
+	  $(BIN)/python -m pip install -q --no-deps accelerate==1.15.0 deepspeed==0.19.8 psutil==7.2.2 hjson==3.1.0 \
+	    py-cpuinfo==9.0.0 ninja==1.13.2 einops==0.8.2
 	$(BIN)/python benchmarks/ingest.py
 	$(BIN)/python benchmarks/loader.py
+	$(BIN)/python benchmarks/plan_accuracy.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

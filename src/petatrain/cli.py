@@ -382,6 +382,54 @@ def report(
         else:
             _render_report(written)
 
+
+# --- plan and profile (issue 5) -------------------------------------------------------
+
+
+@app.command("plan")
+def plan_cmd(
+    config: Annotated[
+        Path | None, typer.Argument(help="Job config YAML (model, train, parallel, plan sections).")
+    ] = None,
+    accelerator: Annotated[str, typer.Option(help="Only this catalog accelerator (default: all).")] = "",
+    count: Annotated[int, typer.Option(help="Only this many devices (default: powers of two).")] = 0,
+    max_count: Annotated[int, typer.Option(help="Largest device count to consider.")] = 1024,
+    budget: Annotated[
+        float, typer.Option(help="Budget in USD (on-demand); with no deadline: fastest within it.")
+    ] = 0.0,
+    deadline: Annotated[float, typer.Option(help="Deadline in hours: cheapest candidate that finishes in time.")] = 0.0,
+    mtbf_hours: Annotated[
+        float, typer.Option(help="Mean time between failures per node (default faults.mtbf_hours).")
+    ] = 0.0,
+    show: Annotated[int, typer.Option(help="Rows of the candidates table (the best runnable first).")] = 12,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Config override a.b=c (repeatable).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Estimate memory, FLOPs, step time, goodput, time and cost on every accelerator, count and
+    strategy; recommend one and say why each other candidate lost."""
+
+    def go():
+        from petatrain.plan.recommend import PlanRequest, plan
+
+        if count < 0 or max_count < 1 or budget < 0 or deadline < 0 or mtbf_hours < 0:
+            _fail("--count, --budget, --deadline and --mtbf-hours must be >= 0 and --max-count >= 1")
+        cfg = config_mod.load(config, list(set_ or []))
+        request = PlanRequest(
+            accelerator=accelerator,
+            count=count,
+            max_count=max_count,
+            budget_usd=budget,
+            deadline_hours=deadline,
+            mtbf_hours=mtbf_hours,
+        )
+        result = plan(cfg, request).to_dict()
+        if as_json:
+            _print_json(result)
+        else:
+            _render_plan(result, show)
+        if result["recommended"] is None:
+            _fail(f"no candidate is {result['objective']}; see the reasons above (or --json)", 1)
+
     _guarded(go)
 
 
@@ -476,6 +524,138 @@ def _or_dash(value: Any, fmt: str = "{}") -> str:
 
 
 # --- end petatrain report -------------------------------------------------------------
+def _gib(n: float) -> str:
+    return f"{n / 2**30:,.1f}"
+
+
+def _duration(seconds: float) -> str:
+    if seconds == float("inf"):
+        return "never"
+    if seconds >= 2 * 86400:
+        return f"{seconds / 86400:,.1f} d"
+    if seconds >= 7200:
+        return f"{seconds / 3600:,.1f} h"
+    return f"{seconds:,.0f} s"
+
+
+def _render_plan(r: dict[str, Any], show: int) -> None:
+    m = r["model"]
+    out.print(
+        f"[bold]model[/bold] {m['params'] / 1e9:,.3f} B parameters "
+        f"({m['params_non_embedding'] / 1e9:,.3f} B non-embedding), {m['tokens'] / 1e9:,.2f} B tokens, "
+        f"{m['model_flops_per_token'] / 1e9:,.2f} GFLOP per token",
+        highlight=False,
+    )
+    cands = r["candidates"]
+    rec = r["recommended"]
+    runnable = sorted(
+        (c for c in cands if c["fits"] and not c["reason"].startswith("infeasible")),
+        key=lambda c: (bool(c["reason"]), c["cost_usd"]),
+    )
+    table = Table(
+        title=f"candidates ({len(cands)} estimated; showing {min(show, len(runnable))} runnable, cheapest first)"
+    )
+    for col in (
+        "accelerator",
+        "n",
+        "strategy",
+        "GiB/dev",
+        "step",
+        "MFU",
+        "goodput",
+        "time",
+        "$ on-demand",
+        "$ spot",
+        "verdict",
+    ):
+        table.add_column(col, justify="left" if col in ("accelerator", "strategy", "verdict") else "right")
+    for c in runnable[:show]:
+        verdict = "[green]recommended[/green]" if rec and _same(c, rec) else (c["reason"].split(":")[0] or "ok")
+        table.add_row(
+            c["accelerator"],
+            str(c["count"]),
+            c["strategy"],
+            _gib(c["memory_bytes"]["total"]),
+            f"{c['step_time_s']:.3g} s",
+            f"{c['mfu']:.1%}",
+            f"{c['goodput']:.1%}",
+            _duration(c["run_time_s"]),
+            f"{c['cost_usd']:,.0f}",
+            f"{c['cost_usd_spot']:,.0f}",
+            verdict,
+        )
+    out.print(table)
+    reasons: dict[str, int] = {}
+    for c in cands:
+        if c["reason"]:
+            key = c["reason"].split(":")[0]
+            reasons[key] = reasons.get(key, 0) + 1
+    if reasons:
+        out.print("rejected: " + ", ".join(f"{n} {k}" for k, n in sorted(reasons.items(), key=lambda kv: -kv[1])))
+    if rec:
+        mem = rec["memory_bytes"]
+        out.print(
+            f"[bold green]recommended[/bold green] ({r['objective']}): {rec['count']} x {rec['accelerator']} with "
+            f"{rec['strategy']}: {_duration(rec['run_time_s'])}, ${rec['cost_usd']:,.0f} on demand "
+            f"(${rec['cost_usd_spot']:,.0f} on spot); {_gib(mem['total'])} GiB per device "
+            f"(weights {_gib(mem['weights'])}, gradients {_gib(mem['gradients'])}, optimizer {_gib(mem['optimizer'])}, "
+            f"activations {_gib(mem['activations'])}, other {_gib(mem['other'])}); step {rec['step_time_s']:.3g} s at "
+            f"{rec['mfu']:.1%} MFU; checkpoint every {_duration(rec['checkpoint']['interval_s'])}",
+            highlight=False,
+        )
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return all(a[k] == b[k] for k in ("accelerator", "count", "strategy"))
+
+
+@app.command("profile")
+def profile_cmd(
+    config: Annotated[Path | None, typer.Argument(help="Job config YAML (model and train sections).")] = None,
+    steps: Annotated[int, typer.Option(help="Measured training steps (after one warm-up step).")] = 5,
+    dataset: Annotated[
+        bool, typer.Option("--dataset", help="Read batches from data.dataset instead of random tokens.")
+    ] = False,
+    save: Annotated[bool, typer.Option(help="Save the calibration that later plan runs use.")] = True,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Config override a.b=c (repeatable).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Run real training steps on this machine, measure memory, time split and FLOP/s, compare
+    each figure with the plan's estimate, and save a calibration for plan."""
+
+    def go():
+        from petatrain.plan.profile import profile
+
+        if steps < 1:
+            _fail("--steps must be >= 1")
+        cfg = config_mod.load(config, list(set_ or []))
+        report = profile(cfg, steps=steps, use_dataset=dataset, save=save)
+        if as_json:
+            _print_json(report)
+        else:
+            _render_profile(report)
+
+    _guarded(go)
+
+
+def _render_profile(r: dict[str, Any]) -> None:
+    table = Table(title=f"profile on {r['device']} ({r['steps']} steps, {r['tokens_per_step']:,} tokens each)")
+    for col in ("figure", "measured", "plan estimate", "error"):
+        table.add_column(col, justify="left" if col == "figure" else "right")
+    for row in r["comparison"]:
+        err = row["error"]
+        table.add_row(row["figure"], row["measured_text"], row["estimate_text"], "" if err is None else f"{err:+.1%}")
+    out.print(table)
+    t = r["measured"]["time_split_s"]
+    out.print(
+        "step split: "
+        + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in t.items())
+        + f"; verdict: [bold]{r['verdict']}[/bold]",
+        highlight=False,
+    )
+    out.print(f"peak memory measured with {r['memory_method']}", highlight=False)
+    if r.get("calibration_path"):
+        out.print(f"calibration saved to {r['calibration_path']} (plan uses it for {r['calibration']['accelerator']})")
 
 
 if __name__ == "__main__":  # pragma: no cover

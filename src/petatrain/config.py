@@ -230,6 +230,35 @@ class StorageConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class PlanConfig:
+    """What `petatrain plan` assumes about prices, storage and restarts (the catalog has the hardware)."""
+
+    prices: dict[str, float] = field(default_factory=dict)  # accelerator -> USD per device-hour, on-demand
+    spot_prices: dict[str, float] = field(default_factory=dict)  # accelerator -> USD per device-hour, spot
+    spot_fraction: float = 0.4  # spot price as a fraction of on-demand where spot_prices has none
+    spot_mtbf_hours: float = 12.0  # mean time between preemptions per node on spot
+    storage_bandwidth: str = "2GB/s"  # read bandwidth per node from the dataset's storage
+    checkpoint_bandwidth: str = "1GB/s"  # write bandwidth per node to the checkpoint storage
+    restart_s: float = 300.0  # time from a failure to training again (detect, reschedule, load)
+    calibration_dir: str = ""  # where `profile` writes calibrations; "" = ~/.cache/petatrain/calibration
+
+    def __post_init__(self) -> None:
+        for key in ("prices", "spot_prices"):
+            table = getattr(self, key)
+            if not isinstance(table, dict):
+                raise ConfigError(f"plan.{key}: expected a mapping of accelerator name to USD per hour")
+            for name, value in table.items():
+                if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+                    raise ConfigError(f"plan.{key}.{name}: expected a price in USD per hour >= 0, got {value!r}")
+        if not 0.0 < self.spot_fraction <= 1.0:
+            raise ConfigError(f"plan.spot_fraction must be in (0, 1], got {self.spot_fraction}")
+        if self.spot_mtbf_hours <= 0 or self.restart_s < 0:
+            raise ConfigError("plan.spot_mtbf_hours must be > 0 and plan.restart_s >= 0")
+        parse_size(self.storage_bandwidth.removesuffix("/s"), "plan.storage_bandwidth")
+        parse_size(self.checkpoint_bandwidth.removesuffix("/s"), "plan.checkpoint_bandwidth")
+
+
+@dataclass(kw_only=True, slots=True)
 class JobConfig:
     data: DataConfig = field(default_factory=DataConfig)
     ingest: IngestConfig = field(default_factory=IngestConfig)
@@ -241,6 +270,7 @@ class JobConfig:
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     observe: ObserveConfig = field(default_factory=ObserveConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -1,0 +1,1 @@
+"""Right-sizing: the accelerator catalog, analytic estimates, the recommender and the profiler."""

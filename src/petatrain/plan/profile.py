@@ -1,0 +1,322 @@
+"""`petatrain profile`: run real training steps here, measure them, hold the plan's estimate to them.
+
+One process, the configured model (models.build_model), the configured optimizer and
+precision, the full global batch as gradient-accumulation micro-batches. Measured:
+
+- peak memory: on a GPU `torch.cuda.max_memory_allocated`; on the CPU torch's own
+  `MemTracker` (torch.distributed._tools) around one extra real step. MemTracker is a
+  dispatch mode that follows every tensor storage from allocation to free, which is
+  exactly the quantity the estimate models (live tensor bytes). RSS would add the
+  allocator's caching and the Python heap, and tracemalloc does not see torch's
+  allocations at all;
+- step time split into data wait / forward / backward / optimizer / communication (one
+  process has no collectives: 0, reported as such);
+- FLOPs per step with plan.flops.FlopCounter, achieved FLOP/s, MFU against the
+  accelerator's dense peak (on the CPU against a measured matmul peak);
+- the verdict: data-, communication-, memory- or compute-bound.
+
+The calibration it saves (plan.calibration) carries the achieved efficiency, which the
+next `petatrain plan` uses instead of the catalog default for that accelerator.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import logging
+import time
+from typing import Any
+
+import torch
+
+from petatrain.config import JobConfig
+from petatrain.errors import ConfigError
+from petatrain.models import build_model
+from petatrain.plan import estimate as est
+from petatrain.plan.calibration import Calibration, load_calibrations, save_calibration
+from petatrain.plan.catalog import load_catalog
+from petatrain.plan.flops import FlopCounter
+
+log = logging.getLogger(__name__)
+
+CPU_DEFAULT_EFFICIENCY = 0.5  # executed FLOP/s over the measured matmul peak, before any calibration
+
+# torch.cuda device names -> catalog names (first match wins).
+_GPU_NAMES = (
+    ("H100 PCIe", "H100-PCIe"),
+    ("H100", "H100-SXM"),
+    ("H200", "H200"),
+    ("B200", "B200"),
+    ("A100-SXM4-40GB", "A100-40GB"),
+    ("A100-PCIE-40GB", "A100-40GB"),
+    ("A100", "A100-80GB"),
+    ("L40S", "L40S"),
+    ("L4", "L4"),
+    ("A10G", "A10G"),
+    ("MI300X", "MI300X"),
+)
+
+
+def catalog_name(device_name: str) -> str | None:
+    for needle, name in _GPU_NAMES:
+        if needle.lower() in device_name.lower():
+            return name
+    return None
+
+
+def make_optimizer(model: torch.nn.Module, train) -> torch.optim.Optimizer:
+    """The optimizer the plan models: AdamW (fp32 m, v) or SGD with momentum (one fp32 buffer)."""
+    if train.optimizer == "adamw":
+        return torch.optim.AdamW(
+            model.parameters(), lr=train.lr, betas=(train.beta1, train.beta2), weight_decay=train.weight_decay
+        )
+    return torch.optim.SGD(model.parameters(), lr=train.lr, momentum=0.9, weight_decay=train.weight_decay)
+
+
+def measure_cpu_matmul_peak(dtype: torch.dtype = torch.float32, n: int = 1024, repeats: int = 5) -> float:
+    """Best FLOP/s of an n×n matmul on this CPU: the peak CPU efficiency is measured against."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a @ b  # warm up
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _Batches:
+    """Random tokens, or the configured dataset through the streaming loader."""
+
+    def __init__(self, cfg: JobConfig, device: torch.device, use_dataset: bool):
+        self.cfg, self.device = cfg, device
+        m, tr = cfg.model, cfg.train
+        self.shape = (tr.micro_batch, m.seq_len + 1)
+        self.gen = torch.Generator().manual_seed(tr.seed)
+        self.it = None
+        if use_dataset:
+            from petatrain.data import loader
+
+            self.it = iter(loader(cfg.data.dataset, batch_size=tr.micro_batch, columns=["tokens"], seed=cfg.data.seed))
+
+    def next(self) -> torch.Tensor:
+        if self.it is None:
+            tokens = torch.randint(0, self.cfg.model.vocab_size, self.shape, generator=self.gen)
+        else:
+            try:
+                tokens = next(self.it)["tokens"].long()
+            except StopIteration:
+                raise ConfigError("profile: the dataset ran out of batches; use fewer --steps") from None
+            if tokens.shape[1] < self.shape[1]:
+                raise ConfigError(
+                    f"profile: dataset rows hold {tokens.shape[1]} tokens, model.seq_len + 1 = {self.shape[1]} needed"
+                )
+            tokens = tokens[:, : self.shape[1]]
+        return tokens.to(self.device, non_blocking=True)
+
+
+def profile(cfg: JobConfig, *, steps: int = 5, use_dataset: bool = False, save: bool = True) -> dict[str, Any]:
+    """Measure `steps` training steps and compare every figure with the plan's estimate."""
+    w = est.Workload.from_config(cfg)
+    tr = cfg.train
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cpu = device.type == "cpu"
+    torch.manual_seed(tr.seed)
+    spec = build_model(cfg.model, tr)
+    model = spec.module.to(device).train()
+    optimizer = make_optimizer(model, tr)
+    accumulation = tr.global_batch // tr.micro_batch
+    batches = _Batches(cfg, device, use_dataset)
+
+    def autocast():
+        if tr.precision == "bf16-mixed":
+            return torch.autocast(device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def step(timings: dict[str, float] | None, before_micro_batch=None) -> None:
+        for _ in range(accumulation):
+            if before_micro_batch is not None:
+                before_micro_batch()
+            t0 = time.perf_counter()
+            tokens = batches.next()
+            _sync(device)
+            t1 = time.perf_counter()
+            with autocast():
+                loss = spec.loss_fn(model, tokens) / accumulation
+            _sync(device)
+            t2 = time.perf_counter()
+            loss.backward()
+            _sync(device)
+            t3 = time.perf_counter()
+            if timings is not None:
+                timings["data_wait"] += t1 - t0
+                timings["forward"] += t2 - t1
+                timings["backward"] += t3 - t2
+        t4 = time.perf_counter()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        _sync(device)
+        if timings is not None:
+            timings["optimizer"] += time.perf_counter() - t4
+
+    step(None)  # warm-up: allocates optimizer states, picks kernels
+
+    # Peak memory.
+    if cpu:
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        tracker = MemTracker()
+        tracker.track_external(model, optimizer)
+        with tracker:
+            # MemTracker keeps per-module stats for one call; its device peak spans the whole step.
+            step(None, before_micro_batch=tracker.reset_mod_stats)
+        snapshot = tracker.get_tracker_snapshot("peak")
+        peak_memory = max(dev["Total"] for dev in snapshot.values())
+        memory_method = "torch.distributed._tools.mem_tracker.MemTracker (live tensor storages, one real step)"
+    else:
+        torch.cuda.reset_peak_memory_stats(device)
+        step(None)
+        peak_memory = torch.cuda.max_memory_allocated(device)
+        memory_method = "torch.cuda.max_memory_allocated"
+
+    # FLOPs of one micro-batch's forward + backward, counted kernel by kernel.
+    with FlopCounter() as counter, autocast():
+        spec.loss_fn(model, batches.next()).backward()
+    optimizer.zero_grad(set_to_none=True)
+    counted_flops = counter.total * accumulation
+
+    # Timed steps; the median step (by wall time) speaks for the run, so that one step
+    # slowed by another process on a shared machine does not skew the calibration.
+    records = []
+    for _ in range(steps):
+        timings = {"data_wait": 0.0, "forward": 0.0, "backward": 0.0, "optimizer": 0.0}
+        t0 = time.perf_counter()
+        step(timings)
+        records.append((time.perf_counter() - t0, timings))
+    records.sort(key=lambda r: r[0])
+    step_time, split = records[len(records) // 2]
+    split["communication"] = 0.0  # one process: no collectives to wait for
+
+    # The accelerator and its peak.
+    if cpu:
+        accelerator = "cpu"
+        peak = measure_cpu_matmul_peak(torch.bfloat16 if tr.precision == "bf16-mixed" else torch.float32)
+        default_efficiency = CPU_DEFAULT_EFFICIENCY
+        device_name = f"CPU ({torch.get_num_threads()} threads)"
+        overhead = 0.0
+    else:
+        device_name = torch.cuda.get_device_name(device)
+        accelerator = catalog_name(device_name) or device_name
+        catalog = load_catalog(cfg.plan)
+        acc = catalog.get(accelerator)
+        if acc is None:
+            raise ConfigError(f"profile: {device_name!r} is not in the accelerator catalog; cannot compare with plan")
+        peak = acc.peak_flops(tr.precision)
+        default_efficiency = acc.efficiency
+        overhead = acc.overhead_gib * 2**30
+    calibrations = load_calibrations(cfg.plan.calibration_dir)
+    prior = calibrations.get(accelerator)
+    efficiency_used = prior.efficiency if prior else default_efficiency
+
+    # The plan's estimates for this exact run.
+    memory = est.memory_per_device(w, strategy="ddp", count=1, accumulation=accumulation, cpu=cpu)
+    estimated_peak = memory.total  # tensors only: memory_per_device got no framework overhead
+    executed = w.executed_flops(tr.global_batch)
+    model_flops = w.model_flops(tr.global_batch)
+    estimated_step = executed / (peak * efficiency_used) + (prior.overhead_s if prior else 0.0)
+    busy = max(step_time - split["data_wait"] - split["communication"], 1e-12)
+    achieved = counted_flops / step_time
+    efficiency = counted_flops / (busy * peak)
+    tokens = tr.global_batch * w.seq_len
+
+    fractions = {k: v / step_time for k, v in split.items()}
+    if fractions["data_wait"] >= 0.2:
+        verdict = "data-bound"
+    elif fractions["communication"] >= 0.3:
+        verdict = "communication-bound"
+    elif fractions["optimizer"] >= 0.3 or efficiency < 0.25:
+        verdict = "memory-bound"
+    else:
+        verdict = "compute-bound"
+
+    def row(figure: str, measured: float, estimate: float | None, fmt) -> dict[str, Any]:
+        error = None if estimate is None or measured == 0 else (estimate - measured) / measured
+        return {
+            "figure": figure,
+            "measured": measured,
+            "estimate": estimate,
+            "error": error,
+            "measured_text": fmt(measured),
+            "estimate_text": "" if estimate is None else fmt(estimate),
+        }
+
+    def mib(x):
+        return f"{x / 2**20:,.2f} MiB"
+
+    def secs(x):
+        return f"{x * 1e3:,.1f} ms"
+
+    def gflop(x):
+        return f"{x / 1e9:,.2f} GFLOP"
+
+    comparison = [
+        row("peak memory (tensors)", peak_memory, estimated_peak, mib),
+        row("step time", step_time, estimated_step, secs),
+        row("executed FLOPs per step", counted_flops, executed, gflop),
+        row("tokens per second", tokens / step_time, tokens / estimated_step, lambda x: f"{x:,.0f}"),
+        row("achieved FLOP/s", achieved, executed / estimated_step, lambda x: f"{x / 1e9:,.2f} GFLOP/s"),
+    ]
+    measured = {
+        "peak_memory_bytes": int(peak_memory),
+        "step_time_s": step_time,
+        "time_split_s": split,
+        "executed_flops_per_step": counted_flops,
+        "achieved_flops_per_s": achieved,
+        "mfu": model_flops / (step_time * peak),
+        "efficiency": efficiency,
+        "tokens_per_s": tokens / step_time,
+        "flops_by_op": dict(counter.by_op),
+    }
+    report: dict[str, Any] = {
+        "device": device_name,
+        "accelerator": accelerator,
+        "peak_flops": peak,
+        "peak_flops_source": "measured matmul" if cpu else "catalog (dense)",
+        "steps": steps,
+        "tokens_per_step": tokens,
+        "accumulation": accumulation,
+        "memory_method": memory_method,
+        "measured": measured,
+        "estimate": {
+            "memory_bytes": memory.to_dict(),
+            "memory_peak_moment": memory.phase,
+            "framework_overhead_bytes": overhead,
+            "step_time_s": estimated_step,
+            "efficiency": efficiency_used,
+            "calibrated": prior is not None,
+            "executed_flops_per_step": executed,
+            "model_flops_per_step": model_flops,
+        },
+        "comparison": comparison,
+        "verdict": verdict,
+        "calibration_path": None,
+    }
+    calibration = Calibration(
+        accelerator=accelerator,
+        efficiency=min(1.0, efficiency),
+        mfu=measured["mfu"],
+        peak_flops=peak,
+        overhead_s=split["data_wait"],
+        steps=steps,
+        measured_at=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        config={"model": cfg.to_dict()["model"], "train": cfg.to_dict()["train"]},
+    )
+    report["calibration"] = calibration.to_dict()
+    if save:
+        report["calibration_path"] = str(save_calibration(calibration, cfg.plan.calibration_dir))
+    return report

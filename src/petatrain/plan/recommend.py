@@ -1,0 +1,330 @@
+"""`petatrain plan`: every (accelerator, count, strategy) estimated, the recommendation, why the rest lost.
+
+For each candidate: memory per device (estimate.memory_per_device), FLOPs per step in
+both conventions, step time (compute at a calibrated efficiency, exposed communication,
+pipeline bubble, data loading), checkpoint cost and the Young/Daly interval, expected
+goodput, and the time and cost of the whole token budget on demand and on spot.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from petatrain.config import JobConfig, parse_size
+from petatrain.plan import estimate as est
+from petatrain.plan.calibration import Calibration, load_calibrations
+from petatrain.plan.catalog import GIB, Accelerator, find, load_catalog
+
+STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "pipeline")
+# Achieved collective bus bandwidth over the link's peak (nccl-tests reach ~80% on NVLink and IB).
+LINK_EFFICIENCY = 0.8
+# Share of the backward (DDP, ZeRO) or forward+backward (FSDP) compute that hides communication.
+OVERLAP = 0.8
+
+
+@dataclass(kw_only=True, slots=True)
+class Candidate:
+    accelerator: str
+    count: int
+    strategy: str
+    fits: bool
+    memory: est.MemoryEstimate
+    memory_capacity_bytes: int
+    model_flops_per_step: float
+    executed_flops_per_step: float
+    compute_s: float
+    communication_s: float
+    bubble_s: float
+    data_s: float
+    step_time_s: float
+    mfu: float
+    efficiency: float
+    calibrated: bool
+    tokens_per_s: float
+    checkpoint_bytes: float
+    checkpoint_stall_s: float
+    checkpoint_write_s: float
+    checkpoint_interval_s: float
+    goodput: float
+    goodput_spot: float
+    run_time_s: float
+    run_time_spot_s: float
+    cost_usd: float
+    cost_usd_spot: float
+    reason: str = ""
+    feasible: bool = True  # the candidate can run at all (batch divides, enough layers)
+
+    @property
+    def rejected(self) -> bool:
+        return bool(self.reason)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "accelerator": self.accelerator,
+            "count": self.count,
+            "strategy": self.strategy,
+            "fits": self.fits,
+            "memory_bytes": self.memory.to_dict(),
+            "memory_capacity_bytes": self.memory_capacity_bytes,
+            "memory_headroom_bytes": int(self.memory_capacity_bytes - self.memory.total),
+            "memory_peak_moment": self.memory.phase,
+            "model_flops_per_step": self.model_flops_per_step,
+            "executed_flops_per_step": self.executed_flops_per_step,
+            "step_time_s": self.step_time_s,
+            "step_time_breakdown_s": {
+                "compute": self.compute_s,
+                "communication_exposed": self.communication_s,
+                "pipeline_bubble": self.bubble_s,
+                "data_loading": self.data_s,
+            },
+            "mfu": self.mfu,
+            "efficiency": self.efficiency,
+            "calibrated": self.calibrated,
+            "tokens_per_s": self.tokens_per_s,
+            "checkpoint": {
+                "bytes": self.checkpoint_bytes,
+                "stall_s": self.checkpoint_stall_s,
+                "write_s": self.checkpoint_write_s,
+                "interval_s": self.checkpoint_interval_s,
+            },
+            "goodput": self.goodput,
+            "goodput_spot": self.goodput_spot,
+            "run_time_s": self.run_time_s,
+            "run_time_spot_s": self.run_time_spot_s,
+            "cost_usd": self.cost_usd,
+            "cost_usd_spot": self.cost_usd_spot,
+            "reason": self.reason,
+        }
+
+
+@dataclass(kw_only=True, slots=True)
+class PlanRequest:
+    accelerator: str = ""  # one catalog name, or "" for all
+    count: int = 0  # one count, or 0 for powers of two up to max_count
+    max_count: int = 1024
+    budget_usd: float = 0.0  # 0 = no budget
+    deadline_hours: float = 0.0  # 0 = no deadline
+    mtbf_hours: float = 0.0  # per node; 0 = faults.mtbf_hours
+    strategies: tuple[str, ...] = ()  # () = all; the job's parallel.strategy is always included
+
+
+@dataclass(kw_only=True, slots=True)
+class Plan:
+    workload: est.Workload
+    candidates: list[Candidate]
+    recommended: Candidate | None
+    objective: str
+    assumptions: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        w = self.workload
+        return {
+            "model": {
+                "params": w.params,
+                "params_non_embedding": w.params_non_embedding,
+                "tokens": w.tokens,
+                "model_flops_per_token": w.model_flops(1) / w.seq_len,
+                "kv_cache_bytes_per_sequence": est.kv_cache_bytes(
+                    batch=1, seq_len=w.seq_len, n_layer=w.n_layer, d_model=w.d_model
+                )
+                if w.kind == "gpt"
+                else 0,
+            },
+            "objective": self.objective,
+            "assumptions": self.assumptions,
+            "candidates": [c.to_dict() for c in self.candidates],
+            "recommended": self.recommended.to_dict() if self.recommended else None,
+        }
+
+
+def counts_for(request: PlanRequest) -> list[int]:
+    if request.count:
+        return [request.count]
+    out, n = [], 1
+    while n <= request.max_count:
+        out.append(n)
+        n *= 2
+    return out
+
+
+def evaluate(
+    w: est.Workload,
+    acc: Accelerator,
+    count: int,
+    strategy: str,
+    cfg: JobConfig,
+    calibration: Calibration | None,
+    mtbf_hours: float,
+) -> Candidate:
+    """Estimate one candidate (no recommendation logic)."""
+    n = count
+    micro, G, s = w.micro_batch, w.global_batch, w.seq_len
+    feasible_reason = ""
+    if strategy == "pipeline":
+        micro_batches = G // micro
+        accumulation = micro_batches
+        if n < 2 or n > w.n_layer:
+            feasible_reason = f"pipeline needs 2..{w.n_layer} stages (model.n_layer), not {n}"
+    else:
+        accumulation = G // (micro * n) if G % (micro * n) == 0 else 0
+        if not accumulation:
+            feasible_reason = f"train.global_batch {G} is not a multiple of {n} devices x train.micro_batch {micro}"
+        accumulation = max(accumulation, 1)
+    overhead = acc.overhead_gib * GIB
+    memory = est.memory_per_device(
+        w, strategy=strategy, count=n, framework_overhead=overhead, accumulation=accumulation
+    )
+    capacity = acc.memory_bytes
+    fits = memory.total <= capacity
+
+    peak = acc.peak_flops(w.precision)
+    efficiency = calibration.efficiency if calibration else acc.efficiency
+    model_flops = w.model_flops(G)
+    executed = w.executed_flops(G)
+    per_device_flops = executed / n
+    compute = per_device_flops / (peak * efficiency)
+
+    # Communication over the slowest link the collective crosses.
+    nodes = math.ceil(n / acc.node_devices)
+    intra = acc.intra_link_gb_s_per_direction * 1e9
+    bandwidth = LINK_EFFICIENCY * (intra if nodes == 1 else min(intra, acc.network_bytes_per_device()))
+    P = w.params
+    grad_bytes = est.GRAD_BYTES[w.precision] * P
+    gather_bytes = (2 if w.precision == "bf16-mixed" else 4) * P
+    bubble = 0.0
+    if strategy in ("ddp", "zero1", "zero2"):
+        # DDP: one all-reduce; ZeRO-1/2: reduce-scatter + all-gather, the same volume.
+        comm = est.ring_allreduce_seconds(grad_bytes, n, bandwidth)
+        exposed = max(0.0, comm - OVERLAP * compute * 2 / 3)
+    elif strategy == "fsdp":
+        # ZeRO-3: all-gather for forward and backward, reduce-scatter of gradients, per micro-batch.
+        comm = accumulation * (
+            2 * est.ring_collective_seconds(gather_bytes, n, bandwidth)
+            + est.ring_collective_seconds(grad_bytes, n, bandwidth)
+        )
+        exposed = max(0.0, comm - OVERLAP * compute)
+    else:
+        # 1F1B: activations forward and their gradients back across each stage boundary, per micro-batch.
+        act_bytes = micro * s * w.d_model * w.activation_bytes_per_element
+        comm = accumulation * 2 * act_bytes / bandwidth if n > 1 else 0.0
+        exposed = comm
+        bubble = compute * est.bubble_overhead(n, accumulation) if n > 1 else 0.0
+
+    # Data: the loader streams in the background; a step cannot be faster than its bytes.
+    token_bytes = 2 if w.vocab_size <= 2**16 else 4
+    storage_bw = parse_size(cfg.plan.storage_bandwidth.removesuffix("/s"))
+    data = G * (s + 1) * token_bytes / max(1, nodes) / storage_bw
+    busy = compute + exposed + bubble
+    step = max(busy, data)
+    tokens_per_s = G * s / step
+    achieved_mfu = model_flops / (step * n * peak)
+
+    # Checkpoints: fp32 weights + optimizer states; the loop pays for the host snapshot only.
+    ckpt_bytes = (est.WEIGHT_BYTES[w.precision] + est.OPTIMIZER_BYTES[w.optimizer]) * P
+    per_device_ckpt = ckpt_bytes if strategy == "ddp" else ckpt_bytes / n
+    stall = per_device_ckpt / (acc.pcie_gb_s_per_direction * 1e9)
+    write = ckpt_bytes / (nodes * parse_size(cfg.plan.checkpoint_bandwidth.removesuffix("/s")))
+    mtbf = mtbf_hours * 3600 / nodes
+    interval = max(est.young_daly_interval(stall, mtbf), write)
+    goodput = est.expected_goodput(interval, stall, cfg.plan.restart_s, mtbf)
+    spot_mtbf = 1 / (1 / mtbf + nodes / (cfg.plan.spot_mtbf_hours * 3600))
+    spot_interval = max(est.young_daly_interval(stall, spot_mtbf), write)
+    goodput_spot = est.expected_goodput(spot_interval, stall, cfg.plan.restart_s, spot_mtbf)
+
+    run_time = w.tokens / tokens_per_s / goodput if goodput > 0 else math.inf
+    run_time_spot = w.tokens / tokens_per_s / goodput_spot if goodput_spot > 0 else math.inf
+    cand = Candidate(
+        accelerator=acc.name,
+        count=n,
+        strategy=strategy,
+        fits=fits,
+        memory=memory,
+        memory_capacity_bytes=capacity,
+        model_flops_per_step=model_flops,
+        executed_flops_per_step=executed,
+        compute_s=compute,
+        communication_s=exposed,
+        bubble_s=bubble,
+        data_s=data,
+        step_time_s=step,
+        mfu=achieved_mfu,
+        efficiency=efficiency,
+        calibrated=calibration is not None,
+        tokens_per_s=tokens_per_s,
+        checkpoint_bytes=ckpt_bytes,
+        checkpoint_stall_s=stall,
+        checkpoint_write_s=write,
+        checkpoint_interval_s=interval,
+        goodput=goodput,
+        goodput_spot=goodput_spot,
+        run_time_s=run_time,
+        run_time_spot_s=run_time_spot,
+        cost_usd=run_time / 3600 * n * acc.usd_per_hour,
+        cost_usd_spot=run_time_spot / 3600 * n * acc.usd_per_hour_spot,
+    )
+    if feasible_reason:
+        cand.feasible = False
+        cand.reason = f"infeasible: {feasible_reason}"
+    elif not fits:
+        cand.reason = (
+            f"out of memory: needs {memory.total / GIB:.1f} GiB per device, {acc.name} has {capacity / GIB:.1f} GiB"
+        )
+    elif data > busy:
+        need = G * (s + 1) * token_bytes / max(1, nodes) / busy
+        cand.reason = (
+            f"data-bound: needs {need / 1e9:.2f} GB/s per node from storage, plan.storage_bandwidth is "
+            f"{cfg.plan.storage_bandwidth}"
+        )
+    return cand
+
+
+def plan(cfg: JobConfig, request: PlanRequest | None = None) -> Plan:
+    """Estimate every candidate and pick the recommendation."""
+    request = request or PlanRequest()
+    w = est.Workload.from_config(cfg)
+    catalog = load_catalog(cfg.plan)
+    accelerators = [find(request.accelerator, catalog)] if request.accelerator else list(catalog.values())
+    calibrations = load_calibrations(cfg.plan.calibration_dir)
+    strategies = request.strategies or STRATEGIES
+    if cfg.parallel.strategy not in strategies:
+        strategies = (*strategies, cfg.parallel.strategy)
+    mtbf_hours = request.mtbf_hours or cfg.faults.mtbf_hours
+    candidates = [
+        evaluate(w, acc, n, strategy, cfg, calibrations.get(acc.name), mtbf_hours)
+        for acc in accelerators
+        for n in counts_for(request)
+        for strategy in strategies
+    ]
+    hours = request.deadline_hours
+    budget = request.budget_usd
+    for c in candidates:
+        if c.reason:
+            continue
+        if hours and c.run_time_s > hours * 3600:
+            c.reason = f"too slow: {c.run_time_s / 3600:.1f} h > deadline {hours:g} h"
+        elif budget and c.cost_usd > budget:
+            c.reason = f"over budget: ${c.cost_usd:,.0f} > ${budget:,.0f}"
+    ok = [c for c in candidates if not c.reason]
+    if hours or not budget:
+        objective = (
+            "cheapest"
+            + (f" within the {hours:g} h deadline" if hours else "")
+            + (f" and the ${budget:,.0f} budget" if budget else "")
+        )
+        best = min(ok, key=lambda c: (c.cost_usd, c.run_time_s, c.count), default=None)
+    else:
+        objective = f"fastest within the ${budget:,.0f} budget"
+        best = min(ok, key=lambda c: (c.run_time_s, c.cost_usd, c.count), default=None)
+    assumptions = {
+        "storage_bandwidth_per_node": cfg.plan.storage_bandwidth,
+        "checkpoint_bandwidth_per_node": cfg.plan.checkpoint_bandwidth,
+        "mtbf_hours_per_node": mtbf_hours,
+        "spot_mtbf_hours_per_node": cfg.plan.spot_mtbf_hours,
+        "restart_s": cfg.plan.restart_s,
+        "link_efficiency": LINK_EFFICIENCY,
+        "overlap": OVERLAP,
+        "calibrated_accelerators": sorted(calibrations),
+    }
+    return Plan(workload=w, candidates=candidates, recommended=best, objective=objective, assumptions=assumptions)

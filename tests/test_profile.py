@@ -1,0 +1,79 @@
+"""`petatrain profile`: real steps measured, each figure beside the plan's estimate, a calibration plan uses."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import run_cli
+from petatrain import config as config_mod
+from petatrain.plan.calibration import load_calibrations
+from petatrain.plan.profile import catalog_name, profile
+
+
+def small_job(tmp_path, *overrides: str):
+    return config_mod.load(
+        None,
+        [
+            "model.n_layer=2",
+            "model.d_model=64",
+            "model.n_head=2",
+            "model.seq_len=64",
+            "train.global_batch=16",
+            "train.micro_batch=8",
+            f"plan.calibration_dir={tmp_path}",
+            *overrides,
+        ],
+    )
+
+
+def test_profile_measures_compares_and_calibrates(tmp_path):
+    report = profile(small_job(tmp_path), steps=2)
+    rows = {r["figure"]: r for r in report["comparison"]}
+    # Memory: estimate vs torch's MemTracker on this very run (two micro-batches: gradients accumulate).
+    assert abs(rows["peak memory (tensors)"]["error"]) < 0.10
+    # FLOPs: the analytic count vs the dispatch-level counter.
+    assert abs(rows["executed FLOPs per step"]["error"]) < 0.01
+    split = report["measured"]["time_split_s"]
+    assert set(split) == {"data_wait", "forward", "backward", "optimizer", "communication"}
+    assert split["forward"] > 0 and split["backward"] > 0 and split["optimizer"] > 0
+    assert sum(split.values()) <= report["measured"]["step_time_s"] * 1.05
+    assert report["verdict"] in {"compute-bound", "memory-bound", "communication-bound", "data-bound"}
+    assert report["accumulation"] == 2 and report["estimate"]["calibrated"] is False
+    cal = load_calibrations(str(tmp_path))["cpu"]
+    assert 0 < cal.efficiency <= 1 and cal.steps == 2
+    # The next run's estimate uses what the first one measured.
+    again = profile(small_job(tmp_path), steps=2)
+    assert again["estimate"]["calibrated"] is True
+    assert again["estimate"]["efficiency"] == pytest.approx(cal.efficiency)
+
+
+def test_profile_cli_json(tmp_path):
+    result = run_cli(
+        "profile", "--steps", "1", "--json", "--set", f"plan.calibration_dir={tmp_path}", "--set", "model.seq_len=32"
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout)
+    assert report["calibration_path"].startswith(str(tmp_path))
+    assert report["measured"]["peak_memory_bytes"] > 0
+
+
+def test_gpu_names_map_to_the_catalog():
+    assert catalog_name("NVIDIA H100 80GB HBM3") == "H100-SXM"
+    assert catalog_name("NVIDIA H100 PCIe") == "H100-PCIe"
+    assert catalog_name("NVIDIA A100-SXM4-40GB") == "A100-40GB"
+    assert catalog_name("NVIDIA A100-SXM4-80GB") == "A100-80GB"
+    assert catalog_name("NVIDIA L40S") == "L40S" and catalog_name("NVIDIA L4") == "L4"
+    assert catalog_name("Some FPGA") is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("train", [{}, {"activation_checkpointing": "full"}, {"precision": "bf16-mixed"}])
+def test_profile_on_gpu_memory_within_5_percent(tmp_path, train):
+    overrides = [f"train.{k}={v}" for k, v in train.items()]
+    report = profile(small_job(tmp_path, "model.n_layer=4", "model.d_model=512", "model.n_head=8", *overrides), steps=3)
+    rows = {r["figure"]: r for r in report["comparison"]}
+    assert abs(rows["peak memory (tensors)"]["error"]) < 0.05
