@@ -1,0 +1,1 @@
+"""Fault injection: the injectors behind `--inject` and the test harnesses they need."""
