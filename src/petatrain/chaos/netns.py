@@ -16,12 +16,25 @@ Each namespace has its own ports, so this cluster never collides with a Ray on t
 with another `TwoNodeCluster`. Processes are found by namespace membership (`ip netns
 pids`), never by name: `ray stop` would kill every Ray on the machine.
 
-Measured on the 2-core Debian 12 machine (Ray 2.60, 1 CPU per node):
-- start (namespaces, link, head, worker node): ~5.5 s (head ~3.6 s, worker ~1.8 s);
-- cut to node marked dead at the head, with the health-check settings below: ~6 s (3 missed
-  1 s checks plus the in-flight one); with Ray's defaults it is ~63 s. An actor call on the
-  lost node fails with `ActorDiedError` at the same moment;
-- a Ray Train worker group with a rank on the lost node: see `TRAIN_ON_PARTITION` below.
+Measured on the 2-core Debian 12 machine (Ray 2.60, 1 CPU per node, other jobs sharing it):
+- start (namespaces, link, head, worker node): 5.5-10 s (head ~3.6 s, worker ~1.8 s idle);
+  `restart_worker()` ~2-3 s;
+- cut to node marked dead at the head, with `FAST_HEALTH_CHECK`: 5.9 s every time (3 missed
+  1 s checks plus the one in flight); with Ray's defaults ~63 s. An actor call on the lost
+  node fails with `ActorDiedError` ("health check failed due to missing too many
+  heartbeats") at the same moment. `cut_own_link()` from an actor on the node: also 5.9 s;
+- `TorchTrainer`, 2 gloo workers (one per node) all-reducing in a loop, link cut
+  (benchmarks/partition_train.py): Ray Train's own worker health check sees the dead actor
+  and `fit()` raises `WorkerGroupError` ("A worker health check failed", the lost rank
+  named) 5.9-6.8 s after the cut with `max_failures=0`. `TorchConfig(timeout_s=10)` changes
+  nothing (6.9 s): the rank on the head, stuck in the all-reduce, is killed by the
+  controller, not released by gloo's timeout. Elastic, `num_workers=(1, 2)`,
+  `max_failures=1`: the first restart still asks for 2 workers (the elastic policy's
+  resource view holds the lost node), waits out `RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S`
+  (60 s), then restarts at world size 1: training resumes 70-72 s after the cut, or 21-23 s with
+  that variable set to 10 in the driver's environment (Ray Train passes it on).
+- gloo needs `GLOO_SOCKET_IFNAME` (set in `cluster.env`, inherited by every Ray worker):
+  without it ranks advertise 127.0.0.1 and cannot reach each other across nodes.
 """
 
 from __future__ import annotations
@@ -62,7 +75,10 @@ FAST_HEALTH_CHECK = {
 _HEAD_PORT = 6379
 # Must lie outside Ray's worker port range 10002-19999; free inside our namespaces.
 _METRICS_EXPORT_PORT = 20001
-_HEAD_IF, _WORK_IF = "pt-head", "pt-work"  # interface names are per namespace, so fixed
+# Interface names are per namespace, so both ends of the veth can share one fixed name, and
+# GLOO_SOCKET_IFNAME can name it on both nodes: without it gloo binds to whatever the hostname
+# resolves to (127.0.0.1 here) and ranks on different nodes cannot connect.
+LINK_IF = "pt-link"
 
 Node = Literal["head", "work"]
 _serial = 0
@@ -213,7 +229,13 @@ class TwoNodeCluster:
         self.keep_logs = keep_logs
         # Addresses never leave the namespaces, so the token only guards against other local users.
         token = secrets.token_hex(16)
-        self.env = {"RAY_ADDRESS": self.address, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
+        self.env = {
+            "RAY_ADDRESS": self.address,
+            "RAY_AUTH_MODE": "token",
+            "RAY_AUTH_TOKEN": token,
+            "GLOO_SOCKET_IFNAME": LINK_IF,  # Ray workers inherit the raylet's environment
+            "NCCL_SOCKET_IFNAME": LINK_IF,
+        }
         self.start_s: float | None = None
         self._worker_starts = 0
         self._started = False
@@ -283,13 +305,13 @@ class TwoNodeCluster:
 
     def cut(self) -> None:
         """Take both ends of the link down: each node stops hearing the other at once."""
-        _sh([_ip(), "-n", self.worker_ns, "link", "set", "dev", _WORK_IF, "down"])
-        _sh([_ip(), "-n", self.head_ns, "link", "set", "dev", _HEAD_IF, "down"])
+        _sh([_ip(), "-n", self.worker_ns, "link", "set", "dev", LINK_IF, "down"])
+        _sh([_ip(), "-n", self.head_ns, "link", "set", "dev", LINK_IF, "down"])
 
     def restore(self) -> None:
         """Bring the link back up. A node the head declared dead does not come back: see `restart_worker`."""
-        _sh([_ip(), "-n", self.head_ns, "link", "set", "dev", _HEAD_IF, "up"])
-        _sh([_ip(), "-n", self.worker_ns, "link", "set", "dev", _WORK_IF, "up"])
+        _sh([_ip(), "-n", self.head_ns, "link", "set", "dev", LINK_IF, "up"])
+        _sh([_ip(), "-n", self.worker_ns, "link", "set", "dev", LINK_IF, "up"])
 
     def restart_worker(self) -> None:
         """Restore the link and start a fresh worker node (a partitioned one cannot rejoin)."""
@@ -311,21 +333,12 @@ class TwoNodeCluster:
                 ip,
                 "-n",
                 self.head_ns,
-                "link",
-                "add",
-                _HEAD_IF,
-                "type",
-                "veth",
-                "peer",
-                "name",
-                _WORK_IF,
-                "netns",
-                self.worker_ns,
+                *f"link add {LINK_IF} type veth peer name {LINK_IF} netns {self.worker_ns}".split(),
             ]
         )
-        for name, dev, addr in ((self.head_ns, _HEAD_IF, self.head_ip), (self.worker_ns, _WORK_IF, self.worker_ip)):
-            _sh([ip, "-n", name, "addr", "add", f"{addr}/24", "dev", dev])
-            _sh([ip, "-n", name, "link", "set", "dev", dev, "up"])
+        for name, addr in ((self.head_ns, self.head_ip), (self.worker_ns, self.worker_ip)):
+            _sh([ip, "-n", name, "addr", "add", f"{addr}/24", "dev", LINK_IF])
+            _sh([ip, "-n", name, "link", "set", "dev", LINK_IF, "up"])
 
     def _ray_start(self, node: Node, args: list[str], temp_dir: Path) -> None:
         temp_dir.parent.mkdir(parents=True, exist_ok=True)
