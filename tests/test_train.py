@@ -168,3 +168,41 @@ def test_bad_config_and_injection_specs_are_one_line_errors(token_dataset):
         tiny(token_dataset, "train.micro_batch=5")
     with pytest.raises(ConfigError, match=r"parallel\.workers"):
         tiny(token_dataset, "parallel.workers=3-1")
+
+
+@pytest.mark.chaos
+def test_network_partition_loses_a_node_and_training_resumes_on_the_rest(token_dataset, tmp_path):
+    """Fault 4: two Ray nodes in network namespaces; the worker node's link is cut at step 8."""
+    import os
+    import sys
+
+    from petatrain.chaos.netns import TwoNodeCluster, netns_available
+
+    if os.geteuid() != 0:
+        pytest.skip("network-namespace tests need root")
+    if reason := netns_available():
+        pytest.skip(f"network namespaces unavailable: {reason}")
+    run_dir = tmp_path / "run"
+    with TwoNodeCluster(head_cpus=1, worker_cpus=1) as cluster:
+        argv = [sys.executable, "-m", "petatrain", "train", str(ROOT / "examples" / "tiny.yaml")]
+        for override in (f"data.dataset={token_dataset}", "train.steps=30", "parallel.workers=1-2"):
+            argv += ["--set", override]
+        # The rank on the second node cuts its link; the rank on the head node does not fire.
+        argv += ["--address", cluster.address, "--run-dir", str(run_dir), "--json"]
+        argv += ["--inject", "partition@step=8,rank=0", "--inject", "partition@step=8,rank=1"]
+        done = cluster.run(argv, timeout=300, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = (
+        json.loads(done.stdout[done.stdout.index("{\n") :])
+        if "{\n" in done.stdout
+        else pytest.fail(done.stdout[-2000:] + done.stderr[-3000:])
+    )
+    assert [f["cause"] for f in summary["failures"]] == ["node_lost"]
+    events = read_events(str(run_dir))
+    assert [e["world_size"] for e in events if e["event"] == "attempt_start"] == [2, 1]
+    assert len([e for e in events if e["event"] == "fault_injected"]) == 1
+    cut = next(e for e in events if e["event"] == "fault_injected")
+    lost = next(e for e in events if e["event"] == "failure")
+    assert lost["t"] - cut["t"] < 20, "the lost node is noticed in seconds, not the 30-minute collective timeout"
+    assert [e["step"] for e in events if e["event"] == "step"][-1] == 30
+    assert (run_dir / "final" / "model.safetensors").exists()

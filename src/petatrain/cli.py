@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -455,16 +456,17 @@ def _train(config, overrides, run_dir, address, specs, as_json) -> None:
             detail = {k: v for k, v in event.items() if k not in ("t", "event")}
             console.print(f"[yellow]{kind}[/yellow] {json.dumps(detail)[:200]}")
 
-    summary = run(
-        TrainJob(
-            config=cfg,
-            run_url=run_url,
-            options=cfg.storage.options(),
-            address=address,
-            injections=injections,
-            on_event=progress,
-        )
+    job = TrainJob(
+        config=cfg,
+        run_url=run_url,
+        options=cfg.storage.options(),
+        address=address,
+        injections=injections,
+        on_event=progress,
     )
+    # With --json, stdout carries one JSON object: whatever Ray prints goes to stderr.
+    with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():
+        summary = run(job)
     from petatrain.observe.report import write_report
 
     report = write_report(summary["run"], cfg.storage.options())

@@ -398,6 +398,12 @@ def _own_namespace() -> str | None:
     return None
 
 
+def on_cuttable_node() -> bool:
+    """True in a TwoNodeCluster worker namespace, the only place `partition` acts."""
+    match = _NETNS_NAME.match(_own_namespace() or "")
+    return match is not None and match["role"] == "work"
+
+
 def cut_own_link() -> list[str]:
     """Partition the node this process runs on: take its non-loopback interfaces down.
 

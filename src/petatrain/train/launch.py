@@ -190,9 +190,7 @@ def run(job: TrainJob) -> dict[str, Any]:
             error = _fit(cfg, payload, world, run_id, attempt, watch, job)
             if error is None:
                 break
-            failure = classify(error, hang=watch.verdict, nodes_lost=bool(nodes_before - _alive_nodes()))
-            if failure.cause != "node_lost" and nodes_before - _alive_nodes():
-                failure.cause = "node_lost"
+            failure = classify(error, hang=watch.verdict, nodes_lost=_nodes_lost(nodes_before, error))
             failures.append(failure)
             emit("failure", attempt=attempt, cause=failure.cause, detail=failure.detail, rank=failure.rank)
             if policy.decide(failure) == "raise":
@@ -352,6 +350,17 @@ def _kill_group(beats: dict[int, dict[str, Any]]) -> None:
         for b in beats.values()
     ]
     ray.wait(refs, num_returns=len(refs), timeout=10)
+
+
+def _nodes_lost(before: set[str], error: BaseException, wait_s: float = 3.0) -> bool:
+    """Whether a node died; a worker that died with its node may be reported a moment before the node."""
+    deadline = time.time() + (wait_s if "died" in str(error) or "health check" in str(error) else 0)
+    while True:
+        if before - _alive_nodes():
+            return True
+        if time.time() >= deadline:
+            return False
+        time.sleep(0.25)
 
 
 def _alive_nodes() -> set[str]:

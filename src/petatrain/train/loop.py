@@ -372,6 +372,9 @@ def train_worker(payload: Payload) -> None:
             elapsed = time.time() - payload.run_started
             for injection in [i for i in pending if i.due(step, elapsed)]:
                 pending.remove(injection)
+                if injection.kind == "partition" and not _partitionable():
+                    log.warning("%s: rank %d is not on a node the harness can cut; not fired", injection.key, rank)
+                    continue
                 fields = {"fault": injection.kind, "step": step, "rank": rank, "key": injection.key}
                 if not ray.get(hub.fire.remote(injection.key, {"attempt": attempt, **fields})):
                     continue
@@ -399,6 +402,12 @@ def train_worker(payload: Payload) -> None:
         _save_final(model, payload, rank)
     finally:
         writer.close()
+
+
+def _partitionable() -> bool:
+    from petatrain.chaos.netns import on_cuttable_node
+
+    return on_cuttable_node()
 
 
 def _choose_checkpoint(payload: Payload, rank: int, emit) -> dict[str, Any] | None:
