@@ -11,6 +11,7 @@ the newest verified checkpoint, or give up after `faults.max_restarts`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import threading
@@ -28,7 +29,8 @@ from petatrain.storage.fs import atomic_write, is_local, resolve
 
 log = logging.getLogger(__name__)
 
-CAUSES = ("kill", "exception", "hang", "node_lost", "preempt", "storage", "nonfinite", "unknown")
+# "error" is a petatrain error (bad config, missing or corrupt data): reported, not retried.
+CAUSES = ("kill", "exception", "hang", "node_lost", "preempt", "storage", "nonfinite", "error", "unknown")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -59,6 +61,8 @@ class RestartPolicy:
     def decide(self, failure: Failure) -> str:
         if failure.cause == "preempt":
             return "retry"
+        if failure.cause == "error":
+            return "raise"
         self.used += 1
         return "retry" if self.used <= self.max_restarts else "raise"
 
@@ -84,6 +88,8 @@ def classify(error: BaseException, *, hang: Failure | None, nodes_lost: bool) ->
     if "health check failed" in text or "ActorDiedError" in text or "actor died" in text.lower():
         rank = _dead_rank(text, rank)
         return Failure("kill", "worker process died: " + first, rank)
+    if "petatrain.errors." in text:  # bad config, missing or corrupt data: a retry would fail the same way
+        return Failure("error", first, rank)
     if "Traceback" in text:
         return Failure("exception", first, rank)
     return Failure("unknown", first, rank)
@@ -136,6 +142,10 @@ def run(job: TrainJob) -> dict[str, Any]:
         raise ConfigError(
             f"parallel.strategy {cfg.parallel.strategy!r}: train runs ddp or fsdp "
             f"({cfg.parallel.strategy} is modelled by `petatrain plan` only)"
+        )
+    if is_local(cfg.data.dataset):  # Ray workers do not share the driver's working directory
+        cfg = dataclasses.replace(
+            cfg, data=dataclasses.replace(cfg.data, dataset=os.path.abspath(resolve(cfg.data.dataset)[1]))
         )
     _check_dataset(cfg, job.options)
     # Faster failure detection than Ray Train's 2 s poll; propagated to the controller and workers.
@@ -194,7 +204,10 @@ def run(job: TrainJob) -> dict[str, Any]:
             failures.append(failure)
             emit("failure", attempt=attempt, cause=failure.cause, detail=failure.detail, rank=failure.rank)
             if policy.decide(failure) == "raise":
-                emit("end", status="failed", step=None, detail=f"gave up after {policy.used - 1} restarts")
+                why = failure.detail if failure.cause == "error" else f"gave up after {policy.used - 1} restarts"
+                emit("end", status="failed", step=None, detail=why)
+                if failure.cause == "error":
+                    raise PetatrainError(failure.detail.split(": ", 1)[-1])
                 raise PetatrainError(
                     f"training failed {policy.used} times (faults.max_restarts={cfg.faults.max_restarts}); "
                     f"last cause: {failure.cause}: {failure.detail}"
@@ -352,15 +365,10 @@ def _kill_group(beats: dict[int, dict[str, Any]]) -> None:
     ray.wait(refs, num_returns=len(refs), timeout=10)
 
 
-def _nodes_lost(before: set[str], error: BaseException, wait_s: float = 3.0) -> bool:
-    """Whether a node died; a worker that died with its node may be reported a moment before the node."""
-    deadline = time.time() + (wait_s if "died" in str(error) or "health check" in str(error) else 0)
-    while True:
-        if before - _alive_nodes():
-            return True
-        if time.time() >= deadline:
-            return False
-        time.sleep(0.25)
+def _nodes_lost(before: set[str], error: BaseException) -> bool:
+    """Whether a node of the cluster died during the attempt (Ray marks it dead before the
+    worker health check that fails the attempt, both from the same missed heartbeats)."""
+    return bool(before - _alive_nodes())
 
 
 def _alive_nodes() -> set[str]:
