@@ -206,3 +206,61 @@ def test_network_partition_loses_a_node_and_training_resumes_on_the_rest(token_d
     assert lost["t"] - cut["t"] < 20, "the lost node is noticed in seconds, not the 30-minute collective timeout"
     assert [e["step"] for e in events if e["event"] == "step"][-1] == 30
     assert (run_dir / "final" / "model.safetensors").exists()
+
+
+def test_worker_side_config_error_is_reported_not_retried(token_dataset, tmp_path):
+    with pytest.raises(PetatrainError, match=r"model\.vocab_size 100 is below the dataset's vocabulary"):
+        train(tiny(token_dataset, "model.vocab_size=100"), tmp_path)
+    events = read_events(str(tmp_path))
+    assert [e["event"] for e in events].count("attempt_start") == 1
+    assert events[-1]["event"] == "end" and events[-1]["status"] == "failed"
+
+
+def _write_checkpoint(run: str, step: int, value: float, keep_last: int = 10, keep_every: int = 0) -> None:
+    import torch
+
+    from petatrain.train.checkpoint import CheckpointWriter, Snapshot
+
+    parts: dict = {}
+    writer = CheckpointWriter(
+        run,
+        None,
+        report_part=lambda s, r, f: parts.__setitem__((s, r), f),
+        wait_parts=lambda s, w, t: {n: i for (ps, _), f in parts.items() if ps == s for n, i in f.items()},
+        on_commit=lambda info: None,
+        keep_last=keep_last,
+        keep_every=keep_every,
+    )
+    tensors = {"model/w": torch.full((4, 4), value)}
+    writer.submit(Snapshot(step=step, rank=0, world_size=1, tensors=tensors, meta={"loader": {"position": step}}))
+    writer.close()
+    assert writer.error is None
+
+
+def test_torn_and_corrupt_checkpoints_are_skipped(tmp_path):
+    from petatrain.train.checkpoint import latest_verified, read_rank_tensors, step_dir
+
+    run = str(tmp_path)
+    for step in (10, 20, 30):
+        _write_checkpoint(run, step, float(step))
+    (Path(step_dir(run, 30)) / "COMMITTED").unlink()  # torn: crashed before the marker
+    rank_file = Path(step_dir(run, 20)) / "rank-00000.safetensors"
+    data = bytearray(rank_file.read_bytes())
+    data[-3] ^= 0xFF  # one flipped byte in the tensor data
+    rank_file.write_bytes(bytes(data))
+    skipped = []
+    state = latest_verified(run, on_skip=lambda url, why: skipped.append((url, why)))
+    assert state["step"] == 10 and state["loader"] == {"position": 10}
+    assert len(skipped) == 1 and skipped[0][0].endswith("step-00000020") and "does not verify" in skipped[0][1]
+    assert float(read_rank_tensors(run, state, 0)["model/w"][0, 0]) == 10.0
+
+
+def test_retention_keeps_the_last_k_and_every_mth(tmp_path):
+    run = str(tmp_path)
+    for step in (10, 20, 30, 40, 50):
+        _write_checkpoint(run, step, 1.0, keep_last=2, keep_every=20)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "step-00000020",
+        "step-00000040",
+        "step-00000050",
+    ]
