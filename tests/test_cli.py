@@ -7,7 +7,7 @@ import pytest
 from conftest import run_cli
 
 
-@pytest.mark.parametrize("verb", ["ingest", "inspect", "demo", "config"])
+@pytest.mark.parametrize("verb", ["ingest", "inspect", "demo", "config", "train", "chaos", "report", "plan", "profile"])
 def test_every_verb_has_help(verb):
     result = run_cli(verb, "--help")
     assert result.returncode == 0 and "Usage" in result.stdout
@@ -22,5 +22,25 @@ def test_demo_ingests_streams_and_resumes_exactly_once(tmp_path):
     stream = report["stream"]
     assert stream["exactly_once"] and stream["ranks_before"] == 2 and stream["ranks_after"] == 3
     assert stream["consumed_before"] + stream["consumed_after"] == stream["samples_in_epoch"]
-    again = run_cli("demo", "--root", str(tmp_path), "--documents", "400", "--json")
+    train = report["train"]  # a GPT on 2 workers, rank 1 killed at step 17, recovered
+    assert train["attempts"] == 2 and [f["cause"] for f in train["failures"]] == ["kill"]
+    assert train["steps"] == 40 and 0 < train["goodput"] < 1 and len(train["samples"]) == 2
+    assert (tmp_path / "runs" / "demo" / "report.html").exists()
+    again = run_cli("demo", "--root", str(tmp_path), "--documents", "400", "--no-train", "--json")
     assert json.loads(again.stdout)["ingest"]["files_new"] == 0, "a second demo run ingests nothing new"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["train", "examples/tiny.yaml", "--inject", "boom@step=1"], "unknown fault 'boom'"),
+        (["train", "examples/tiny.yaml", "--set", "data.dataset=/nonexistent"], "no dataset at /nonexistent"),
+        (["train", "examples/tiny.yaml", "--set", "parallel.strategy=pipeline"], "train runs ddp or fsdp"),
+        (["chaos", "examples/tiny.yaml", "--every", "10s"], "soak mode needs both --every and --for"),
+        (["report", "/nonexistent-run"], "error:"),
+    ],
+)
+def test_training_verbs_fail_with_one_line(args, message):
+    result = run_cli(*args)
+    assert result.returncode == 2
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr[-1000:]

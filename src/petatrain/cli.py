@@ -276,7 +276,8 @@ def _demo_train(root: str, dataset: str, as_json: bool) -> dict[str, Any]:
     remove_tree(run_dir)  # a fresh run each time: resuming a finished run would train nothing
     if not as_json:
         out.print(f"\n[bold]training[/bold] a {cfg.model.n_layer}-layer GPT on 2 workers; rank 1 is killed at step 17")
-    summary = run(TrainJob(config=cfg, run_url=run_dir, injections=[parse("kill@step=17,rank=1")]))
+    with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():  # keep stdout JSON
+        summary = run(TrainJob(config=cfg, run_url=run_dir, injections=[parse("kill@step=17,rank=1")]))
     report = write_report(summary["run"])
     samples = sample_text(cfg, summary["final"], prompts=["the ", "data "], new_tokens=60)
     if not as_json:
@@ -360,6 +361,8 @@ def chaos(
             specs += soak_injections(every, duration, seed=seed, workers=cfg.parallel.worker_range()[0])
         _train(config, list(set_ or []), run_dir, address, specs, as_json)
 
+    _guarded(go)
+
 
 # --- petatrain report (observe) -------------------------------------------------------
 
@@ -382,6 +385,8 @@ def report(
             _print_json(written)
         else:
             _render_report(written)
+
+    _guarded(go)
 
 
 # --- plan and profile (issue 5) -------------------------------------------------------
