@@ -355,11 +355,12 @@ def chaos(
     def go():
         specs = list(inject or [])
         if every or duration:
-            from petatrain.chaos.soak import soak_injections
+            from petatrain.chaos.soak import parse_duration, soak_injections
 
             cfg = config_mod.load(config, list(set_ or []))
             specs += soak_injections(every, duration, seed=seed, workers=cfg.parallel.worker_range()[0])
-        _train(config, list(set_ or []), run_dir, address, specs, as_json)
+        stop_after = parse_duration(duration, "--for") if duration else None
+        _train(config, list(set_ or []), run_dir, address, specs, as_json, stop_after_s=stop_after)
 
     _guarded(go)
 
@@ -439,7 +440,7 @@ def plan_cmd(
     _guarded(go)
 
 
-def _train(config, overrides, run_dir, address, specs, as_json) -> None:
+def _train(config, overrides, run_dir, address, specs, as_json, stop_after_s: float | None = None) -> None:
     import time as _time
 
     from petatrain.chaos.inject import parse
@@ -468,6 +469,7 @@ def _train(config, overrides, run_dir, address, specs, as_json) -> None:
         address=address,
         injections=injections,
         on_event=progress,
+        stop_after_s=stop_after_s,
     )
     # With --json, stdout carries one JSON object: whatever Ray prints goes to stderr.
     with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():

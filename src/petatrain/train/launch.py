@@ -42,6 +42,7 @@ class TrainJob:
     injections: list[Injection] = field(default_factory=list)
     on_event: Callable[[dict[str, Any]], None] | None = None  # progress for the CLI
     local_cpus: int = 0
+    stop_after_s: float | None = None  # end the run (checkpointed, final weights) this long after it started
 
 
 @dataclass(slots=True)
@@ -217,11 +218,13 @@ def run(job: TrainJob) -> dict[str, Any]:
                 time.sleep(1.0)  # let the cluster's view of resources settle
             emit("restart", attempt=attempt, world_size=None, reason=failure.cause)
         final = join(run_url, "final", "model.safetensors")
-        emit("end", status="ok", step=cfg.train.steps, detail="", final=final)
+        reached = max((b["step"] for b in ray.get(hub.heartbeats.remote()).values()), default=cfg.train.steps)
+        detail = "" if reached >= cfg.train.steps else f"stopped at step {reached}: the time limit was reached"
+        emit("end", status="ok", step=reached, detail=detail, final=final)
         return {
             "run": run_url,
             "final": final,
-            "steps": cfg.train.steps,
+            "steps": reached,
             "attempts": attempt + 1,
             "failures": [{"cause": f.cause, "detail": f.detail, "rank": f.rank} for f in failures],
             "wall_s": time.time() - started,
@@ -256,6 +259,7 @@ def _payload(job, cfg, run_url, hub, attempt, started, fired):
         attempt=attempt,
         run_started=started,
         injections=[i for i in job.injections if i.key not in fired],
+        stop_at=started + job.stop_after_s if job.stop_after_s else None,
     )
 
 

@@ -53,6 +53,7 @@ class Payload:
     attempt: int
     run_started: float
     injections: list[inject.Injection]
+    stop_at: float | None = None  # unix time: stop at the first step boundary after it (soak windows)
 
 
 class PreemptionNotice:
@@ -332,17 +333,19 @@ def train_worker(payload: Payload) -> None:
             step += 1
             # One all-reduce per step carries the loss and every decision all ranks must share.
             due = 1.0 if rank == 0 and schedule.due(step) else 0.0
+            halt = 1.0 if rank == 0 and payload.stop_at is not None and time.time() >= payload.stop_at else 0.0
             flags = torch.stack(
                 [
                     loss_sum,
                     torch.tensor(float(not torch.isfinite(loss_sum)), device=device),
                     torch.tensor(float(preemption.received), device=device),
                     torch.tensor(due, device=device),
+                    torch.tensor(halt, device=device),
                 ]
             )
             dist.all_reduce(flags)
             nonfinite = flags[1].item() > 0 or not math.isfinite(flags[0].item())
-            preempt, checkpoint_due = flags[2].item() > 0, flags[3].item() > 0
+            preempt, checkpoint_due, stop = flags[2].item() > 0, flags[3].item() > 0, flags[4].item() > 0
             loss_value = flags[0].item() / world
             grad_norm = 0.0
             if nonfinite:
@@ -385,7 +388,7 @@ def train_worker(payload: Payload) -> None:
                 else:
                     inject.act(injection)
 
-            if checkpoint_due or preempt or step == cfg.train.steps:
+            if checkpoint_due or preempt or stop or step == cfg.train.steps:
                 stall = _checkpoint(model, optimizer, data, writer, step, rank, world, cfg)
                 if rank == 0:
                     emit("checkpoint_snapshot", step=step, stall_s=stall)
@@ -397,6 +400,8 @@ def train_worker(payload: Payload) -> None:
                 _evaluate(model, spec, data, cfg, device, amp, step, rank, world, emit)
             last_end = time.perf_counter()
             wait_mark = data.wait_s
+            if stop:
+                break
         writer.wait()
         _evaluate(model, spec, data, cfg, device, amp, step, rank, world, emit)
         _save_final(model, payload, rank)
