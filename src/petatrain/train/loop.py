@@ -350,7 +350,8 @@ def train_worker(payload: Payload) -> None:
             grad_norm = 0.0
             if nonfinite:
                 optimizer.zero_grad(set_to_none=True)
-                emit("nonfinite", step=step, action=cfg.faults.nonfinite) if rank == 0 else None
+                if rank == 0:
+                    emit("nonfinite", step=step, action=cfg.faults.nonfinite)
                 if cfg.faults.nonfinite == "rollback":
                     raise NonFiniteLoss(f"non-finite loss at step {step}; rolling back to the last checkpoint")
             else:
@@ -431,14 +432,15 @@ def _choose_checkpoint(payload: Payload, rank: int, emit) -> dict[str, Any] | No
 
 
 def _checkpoint(model, optimizer, data, writer, step, rank, world, cfg) -> float:
-    """Snapshot to host memory and hand it to the writer; returns the stall in seconds."""
+    """Snapshot to host memory and hand it to the writer; returns the stall in seconds
+    (waiting for a previous write that is still running included)."""
     t0 = time.perf_counter()
-    waited = writer.wait()  # the previous write must finish before its buffers are reused
+    writer.wait()
     tensors, meta = state_for_save(model, optimizer, rank=rank, cfg=cfg)
     tensors["rng/cpu"] = torch.get_rng_state()
     meta.update(loader=data.state_dict(), strategy=cfg.parallel.strategy, config_digest=_digest(cfg))
     writer.submit(ckpt.Snapshot(step=step, rank=rank, world_size=world, tensors=tensors, meta=meta))
-    return time.perf_counter() - t0 + 0 * waited
+    return time.perf_counter() - t0
 
 
 def _digest(cfg: JobConfig) -> str:
