@@ -111,3 +111,30 @@ def test_stream_cache_limit_is_honoured(s3_token_ds, tmp_path):
     tiny = StreamingDataset(s3_token_ds, cache_dir=str(tmp_path / "tiny"), cache_limit=100)
     with pytest.raises(PetatrainError, match="cache_limit 100 bytes cannot hold"):
         list(tiny)
+
+
+@pytest.mark.slow
+def test_training_with_data_and_run_on_s3_recovers_from_a_kill(s3_bucket, ray_local, tmp_path):
+    """Dataset, checkpoints, ledger and final weights on the object store; a kill resumes from S3."""
+    from petatrain.data import synth
+    from petatrain.observe.ledger import read_events
+    from petatrain.storage import StorageOptions
+    from petatrain.train.checkpoint import committed_steps
+    from test_train import tiny
+
+    corpus = synth.generate(str(tmp_path / "raw"), documents=300, files=2, bad_records=False, seed=5)
+    data = storage.join(s3_bucket, "tokens65")
+    ingest(corpus.files, data, dedup="exact", tokenizer="bytes", pack_length=65, shard_size="100KB")
+    run_url = storage.join(s3_bucket, "runs", "r1")
+    cfg = tiny(data, "train.steps=24")
+    from petatrain.chaos.inject import parse
+    from petatrain.train.launch import TrainJob, run
+
+    summary = run(
+        TrainJob(config=cfg, run_url=run_url, options=StorageOptions(), injections=[parse("kill@step=14,rank=1")])
+    )
+    assert [f["cause"] for f in summary["failures"]] == ["kill"]
+    events = read_events(run_url)
+    assert [e["step"] for e in events if e["event"] == "resume"] == [0, 10]
+    assert committed_steps(run_url) == [20, 24]  # keep_last: 2
+    assert len(storage.read_bytes(summary["final"])) > 0
