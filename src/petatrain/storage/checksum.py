@@ -19,3 +19,12 @@ def verify(data: bytes | memoryview, expected: str, where: str) -> None:
     actual = checksum_bytes(data)
     if actual != expected:
         raise ChecksumMismatch(f"{where}: checksum {actual} does not match recorded {expected}")
+
+
+def checksum_file(path: str, chunk: int = 8 << 20) -> str:
+    """Checksum of a local file, read in chunks (large checkpoints never sit in memory twice)."""
+    digest = xxhash.xxh3_128()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return f"{ALGORITHM}:{digest.hexdigest()}"

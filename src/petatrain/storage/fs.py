@@ -165,6 +165,47 @@ def atomic_write(url: str, data: bytes, options: StorageOptions | None = None) -
     return checksum, len(data)
 
 
+def local_staging_path(url: str) -> str:
+    """Where to stage a file before `publish_file(url, ...)`: beside it on local disk (so the
+    publication is a rename), in the temp directory for an object store."""
+    if is_local(url):
+        _, path = resolve(url)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        return f"{path}.tmp-{uuid.uuid4().hex[:12]}"
+    import tempfile
+
+    fd, name = tempfile.mkstemp(prefix="petatrain-stage-")
+    os.close(fd)
+    return name
+
+
+def publish_file(url: str, staged: str, options: StorageOptions | None = None) -> tuple[str, int]:
+    """Publish a staged local file at `url`, all or nothing, like `atomic_write`; returns (checksum, size).
+
+    The checksum is computed by reading the staged file back in chunks after fsync, so a
+    multi-GB checkpoint is never held in memory. The staged file is consumed.
+    """
+    from petatrain.storage.checksum import checksum_file
+
+    try:
+        with open(staged, "rb+") as handle:
+            os.fsync(handle.fileno())
+        checksum, size = checksum_file(staged), os.path.getsize(staged)
+        fs, path = resolve(url, options)
+        if is_local(url):
+            os.replace(staged, path)
+            return checksum, size
+        retrying(f"upload {url}", lambda: fs.put_file(staged, path))
+        fs.invalidate_cache(path)
+        stored = retrying(f"stat {url}", lambda: fs.info(path)["size"])
+        if stored != size:
+            raise OSError(f"{url}: stored {stored} bytes, wrote {size}")
+        return checksum, size
+    finally:
+        if os.path.exists(staged):
+            os.unlink(staged)
+
+
 def remove_tree(url: str, options: StorageOptions | None = None) -> None:
     """Remove a folder and everything under it; a missing folder is fine."""
     fs, path = resolve(url, options)

@@ -30,12 +30,20 @@ from typing import Any
 
 import torch
 from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
+from safetensors.torch import save_file as st_save_file
 
 from petatrain.errors import CorruptDataError, PetatrainError
 from petatrain.storage import StorageOptions, join
 from petatrain.storage.checksum import checksum_bytes, verify
-from petatrain.storage.fs import atomic_write, exists, read_bytes, remove_tree, resolve
+from petatrain.storage.fs import (
+    atomic_write,
+    exists,
+    local_staging_path,
+    publish_file,
+    read_bytes,
+    remove_tree,
+    resolve,
+)
 from petatrain.storage.retry import retrying
 
 log = logging.getLogger(__name__)
@@ -64,25 +72,49 @@ class Snapshot:
     meta: dict[str, Any] = field(default_factory=dict)  # JSON: loader state, optimizer groups, ...
 
 
-def flatten_state(model_sd: dict[str, Any], optim_sd: dict[str, Any], *, with_model: bool) -> tuple[dict, dict]:
-    """(tensors, json) of a model + optimizer state dict keyed by parameter name (FQN)."""
+class HostBuffers:
+    """Host-memory snapshot buffers, allocated once and reused by every checkpoint.
+
+    Allocating fresh host memory per checkpoint made the snapshot pay for page faults on
+    every byte (about 2x the copy itself); reused buffers pay only for the copy. On CUDA
+    they are pinned, so the device-to-host copies run at full bandwidth. The next
+    snapshot must not start before the writer has finished reading them (the loop waits).
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def copy(self, name: str, value: Any) -> torch.Tensor:
+        if not isinstance(value, torch.Tensor):
+            value = torch.tensor(value)
+        if hasattr(value, "to_local"):  # a DTensor (FSDP): this rank's shard
+            value = value.to_local()
+        value = value.detach()
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
+            pin = value.device.type == "cuda"
+            buffer = torch.empty(value.shape, dtype=value.dtype, device="cpu", pin_memory=pin)
+            self._buffers[name] = buffer
+        buffer.copy_(value, non_blocking=value.device.type == "cuda")
+        return buffer
+
+
+def flatten_state(
+    model_sd: dict[str, Any], optim_sd: dict[str, Any], *, with_model: bool, buffers: HostBuffers | None = None
+) -> tuple[dict, dict]:
+    """(tensors, json) of a model + optimizer state dict keyed by parameter name (FQN), copied to host."""
+    buffers = buffers or HostBuffers()
     tensors: dict[str, torch.Tensor] = {}
     if with_model:
         for name, value in model_sd.items():
-            tensors[f"model/{name}"] = _host_copy(value)
+            tensors[f"model/{name}"] = buffers.copy(f"model/{name}", value)
         for fqn, state in optim_sd["state"].items():
             for key, value in state.items():
-                tensors[f"optim/{fqn}/{key}"] = _host_copy(value)
+                tensors[f"optim/{fqn}/{key}"] = buffers.copy(f"optim/{fqn}/{key}", value)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the non-blocking copies must land before the writer reads
     groups = [{k: v for k, v in g.items()} for g in optim_sd["param_groups"]]
     return tensors, {"param_groups": groups}
-
-
-def _host_copy(value: Any) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor):
-        value = torch.tensor(value)
-    if hasattr(value, "to_local"):  # a DTensor (FSDP): this rank's shard
-        value = value.to_local()
-    return value.detach().to("cpu", copy=True).contiguous()
 
 
 def unflatten_state(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
@@ -190,14 +222,25 @@ class CheckpointWriter:
 
         return retrying(f"checkpoint write {url}", attempt)
 
+    def _put_tensors(self, url: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> tuple[str, int]:
+        """Serialise straight to a staged file (no in-memory copy of the bytes), then publish."""
+
+        def attempt() -> tuple[str, int]:
+            self.faults.check(url)
+            staged = local_staging_path(url)
+            st_save_file(tensors, staged, metadata=metadata)
+            return publish_file(url, staged, self.options)
+
+        return retrying(f"checkpoint write {url}", attempt)
+
     def _write(self, snap: Snapshot) -> None:
         t0 = time.perf_counter()
         folder = step_dir(self.run_url, snap.step)
         files: dict[str, dict[str, Any]] = {}
         try:
             if snap.tensors or snap.rank == 0:
-                data = st_save(snap.tensors, metadata={"step": str(snap.step), "rank": str(snap.rank)})
-                checksum, size = self._put(join(folder, rank_file(snap.rank)), data)
+                metadata = {"step": str(snap.step), "rank": str(snap.rank)}
+                checksum, size = self._put_tensors(join(folder, rank_file(snap.rank)), snap.tensors, metadata)
                 files[rank_file(snap.rank)] = {"checksum": checksum, "bytes": size}
         except Exception:
             self._report_part(snap.step, snap.rank, None)  # rank 0 stops waiting: no commit of this step

@@ -282,6 +282,7 @@ def train_worker(payload: Payload) -> None:
     )
 
     faults = ckpt.StorageFaults()
+    buffers = ckpt.HostBuffers()
     writer = ckpt.CheckpointWriter(
         payload.run_url,
         payload.options,
@@ -390,7 +391,7 @@ def train_worker(payload: Payload) -> None:
                     inject.act(injection)
 
             if checkpoint_due or preempt or stop or step == cfg.train.steps:
-                stall = _checkpoint(model, optimizer, data, writer, step, rank, world, cfg)
+                stall = _checkpoint(model, optimizer, data, writer, buffers, step, rank, world, cfg)
                 if rank == 0:
                     emit("checkpoint_snapshot", step=step, stall_s=stall)
                 schedule.taken(stall, writer.last_write_s)
@@ -431,12 +432,12 @@ def _choose_checkpoint(payload: Payload, rank: int, emit) -> dict[str, Any] | No
     return state if rank == 0 else ckpt.verify_checkpoint(payload.run_url, step, payload.options)
 
 
-def _checkpoint(model, optimizer, data, writer, step, rank, world, cfg) -> float:
+def _checkpoint(model, optimizer, data, writer, buffers, step, rank, world, cfg) -> float:
     """Snapshot to host memory and hand it to the writer; returns the stall in seconds
     (waiting for a previous write that is still running included)."""
     t0 = time.perf_counter()
     writer.wait()
-    tensors, meta = state_for_save(model, optimizer, rank=rank, cfg=cfg)
+    tensors, meta = state_for_save(model, optimizer, rank=rank, cfg=cfg, buffers=buffers)
     tensors["rng/cpu"] = torch.get_rng_state()
     meta.update(loader=data.state_dict(), strategy=cfg.parallel.strategy, config_digest=_digest(cfg))
     writer.submit(ckpt.Snapshot(step=step, rank=rank, world_size=world, tensors=tensors, meta=meta))

@@ -55,12 +55,14 @@ def parallelize(spec: ModelSpec, cfg: JobConfig, device: torch.device) -> nn.Mod
     return model
 
 
-def state_for_save(model: nn.Module, optimizer: torch.optim.Optimizer, *, rank: int, cfg: JobConfig):
+def state_for_save(
+    model: nn.Module, optimizer: torch.optim.Optimizer, *, rank: int, cfg: JobConfig, buffers: ckpt.HostBuffers
+):
     """(tensors, json) this rank writes: host copies, taken at a step boundary."""
     model_sd = get_model_state_dict(model)
     optim_sd = get_optimizer_state_dict(model, optimizer)
     with_model = cfg.parallel.strategy == "fsdp" or rank == 0
-    return ckpt.flatten_state(model_sd, optim_sd, with_model=with_model)
+    return ckpt.flatten_state(model_sd, optim_sd, with_model=with_model, buffers=buffers)
 
 
 def load_into(model, optimizer, state: dict[str, Any], tensors: dict[str, torch.Tensor], *, rank, world, cfg, payload):
