@@ -69,10 +69,10 @@ TITLES = {
     "torch-save": "torch.save (sync)",
 }
 # Host copies of the 12 B/param state each peer holds at its peak, besides the model's own
-# (weights + AdamW; gradients are freed before checkpointing). petatrain: the serialised
-# bytes and the read-back that verifies them (the snapshot is dropped once serialised);
-# DCP async: its staging copy.
-PEAK_COPIES = {"step": 0.4, "petatrain": 2.1, "ray-sync": 0.2, "ray-async": 0.2, "dcp": 0.2, "dcp-async": 1.2}
+# (weights + AdamW; gradients are freed before checkpointing). petatrain: inside
+# safetensors.torch.save the snapshot, the Rust buffer and the bytes copied from it
+# (then the read-back that verifies them); DCP async: its staging copy.
+PEAK_COPIES = {"step": 0.4, "petatrain": 3, "ray-sync": 0.2, "ray-async": 0.2, "dcp": 0.2, "dcp-async": 1.2}
 RAY_OVERHEAD_GIB = 1.5  # raylet, GCS, controller and worker processes
 
 

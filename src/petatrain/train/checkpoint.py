@@ -197,7 +197,6 @@ class CheckpointWriter:
         try:
             if snap.tensors or snap.rank == 0:
                 data = st_save(snap.tensors, metadata={"step": str(snap.step), "rank": str(snap.rank)})
-                snap.tensors = {}  # the bytes hold it now: one host copy of the state fewer while it is written
                 checksum, size = self._put(join(folder, rank_file(snap.rank)), data)
                 files[rank_file(snap.rank)] = {"checksum": checksum, "bytes": size}
         except Exception:
