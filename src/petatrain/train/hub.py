@@ -18,8 +18,11 @@ from petatrain.observe.ledger import EventLog
 from petatrain.storage import StorageOptions
 
 
-@ray.remote(num_cpus=0, max_concurrency=32)
+@ray.remote(num_cpus=0, concurrency_groups={"ledger": 1, "parts": 16})
 class RunHub:
+    """Ledger writes run on one thread ("ledger") so events land in the order they were sent;
+    checkpoint-part waits block threads of their own ("parts")."""
+
     def __init__(self, run_url: str, options: StorageOptions | None, metrics_host: str = "", metrics_port: int = 0):
         from petatrain.observe.metrics import MetricsServer
 
@@ -34,6 +37,7 @@ class RunHub:
         self.last_flush = time.time()
 
     # -- ledger ------------------------------------------------------------------------------
+    @ray.method(concurrency_group="ledger")
     def emit(self, event: str, fields: dict[str, Any]) -> dict[str, Any]:
         record = self.log.emit(event, **fields)
         if self.metrics is not None:
@@ -42,6 +46,7 @@ class RunHub:
             self.flush()
         return record
 
+    @ray.method(concurrency_group="ledger")
     def flush(self) -> None:
         self.log.flush()
         self.last_flush = time.time()
@@ -49,6 +54,7 @@ class RunHub:
     def metrics_url(self) -> str | None:
         return self.metrics.url if self.metrics is not None else None
 
+    @ray.method(concurrency_group="ledger")
     def close(self) -> None:
         self.log.close()
         if self.metrics is not None:
@@ -73,12 +79,14 @@ class RunHub:
             return dict(self.beats)
 
     # -- checkpoint parts ----------------------------------------------------------------------
+    @ray.method(concurrency_group="parts")
     def report_part(self, attempt: int, step: int, rank: int, files: dict | None) -> None:
         """A rank's written files for a checkpoint, or None when its write failed."""
         with self._lock:
             self.parts.setdefault((attempt, step), {})[rank] = files
             self._lock.notify_all()
 
+    @ray.method(concurrency_group="parts")
     def wait_parts(self, attempt: int, step: int, world_size: int, timeout_s: float) -> dict | None:
         """Every rank's files of a checkpoint, or None on timeout or when the attempt is over."""
         deadline = time.time() + timeout_s
@@ -98,6 +106,7 @@ class RunHub:
         return {name: info for files in got.values() for name, info in files.items()}
 
     # -- fault injection -----------------------------------------------------------------------
+    @ray.method(concurrency_group="ledger")
     def fire(self, key: str, fields: dict[str, Any]) -> bool:
         """True the first time `key` fires; the fault_injected event is written before it acts."""
         with self._lock:
