@@ -40,6 +40,8 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/ingest.py
 	$(BIN)/python benchmarks/loader.py
 	$(BIN)/python benchmarks/plan_accuracy.py
+	$(BIN)/python benchmarks/recovery.py
+	$(BIN)/python benchmarks/overhead.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
