@@ -41,6 +41,8 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/loader.py
 	$(BIN)/python benchmarks/plan_accuracy.py
 	$(BIN)/python benchmarks/checkpoint.py
+	$(BIN)/python benchmarks/recovery.py
+	$(BIN)/python benchmarks/overhead.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

@@ -1,0 +1,127 @@
+"""A plain DDP training script, the baseline of benchmarks/overhead.py.
+
+What a person writes without a platform: the same GPT (`petatrain.models`), AdamW with
+decay on matrices, warmup + cosine, gradient accumulation with `no_sync`, gradient
+clipping; the token rows of a petatrain dataset's Parquet shards read once with pyarrow
+into a numpy array and shuffled per epoch. No checkpoints, no ledger, no heartbeats.
+Rank 0 records the end time of every step and writes them to --out.
+
+    torchrun --standalone --nproc_per_node 2 benchmarks/plain_ddp.py --dataset DS --out times.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import time
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from petatrain.config import ModelConfig
+from petatrain.models.gpt import GPT, next_token_loss
+
+
+def token_rows(dataset: str, width: int) -> np.ndarray:
+    """(rows, width) uint16 tokens of every shard but the last (petatrain holds that one out)."""
+    shards = sorted(glob.glob(os.path.join(dataset, "data", "*.parquet")))[:-1]
+    parts = []
+    for path in shards:
+        column = pq.read_table(path, columns=["tokens"]).column("tokens").combine_chunks()
+        data = np.frombuffer(column.buffers()[1], dtype=np.uint16)
+        parts.append(data.reshape(len(column), -1)[:, :width])
+    return np.concatenate(parts)
+
+
+def lr_at(step: int, args: argparse.Namespace) -> float:
+    if step < args.warmup_steps:
+        return args.lr * (step + 1) / args.warmup_steps
+    progress = min(1.0, (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps))
+    return args.min_lr + 0.5 * (args.lr - args.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dataset", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--n-layer", type=int, default=4)
+    parser.add_argument("--n-head", type=int, default=4)
+    parser.add_argument("--d-model", type=int, default=256)
+    parser.add_argument("--vocab-size", type=int, default=320)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--global-batch", type=int, default=16)
+    parser.add_argument("--micro-batch", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--min-lr", type=float, default=3e-4)
+    parser.add_argument("--warmup-steps", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.use_deterministic_algorithms(True)  # petatrain's default (train.deterministic)
+    torch.manual_seed(args.seed)
+    cfg = ModelConfig(
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        d_model=args.d_model,
+        vocab_size=args.vocab_size,
+        seq_len=args.seq_len,
+    )
+    model = DistributedDataParallel(GPT(cfg))
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), foreach=False)
+    accum = args.global_batch // world // args.micro_batch
+
+    rows = token_rows(args.dataset, args.seq_len + 1)
+    epoch, cursor, order = 0, 0, None
+
+    def next_batch() -> torch.Tensor:
+        nonlocal epoch, cursor, order
+        if order is None or cursor + args.micro_batch > len(order):
+            order = np.random.default_rng(args.seed + epoch).permutation(len(rows))[rank::world]
+            epoch, cursor = epoch + 1, 0
+        batch = rows[order[cursor : cursor + args.micro_batch]]
+        cursor += args.micro_batch
+        return torch.from_numpy(batch.astype(np.int64))  # (B, T+1)
+
+    ends, losses = [], []
+    for step in range(args.steps):
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, args)
+        loss_sum = 0.0
+        for m in range(accum):
+            tokens = next_batch()
+            if m < accum - 1:
+                with model.no_sync():
+                    loss = next_token_loss(model, tokens) / accum
+                    loss.backward()
+            else:
+                loss = next_token_loss(model, tokens) / accum
+                loss.backward()
+            loss_sum += loss.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if rank == 0:
+            ends.append(time.perf_counter())
+            losses.append(loss_sum)
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump({"step_end_s": ends, "loss": losses, "threads": torch.get_num_threads(), "world": world}, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
