@@ -47,6 +47,12 @@ class RunHub:
         return record
 
     @ray.method(concurrency_group="ledger")
+    def emit_many(self, events: list[tuple[str, dict[str, Any]]]) -> None:
+        """Several events in one call (the loop batches its step events), in order."""
+        for event, fields in events:
+            self.emit(event, fields)
+
+    @ray.method(concurrency_group="ledger")
     def flush(self) -> None:
         self.log.flush()
         self.last_flush = time.time()

@@ -87,6 +87,37 @@ class PreemptionNotice:
         return self.received_at is not None
 
 
+class Telemetry:
+    """Step events and heartbeats sent to the run hub at most every `period_s`, not per step.
+
+    Each step used to cost two actor calls on rank 0 (event, heartbeat) and one on the
+    others, which on small machines competed with training for the cores. Events keep the
+    time they happened; `flush()` is forced before anything that must follow them in the
+    ledger (an injected fault, the end of the loop).
+    """
+
+    def __init__(self, hub: Any, attempt: int, rank: int, node_id: str, period_s: float = 1.0):
+        self.hub, self.attempt, self.rank, self.node_id, self.period_s = hub, attempt, rank, node_id, period_s
+        self.pending: list[tuple[str, dict[str, Any]]] = []
+        self.step = -1
+        self.sent_at = 0.0
+
+    def record(self, event: str, **fields: Any) -> None:
+        self.pending.append((event, {"attempt": self.attempt, "t": time.time(), **fields}))
+
+    def progress(self, step: int) -> None:
+        self.step = step
+        if time.monotonic() - self.sent_at >= self.period_s:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.pending:
+            self.hub.emit_many.remote(self.pending)
+            self.pending = []
+        self.hub.beat.remote(self.attempt, self.rank, self.step, os.getpid(), self.node_id)
+        self.sent_at = time.monotonic()
+
+
 class TokenBatches:
     """Micro-batches of token sequences from the petatrain loader, rolling over epochs.
 
@@ -309,6 +340,7 @@ def train_worker(payload: Payload) -> None:
         emit("resume", step=start, checkpoint=ckpt.step_dir(payload.run_url, start) if state else None)
 
     schedule = CheckpointSchedule(cfg, world)
+    telemetry = Telemetry(hub, attempt, rank, node_id)
     tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
     pending = [i for i in payload.injections if i.rank == rank]
     nan_next = False
@@ -352,8 +384,9 @@ def train_worker(payload: Payload) -> None:
             if nonfinite:
                 optimizer.zero_grad(set_to_none=True)
                 if rank == 0:
-                    emit("nonfinite", step=step, action=cfg.faults.nonfinite)
+                    telemetry.record("nonfinite", step=step, action=cfg.faults.nonfinite)
                 if cfg.faults.nonfinite == "rollback":
+                    telemetry.flush()
                     raise NonFiniteLoss(f"non-finite loss at step {step}; rolling back to the last checkpoint")
             else:
                 if cfg.train.grad_clip:
@@ -362,7 +395,7 @@ def train_worker(payload: Payload) -> None:
                 optimizer.zero_grad(set_to_none=True)
             now = time.perf_counter()
             if rank == 0:
-                emit(
+                telemetry.record(
                     "step",
                     step=step,
                     step_s=now - last_end,
@@ -372,11 +405,12 @@ def train_worker(payload: Payload) -> None:
                     tokens=tokens_per_step,
                     grad_norm=grad_norm,
                 )
-            hub.beat.remote(attempt, rank, step, os.getpid(), node_id)
+            telemetry.progress(step)
 
             elapsed = time.time() - payload.run_started
             for injection in [i for i in pending if i.due(step, elapsed)]:
                 pending.remove(injection)
+                telemetry.flush()  # the steps before the fault are in the ledger before it
                 if injection.kind == "partition" and not _partitionable():
                     log.warning("%s: rank %d is not on a node the harness can cut; not fired", injection.key, rank)
                     continue
@@ -393,19 +427,22 @@ def train_worker(payload: Payload) -> None:
             if checkpoint_due or preempt or stop or step == cfg.train.steps:
                 stall = _checkpoint(model, optimizer, data, writer, buffers, step, rank, world, cfg)
                 if rank == 0:
-                    emit("checkpoint_snapshot", step=step, stall_s=stall)
+                    telemetry.record("checkpoint_snapshot", step=step, stall_s=stall)
+                telemetry.flush()  # before the background writer's commit event
                 schedule.taken(stall, writer.last_write_s)
             if preempt:
+                telemetry.flush()
                 writer.wait()
                 raise Preempted(f"preemption notice: checkpoint of step {step} committed, exiting")
             if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
-                _evaluate(model, spec, data, cfg, device, amp, step, rank, world, emit)
+                _evaluate(model, spec, data, cfg, device, amp, step, rank, world, telemetry.record)
             last_end = time.perf_counter()
             wait_mark = data.wait_s
             if stop:
                 break
         writer.wait()
-        _evaluate(model, spec, data, cfg, device, amp, step, rank, world, emit)
+        _evaluate(model, spec, data, cfg, device, amp, step, rank, world, telemetry.record)
+        telemetry.flush()
         _save_final(model, payload, rank)
     finally:
         writer.close()
