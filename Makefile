@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast bench lint format s3-start s3-stop clean
+.PHONY: demo test test-fast bench soak lint format s3-start s3-stop clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -43,6 +43,10 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/checkpoint.py
 	$(BIN)/python benchmarks/recovery.py
 	$(BIN)/python benchmarks/overhead.py
+
+# 20 minutes: training with a random fault every 2 minutes, then its goodput.
+soak: $(STAMP)
+	$(BIN)/python benchmarks/soak.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

@@ -20,10 +20,7 @@ Writes benchmarks/results/plan_accuracy.json with the machine it ran on.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -36,7 +33,9 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RESULTS = HERE / "results"
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(HERE))
 
+from ingest import machine as ingest_machine  # noqa: E402
 from petatrain import config as config_mod  # noqa: E402
 from petatrain.config import JobConfig, ModelConfig, TrainConfig  # noqa: E402
 from petatrain.models import build_model  # noqa: E402
@@ -47,19 +46,8 @@ from test_plan import MEMORY_CONFIGS, measure_peak  # noqa: E402
 
 
 def machine() -> dict:
-    cpu = ""
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as handle:
-        cpu = next((line.split(":", 1)[1].strip() for line in handle if line.startswith("model name")), "")
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "memory_gib": round(mem, 1),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-    }
+    """The machine fields every benchmark writes, plus the GPU when there is one."""
+    return {**ingest_machine(), "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
 
 def accelerate_training_bytes(model: torch.nn.Module) -> tuple[float, str]:
