@@ -72,7 +72,7 @@ TITLES = {
 # (weights + AdamW; gradients are freed before checkpointing). petatrain: inside
 # safetensors.torch.save the snapshot, the Rust buffer and the bytes copied from it
 # (then the read-back that verifies them); DCP async: its staging copy.
-PEAK_COPIES = {"step": 0.4, "petatrain": 2.2, "ray-sync": 0.2, "ray-async": 0.2, "dcp": 0.2, "dcp-async": 1.2}
+PEAK_COPIES = {"step": 0.4, "petatrain": 1.2, "ray-sync": 0.2, "ray-async": 0.2, "dcp": 0.2, "dcp-async": 1.2}
 RAY_OVERHEAD_GIB = 1.5  # raylet, GCS, controller and worker processes
 
 
