@@ -163,7 +163,7 @@ def run(job: TrainJob) -> dict[str, Any]:
     hub = RunHub.options(
         name=f"petatrain-hub-{run_id}",
         scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-    ).remote(run_url, job.options, cfg.observe.metrics_host, cfg.observe.metrics_port)
+    ).remote(run_url, _for_workers(job.options), cfg.observe.metrics_host, cfg.observe.metrics_port)
     started = time.time()
 
     def emit(event: str, **fields: Any) -> dict[str, Any]:
@@ -254,13 +254,18 @@ def _payload(job, cfg, run_url, hub, attempt, started, fired):
     return Payload(
         config=cfg.to_dict(),
         run_url=run_url,
-        options=job.options.for_workers() if job.options else None,
+        options=_for_workers(job.options),
         hub=hub,
         attempt=attempt,
         run_started=started,
         injections=[i for i in job.injections if i.key not in fired],
         stop_at=started + job.stop_after_s if job.stop_after_s else None,
     )
+
+
+def _for_workers(options: StorageOptions | None) -> StorageOptions:
+    """Options for Ray processes: they may have started before the driver's AWS_* variables were set."""
+    return (options or StorageOptions()).for_workers()
 
 
 def _entry(config: dict[str, Any]) -> None:
