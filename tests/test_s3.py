@@ -136,5 +136,8 @@ def test_training_with_data_and_run_on_s3_recovers_from_a_kill(s3_bucket, ray_lo
     assert [f["cause"] for f in summary["failures"]] == ["kill"]
     events = read_events(run_url)
     assert [e["step"] for e in events if e["event"] == "resume"] == [0, 10]
+    from petatrain.observe.goodput import account
+
+    assert account(events).to_dict()["faults"][0]["steps_lost"] == 4, "steps 11-14 were run twice"
     assert committed_steps(run_url) == [20, 24]  # keep_last: 2
     assert len(storage.read_bytes(summary["final"])) > 0

@@ -88,12 +88,11 @@ class PreemptionNotice:
 
 
 class Telemetry:
-    """Step events and heartbeats sent to the run hub at most every `period_s`, not per step.
+    """Events and heartbeats sent to the run hub at most every `period_s`.
 
-    Each step used to cost two actor calls on rank 0 (event, heartbeat) and one on the
-    others, which on small machines competed with training for the cores. Events keep the
-    time they happened; `flush()` is forced before anything that must follow them in the
-    ledger (an injected fault, the end of the loop).
+    Ranks other than 0 only send heartbeats, once a second. Events keep the time they
+    happened; `flush()` is forced before anything that must follow them in the ledger (an
+    injected fault, a checkpoint, the end of the loop).
     """
 
     def __init__(self, hub: Any, attempt: int, rank: int, node_id: str, period_s: float = 1.0):
@@ -340,7 +339,9 @@ def train_worker(payload: Payload) -> None:
         emit("resume", step=start, checkpoint=ckpt.step_dir(payload.run_url, start) if state else None)
 
     schedule = CheckpointSchedule(cfg, world)
-    telemetry = Telemetry(hub, attempt, rank, node_id)
+    # Rank 0 sends its step events every step: a rank killed with events still buffered would
+    # leave steps out of the ledger, and the report would not count them as lost.
+    telemetry = Telemetry(hub, attempt, rank, node_id, period_s=0.0 if rank == 0 else 1.0)
     tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
     pending = [i for i in payload.injections if i.rank == rank]
     nan_next = False
