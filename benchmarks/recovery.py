@@ -97,13 +97,7 @@ def run_petatrain(ds: str, steps: int, kill_step: int, rep: int) -> dict:
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines() if line.strip()]
 
     def first(kind: str, attempt: int | None = None, **match) -> dict:
-        return next(
-            e
-            for e in events
-            if e["event"] == kind
-            and (attempt is None or e.get("attempt") == attempt)
-            and all(e.get(k) == v for k, v in match.items())
-        )
+        return _first(events, kind, attempt, **match)
 
     killed = first("fault_injected")
     failure = first("failure", 0)
@@ -124,6 +118,17 @@ def run_petatrain(ds: str, steps: int, kill_step: int, rep: int) -> dict:
             "workers started -> resumed (model, data, checkpoint read)": resumed["t"] - max(starts),
             "resumed -> first step done": step1["t"] - resumed["t"],
         },
+    )
+
+
+def _first(events: list[dict], kind: str, attempt: int | None = None, **match) -> dict:
+    """The first event of a kind (in an attempt, with matching fields)."""
+    return next(
+        e
+        for e in events
+        if e["event"] == kind
+        and (attempt is None or e.get("attempt") == attempt)
+        and all(e.get(k) == v for k, v in match.items())
     )
 
 
@@ -271,13 +276,7 @@ def run_ray_train(steps: int, kill_step: int, rep: int, health_check_s: float | 
     events = [json.loads(line) for line in stamps.read_text().splitlines() if line.strip()]
 
     def first(kind: str, attempt: int | None = None, **match) -> dict:
-        return next(
-            e
-            for e in events
-            if e["event"] == kind
-            and (attempt is None or e.get("attempt") == attempt)
-            and all(e.get(k) == v for k, v in match.items())
-        )
+        return _first(events, kind, attempt, **match)
 
     failure = first("failure")
     resumed = first("resume", 1)

@@ -34,7 +34,7 @@ from safetensors.torch import save_file as st_save_file
 
 from petatrain.errors import CorruptDataError, PetatrainError
 from petatrain.storage import StorageOptions, join
-from petatrain.storage.checksum import checksum_bytes, verify
+from petatrain.storage.checksum import verify
 from petatrain.storage.fs import (
     atomic_write,
     exists,
@@ -293,18 +293,28 @@ def committed_steps(run_url: str, options: StorageOptions | None = None) -> list
     return sorted(steps)
 
 
-def verify_checkpoint(run_url: str, step: int, options: StorageOptions | None = None) -> dict[str, Any]:
-    """state.json of a committed checkpoint whose every file verifies; CorruptDataError otherwise."""
+def read_state(run_url: str, step: int, options: StorageOptions | None = None) -> dict[str, Any]:
+    """state.json of a committed checkpoint, checked against COMMITTED; CorruptDataError otherwise.
+
+    The rank files are checked by whoever reads them (`read_rank_tensors`)."""
     folder = step_dir(run_url, step)
     try:
         marker = json.loads(read_bytes(join(folder, COMMITTED), options))
         raw = read_bytes(join(folder, STATE), options)
         verify(raw, marker["state_checksum"], join(folder, STATE))
-        state = json.loads(raw)
-        for name, info in state["files"].items():
-            data = read_bytes(join(folder, name), options)
-            verify(data, info["checksum"], join(folder, name))
+        return json.loads(raw)
     except (OSError, ValueError, KeyError) as exc:
+        raise CorruptDataError(f"checkpoint {folder} does not verify: {exc}") from None
+
+
+def verify_checkpoint(run_url: str, step: int, options: StorageOptions | None = None) -> dict[str, Any]:
+    """state.json of a committed checkpoint whose every file verifies; CorruptDataError otherwise."""
+    state = read_state(run_url, step, options)
+    folder = step_dir(run_url, step)
+    try:
+        for name, info in state["files"].items():
+            verify(read_bytes(join(folder, name), options), info["checksum"], join(folder, name))
+    except (OSError, ValueError) as exc:
         raise CorruptDataError(f"checkpoint {folder} does not verify: {exc}") from None
     return state
 
@@ -333,7 +343,3 @@ def read_rank_tensors(run_url: str, state: dict[str, Any], rank: int, options: S
     data = read_bytes(url, options)
     verify(data, info["checksum"], url)
     return st_load(data)
-
-
-def checksum_of(data: bytes) -> str:
-    return checksum_bytes(data)

@@ -29,9 +29,6 @@ from petatrain.storage.fs import atomic_write, is_local, resolve
 
 log = logging.getLogger(__name__)
 
-# "error" is a petatrain error (bad config, missing or corrupt data): reported, not retried.
-CAUSES = ("kill", "exception", "hang", "node_lost", "preempt", "storage", "nonfinite", "error", "unknown")
-
 
 @dataclass(kw_only=True, slots=True)
 class TrainJob:
@@ -47,6 +44,9 @@ class TrainJob:
 
 @dataclass(slots=True)
 class Failure:
+    """cause: kill | exception | hang | node_lost | preempt | nonfinite | unknown, or error (a petatrain
+    error: bad config, missing or corrupt data; reported, not retried)."""
+
     cause: str
     detail: str
     rank: int | None = None

@@ -467,7 +467,8 @@ def _choose_checkpoint(payload: Payload, rank: int, emit) -> dict[str, Any] | No
     step = int(chosen.item())
     if step < 0:
         return None
-    return state if rank == 0 else ckpt.verify_checkpoint(payload.run_url, step, payload.options)
+    # Rank 0 verified every file to choose; the others check state.json and the files they read.
+    return state if rank == 0 else ckpt.read_state(payload.run_url, step, payload.options)
 
 
 def _checkpoint(model, optimizer, data, writer, buffers, step, rank, world, cfg) -> float:
