@@ -295,3 +295,19 @@ def test_auto_checkpoint_interval_is_young_daly():
     assert schedule.interval_s() == pytest.approx((2 * 0.5 * 3600) ** 0.5)  # sqrt(2 * stall * MTBF) = 60 s
     schedule.taken(stall_s=0.5, write_s=100.0)
     assert schedule.interval_s() == 100.0, "never faster than a write completes"
+
+
+def test_placement_group_of_a_dead_controller_is_removed_between_attempts(ray_local):
+    """Attempts run without Ray Train's placement-group cleaner actor; the supervisor frees
+    what a failed attempt left reserved, or the next attempt's workers could never start."""
+    from ray.util.placement_group import placement_group, placement_group_table
+
+    from petatrain.train.launch import _remove_leftover_placement_groups, _trainer_class
+
+    free = ray_local.available_resources().get("CPU", 0)
+    group = placement_group([{"CPU": 1}])
+    ray_local.get(group.ready(), timeout=30)
+    assert ray_local.available_resources().get("CPU", 0) == free - 1
+    _remove_leftover_placement_groups()
+    assert placement_group_table(group)["state"] == "REMOVED"
+    assert _trainer_class().__name__ == "LeanTorchTrainer"  # Ray's internals still where we expect them

@@ -152,6 +152,9 @@ def run(job: TrainJob) -> dict[str, Any]:
     # Faster failure detection than Ray Train's 2 s poll; propagated to the controller and workers.
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
+    # Preemption notices reach the loop as SIGTERM (PreemptionNotice); Ray Train's drain
+    # watcher is one more actor process per attempt that nothing here reads.
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
     init_ray(job.address or cfg.resources.address, job.local_cpus)
     run_url = job.run_url
     if is_local(run_url):
@@ -278,12 +281,12 @@ def _fit(cfg, payload, world: int, run_id: str, attempt: int, watch: _Watchdog, 
     """One attempt; returns its error or None. The watchdog runs while it trains."""
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchConfig
 
     gpu = _use_gpu(cfg, ray.cluster_resources().get("GPU", 0))
     resources = {"CPU": cfg.resources.cpus_per_worker} | ({"GPU": 1} if gpu else {})
     storage = os.path.join(os.path.expanduser("~"), ".cache", "petatrain", "ray-train")
-    trainer = TorchTrainer(
+    trainer = _trainer_class()(
         _entry,
         train_loop_config={"payload": payload},
         torch_config=TorchConfig(
@@ -301,9 +304,52 @@ def _fit(cfg, payload, world: int, run_id: str, attempt: int, watch: _Watchdog, 
         trainer.fit()
         return None
     except Exception as exc:
+        _remove_leftover_placement_groups()
         return exc
     finally:
         watch.pause()
+
+
+def _trainer_class():
+    """TorchTrainer without the per-attempt helper actors petatrain does not use.
+
+    Each attempt is a new `fit()`, and every helper actor is one more Python process that
+    imports Ray Train while the workers start: Ray Data's dataset manager (training reads
+    the petatrain loader, not `datasets=`) and the placement-group cleaner (for a
+    controller that dies: `_remove_leftover_placement_groups` does that job between
+    attempts). Measured on 2 cores: 8.9 -> 6.7 s from `fit()` to a trivial train
+    function's return. Falls back to the stock trainer if Ray's internals move.
+    """
+    from ray.train.torch import TorchTrainer
+
+    try:
+        from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+        from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+    except ImportError:
+        return TorchTrainer
+    if not hasattr(TorchTrainer, "_create_default_callbacks"):
+        return TorchTrainer
+    unused = (DatasetsCallback, PlacementGroupCleanerCallback)
+
+    class LeanTorchTrainer(TorchTrainer):
+        def _create_default_callbacks(self):
+            return [c for c in super()._create_default_callbacks() if not isinstance(c, unused)]
+
+    return LeanTorchTrainer
+
+
+def _remove_leftover_placement_groups() -> None:
+    """Remove this job's placement groups a failed attempt left behind (its controller died
+    before releasing them), so the next attempt's workers can be scheduled."""
+    import ray
+    from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
+
+    job = ray.get_runtime_context().get_job_id()
+    for pg_id, info in placement_group_table().items():
+        if pg_id.endswith(job) and info.get("state") in ("CREATED", "PENDING", "RESCHEDULING"):
+            log.warning("removing placement group %s left by the failed attempt", pg_id)
+            with contextlib.suppress(Exception):
+                remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
 
 
 class _Watchdog:
