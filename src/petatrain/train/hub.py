@@ -53,6 +53,14 @@ class RunHub:
             self.emit(event, fields)
 
     @ray.method(concurrency_group="ledger")
+    def telemetry(
+        self, events: list[tuple[str, dict[str, Any]]], attempt: int, rank: int, step: int, pid: int, node_id: str
+    ) -> None:
+        """A rank's batched events and its heartbeat: one actor call per flush of the loop."""
+        self.emit_many(events)
+        self.beat(attempt, rank, step, pid, node_id)
+
+    @ray.method(concurrency_group="ledger")
     def flush(self) -> None:
         self.log.flush()
         self.last_flush = time.time()

@@ -110,10 +110,8 @@ class Telemetry:
             self.flush()
 
     def flush(self) -> None:
-        if self.pending:
-            self.hub.emit_many.remote(self.pending)
-            self.pending = []
-        self.hub.beat.remote(self.attempt, self.rank, self.step, os.getpid(), self.node_id)
+        self.hub.telemetry.remote(self.pending, self.attempt, self.rank, self.step, os.getpid(), self.node_id)
+        self.pending = []
         self.sent_at = time.monotonic()
 
 
@@ -365,35 +363,37 @@ def train_worker(payload: Payload) -> None:
                 loss_sum += loss.detach().float()
             nan_next = False
             step += 1
-            # One all-reduce per step carries the loss and every decision all ranks must share.
+            # One all-reduce per step carries the loss and every decision all ranks must share;
+            # it runs while the optimizer steps. Whether to skip the update is decided from the
+            # global gradient norm, which every rank already holds after the gradient reduction.
             due = 1.0 if rank == 0 and schedule.due(step) else 0.0
             halt = 1.0 if rank == 0 and payload.stop_at is not None and time.time() >= payload.stop_at else 0.0
             flags = torch.stack(
                 [
                     loss_sum,
-                    torch.tensor(float(not torch.isfinite(loss_sum)), device=device),
                     torch.tensor(float(preemption.received), device=device),
                     torch.tensor(due, device=device),
                     torch.tensor(halt, device=device),
                 ]
             )
-            dist.all_reduce(flags)
-            nonfinite = flags[1].item() > 0 or not math.isfinite(flags[0].item())
-            preempt, checkpoint_due, stop = flags[2].item() > 0, flags[3].item() > 0, flags[4].item() > 0
-            loss_value = flags[0].item() / world
-            grad_norm = 0.0
+            shared = dist.all_reduce(flags, async_op=True)
+            grad_norm = _grad_norm(model, cfg.train.grad_clip)
+            nonfinite = not math.isfinite(grad_norm)
             if nonfinite:
                 optimizer.zero_grad(set_to_none=True)
+            else:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            shared.wait()
+            preempt, checkpoint_due, stop = flags[1].item() > 0, flags[2].item() > 0, flags[3].item() > 0
+            loss_value = flags[0].item() / world
+            if nonfinite:
                 if rank == 0:
                     telemetry.record("nonfinite", step=step, action=cfg.faults.nonfinite)
                 if cfg.faults.nonfinite == "rollback":
                     telemetry.flush()
                     raise NonFiniteLoss(f"non-finite loss at step {step}; rolling back to the last checkpoint")
-            else:
-                if cfg.train.grad_clip:
-                    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip))
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+                grad_norm = 0.0
             now = time.perf_counter()
             if rank == 0:
                 telemetry.record(
@@ -401,7 +401,7 @@ def train_worker(payload: Payload) -> None:
                     step=step,
                     step_s=now - last_end,
                     data_wait_s=data.wait_s - wait_mark,
-                    loss=loss_value if not nonfinite else None,
+                    loss=loss_value if not nonfinite and math.isfinite(loss_value) else None,
                     lr=lr,
                     tokens=tokens_per_step,
                     grad_norm=grad_norm,
@@ -447,6 +447,17 @@ def train_worker(payload: Payload) -> None:
         _save_final(model, payload, rank)
     finally:
         writer.close()
+
+
+def _grad_norm(model: torch.nn.Module, clip: float) -> float:
+    """The global gradient norm (identical on every rank), clipping to `clip` if it is set."""
+    if clip:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    else:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+    if hasattr(norm, "full_tensor"):  # FSDP: a DTensor
+        norm = norm.full_tensor()
+    return float(norm)
 
 
 def _partitionable() -> bool:
