@@ -69,9 +69,11 @@ class SampleOrder:
             else:
                 q = np.empty_like(positions)
                 windows = positions // self.window
-                for w in np.unique(windows):
+                # A range, not np.unique: its first call imports numpy.ma (~50 ms per process).
+                for w in range(min(first, last), max(first, last) + 1):
                     sel = windows == w
-                    q[sel] = w * self.window + self._window_perm(int(w))[positions[sel] - w * self.window]
+                    if sel.any():
+                        q[sel] = w * self.window + self._window_perm(w)[positions[sel] - w * self.window]
         else:
             q = positions
         k = np.searchsorted(self.ends, q, side="right")
