@@ -223,7 +223,7 @@ def test_order_scales_to_ten_million_shards(tmp_path):
     assert order.shard_order.nbytes + order.ends.nbytes <= 2 * 8 * n
 
 
-def test_background_thread_errors_reach_the_consumer(token_ds, tmp_path):
+def test_prefetch_thread_errors_reach_the_consumer(token_ds, tmp_path):
     import shutil
 
     copy = tmp_path / "ds"
@@ -235,15 +235,23 @@ def test_background_thread_errors_reach_the_consumer(token_ds, tmp_path):
         next(iter(dl))
 
 
-def test_breaking_out_early_stops_the_producer_thread(token_ds):
+def test_breaking_out_early_stops_the_prefetch_threads(token_ds):
     import threading
     import time
 
+    def prefetching() -> bool:
+        return any(t.name.startswith("petatrain-prefetch") for t in threading.enumerate())
+
+    deadline = time.time() + 5
+    while prefetching() and time.time() < deadline:  # other tests' loaders wind down first
+        time.sleep(0.05)
+    assert not prefetching()
     dl = loader(token_ds, batch_size=BATCH, num_workers=0)
     for i, _ in enumerate(dl):
         if i == 2:
+            assert prefetching()
             break
     deadline = time.time() + 5
-    while any(t.name == "petatrain-loader" for t in threading.enumerate()) and time.time() < deadline:
+    while prefetching() and time.time() < deadline:
         time.sleep(0.05)
-    assert not any(t.name == "petatrain-loader" for t in threading.enumerate())
+    assert not prefetching()
