@@ -80,7 +80,7 @@ TITLES = {
     "raw": "raw read, 1 thread",
     "raw-xxh3": "raw read + xxh3-128, 1 thread",
     "pyarrow": "pyarrow iter_batches, 1 process, no shuffle",
-    "petatrain": "petatrain loader (background thread)",
+    "petatrain": "petatrain loader (in process)",
     "mosaic": "Mosaic Streaming (MDS)",
     "ray": "Ray Data iter_torch_batches",
     "torch": "torch DataLoader, map-style Dataset",
@@ -247,24 +247,30 @@ def _version(dist: str) -> str | None:
 
 
 class Epoch:
-    """Times one pass: first batch, samples, end; keeps the state and the indices after the half-way save."""
+    """Times one pass: first batch, samples, end; keeps the state and the indices after the half-way save.
+
+    The indices are kept as the loader yields them (tensor, array or list) and converted
+    only after the pass: converting every batch (~10 us for a tensor) would charge the
+    measuring to the loader. The pass ends when its last batch is delivered.
+    """
 
     def __init__(self, total_rows: int, batch_size: int):
         self.started = time.perf_counter()
+        self.ended: float | None = None
         self.half = max(0, math.ceil(total_rows / batch_size) // 2 - 1)  # save after this batch
         self.first_s: float | None = None
         self.samples = 0
         self.batches = 0
-        self.seen: list[np.ndarray] = []
-        self.after_save: list[np.ndarray] = []
+        self.seen: list[Any] = []
+        self.after_save: list[Any] = []
 
     def batch(self, size: int, index: Any = None) -> bool:
         """Count a batch; True when the caller should save its resume state now."""
+        self.ended = time.perf_counter()
         if self.first_s is None:
-            self.first_s = time.perf_counter() - self.started
+            self.first_s = self.ended - self.started
         self.samples += size
         if index is not None:
-            index = np.asarray(index)
             self.seen.append(index)
             if self.batches > self.half:
                 self.after_save.append(index)
@@ -272,11 +278,16 @@ class Epoch:
         return self.batches - 1 == self.half
 
     def result(self, **extra: Any) -> dict:
-        out = {"epoch_s": time.perf_counter() - self.started, "first_batch_s": self.first_s, "samples": self.samples}
+        end = self.ended if self.ended is not None else time.perf_counter()
+        out = {"epoch_s": end - self.started, "first_batch_s": self.first_s, "samples": self.samples}
         if self.seen:
-            seen = np.concatenate(self.seen)
+            seen = indices(self.seen)
             out["exactly_once"] = bool(len(seen) == self.samples and len(np.unique(seen)) == self.samples)
         return out | extra
+
+
+def indices(parts: list[Any]) -> np.ndarray:
+    return np.concatenate([np.asarray(p) for p in parts]) if parts else np.empty(0, np.int64)
 
 
 def row_raw(data: dict, args: argparse.Namespace, xxh3: bool) -> dict:
@@ -309,8 +320,9 @@ def row_petatrain(data: dict, args: argparse.Namespace) -> dict:
         from petatrain.data import loader
     except Exception as exc:  # not written yet, or mid-edit: the row says so, the others still run
         return {"error": f"petatrain loader not available ({type(exc).__name__}: {exc})"}
-    # petatrain's default producer is one background thread in the training process (no
-    # worker processes, no IPC); --petatrain-workers N uses N DataLoader processes instead.
+    # petatrain's default assembles batches in the calling thread while its prefetch threads
+    # fetch, verify and decode the next shards (no worker processes, no IPC);
+    # --petatrain-workers N uses N DataLoader processes instead.
     kwargs = {
         "batch_size": args.batch_size,
         "num_workers": args.petatrain_workers,
@@ -474,13 +486,13 @@ def _save_resume(args: argparse.Namespace, state: dict | None, epoch: Epoch) -> 
         return
     stem = Path(args.out).with_suffix("")
     Path(f"{stem}.state.json").write_text(json.dumps(state))
-    np.save(f"{stem}.rest.npy", np.concatenate(epoch.after_save) if epoch.after_save else np.empty(0, np.int64))
+    np.save(f"{stem}.rest.npy", indices(epoch.after_save))
 
 
 def _resumed(epoch: Epoch, args: argparse.Namespace) -> dict:
     """The resumed pass: time to its first batch, and whether it delivered exactly the first run's rest."""
     expected = np.load(args.resume_rest)
-    got = np.concatenate(epoch.seen) if epoch.seen else np.empty(0, np.int64)
+    got = indices(epoch.seen)
     same_rows = bool(len(got) == len(expected) and np.array_equal(np.sort(got), np.sort(expected)))
     return {
         "resume_s": epoch.first_s,
@@ -641,7 +653,7 @@ def main() -> None:
         "--petatrain-workers",
         type=int,
         default=0,
-        help="DataLoader worker processes for petatrain (0: its background thread)",
+        help="DataLoader worker processes for petatrain (0: in process, with prefetch threads)",
     )
     parser.add_argument(
         "--ray-shuffle-rows",
