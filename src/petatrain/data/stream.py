@@ -521,7 +521,7 @@ def loader(
     elif batch_size is not None and batch_size != dataset.batch_size:
         raise ValueError(f"batch_size {batch_size} differs from the dataset's batch_size {dataset.batch_size}")
     if num_workers is None:
-        num_workers = 0  # a background thread; see StreamingLoader
+        num_workers = 0  # in process, shards prefetched by threads; see StreamingLoader
     if pin_memory is None:
         pin_memory = torch.cuda.is_available()
     return StreamingLoader(dataset, num_workers=num_workers, pin_memory=pin_memory, prefetch_factor=prefetch_factor)
