@@ -163,7 +163,7 @@ def test_hang_is_charged_detection_time_until_the_watchdog_fires(tmp_path):
     s.steps(0, 1, 30, wait=0.0)
     s.checkpoint(0, 30, stall=0.5)
     s.steps(0, 31, 40, wait=0.0)
-    s.emit("fault_injected", after=0.3, attempt=0, fault="hang", step=41, rank=1)
+    s.emit("fault_injected", after=0.3, attempt=0, fault="hang", step=40, rank=1)  # fires after its step
     s.emit("failure", after=30.0, attempt=0, cause="hang", detail="no progress within 30 s", rank=None)
     s.restart(1, "hang", after=1.0, resume_after=1.0, next_step=31)
     s.steps(1, 31, 50, wait=0.0)
@@ -172,7 +172,7 @@ def test_hang_is_charged_detection_time_until_the_watchdog_fires(tmp_path):
 
     g = account(read_events(str(tmp_path)))
     (fault,) = g.faults
-    assert fault.cause == "hang" and fault.step == 41 and fault.rank == 1  # rank from the injection
+    assert fault.cause == "hang" and fault.step == 40 and fault.rank == 1  # rank from the injection
     assert fault.detected_after_s == approx(30.0)  # injected at 41.8, the watchdog fired at 71.8
     assert fault.steps_lost == 10
     assert fault.restart_s == approx(2.0) and fault.recovered_after_s == approx(3.0)
@@ -385,3 +385,23 @@ def test_metrics_endpoint_serves_what_the_ledger_says(tmp_path):
     assert values[("petatrain_goodput", ())] == approx(g.goodput)
     with pytest.raises(OSError):
         urllib.request.urlopen(metrics.url, timeout=2)  # closed: the port no longer answers
+
+
+def test_steps_lost_counts_to_the_injected_step_when_other_ranks_events_were_lost(tmp_path):
+    """Rank 0 sends step events once a second; a fault injected on rank 1 can end the attempt
+    before rank 0's last events reach the ledger. The injected step still counts as reached."""
+    s = Script(str(tmp_path))
+    s.start(steps=30)
+    s.now += 1.0
+    s.steps(0, 1, 20, wait=0.0)
+    s.checkpoint(0, 20, stall=0.1)
+    s.steps(0, 21, 22, wait=0.0)  # steps 23-25 ran, but their events were still buffered
+    s.emit("fault_injected", after=3.0, attempt=0, fault="kill", step=25, rank=1)
+    s.emit("failure", after=0.5, attempt=0, cause="kill", detail="worker died", rank=1)
+    s.restart(1, "kill", after=1.0, resume_after=1.0, next_step=21)
+    s.steps(1, 21, 30, wait=0.0)
+    s.emit("end", after=0.2, status="ok", step=30, detail="", final="f")
+    s.close()
+
+    (fault,) = account(read_events(str(tmp_path))).faults
+    assert fault.step == 25 and fault.steps_lost == 5

@@ -366,6 +366,8 @@ def _faults(
         step = _int(injected.get("step")) if injected else None
         if step is None:
             step = last_reached
+        elif last_reached is None or step > last_reached:
+            last_reached = step  # the injecting rank had finished it; others' events may not have arrived
         rank = _int(failure.get("rank"))
         if rank is None and injected:
             rank = _int(injected.get("rank"))
