@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ingest import RESULTS, WORK, machine  # benchmarks/ is not a package
+from ingest import WORK, write_results  # benchmarks/ is not a package
 from loader import _cpu_by_pid, _version
 
 # GPT shapes (tied embeddings): params ~ 12 * n_layer * d_model^2 + vocab * d_model.
@@ -467,33 +467,24 @@ def main() -> None:
         f"Ray's sync report waits for the controller's poll (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S, default 2 s); "
         f"{total_s:.0f} s in all"
     )
-    RESULTS.mkdir(exist_ok=True)
-    info = machine() | {"petatrain": _version("petatrain"), "safetensors": _version("safetensors")}
-    (RESULTS / "checkpoint.json").write_text(
-        json.dumps(
-            {
-                "benchmark": "checkpoint",
-                "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "machine": info,
-                "parameters": {
-                    "sizes": {s: SIZES[s] for s in sizes},
-                    "peers": args.peers,
-                    "repeats": args.repeats,
-                    "interval_s": args.interval,
-                    "step_batch": [args.batch, args.seq_len],
-                    "step_s_given": args.step_s or None,
-                    "quick": args.quick,
-                    "storage": "local disk (benchmarks/.work)",
-                },
-                "results": results,
-                "seconds": round(total_s, 1),
+    write_results(
+        "checkpoint",
+        {
+            "parameters": {
+                "sizes": {s: SIZES[s] for s in sizes},
+                "peers": args.peers,
+                "repeats": args.repeats,
+                "interval_s": args.interval,
+                "step_batch": [args.batch, args.seq_len],
+                "step_s_given": args.step_s or None,
+                "quick": args.quick,
+                "storage": "local disk (benchmarks/.work)",
             },
-            indent=2,
-            default=float,
-        )
-        + "\n"
+            "results": results,
+            "seconds": round(total_s, 1),
+        },
+        machine_extra={"petatrain": _version("petatrain"), "safetensors": _version("safetensors")},
     )
-    print(f"wrote {RESULTS / 'checkpoint.json'}")
 
 
 if __name__ == "__main__":

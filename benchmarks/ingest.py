@@ -38,6 +38,20 @@ RESULTS = HERE / "results"
 _WORD = re.compile(r"\w+")
 
 
+def write_results(name: str, fields: dict, *, machine_extra: dict | None = None) -> Path:
+    """benchmarks/results/NAME.json: the benchmark's name, the UTC date, the machine, then `fields`."""
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / f"{name}.json"
+    record = {
+        "benchmark": name,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": machine() | (machine_extra or {}),
+    }
+    out.write_text(json.dumps(record | fields, indent=2, default=float) + "\n")
+    print(f"wrote {out}")
+    return out
+
+
 def machine() -> dict:
     cpu = ""
     with contextlib.suppress(OSError), open("/proc/cpuinfo") as handle:
@@ -55,6 +69,7 @@ def machine() -> dict:
         "ray": ray.__version__,
         "pyarrow": pa.__version__,
         "torch": torch.__version__,
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }
 
 
@@ -226,25 +241,17 @@ def main() -> None:
         f"target (>= 10 MB/s per core with near dedup, faster than datasketch per core): "
         f"{'met' if target else 'NOT met'}"
     )
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "ingest.json").write_text(
-        json.dumps(
-            {
-                "benchmark": "ingest",
-                "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "machine": machine(),
-                "corpus_mb": round(mb, 1),
-                "threshold": args.threshold,
-                "results": results,
-                "petatrain_summary": s,
-                "datasketch": base,
-                "target_met": target,
-            },
-            indent=2,
-        )
-        + "\n"
+    write_results(
+        "ingest",
+        {
+            "corpus_mb": round(mb, 1),
+            "threshold": args.threshold,
+            "results": results,
+            "petatrain_summary": s,
+            "datasketch": base,
+            "target_met": target,
+        },
     )
-    print(f"wrote {RESULTS / 'ingest.json'}")
 
 
 if __name__ == "__main__":

@@ -74,7 +74,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ingest import RESULTS, WORK, corpus, machine  # benchmarks/ is not a package
+from ingest import WORK, corpus, write_results  # benchmarks/ is not a package
 
 CORPUS_MB = 300  # the ingest benchmark's corpus, shared through benchmarks/.work
 PEERS = ["raw", "raw-xxh3", "pyarrow", "petatrain", "mosaic", "ray", "torch"]
@@ -715,41 +715,32 @@ def main() -> None:
         f"Ray Data timed with Ray and its workers up (start-up in the JSON); "
         f"{prepared_s:.0f} s preparing, {total_s:.0f} s in all"
     )
-    RESULTS.mkdir(exist_ok=True)
-    info = machine() | {
-        "streaming": _version("mosaicml-streaming"),
-        "numpy": np.__version__,
-        "petatrain": _version("petatrain"),
-    }
-    (RESULTS / "loader.json").write_text(
-        json.dumps(
-            {
-                "benchmark": "loader",
-                "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "machine": info,
-                "parameters": {
-                    "tokens_mb": args.tokens_mb,
-                    "text_mb": args.text_mb,
-                    "workers": args.workers,
-                    "batch_size": args.batch_size,
-                    "ray_shuffle_rows": args.ray_shuffle_rows or "petatrain's window (4 shards)",
-                    "peers": args.peers,
-                    "page_cache": "warm",
-                },
-                "datasets": [
-                    {k: data[k] for k in ("name", "rows", "bytes", "columns", "token_dtype", "shuffle_rows", "ingest")}
-                    | {"shards": len(data["files"])}
-                    for data in datasets
-                ],
-                "results": results,
-                "seconds": {"prepare": round(prepared_s, 1), "total": round(total_s, 1)},
+    write_results(
+        "loader",
+        {
+            "parameters": {
+                "tokens_mb": args.tokens_mb,
+                "text_mb": args.text_mb,
+                "workers": args.workers,
+                "batch_size": args.batch_size,
+                "ray_shuffle_rows": args.ray_shuffle_rows or "petatrain's window (4 shards)",
+                "peers": args.peers,
+                "page_cache": "warm",
             },
-            indent=2,
-            default=float,
-        )
-        + "\n"
+            "datasets": [
+                {k: data[k] for k in ("name", "rows", "bytes", "columns", "token_dtype", "shuffle_rows", "ingest")}
+                | {"shards": len(data["files"])}
+                for data in datasets
+            ],
+            "results": results,
+            "seconds": {"prepare": round(prepared_s, 1), "total": round(total_s, 1)},
+        },
+        machine_extra={
+            "streaming": _version("mosaicml-streaming"),
+            "numpy": np.__version__,
+            "petatrain": _version("petatrain"),
+        },
     )
-    print(f"wrote {RESULTS / 'loader.json'}")
 
 
 if __name__ == "__main__":

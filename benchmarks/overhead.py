@@ -32,14 +32,24 @@ import sys
 import time
 from pathlib import Path
 
-from recovery import ROOT, TINY, machine
+from ingest import write_results
+from recovery import ROOT, TINY
 from recovery import dataset as token_dataset
 
 HERE = Path(__file__).resolve().parent
 WORK = HERE / ".work" / "overhead"
-RESULTS = HERE / "results"
 MODEL = {"n_layer": 4, "n_head": 4, "d_model": 256}  # on top of examples/tiny.yaml
 TARGET = 0.03  # petatrain at most 3% slower
+
+
+def _run(cmd: list[str], what: str) -> tuple[float, float]:
+    """Run a command from the repository root; (wall seconds, 1-minute load average before it)."""
+    load = os.getloadavg()[0]
+    started = time.perf_counter()
+    result = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=ROOT)
+    if result.returncode != 0:
+        raise SystemExit(f"{what} failed:\n{result.stderr[-3000:]}")
+    return time.perf_counter() - started, load
 
 
 def run_plain(ds: str, steps: int, warmup: int, rep: int) -> dict:
@@ -48,12 +58,7 @@ def run_plain(ds: str, steps: int, warmup: int, rep: int) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     cmd += [str(HERE / "plain_ddp.py"), "--dataset", ds, "--out", str(out), "--steps", str(steps)]
     cmd += ["--n-layer", str(MODEL["n_layer"]), "--n-head", str(MODEL["n_head"]), "--d-model", str(MODEL["d_model"])]
-    load = os.getloadavg()[0]
-    started = time.perf_counter()
-    result = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=ROOT)
-    wall = time.perf_counter() - started
-    if result.returncode != 0:
-        raise SystemExit(f"plain DDP failed:\n{result.stderr[-3000:]}")
+    wall, load = _run(cmd, "plain DDP")
     times = json.loads(out.read_text())
     ends = times["step_end_s"]
     window = ends[warmup:]
@@ -76,12 +81,7 @@ def run_petatrain(ds: str, steps: int, warmup: int, rep: int, checkpoint_every: 
     sets += [f"model.{k}={v}" for k, v in MODEL.items()]
     cmd = [sys.executable, "-m", "petatrain", "train", str(TINY), "--run-dir", str(run_dir), "--json"]
     cmd += [arg for s in sets for arg in ("--set", s)]
-    load = os.getloadavg()[0]
-    started = time.perf_counter()
-    result = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=ROOT)
-    wall = time.perf_counter() - started
-    if result.returncode != 0:
-        raise SystemExit(f"petatrain train failed:\n{result.stderr[-3000:]}")
+    wall, load = _run(cmd, "petatrain train")
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines() if line.strip()]
     window = [e for e in events if e["event"] == "step" and e["step"] > warmup]
     last = window[-1]["step"]
@@ -159,32 +159,24 @@ def main() -> None:
     verdict = "met" if target else "NOT met"
     print(f"\ntarget (petatrain with checkpoints every 10 s <= 3% slower than plain DDP): {verdict}")
     print("noise: 2 shared cores (load averages per run are in the JSON); compare medians, not single runs")
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "overhead.json").write_text(
-        json.dumps(
-            {
-                "benchmark": "overhead",
-                "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "machine": machine(),
-                "setup": {
-                    "model": {**MODEL, "vocab_size": 320, "seq_len": 64},
-                    "global_batch": 16,
-                    "micro_batch": 8,
-                    "workers": 2,
-                    "backend": "gloo",
-                    "steps": args.steps,
-                    "warmup_steps_excluded": args.warmup,
-                    "reps": args.reps,
-                },
-                "summary": summary,
-                "runs": rows,
-                "target_met": target,
+    write_results(
+        "overhead",
+        {
+            "setup": {
+                "model": {**MODEL, "vocab_size": 320, "seq_len": 64},
+                "global_batch": 16,
+                "micro_batch": 8,
+                "workers": 2,
+                "backend": "gloo",
+                "steps": args.steps,
+                "warmup_steps_excluded": args.warmup,
+                "reps": args.reps,
             },
-            indent=2,
-        )
-        + "\n"
+            "summary": summary,
+            "runs": rows,
+            "target_met": target,
+        },
     )
-    print(f"wrote {RESULTS / 'overhead.json'}")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ Writes benchmarks/results/plan_accuracy.json with the machine it ran on.
 
 from __future__ import annotations
 
-import json
 import statistics
 import subprocess
 import sys
@@ -31,11 +30,10 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-RESULTS = HERE / "results"
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(HERE))
 
-from ingest import machine as ingest_machine  # noqa: E402
+from ingest import write_results  # noqa: E402
 from petatrain import config as config_mod  # noqa: E402
 from petatrain.config import JobConfig, ModelConfig, TrainConfig  # noqa: E402
 from petatrain.models import build_model  # noqa: E402
@@ -43,11 +41,6 @@ from petatrain.plan import estimate as est  # noqa: E402
 from petatrain.plan.flops import count_training_step  # noqa: E402
 from petatrain.plan.recommend import plan  # noqa: E402
 from test_plan import MEMORY_CONFIGS, measure_peak  # noqa: E402
-
-
-def machine() -> dict:
-    """The machine fields every benchmark writes, plus the GPU when there is one."""
-    return {**ingest_machine(), "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
 
 def accelerate_training_bytes(model: torch.nn.Module) -> tuple[float, str]:
@@ -202,17 +195,14 @@ def main() -> None:
         f"{speed['in_process_s_median'] * 1e3:.1f} ms in process, "
         f"{speed['cli_end_to_end_s_median']:.2f} s CLI end to end"
     )
-    RESULTS.mkdir(exist_ok=True)
     out = {
-        "machine": machine(),
         "memory": memory,
         "memory_median_abs_error": summary,
         "memory_sources": sources,
         "flops": flops,
         "plan_speed": speed,
     }
-    (RESULTS / "plan_accuracy.json").write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {RESULTS / 'plan_accuracy.json'}")
+    write_results("plan_accuracy", out)
 
 
 if __name__ == "__main__":

@@ -26,10 +26,8 @@ repetitions, with min-max.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import platform
 import shutil
 import signal
 import statistics
@@ -38,32 +36,15 @@ import sys
 import time
 from pathlib import Path
 
+from ingest import write_results  # benchmarks/ is not a package
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 WORK = HERE / ".work" / "recovery"
-RESULTS = HERE / "results"
 TINY = ROOT / "examples" / "tiny.yaml"
 # examples/tiny.yaml, spelled out for the Ray Train loop.
 MODEL = {"n_layer": 2, "n_head": 2, "d_model": 64, "vocab_size": 320, "seq_len": 64}
 MICRO, GLOBAL, LR, CKPT_EVERY = 8, 16, 3e-3, 10
-
-
-def machine() -> dict:
-    cpu = ""
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as handle:
-        cpu = next((line.split(":", 1)[1].strip() for line in handle if line.startswith("model name")), "")
-    import ray
-    import torch
-
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "ray": ray.__version__,
-        "torch": torch.__version__,
-    }
 
 
 def dataset() -> str:
@@ -372,32 +353,24 @@ def main() -> None:
     target = summary["petatrain"]["total_s"]["median"] <= 30
     print(f"\ntarget (kill -> first step after recovery <= 30 s): {'met' if target else 'NOT met'}")
     print("noise: 2 shared cores (load averages per run are in the JSON); compare medians, not single runs")
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "recovery.json").write_text(
-        json.dumps(
-            {
-                "benchmark": "recovery",
-                "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "machine": machine(),
-                "setup": {
-                    "model": MODEL,
-                    "global_batch": GLOBAL,
-                    "micro_batch": MICRO,
-                    "workers": 2,
-                    "checkpoint_every_steps": CKPT_EVERY,
-                    "kill_step": args.kill_step,
-                    "steps": args.steps,
-                    "reps": args.reps,
-                },
-                "summary": summary,
-                "runs": rows,
-                "target_met": target,
+    write_results(
+        "recovery",
+        {
+            "setup": {
+                "model": MODEL,
+                "global_batch": GLOBAL,
+                "micro_batch": MICRO,
+                "workers": 2,
+                "checkpoint_every_steps": CKPT_EVERY,
+                "kill_step": args.kill_step,
+                "steps": args.steps,
+                "reps": args.reps,
             },
-            indent=2,
-        )
-        + "\n"
+            "summary": summary,
+            "runs": rows,
+            "target_met": target,
+        },
     )
-    print(f"wrote {RESULTS / 'recovery.json'}")
 
 
 if __name__ == "__main__":

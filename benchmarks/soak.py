@@ -24,10 +24,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 WORK = HERE / ".work"
-RESULTS = HERE / "results"
 sys.path.insert(0, str(HERE))
 
-from ingest import machine  # noqa: E402
+from ingest import write_results  # noqa: E402
 from petatrain.chaos.soak import parse_duration  # noqa: E402
 
 
@@ -94,11 +93,7 @@ def main() -> None:
             f"  {row.get('cause'):<10} detected after {row.get('detected_after_s')} s, "
             f"recovered after {row.get('recovered_after_s')} s, {row.get('steps_lost')} steps lost"
         )
-    RESULTS.mkdir(parents=True, exist_ok=True)
     result = {
-        "benchmark": "soak",
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": machine(),
         "every": args.every,
         "for": args.duration,
         "goodput": report["goodput"],
@@ -108,8 +103,7 @@ def main() -> None:
         "steps": summary["steps"],
         "run": str(run_dir),
     }
-    (RESULTS / "soak.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {RESULTS / 'soak.json'}")
+    write_results("soak", result)
 
 
 if __name__ == "__main__":

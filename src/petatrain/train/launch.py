@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import threading
@@ -310,6 +311,7 @@ def _fit(cfg, payload, world: int, run_id: str, attempt: int, watch: _Watchdog, 
         watch.pause()
 
 
+@functools.cache
 def _trainer_class():
     """TorchTrainer without the per-attempt helper actors petatrain does not use.
 
