@@ -296,6 +296,14 @@ def test_auto_checkpoint_interval_is_young_daly():
     schedule.taken(stall_s=0.5, write_s=100.0)
     assert schedule.interval_s() == 100.0, "never faster than a write completes"
 
+    # Training on CPU, the background write takes its CPU time from the loop: it is part of the cost.
+    cpu = CheckpointSchedule(cfg, world=2, writer_competes=True)
+    cpu.taken(stall_s=0.5, write_s=3.0, write_cpu_s=1.5)
+    assert cpu.interval_s() == pytest.approx((2 * 2.0 * 3600) ** 0.5)  # 120 s
+    gpu = CheckpointSchedule(cfg, world=2, writer_competes=False)
+    gpu.taken(stall_s=0.5, write_s=3.0, write_cpu_s=1.5)
+    assert gpu.interval_s() == pytest.approx(60.0)
+
 
 def test_placement_group_of_a_dead_controller_is_removed_between_attempts(ray_local):
     """Attempts run without Ray Train's placement-group cleaner actor; the supervisor frees
@@ -311,3 +319,62 @@ def test_placement_group_of_a_dead_controller_is_removed_between_attempts(ray_lo
     _remove_leftover_placement_groups()
     assert placement_group_table(group)["state"] == "REMOVED"
     assert _trainer_class().__name__ == "LeanTorchTrainer"  # Ray's internals still where we expect them
+
+
+def test_local_attempts_send_no_autoscaler_requests(monkeypatch):
+    """On the local Ray that train starts there is no autoscaler: the attempt's scaling policy
+    sends it nothing (its coordinator would be one more Ray process on the start-up path)."""
+    from ray.train import ScalingConfig
+    from ray.train.torch import TorchTrainer
+    from ray.train.v2._internal.execution.scaling_policy import FixedScalingPolicy
+
+    from petatrain.train.launch import _trainer_class
+
+    seen = {}
+    monkeypatch.setattr(TorchTrainer, "_initialize_and_run_controller", lambda self, **kw: seen.update(kw))
+    scaling = ScalingConfig(num_workers=2)
+    for local in (True, False):
+        trainer = _trainer_class(local=local)(lambda: None, scaling_config=scaling)
+        trainer._initialize_and_run_controller(scaling_policy=FixedScalingPolicy(scaling), callbacks=[])
+        policy = seen["scaling_policy"]
+        assert isinstance(policy, FixedScalingPolicy)
+        if local:
+            policy.after_controller_start(None)  # the stock policy would create the coordinator actor here
+            policy.make_decision_for_non_running_worker_group()
+            assert policy._coordinator_client is None
+        else:
+            assert type(policy) is FixedScalingPolicy  # a cluster given by address may autoscale
+
+
+def test_heartbeat_dates_the_last_step_not_the_message(ray_local, tmp_path):
+    """The watchdog measures a hang from when the last step ended: a rank's heartbeat says how
+    long ago that was, and the hub dates the beat by it on its own clock."""
+    import time
+
+    from petatrain.train.hub import RunHub
+    from petatrain.train.loop import Telemetry
+
+    sent = []
+
+    class Hub:
+        class telemetry:  # stands in for the actor method
+            @staticmethod
+            def remote(*args):
+                sent.append(args)
+
+    beats = Telemetry(Hub, attempt=0, rank=1, node_id="node")
+    beats.flush()
+    assert sent[-1][3] == -1 and sent[-1][-1] == 0.0  # no step yet: dated on arrival
+    beats.progress(5, now=True)
+    time.sleep(0.3)
+    beats.record("note")
+    beats.flush()
+    events, _, _, step, _, _, age = sent[-1]
+    assert [e for e, _ in events] == ["note"] and step == 5 and 0.3 <= age < 2.0
+
+    hub = RunHub.remote(str(tmp_path), None)
+    ray_local.get(hub.new_attempt.remote(0))
+    ray_local.get(hub.telemetry.remote([], 0, 1, 5, 123, "node", 3.0))
+    beat = ray_local.get(hub.heartbeats.remote())[1]
+    assert beat["step"] == 5 and 3.0 <= time.time() - beat["t"] < 6.0
+    ray_local.kill(hub)

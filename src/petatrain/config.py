@@ -197,7 +197,7 @@ class FaultsConfig:
     max_restarts: int = 3
     hang_timeout_s: float = 20.0  # no step progress for this long on any rank = hung
     nonfinite: Literal["skip", "rollback"] = "skip"  # what a NaN/inf loss does
-    mtbf_hours: float = 24.0  # mean time between failures per node, for checkpoint.every=auto
+    mtbf_hours: float = 24.0  # per node, between failures that roll back (not preemptions), for checkpoint.every=auto
 
     def __post_init__(self) -> None:
         if self.max_restarts < 0 or self.hang_timeout_s <= 0 or self.mtbf_hours <= 0:

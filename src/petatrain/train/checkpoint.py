@@ -183,6 +183,7 @@ class CheckpointWriter:
         self._idle.set()
         self.error: BaseException | None = None
         self.last_write_s = 0.0
+        self.last_write_cpu_s = 0.0  # CPU time of this thread for the last write (it competes with training on CPU)
         self._thread = threading.Thread(target=self._run, name="petatrain-ckpt", daemon=True)
         self._thread.start()
 
@@ -234,7 +235,7 @@ class CheckpointWriter:
         return retrying(f"checkpoint write {url}", attempt)
 
     def _write(self, snap: Snapshot) -> None:
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         folder = step_dir(self.run_url, snap.step)
         files: dict[str, dict[str, Any]] = {}
         try:
@@ -247,7 +248,7 @@ class CheckpointWriter:
             raise
         self._report_part(snap.step, snap.rank, files)
         if snap.rank != 0:
-            self.last_write_s = time.perf_counter() - t0
+            self.last_write_s, self.last_write_cpu_s = time.perf_counter() - t0, time.thread_time() - cpu0
             return
         parts = self._wait_parts(snap.step, snap.world_size, self.parts_timeout_s)
         if parts is None:
@@ -263,7 +264,7 @@ class CheckpointWriter:
         state_bytes = json.dumps(state, indent=1, sort_keys=True).encode()
         state_sum, _ = self._put(join(folder, STATE), state_bytes)
         self._put(join(folder, COMMITTED), json.dumps({"state_checksum": state_sum}).encode())
-        self.last_write_s = time.perf_counter() - t0
+        self.last_write_s, self.last_write_cpu_s = time.perf_counter() - t0, time.thread_time() - cpu0
         nbytes = sum(f["bytes"] for f in parts.values()) + len(state_bytes)
         self._on_commit({"step": snap.step, "write_s": self.last_write_s, "bytes": nbytes, "url": folder})
         self._retain()

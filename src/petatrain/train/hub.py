@@ -54,11 +54,18 @@ class RunHub:
 
     @ray.method(concurrency_group="ledger")
     def telemetry(
-        self, events: list[tuple[str, dict[str, Any]]], attempt: int, rank: int, step: int, pid: int, node_id: str
+        self,
+        events: list[tuple[str, dict[str, Any]]],
+        attempt: int,
+        rank: int,
+        step: int,
+        pid: int,
+        node_id: str,
+        age_s: float = 0.0,
     ) -> None:
         """A rank's batched events and its heartbeat: one actor call per flush of the loop."""
         self.emit_many(events)
-        self.beat(attempt, rank, step, pid, node_id)
+        self.beat(attempt, rank, step, pid, node_id, age_s)
 
     @ray.method(concurrency_group="ledger")
     def flush(self) -> None:
@@ -83,10 +90,12 @@ class RunHub:
             self.parts = {k: v for k, v in self.parts.items() if k[0] >= attempt}
             self._lock.notify_all()
 
-    def beat(self, attempt: int, rank: int, step: int, pid: int, node_id: str) -> None:
+    def beat(self, attempt: int, rank: int, step: int, pid: int, node_id: str, age_s: float = 0.0) -> None:
+        """A rank reached `step`, which ended `age_s` ago; "t" is when, on this node's clock
+        (an age, not the worker's timestamp, so clocks of other nodes do not matter)."""
         with self._lock:
             if attempt == self.attempt:
-                self.beats[rank] = {"t": time.time(), "step": step, "pid": pid, "node_id": node_id}
+                self.beats[rank] = {"t": time.time() - age_s, "step": step, "pid": pid, "node_id": node_id}
 
     def heartbeats(self) -> dict[int, dict[str, Any]]:
         with self._lock:

@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -91,27 +92,36 @@ class Telemetry:
     """Events and heartbeats sent to the run hub at most every `period_s`.
 
     Rank 0 sends the step events, every rank its heartbeat, once a second. Events keep the
-    time they happened; `flush()` is forced before anything that must follow them in the
-    ledger (an injected fault, a checkpoint, the end of the loop).
+    time they happened and reach the ledger in the order they were recorded (one channel
+    per rank: the checkpoint writer's commit events go through it too, after the snapshot
+    event). `flush()` (called by the loop's thread only) is forced before anything that must be in
+    the ledger at once (an injected fault, the end of the loop). The heartbeat carries how long ago the last step
+    ended, so the watchdog measures a hang from the last step, not from the last message.
     """
 
     def __init__(self, hub: Any, attempt: int, rank: int, node_id: str, period_s: float = 1.0):
         self.hub, self.attempt, self.rank, self.node_id, self.period_s = hub, attempt, rank, node_id, period_s
         self.pending: list[tuple[str, dict[str, Any]]] = []
         self.step = -1
+        self.step_at = time.time()
         self.sent_at = 0.0
+        self._lock = threading.Lock()  # the checkpoint writer's thread records too
 
     def record(self, event: str, **fields: Any) -> None:
-        self.pending.append((event, {"attempt": self.attempt, "t": time.time(), **fields}))
+        with self._lock:
+            self.pending.append((event, {"attempt": self.attempt, "t": time.time(), **fields}))
 
-    def progress(self, step: int) -> None:
-        self.step = step
-        if time.monotonic() - self.sent_at >= self.period_s:
+    def progress(self, step: int, *, now: bool = False) -> None:
+        """Step `step` ended; sent with the next flush (at once if `now`)."""
+        self.step, self.step_at = step, time.time()
+        if now or time.monotonic() - self.sent_at >= self.period_s:
             self.flush()
 
     def flush(self) -> None:
-        self.hub.telemetry.remote(self.pending, self.attempt, self.rank, self.step, os.getpid(), self.node_id)
-        self.pending = []
+        with self._lock:
+            events, self.pending = self.pending, []
+        age = time.time() - self.step_at if self.step >= 0 else 0.0
+        self.hub.telemetry.remote(events, self.attempt, self.rank, self.step, os.getpid(), self.node_id, age)
         self.sent_at = time.monotonic()
 
 
@@ -239,13 +249,20 @@ def micro_batching(cfg: JobConfig, world: int) -> tuple[int, int]:
 
 
 class CheckpointSchedule:
-    """When to checkpoint: every N steps, every S seconds, or the Young/Daly interval."""
+    """When to checkpoint: every N steps, every S seconds, or the Young/Daly interval.
 
-    def __init__(self, cfg: JobConfig, world: int):
+    For `auto` the cost of one checkpoint is what the training loop loses to it: the stall,
+    plus, when the writer's thread competes with the loop for the same cores (training on
+    CPU), the CPU time the background write took; on a GPU the write runs on host cores the
+    loop does not need.
+    """
+
+    def __init__(self, cfg: JobConfig, world: int, *, writer_competes: bool = False):
         self.unit, self.value = cfg.checkpoint.interval()
         self.mtbf_s = cfg.faults.mtbf_hours * 3600 / max(1, world)  # job MTBF: any of the nodes fails
+        self.writer_competes = writer_competes
         self.last_t = time.time()
-        self.stall_s: float | None = None
+        self.cost_s: float | None = None
         self.write_s = 0.0
 
     def due(self, step: int) -> bool:
@@ -257,15 +274,17 @@ class CheckpointSchedule:
     def interval_s(self) -> float:
         if self.unit == "seconds":
             return self.value
-        if self.stall_s is None:  # auto: take one early checkpoint to measure what it costs
+        if self.cost_s is None:  # auto: take one early checkpoint to measure what it costs
             return 10.0
-        # Young/Daly: sqrt(2 * cost * MTBF); with asynchronous writes the cost to the loop is
-        # the stall, and checkpoints cannot usefully come faster than they are written.
-        return max(math.sqrt(2 * max(self.stall_s, 1e-4) * self.mtbf_s), self.write_s)
+        # Young/Daly: sqrt(2 * cost * MTBF); checkpoints cannot usefully come faster than
+        # they are written.
+        return max(math.sqrt(2 * max(self.cost_s, 1e-4) * self.mtbf_s), self.write_s)
 
-    def taken(self, stall_s: float, write_s: float) -> None:
+    def taken(self, stall_s: float, write_s: float, write_cpu_s: float = 0.0) -> None:
+        """A checkpoint was taken; `write_s`/`write_cpu_s` describe the previous write (the last one finished)."""
         self.last_t = time.time()
-        self.stall_s = stall_s if self.stall_s is None else 0.8 * self.stall_s + 0.2 * stall_s
+        cost = stall_s + (write_cpu_s if self.writer_competes else 0.0)
+        self.cost_s = cost if self.cost_s is None else 0.8 * self.cost_s + 0.2 * cost
         self.write_s = write_s
 
 
@@ -309,6 +328,10 @@ def train_worker(payload: Payload) -> None:
         else contextlib.nullcontext()
     )
 
+    # Events go to the hub once a second (an actor call per step cost ~1.5% of the step rate on
+    # two CPU cores). A rank killed with events still buffered leaves up to a second of steps
+    # out of the ledger, so around another rank's injected fault every step is sent at once.
+    telemetry = Telemetry(hub, attempt, rank, node_id, period_s=1.0)
     faults = ckpt.StorageFaults()
     buffers = ckpt.HostBuffers()
     writer = ckpt.CheckpointWriter(
@@ -316,7 +339,7 @@ def train_worker(payload: Payload) -> None:
         payload.options,
         report_part=lambda s, r, f: ray.get(hub.report_part.remote(attempt, s, r, f)),
         wait_parts=lambda s, w, t: ray.get(hub.wait_parts.remote(attempt, s, w, t)),
-        on_commit=lambda info: emit("checkpoint_commit", **info),
+        on_commit=lambda info: telemetry.record("checkpoint_commit", **info),  # after its snapshot event
         keep_last=cfg.checkpoint.keep_last,
         keep_every=cfg.checkpoint.keep_every,
         faults=faults,
@@ -336,11 +359,8 @@ def train_worker(payload: Payload) -> None:
     if rank == 0:
         emit("resume", step=start, checkpoint=ckpt.step_dir(payload.run_url, start) if state else None)
 
-    schedule = CheckpointSchedule(cfg, world)
-    # Events go to the hub once a second (an actor call per step cost ~1.5% of the step rate on
-    # two CPU cores). A rank killed with events still buffered leaves up to a second of steps
-    # out of the ledger, so around another rank's injected fault every step is sent at once.
-    telemetry = Telemetry(hub, attempt, rank, node_id, period_s=1.0)
+    schedule = CheckpointSchedule(cfg, world, writer_competes=device.type == "cpu")
+    digest = _digest(cfg)
     tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
     pending = [i for i in payload.injections if i.rank == rank]
     others = [i for i in payload.injections if i.rank != rank]
@@ -410,7 +430,8 @@ def train_worker(payload: Payload) -> None:
                 )
             elapsed = time.time() - payload.run_started
             if others and any(i.due(step, elapsed + telemetry.period_s) for i in others):
-                telemetry.flush()  # another rank's fault is imminent: the ledger holds every step to it
+                # Another rank's fault is imminent: the ledger holds every step up to it.
+                telemetry.progress(step, now=True)
                 others = [i for i in others if not _passed(i, step, elapsed, telemetry.period_s)]
             else:
                 telemetry.progress(step)
@@ -432,14 +453,14 @@ def train_worker(payload: Payload) -> None:
                     inject.act(injection)
 
             if checkpoint_due or preempt or stop or step == cfg.train.steps:
-                stall = _checkpoint(model, optimizer, data, writer, buffers, step, rank, world, cfg)
+                snapshot, stall = _snapshot(model, optimizer, data, writer, buffers, step, rank, world, cfg, digest)
                 if rank == 0:
                     telemetry.record("checkpoint_snapshot", step=step, stall_s=stall)
-                telemetry.flush()  # before the background writer's commit event
-                schedule.taken(stall, writer.last_write_s)
+                writer.submit(snapshot)
+                schedule.taken(stall, writer.last_write_s, writer.last_write_cpu_s)
             if preempt:
-                telemetry.flush()
                 writer.wait()
+                telemetry.flush()
                 raise Preempted(f"preemption notice: checkpoint of step {step} committed, exiting")
             if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
                 _evaluate(model, spec, data, cfg, device, amp, step, rank, world, telemetry.record)
@@ -453,6 +474,7 @@ def train_worker(payload: Payload) -> None:
         _save_final(model, payload, rank)
     finally:
         writer.close()
+        telemetry.flush()  # the commit of a write that finished while the attempt failed
 
 
 def _passed(injection: inject.Injection, step: int, elapsed_s: float, margin_s: float) -> bool:
@@ -494,16 +516,15 @@ def _choose_checkpoint(payload: Payload, rank: int, emit) -> dict[str, Any] | No
     return state if rank == 0 else ckpt.read_state(payload.run_url, step, payload.options)
 
 
-def _checkpoint(model, optimizer, data, writer, buffers, step, rank, world, cfg) -> float:
-    """Snapshot to host memory and hand it to the writer; returns the stall in seconds
-    (waiting for a previous write that is still running included)."""
+def _snapshot(model, optimizer, data, writer, buffers, step, rank, world, cfg, digest) -> tuple[ckpt.Snapshot, float]:
+    """Snapshot to host memory for the writer; returns it and the stall in seconds (waiting
+    for a previous write that is still running included)."""
     t0 = time.perf_counter()
-    writer.wait()
+    writer.wait()  # the host buffers are free again
     tensors, meta = state_for_save(model, optimizer, rank=rank, cfg=cfg, buffers=buffers)
     tensors["rng/cpu"] = torch.get_rng_state()
-    meta.update(loader=data.state_dict(), strategy=cfg.parallel.strategy, config_digest=_digest(cfg))
-    writer.submit(ckpt.Snapshot(step=step, rank=rank, world_size=world, tensors=tensors, meta=meta))
-    return time.perf_counter() - t0
+    meta.update(loader=data.state_dict(), strategy=cfg.parallel.strategy, config_digest=digest)
+    return ckpt.Snapshot(step=step, rank=rank, world_size=world, tensors=tensors, meta=meta), time.perf_counter() - t0
 
 
 def _digest(cfg: JobConfig) -> str:
