@@ -2,11 +2,15 @@
 
 Both train the same GPT (examples/tiny.yaml: 2 layers, d_model 64, seq 64, global batch 16,
 micro-batch 8) on two CPU workers with gloo, checkpoint every 10 steps, and SIGKILL rank 1
-at the end of step K. For every repetition, each in a fresh process with its own local Ray:
+at the end of step K (default 200: ~5 s into the attempt, so a warm controller is up, as it
+would be minutes into a real one). For every repetition, each in a fresh process with its own local Ray:
 
 - **petatrain**: `petatrain train examples/tiny.yaml --inject kill@step=K,rank=1`; times from
   RUN/events.jsonl: fault_injected.t (just before the kill), failure.t (the supervisor has
-  classified the failure), the first `step` event of the next attempt.
+  classified the failure), the first `step` event of the next attempt. Twice: with the
+  default `faults.standby: auto` (no warm controller on a machine whose every core trains)
+  and with `faults.standby: always` (the next attempt's Ray Train controller started once
+  the attempt steps; its start-up slows the attempt's steps by about a second here).
 - **Ray Train**: a plain `TorchTrainer` with `FailureConfig(max_failures=1)` whose loop saves
   and loads its own checkpoint through `ray.train.report(checkpoint=...)` /
   `ray.train.get_checkpoint()` and kills rank 1 with SIGKILL at step K. The loop appends
@@ -20,7 +24,7 @@ resume; total = their sum (the target: <= 30 s). "back at K" is kill -> step K d
 the time goes. The machine is shared and small, so every figure is the median of the
 repetitions, with min-max.
 
-    .venv/bin/python benchmarks/recovery.py [--reps 3] [--kill-step 15]
+    .venv/bin/python benchmarks/recovery.py [--reps 3] [--kill-step 200] [--petatrain-only]
 """
 
 from __future__ import annotations
@@ -65,10 +69,11 @@ def dataset() -> str:
 # -- petatrain -------------------------------------------------------------------------------
 
 
-def run_petatrain(ds: str, steps: int, kill_step: int, rep: int) -> dict:
-    run_dir = WORK / f"petatrain-run-{rep}"
+def run_petatrain(ds: str, steps: int, kill_step: int, rep: int, standby: str = "auto") -> dict:
+    run_dir = WORK / f"petatrain-run-{standby}-{rep}"
     shutil.rmtree(run_dir, ignore_errors=True)
     sets = [f"data.dataset={ds}", f"train.steps={steps}", f"checkpoint.every={CKPT_EVERY}", "train.eval_every=0"]
+    sets.append(f"faults.standby={standby}")
     cmd = [sys.executable, "-m", "petatrain", "train", str(TINY), "--run-dir", str(run_dir), "--json"]
     cmd += [arg for s in sets for arg in ("--set", s)] + ["--inject", f"kill@step={kill_step},rank=1"]
     load = os.getloadavg()[0]
@@ -301,8 +306,8 @@ def summarise(rows: list[dict]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--kill-step", type=int, default=15)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--kill-step", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=215)
     parser.add_argument("--petatrain-only", action="store_true", help="skip the Ray Train peers")
     parser.add_argument("--ray-train-child", nargs=4, metavar=("STAMPS", "STORAGE", "STEPS", "KILL_STEP"))
     args = parser.parse_args()
@@ -314,11 +319,12 @@ def main() -> None:
     ds = dataset()
     runs = {
         "petatrain": lambda rep: run_petatrain(ds, args.steps, args.kill_step, rep),
+        "petatrain, warm standby controller": lambda rep: run_petatrain(ds, args.steps, args.kill_step, rep, "always"),
         "Ray Train, defaults (health check 2 s)": lambda rep: run_ray_train(args.steps, args.kill_step, rep, None),
         "Ray Train, health check 0.5 s": lambda rep: run_ray_train(args.steps, args.kill_step, rep, 0.5),
     }
     if args.petatrain_only:
-        runs = {"petatrain": runs["petatrain"]}
+        runs = {name: fn for name, fn in runs.items() if name.startswith("petatrain")}
     rows: dict[str, list[dict]] = {name: [] for name in runs}
     for rep in range(args.reps):  # interleaved, so a burst of load from others hits every system
         for name, fn in runs.items():

@@ -378,3 +378,46 @@ def test_heartbeat_dates_the_last_step_not_the_message(ray_local, tmp_path):
     beat = ray_local.get(hub.heartbeats.remote())[1]
     assert beat["step"] == 5 and 3.0 <= time.time() - beat["t"] < 6.0
     ray_local.kill(hub)
+
+
+def test_restart_runs_the_controller_started_while_the_attempt_trained(token_dataset, tmp_path):
+    """Once an attempt steps, the next attempt's Ray Train controller is started and waits;
+    the restart after a kill runs it instead of starting a process then."""
+    cfg = tiny(token_dataset, "train.steps=320", "faults.standby=always")  # auto: not where every core trains
+    summary = train(cfg, tmp_path, "kill@step=300,rank=1")
+    assert [f["cause"] for f in summary["failures"]] == ["kill"]
+    starts = [e for e in read_events(str(tmp_path)) if e["event"] == "attempt_start"]
+    assert [e["warm_controller"] for e in starts] == [False, True]
+
+
+def test_standby_is_used_only_for_the_attempt_and_world_it_was_built_for():
+    from petatrain.train.launch import _Standby
+
+    built, discarded = [], []
+
+    class Trainer:
+        def __init__(self, attempt, world):
+            self.key = (attempt, world)
+            built.append(self.key)
+
+        def prepare(self):
+            self.prepared = True
+
+        def discard(self):
+            discarded.append(self.key)
+
+    standby = _Standby(Trainer)
+    standby.prepare(0, 2)  # attempt 0 on 2 workers trains: attempt 1's controller starts
+    assert built == [(1, 2)]
+    trainer = standby.take(1, 2)
+    assert trainer.key == (1, 2) and trainer.prepared and standby.take(1, 2) is None
+    standby.prepare(1, 2)
+    assert standby.take(2, 1) is None, "a node was lost: the next attempt needs another world size"
+    assert discarded == [(2, 2)]
+    standby.prepare(2, 1)
+    standby.discard()  # the run ended: the waiting controller goes
+    assert discarded == [(2, 2), (3, 1)]
+
+    unwanted = _Standby(Trainer, wanted=lambda world: world < 2)
+    unwanted.prepare(0, 2)
+    assert unwanted.take(1, 2) is None and built[-1] == (3, 1), "not built where it is not wanted"

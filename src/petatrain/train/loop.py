@@ -362,8 +362,11 @@ def train_worker(payload: Payload) -> None:
     schedule = CheckpointSchedule(cfg, world, writer_competes=device.type == "cpu")
     digest = _digest(cfg)
     tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
-    pending = [i for i in payload.injections if i.rank == rank]
-    others = [i for i in payload.injections if i.rank != rank]
+    # A warm standby's payload was built before the fault that ended the last attempt fired.
+    fired = set(ray.get(hub.fired_keys.remote())) if payload.injections else set()
+    injections = [i for i in payload.injections if i.key not in fired]
+    pending = [i for i in injections if i.rank == rank]
+    others = [i for i in injections if i.rank != rank]
     nan_next = False
     last_end = time.perf_counter()
     wait_mark = data.wait_s
