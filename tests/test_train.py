@@ -383,8 +383,7 @@ def test_heartbeat_dates_the_last_step_not_the_message(ray_local, tmp_path):
 def test_restart_runs_the_controller_started_while_the_attempt_trained(token_dataset, tmp_path):
     """Once an attempt steps, the next attempt's Ray Train controller is started and waits;
     the restart after a kill runs it instead of starting a process then."""
-    cfg = tiny(token_dataset, "train.steps=320", "faults.standby=always")  # auto: not where every core trains
-    summary = train(cfg, tmp_path, "kill@step=300,rank=1")
+    summary = train(tiny(token_dataset, "train.steps=320"), tmp_path, "kill@step=300,rank=1")
     assert [f["cause"] for f in summary["failures"]] == ["kill"]
     starts = [e for e in read_events(str(tmp_path)) if e["event"] == "attempt_start"]
     assert [e["warm_controller"] for e in starts] == [False, True]

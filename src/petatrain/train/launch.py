@@ -196,12 +196,7 @@ def run(job: TrainJob) -> dict[str, Any]:
         payload = _payload(job, cfg, run_url, hub, attempt, started, set(ray.get(hub.fired_keys.remote())))
         return _make_trainer(cfg, payload, world, run_id, attempt, job)
 
-    def spare_cpu(world: int) -> bool:
-        return ray.cluster_resources().get("CPU", 0) - world * cfg.resources.cpus_per_worker >= 1
-
-    standby = _Standby(
-        build, wanted={"always": lambda world: True, "never": lambda world: False}.get(cfg.faults.standby, spare_cpu)
-    )
+    standby = _Standby(build, wanted=lambda world: cfg.faults.standby)
     watch = _Watchdog(hub, cfg.faults.hang_timeout_s, on_training=standby.prepare)
     try:
         while True:
@@ -336,10 +331,10 @@ class _Standby:
     an attempt has made its first step, the watchdog asks for the next attempt's controller;
     it waits, idle, until a failure needs it (or the run ends and it is discarded). It is
     used only for the attempt number and world size it was built for: after a lost node the
-    next attempt builds a controller for the workers that are left. Its start-up takes ~2 s
-    of CPU: free where the cluster has a core beyond the workers' (`faults.standby: auto`),
-    but on a machine whose every core trains it slows the attempt's steps about as much as
-    it saves the restart.
+    next attempt builds a controller for the workers that are left. Its start-up takes
+    ~2 s of CPU: free where the driver's node has a core to spare; on a machine whose every
+    core trains (2 cores, 2 workers) it slows the attempt's steps by ~1.1 s, against ~2.8 s
+    it saves the restart (benchmarks/recovery.py). `faults.standby: false` turns it off.
     """
 
     def __init__(self, build: Callable[[int, int], Any], wanted: Callable[[int], bool] = lambda world: True):
