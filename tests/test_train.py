@@ -417,6 +417,6 @@ def test_standby_is_used_only_for_the_attempt_and_world_it_was_built_for():
     standby.discard()  # the run ended: the waiting controller goes
     assert discarded == [(2, 2), (3, 1)]
 
-    unwanted = _Standby(Trainer, wanted=lambda world: world < 2)
-    unwanted.prepare(0, 2)
-    assert unwanted.take(1, 2) is None and built[-1] == (3, 1), "not built where it is not wanted"
+    off = _Standby(Trainer, enabled=False)  # faults.standby: false
+    off.prepare(0, 2)
+    assert off.take(1, 2) is None and built[-1] == (3, 1), "nothing started"

@@ -196,7 +196,7 @@ def run(job: TrainJob) -> dict[str, Any]:
         payload = _payload(job, cfg, run_url, hub, attempt, started, set(ray.get(hub.fired_keys.remote())))
         return _make_trainer(cfg, payload, world, run_id, attempt, job)
 
-    standby = _Standby(build, wanted=lambda world: cfg.faults.standby)
+    standby = _Standby(build, enabled=cfg.faults.standby)
     watch = _Watchdog(hub, cfg.faults.hang_timeout_s, on_training=standby.prepare)
     try:
         while True:
@@ -337,8 +337,8 @@ class _Standby:
     it saves the restart (benchmarks/recovery.py). `faults.standby: false` turns it off.
     """
 
-    def __init__(self, build: Callable[[int, int], Any], wanted: Callable[[int], bool] = lambda world: True):
-        self._build, self._wanted = build, wanted
+    def __init__(self, build: Callable[[int, int], Any], *, enabled: bool = True):
+        self._build, self.enabled = build, enabled
         self._lock = threading.Lock()
         self._next: tuple[int, int, Any] | None = None  # (attempt, world size, prepared trainer)
 
@@ -346,7 +346,7 @@ class _Standby:
         """Called once `attempt` (on `world` workers) trains: start attempt + 1's controller."""
         with self._lock:
             self._discard()
-            if not self._wanted(world):
+            if not self.enabled:
                 return
             trainer = self._build(attempt + 1, world)
             if hasattr(trainer, "prepare"):  # the stock TorchTrainer (Ray's internals moved) starts on fit()
@@ -381,7 +381,8 @@ def _trainer_class(local: bool = False):
     the petatrain loader, not `datasets=`) and the placement-group cleaner (for a
     controller that dies: `_remove_leftover_placement_groups` does that job between
     attempts). Measured on 2 cores: 8.9 -> 6.7 s from `fit()` to a trivial train
-    function's return. On the local Ray that `petatrain train` starts itself (`local`),
+    function's return. `prepare()` starts the controller ahead of `fit()` (`_Standby`).
+    On the local Ray that `petatrain train` starts itself (`local`),
     the scaling policy also leaves out its resource requests to the cluster autoscaler's
     coordinator: there is no autoscaler, and the coordinator is one more Ray process
     (importing Ray Data) on the first attempt's path, 7.4 -> 6.1 s, that then takes
