@@ -193,7 +193,7 @@ def run(job: TrainJob) -> dict[str, Any]:
     attempt, failures = 0, []
 
     def build(attempt: int, world: int):
-        payload = _payload(job, cfg, run_url, hub, attempt, started, set(ray.get(hub.fired_keys.remote())))
+        payload = _payload(job, cfg, run_url, hub, attempt, started)
         return _make_trainer(cfg, payload, world, run_id, attempt, job)
 
     standby = _Standby(build, enabled=cfg.faults.standby)
@@ -260,7 +260,7 @@ def _check_dataset(cfg: JobConfig, options: StorageOptions | None) -> None:
         )
 
 
-def _payload(job, cfg, run_url, hub, attempt, started, fired):
+def _payload(job, cfg, run_url, hub, attempt, started):
     from petatrain.train.loop import Payload
 
     return Payload(
@@ -270,7 +270,7 @@ def _payload(job, cfg, run_url, hub, attempt, started, fired):
         hub=hub,
         attempt=attempt,
         run_started=started,
-        injections=[i for i in job.injections if i.key not in fired],
+        injections=list(job.injections),  # the workers leave out those that fired already
         stop_at=started + job.stop_after_s if job.stop_after_s else None,
     )
 

@@ -94,9 +94,10 @@ class Telemetry:
     Rank 0 sends the step events, every rank its heartbeat, once a second. Events keep the
     time they happened and reach the ledger in the order they were recorded (one channel
     per rank: the checkpoint writer's commit events go through it too, after the snapshot
-    event). `flush()` (called by the loop's thread only) is forced before anything that must be in
-    the ledger at once (an injected fault, the end of the loop). The heartbeat carries how long ago the last step
-    ended, so the watchdog measures a hang from the last step, not from the last message.
+    event). `flush()`, called by the loop's thread only, is forced before anything that
+    must be in the ledger at once (an injected fault, the end of the loop). The heartbeat
+    says how long ago the last step ended, so the watchdog measures a hang from the last
+    step, not from the last message.
     """
 
     def __init__(self, hub: Any, attempt: int, rank: int, node_id: str, period_s: float = 1.0):
@@ -362,7 +363,8 @@ def train_worker(payload: Payload) -> None:
     schedule = CheckpointSchedule(cfg, world, writer_competes=device.type == "cpu")
     digest = _digest(cfg)
     tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
-    # A warm standby's payload was built before the fault that ended the last attempt fired.
+    # Each injection fires once per run: drop those an earlier attempt fired (a warm standby's
+    # payload is built before the fault that ends the attempt it replaces).
     fired = set(ray.get(hub.fired_keys.remote())) if payload.injections else set()
     injections = [i for i in payload.injections if i.key not in fired]
     pending = [i for i in injections if i.rank == rank]
