@@ -199,7 +199,7 @@ class FaultsConfig:
     nonfinite: Literal["skip", "rollback"] = "skip"  # what a NaN/inf loss does
     mtbf_hours: float = 24.0  # per node, between failures that roll back (not preemptions), for checkpoint.every=auto
     # Start the next attempt's Ray Train controller once an attempt trains, so a restart need
-    # not wait for one: kill -> next step 7.8 -> 4.9 s on 2 cores; its start-up costs ~1.1 s
+    # not wait for one: kill -> next step 7.8 -> 4.9 s on 2 cores; its start-up costs ~1.1-1.7 s
     # of training per attempt there (nothing where the driver's node has a spare core).
     standby: bool = True
 

@@ -333,7 +333,7 @@ class _Standby:
     used only for the attempt number and world size it was built for: after a lost node the
     next attempt builds a controller for the workers that are left. Its start-up takes
     ~2 s of CPU: free where the driver's node has a core to spare; on a machine whose every
-    core trains (2 cores, 2 workers) it slows the attempt's steps by ~1.1 s, against ~2.8 s
+    core trains (2 cores, 2 workers) it slows the attempt's steps by ~1.1-1.7 s, against ~2.8 s
     it saves the restart (benchmarks/recovery.py). `faults.standby: false` turns it off.
     """
 
