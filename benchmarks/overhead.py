@@ -11,7 +11,7 @@ packed-token dataset. Each repetition runs in fresh processes:
   issue's target is stated for), and with checkpoints off (only the final one, after the
   measured window) for reference; both with `faults.standby=false`. The warm standby
   (default on) starts the next attempt's Ray Train controller ~1 s into an attempt: a
-  one-time ~1.1 s of CPU per attempt, which lands inside this short window and says
+  one-time ~2 s of CPU per attempt, which lands inside this short window and says
   nothing about the per-step cost. A third row keeps it on, to show what it costs here.
 
 Steady state: the first --warmup steps are dropped (process start, Ray, first-touch). For

@@ -2,14 +2,15 @@
 
 Both train the same GPT (examples/tiny.yaml: 2 layers, d_model 64, seq 64, global batch 16,
 micro-batch 8) on two CPU workers with gloo, checkpoint every 10 steps, and SIGKILL rank 1
-at the end of step K (default 200: ~5 s into the attempt, so the warm controller is up, as it
-would be minutes into a real one). For every repetition, each in a fresh process with its own local Ray:
+at the end of step K (default 200: ~5 s into the attempt, so the warm controller is up,
+as it would be minutes into a real one). For every repetition, each in a fresh process with
+its own local Ray:
 
 - **petatrain**: `petatrain train examples/tiny.yaml --inject kill@step=K,rank=1`; times from
   RUN/events.jsonl: fault_injected.t (just before the kill), failure.t (the supervisor has
   classified the failure), the first `step` event of the next attempt. Twice: as configured
   by default (the next attempt's Ray Train controller is started once the attempt steps and
-  waits: `faults.standby: true`; its start-up slows the attempt's steps by ~1.1 s here) and
+  waits: `faults.standby: true`; its start-up slows the attempt's steps by ~1.1-1.7 s here) and
   with `faults.standby: false` (the restart starts the controller).
 - **Ray Train**: a plain `TorchTrainer` with `FailureConfig(max_failures=1)` whose loop saves
   and loads its own checkpoint through `ray.train.report(checkpoint=...)` /
