@@ -6,7 +6,12 @@ clipping; the token rows of a petatrain dataset's Parquet shards read once with 
 into a numpy array and shuffled per epoch. No checkpoints, no ledger, no heartbeats.
 Rank 0 records the end time of every step and writes them to --out.
 
+With --ray-train the same loop runs as the train function of a Ray Train `TorchTrainer`
+(2 workers, gloo, Ray Train's defaults, a fresh local Ray as `petatrain train` starts):
+what the loop costs under Ray Train alone, before anything petatrain adds.
+
     torchrun --standalone --nproc_per_node 2 benchmarks/plain_ddp.py --dataset DS --out times.json
+    python benchmarks/plain_ddp.py --ray-train --dataset DS --out times.json
 """
 
 from __future__ import annotations
@@ -62,9 +67,38 @@ def main() -> None:
     parser.add_argument("--min-lr", type=float, default=3e-4)
     parser.add_argument("--warmup-steps", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ray-train", action="store_true", help="run the loop in a Ray Train TorchTrainer")
     args = parser.parse_args()
-
+    if args.ray_train:
+        run_in_ray_train(args)
+        return
     dist.init_process_group("gloo")
+    train(args)
+    dist.destroy_process_group()
+
+
+def run_in_ray_train(args: argparse.Namespace) -> None:
+    import tempfile
+
+    import ray
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
+    ray.init(include_dashboard=False, logging_level="WARNING")
+    with tempfile.TemporaryDirectory(prefix="plain-ray-train-") as storage:
+        TorchTrainer(
+            lambda config: train(argparse.Namespace(**config)),
+            train_loop_config=vars(args),
+            torch_config=TorchConfig(backend="gloo"),
+            scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
+            run_config=RunConfig(name=f"plain-{os.getpid()}", storage_path=storage),
+        ).fit()
+    ray.shutdown()
+
+
+def train(args: argparse.Namespace) -> None:
+    """The loop, in a process of an initialised gloo group (torchrun's or Ray Train's)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.use_deterministic_algorithms(True)  # petatrain's default (train.deterministic)
     torch.manual_seed(args.seed)
@@ -120,7 +154,6 @@ def main() -> None:
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump({"step_end_s": ends, "loss": losses, "threads": torch.get_num_threads(), "world": world}, f)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
