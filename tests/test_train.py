@@ -242,22 +242,87 @@ def _write_checkpoint(run: str, step: int, value: float, keep_last: int = 10, ke
     assert writer.error is None
 
 
-def test_torn_and_corrupt_checkpoints_are_skipped(tmp_path):
+def test_torn_truncated_and_corrupt_checkpoints_are_never_loaded(tmp_path):
+    """Torn (no COMMITTED) and truncated checkpoints are skipped when one is chosen; a flipped
+    byte or a garbled header is caught as the rank file loads, and resume falls back further."""
+    from petatrain.errors import CorruptDataError
     from petatrain.train.checkpoint import latest_verified, read_rank_tensors, step_dir
 
     run = str(tmp_path)
-    for step in (10, 20, 30):
+    for step in (10, 20, 30, 40, 50):
         _write_checkpoint(run, step, float(step))
-    (Path(step_dir(run, 30)) / "COMMITTED").unlink()  # torn: crashed before the marker
-    rank_file = Path(step_dir(run, 20)) / "rank-00000.safetensors"
-    data = bytearray(rank_file.read_bytes())
+
+    def rank_file(step: int) -> Path:
+        return Path(step_dir(run, step)) / "rank-00000.safetensors"
+
+    (Path(step_dir(run, 50)) / "COMMITTED").unlink()  # torn: crashed before the marker
+    rank_file(40).write_bytes(rank_file(40).read_bytes()[:-1])  # truncated
+    data = bytearray(rank_file(30).read_bytes())
     data[-3] ^= 0xFF  # one flipped byte in the tensor data
-    rank_file.write_bytes(bytes(data))
+    rank_file(30).write_bytes(bytes(data))
+    data = bytearray(rank_file(20).read_bytes())
+    data[5] = 0x7F  # the header's length now claims ~140 TB: refused before anything is allocated
+    rank_file(20).write_bytes(bytes(data))
+
     skipped = []
     state = latest_verified(run, on_skip=lambda url, why: skipped.append((url, why)))
+    assert state["step"] == 30
+    assert [url.rsplit("/", 1)[-1] for url, _ in skipped] == ["step-00000040"]
+    assert "rank-00000.safetensors has" in skipped[0][1] and "does not verify" in skipped[0][1]
+    with pytest.raises(CorruptDataError, match=r"step-00000030/rank-00000.safetensors does not verify: checksum"):
+        read_rank_tensors(run, state, 0)
+    state = latest_verified(run, below=30)
+    with pytest.raises(CorruptDataError, match=r"step-00000020/rank-00000.safetensors does not verify: header length"):
+        read_rank_tensors(run, state, 0)
+    state = latest_verified(run, below=20)
     assert state["step"] == 10 and state["loader"] == {"position": 10}
-    assert len(skipped) == 1 and skipped[0][0].endswith("step-00000020") and "does not verify" in skipped[0][1]
     assert float(read_rank_tensors(run, state, 0)["model/w"][0, 0]) == 10.0
+
+
+def test_rank_files_load_as_safetensors_writes_them(tmp_path):
+    """The streamed reader gives back exactly what safetensors saved, for every dtype a checkpoint holds."""
+    import torch
+    from safetensors.torch import save_file
+
+    from petatrain.storage.checksum import checksum_file
+    from petatrain.train.checkpoint import read_rank_tensors, step_dir
+
+    saved = {
+        "model/w": torch.randn(3, 5),
+        "model/h": torch.randn(2, 2).half(),
+        "optim/w/exp_avg": torch.randn(7).bfloat16(),
+        "optim/w/step": torch.tensor(3.0),
+        "model/empty": torch.empty(0, 4),
+        "rng/cpu": torch.get_rng_state(),
+        "model/index": torch.arange(10),
+        "model/mask": torch.tensor([True, False, True]),
+    }
+    path = Path(step_dir(str(tmp_path), 1)) / "rank-00000.safetensors"
+    path.parent.mkdir(parents=True)
+    save_file(saved, str(path), metadata={"step": "1"})
+    info = {"checksum": checksum_file(str(path)), "bytes": path.stat().st_size}
+    loaded = read_rank_tensors(str(tmp_path), {"step": 1, "files": {path.name: info}}, 0)
+    assert loaded.keys() == saved.keys()
+    for name, tensor in saved.items():
+        assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor), name
+
+
+def test_resume_falls_back_when_any_rank_finds_its_file_corrupt(baseline, token_dataset, tmp_path):
+    """Rank 1's file of the newest checkpoint is corrupt, rank 0's is fine: both ranks resume from
+    the one before (nothing is loaded until all agree), and the weights still match."""
+    with pytest.raises(PetatrainError):
+        train(tiny(token_dataset, "faults.max_restarts=0"), tmp_path, "raise@step=22")
+    victim = tmp_path / "checkpoints" / "step-00000020" / "rank-00001.safetensors"
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    train(tiny(token_dataset), tmp_path)
+    events = read_events(str(tmp_path))
+    assert [e["step"] for e in events if e["event"] == "resume"] == [0, 10]
+    skipped = [e for e in events if e["event"] == "checkpoint_skipped"]
+    assert len(skipped) == 1 and skipped[0]["url"].endswith("step-00000020"), skipped
+    assert "rank-00001.safetensors does not verify: checksum" in skipped[0]["reason"]
+    assert sha256(tmp_path / "final" / "model.safetensors") == sha256(baseline / "final" / "model.safetensors")
 
 
 def test_retention_keeps_the_last_k_and_every_mth(tmp_path):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import queue
 import threading
 import time
@@ -29,12 +30,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from safetensors.torch import load as st_load
+import xxhash
 from safetensors.torch import save_file as st_save_file
 
 from petatrain.errors import CorruptDataError, PetatrainError
 from petatrain.storage import StorageOptions, join
-from petatrain.storage.checksum import verify
+from petatrain.storage.checksum import ALGORITHM, ChecksumMismatch, verify
 from petatrain.storage.fs import (
     atomic_write,
     exists,
@@ -309,22 +310,40 @@ def read_state(run_url: str, step: int, options: StorageOptions | None = None) -
 
 
 def verify_checkpoint(run_url: str, step: int, options: StorageOptions | None = None) -> dict[str, Any]:
-    """state.json of a committed checkpoint whose every file verifies; CorruptDataError otherwise."""
+    """state.json of a committed checkpoint whose every file is present at its recorded size;
+    CorruptDataError otherwise.
+
+    The files' contents are checked against their checksums by whoever reads them
+    (`read_rank_tensors`), in the same pass that loads them: verifying here would read the
+    whole checkpoint once more, on one rank."""
     state = read_state(run_url, step, options)
     folder = step_dir(run_url, step)
-    try:
-        for name, info in state["files"].items():
-            verify(read_bytes(join(folder, name), options), info["checksum"], join(folder, name))
-    except (OSError, ValueError) as exc:
-        raise CorruptDataError(f"checkpoint {folder} does not verify: {exc}") from None
+    for name, info in state["files"].items():
+        url = join(folder, name)
+        fs, path = resolve(url, options)
+        try:
+            size = retrying(f"stat {url}", lambda fs=fs, path=path: fs.size(path))
+        except FileNotFoundError:
+            raise CorruptDataError(f"checkpoint {folder} does not verify: {name} is missing") from None
+        if size != info["bytes"]:
+            raise CorruptDataError(
+                f"checkpoint {folder} does not verify: {name} has {size} bytes, {info['bytes']} recorded"
+            )
     return state
 
 
 def latest_verified(
-    run_url: str, options: StorageOptions | None = None, on_skip: Callable[[str, str], None] | None = None
+    run_url: str,
+    options: StorageOptions | None = None,
+    on_skip: Callable[[str, str], None] | None = None,
+    *,
+    below: int | None = None,
 ) -> dict[str, Any] | None:
-    """The newest checkpoint that verifies (its state.json), skipping torn or corrupt ones."""
+    """The newest checkpoint (older than step `below`, if given) that verifies, skipping torn
+    or corrupt ones; its state.json."""
     for step in reversed(committed_steps(run_url, options)):
+        if below is not None and step >= below:
+            continue
         try:
             return verify_checkpoint(run_url, step, options)
         except CorruptDataError as exc:
@@ -334,13 +353,107 @@ def latest_verified(
     return None
 
 
-def read_rank_tensors(run_url: str, state: dict[str, Any], rank: int, options: StorageOptions | None = None):
-    """The tensors rank `rank` saved in a verified checkpoint, checked against state.json."""
+def read_rank_tensors(
+    run_url: str, state: dict[str, Any], rank: int, options: StorageOptions | None = None
+) -> dict[str, torch.Tensor]:
+    """The tensors rank `rank` saved in a committed checkpoint; CorruptDataError unless the file
+    matches the size and checksum state.json recorded.
+
+    One streamed pass: the bytes are read straight into the tensors and checksummed on the
+    way, so a multi-GB rank file is never held in memory besides the tensors it holds."""
     name = rank_file(rank)
     info = state["files"].get(name)
     if info is None:
         return {}
     url = join(step_dir(run_url, state["step"]), name)
-    data = read_bytes(url, options)
-    verify(data, info["checksum"], url)
-    return st_load(data)
+    fs, path = resolve(url, options)
+
+    def attempt() -> dict[str, torch.Tensor]:
+        with fs.open(path, "rb") as handle:
+            return _read_safetensors(handle, info)
+
+    try:
+        return retrying(f"read {url}", attempt)
+    except (OSError, ValueError) as exc:
+        raise CorruptDataError(f"checkpoint file {url} does not verify: {exc}") from None
+
+
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U64": torch.uint64,
+    "U32": torch.uint32,
+    "U16": torch.uint16,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+_MAX_HEADER = 100 << 20
+_CHUNK = 64 << 20
+
+
+def _read_safetensors(handle: Any, info: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Parse a safetensors file from `handle` into new CPU tensors, checking its size and checksum.
+
+    The header is validated before anything is allocated: the tensors must tile the data
+    section exactly (as the format requires), which must end where the recorded size does."""
+    digest = xxhash.xxh3_128()
+    size = int(info["bytes"])
+    head = _read_exact(handle, bytearray(8), digest)
+    header_len = int.from_bytes(head, "little")
+    if not 2 <= header_len <= min(_MAX_HEADER, size - 8):
+        raise ValueError(f"header length {header_len} does not fit a {size}-byte file")
+    header = json.loads(_read_exact(handle, bytearray(header_len), digest))
+    if not isinstance(header, dict):
+        raise ValueError("header is not a JSON object")
+    header.pop("__metadata__", None)
+    entries = []
+    for name, entry in header.items():
+        try:
+            dtype, shape = _DTYPES[entry["dtype"]], [int(d) for d in entry["shape"]]
+            start, end = (int(o) for o in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"tensor {name!r}: unreadable header entry {entry!r}") from None
+        if min(shape, default=0) < 0 or end - start != math.prod(shape) * dtype.itemsize:
+            raise ValueError(f"tensor {name!r}: offsets {start}..{end} do not fit shape {shape} of {dtype}")
+        entries.append((start, end, name, dtype, shape))
+    entries.sort(key=lambda e: e[0])
+    position = 0
+    for start, end, name, _, _ in entries:
+        if start != position:
+            raise ValueError(f"tensor {name!r} starts at byte {start} of the data, not {position}")
+        position = end
+    if 8 + header_len + position != size:
+        raise ValueError(f"header describes {8 + header_len + position} bytes, {size} recorded")
+    tensors: dict[str, torch.Tensor] = {}
+    for _, _, name, dtype, shape in entries:
+        tensor = torch.empty(shape, dtype=dtype)
+        if tensor.numel():
+            _read_exact(handle, tensor.reshape(-1).view(torch.uint8).numpy(), digest)
+        tensors[name] = tensor
+    if handle.read(1):
+        raise ValueError(f"longer than the {size} bytes recorded")
+    actual = f"{ALGORITHM}:{digest.hexdigest()}"
+    if actual != info["checksum"]:
+        raise ChecksumMismatch(f"checksum {actual} does not match recorded {info['checksum']}")
+    return tensors
+
+
+def _read_exact(handle: Any, buffer: Any, digest: Any) -> Any:
+    """Fill the writable `buffer` from `handle`, hashing the bytes as they arrive; returns it."""
+    view = memoryview(buffer).cast("B")
+    filled = 0
+    while filled < len(view):
+        n = handle.readinto(view[filled : filled + _CHUNK])
+        if not n:
+            raise ValueError(f"truncated: {len(view) - filled} bytes missing")
+        digest.update(view[filled : filled + n])
+        filled += n
+    return buffer

@@ -25,12 +25,12 @@ import torch.distributed as dist
 from petatrain import config as config_mod
 from petatrain.chaos import inject
 from petatrain.config import JobConfig
-from petatrain.errors import ConfigError, PetatrainError
+from petatrain.errors import ConfigError, CorruptDataError, PetatrainError
 from petatrain.models import ModelSpec, build_model
 from petatrain.storage import StorageOptions, join
 from petatrain.storage.fs import atomic_write
 from petatrain.train import checkpoint as ckpt
-from petatrain.train.parallel import load_into, parallelize, state_for_save
+from petatrain.train.parallel import load_into, parallelize, ranks_to_read, state_for_save
 
 log = logging.getLogger(__name__)
 
@@ -348,12 +348,11 @@ def train_worker(payload: Payload) -> None:
 
     # -- resume ---------------------------------------------------------------------------------
     start = 0
-    state = _choose_checkpoint(payload, rank, emit)
+    state, shards = _restore_point(payload, rank, world, cfg, emit)
     if state is not None:
-        tensors = ckpt.read_rank_tensors(payload.run_url, state, rank, payload.options)
-        load_into(model, optimizer, state, tensors, rank=rank, world=world, cfg=cfg, payload=payload)
+        load_into(model, optimizer, state, shards, rank=rank, world=world, cfg=cfg)
         data.load_state_dict(state["loader"])
-        rng = tensors.get("rng/cpu")
+        rng = shards.get(rank, {}).get("rng/cpu")
         if rng is not None and state["world_size"] == world:
             torch.set_rng_state(rng)
         start = state["step"]
@@ -505,20 +504,47 @@ def _partitionable() -> bool:
     return on_cuttable_node()
 
 
-def _choose_checkpoint(payload: Payload, rank: int, emit) -> dict[str, Any] | None:
-    """Rank 0 picks the newest verified checkpoint; its step is broadcast so all ranks agree."""
-    state = None
-    if rank == 0:
-        state = ckpt.latest_verified(
-            payload.run_url, payload.options, on_skip=lambda url, why: emit("checkpoint_skipped", url=url, reason=why)
-        )
-    chosen = torch.tensor([state["step"] if state else -1], dtype=torch.long)
-    dist.broadcast(chosen, src=0)
-    step = int(chosen.item())
-    if step < 0:
-        return None
-    # Rank 0 verified every file to choose; the others check state.json and the files they read.
-    return state if rank == 0 else ckpt.read_state(payload.run_url, step, payload.options)
+def _restore_point(payload: Payload, rank: int, world: int, cfg: JobConfig, emit):
+    """The newest checkpoint every rank can read and verify, and the rank files this rank needs
+    from it (rank -> tensors); (None, {}) for a fresh start.
+
+    Rank 0 picks the newest committed checkpoint whose state.json and file sizes check out and
+    broadcasts its step. Each rank then reads the files it needs, checksummed as they load, so
+    no rank reads the whole checkpoint just to choose it. Nothing is loaded until all ranks
+    agree: if any rank's file does not verify, all fall back to the previous checkpoint.
+    """
+    below = None
+    while True:
+        state = None
+        if rank == 0:
+            state = ckpt.latest_verified(
+                payload.run_url,
+                payload.options,
+                on_skip=lambda url, why: emit("checkpoint_skipped", url=url, reason=why),
+                below=below,
+            )
+        chosen = torch.tensor([state["step"] if state else -1], dtype=torch.long)
+        dist.broadcast(chosen, src=0)
+        step = int(chosen.item())
+        if step < 0:
+            return None, {}
+        problem = None
+        try:
+            if rank != 0:
+                state = ckpt.read_state(payload.run_url, step, payload.options)
+            needed = ranks_to_read(state, rank=rank, world=world, cfg=cfg)
+            shards = {r: ckpt.read_rank_tensors(payload.run_url, state, r, payload.options) for r in needed}
+        except CorruptDataError as exc:
+            problem, shards = str(exc), {}
+        # The lowest rank that found a problem reports it; world = nobody did.
+        first_bad = torch.tensor([rank if problem else world], dtype=torch.long)
+        dist.all_reduce(first_bad, op=dist.ReduceOp.MIN)
+        if int(first_bad.item()) == world:
+            return state, shards
+        if problem and int(first_bad.item()) == rank:
+            log.warning("skipping checkpoint: %s", problem)
+            emit("checkpoint_skipped", url=ckpt.step_dir(payload.run_url, step), reason=problem)
+        below = step
 
 
 def _snapshot(model, optimizer, data, writer, buffers, step, rank, world, cfg, digest) -> tuple[ckpt.Snapshot, float]:

@@ -65,23 +65,33 @@ def state_for_save(
     return ckpt.flatten_state(model_sd, optim_sd, with_model=with_model, buffers=buffers)
 
 
-def load_into(model, optimizer, state: dict[str, Any], tensors: dict[str, torch.Tensor], *, rank, world, cfg, payload):
-    """Restore model and optimizer from a verified checkpoint (any world size for FSDP and DDP)."""
+def ranks_to_read(state: dict[str, Any], *, rank: int, world: int, cfg: JobConfig) -> list[int]:
+    """Whose rank files this rank needs to resume from the checkpoint `state`.
+
+    DDP: rank 0's (the replicas' model and optimizer) and, at the same world size, its own
+    (its RNG state). FSDP: its own shards at the same world size, every rank's otherwise."""
     if state.get("strategy") != cfg.parallel.strategy:
         raise PetatrainError(
             f"checkpoint step {state['step']} was written with parallel.strategy={state.get('strategy')}; "
             f"this run uses {cfg.parallel.strategy}"
         )
+    same_world = state["world_size"] == world
+    if cfg.parallel.strategy == "ddp":
+        return sorted({0, rank}) if same_world else [0]
+    return [rank] if same_world else list(range(state["world_size"]))
+
+
+def load_into(model, optimizer, state: dict[str, Any], shards: dict[int, dict[str, torch.Tensor]], *, rank, world, cfg):
+    """Restore model and optimizer from a checkpoint's verified rank files (`shards`: rank ->
+    tensors, those `ranks_to_read` named), on any world size for FSDP and DDP."""
     groups = state["param_groups"]
     if cfg.parallel.strategy == "ddp":
-        if rank != 0:  # replicas: everyone loads rank 0's copy
-            tensors = ckpt.read_rank_tensors(payload.run_url, state, 0, payload.options)
-        model_sd, optim_state = ckpt.unflatten_state(tensors)
+        model_sd, optim_state = ckpt.unflatten_state(shards[0])
         set_model_state_dict(model, model_sd)
         set_optimizer_state_dict(model, optimizer, {"state": optim_state, "param_groups": groups})
         return
     if state["world_size"] == world:
-        model_sd, optim_state = ckpt.unflatten_state(tensors)
+        model_sd, optim_state = ckpt.unflatten_state(shards[rank])
         current = get_model_state_dict(model)
         set_model_state_dict(model, {k: _like(current[k], v) for k, v in model_sd.items()})
         current_optim = get_optimizer_state_dict(model, optimizer)["state"]
@@ -92,12 +102,12 @@ def load_into(model, optimizer, state: dict[str, Any], tensors: dict[str, torch.
         set_optimizer_state_dict(model, optimizer, {"state": optim_state, "param_groups": groups})
         return
     # Another world size: rebuild full tensors from every rank's dim-0 shards.
-    shards = [ckpt.read_rank_tensors(payload.run_url, state, r, payload.options) for r in range(state["world_size"])]
+    parts_by_rank = [shards[r] for r in range(state["world_size"])]
     full: dict[str, torch.Tensor] = {}
-    for name in shards[0]:
+    for name in parts_by_rank[0]:
         if name.startswith("rng/"):
             continue
-        parts = [s[name] for s in shards if name in s]
+        parts = [s[name] for s in parts_by_rank if name in s]
         full[name] = parts[0] if parts[0].dim() == 0 else torch.cat(parts, dim=0)
     model_sd, optim_state = ckpt.unflatten_state(full)
     options = StateDictOptions(full_state_dict=True)
