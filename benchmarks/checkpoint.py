@@ -3,11 +3,17 @@
 For GPT models of ~10M, ~100M and ~500M parameters (fp32 weights + AdamW state, i.e.
 12 bytes per parameter: ~6 GB at 500M), on this CPU, one run, same model and disk:
 
-- petatrain: the loop's own `_snapshot()` (host snapshot via `state_for_save`) and submit to
-  the real `CheckpointWriter` (single rank, in-process fake hub, local directory). The stall is
-  the time of both, taken once the previous write has finished (as it has with a
-  10 s interval); the background write (safetensors, fsync, read-back verify, commit) is
-  reported beside it;
+- petatrain: the loop's own calls on a real step: forward/backward, AdamW step, then the
+  loop's staging decision (`_snapshot_live`), `_snapshot()` and submit to the real
+  `CheckpointWriter` (single rank, in-process fake hub, local directory), then the next
+  step's forward/backward and its wait before `optimizer.step()` (`wait_for_staging`). The
+  stall is the snapshot + submit + that wait, taken once the previous write has finished (as
+  it has with a 10 s interval); the background write (safetensors, fsync, read-back verify,
+  commit) is reported beside it. Row "staging: auto" is the default: the loop's
+  `StagingChoice` copies once, tries the live weights once (no copy; the next step's
+  optimizer.step waits for the write to have read them), then keeps the cheaper; its two
+  probing checkpoints are not timed. Row "staging: copy" always copies (the behaviour before
+  live staging);
 - Ray Train sync / async: a 1-worker TorchTrainer whose loop does what the Ray docs show:
   `torch.save` of model + optimizer state into a fresh local directory, then
   `ray.train.report(metrics, checkpoint=Checkpoint.from_directory(dir))` with
@@ -61,10 +67,11 @@ SIZES = {
     "100M": {"n_layer": 12, "n_head": 12, "d_model": 768, "vocab_size": 16384},
     "500M": {"n_layer": 24, "n_head": 20, "d_model": 1280, "vocab_size": 16384},
 }
-PEERS = ["step", "petatrain", "ray-sync", "ray-async", "dcp", "dcp-async", "torch-save"]
+PEERS = ["step", "petatrain", "petatrain-copy", "ray-sync", "ray-async", "dcp", "dcp-async", "torch-save"]
 TITLES = {
     "step": "training step (fwd + bwd + AdamW)",
-    "petatrain": "petatrain async (snapshot + submit)",
+    "petatrain": "petatrain async (staging: auto)",
+    "petatrain-copy": "petatrain async (staging: copy)",
     "ray-sync": "Ray Train report, sync upload",
     "ray-async": "Ray Train report, async upload",
     "dcp": "torch DCP save (sync)",
@@ -72,10 +79,9 @@ TITLES = {
     "torch-save": "torch.save (sync)",
 }
 # Host copies of the 12 B/param state each peer holds at its peak, besides the model's own
-# (weights + AdamW; gradients are freed before checkpointing). petatrain: inside
-# safetensors.torch.save the snapshot, the Rust buffer and the bytes copied from it
-# (then the read-back that verifies them); DCP async: its staging copy.
-PEAK_COPIES = {"step": 0.4, "petatrain": 1.2, "ray-sync": 0.2, "ray-async": 0.2, "dcp": 0.2, "dcp-async": 1.2}
+# (weights + AdamW; gradients are freed before checkpointing). petatrain: the snapshot
+# buffers, plus gradients and activations of the real steps it runs; DCP async: its staging copy.
+PEAK_COPIES = {"step": 0.4, "petatrain": 1.6, "petatrain-copy": 1.6, "dcp": 0.2, "dcp-async": 1.2}
 RAY_OVERHEAD_GIB = 1.5  # raylet, GCS, controller and worker processes
 
 
@@ -141,12 +147,17 @@ def row_step(size: str, args: argparse.Namespace) -> dict:
     return {"step_s": _median(times), "samples": times, "threads": torch.get_num_threads()}
 
 
-def row_petatrain(size: str, args: argparse.Namespace, folder: Path) -> dict:
-    from petatrain.config import JobConfig
+def row_petatrain(size: str, args: argparse.Namespace, folder: Path, staging: str) -> dict:
+    import torch
+
+    from petatrain import config
+    from petatrain.models.gpt import next_token_loss
     from petatrain.train import checkpoint as ckpt
-    from petatrain.train.loop import _digest, _snapshot  # the loop's own calls, not a copy of them
+    from petatrain.train.loop import StagingChoice, _digest, _snapshot  # the loop's own calls
 
     model, optimizer = trained_model(size, args.seq_len)
+    choice = StagingChoice(staging, available=True)  # CPU, a built-in GPT
+    tokens = torch.randint(0, SIZES[size]["vocab_size"], (args.batch, args.seq_len + 1))
     parts: dict[int, dict] = {}
     commits: list[dict] = []
     writer = ckpt.CheckpointWriter(
@@ -157,33 +168,60 @@ def row_petatrain(size: str, args: argparse.Namespace, folder: Path) -> dict:
         on_commit=commits.append,
         keep_last=1,
     )
-    cfg = JobConfig()
+    cfg = config.load(None, [f"checkpoint.staging={staging}"])
     digest = _digest(cfg)  # the loop computes it once per attempt
 
     class Data:  # the loader's resume state is a tiny tuple-like dict
         def state_dict(self) -> dict:
             return {"epoch": 0, "position": 0}
 
-    stalls, writes = [], []
+    def forward_backward() -> float:
+        started = time.perf_counter()
+        next_token_loss(model, tokens).backward()
+        return time.perf_counter() - started
+
+    stalls, waits, lives, overlapped, writes, stagings = [], [], [], [], [], []
     buffers = ckpt.HostBuffers()  # the loop keeps its snapshot buffers for the whole run
-    for rep in range(args.repeats + 1):  # the first checkpoint allocates the buffers: not timed
-        writer.wait()  # with a 10 s interval the previous write is done: time only what the loop pays then
-        started = time.perf_counter()  # what the loop pays: the snapshot and handing it to the writer
-        snapshot, _ = _snapshot(model, optimizer, Data(), writer, buffers, 100 * (rep + 1), 0, 1, cfg, digest)
+    # Untimed: the first checkpoint (it allocates the buffers) and, for auto, the second
+    # (auto copies once and tries live once before it has a cost for each).
+    warmup = 2 if staging == "auto" else 1
+    for rep in range(args.repeats + warmup):
+        # The step the checkpoint follows (with a 10 s interval the previous write is done).
+        writer.wait()
+        forward_backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        live = choice.live(writer.live_refused)
+        # What the loop pays: the snapshot and handing it to the writer, then, in the next step,
+        # waiting before optimizer.step until a live snapshot's tensors have been read.
+        started = time.perf_counter()
+        snapshot, _ = _snapshot(model, optimizer, Data(), writer, buffers, 100 * (rep + 1), 0, 1, cfg, digest, live)
         writer.submit(snapshot)
         stall = time.perf_counter() - started
-        if rep:
-            stalls.append(stall)
+        forward_s = forward_backward()
+        wait = writer.wait_for_staging()
+        choice.observed(live, stall + wait)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         writer.wait()
         if writer.error is not None:
             raise writer.error
-        if rep:
+        if rep >= warmup:
+            stalls.append(stall + wait)
+            waits.append(wait)
+            lives.append(live)
+            overlapped.append(forward_s)
             writes.append(writer.last_write_s)
+            stagings.append(writer.last_staging_s)
     writer.close()
     assert ckpt.latest_verified(str(folder)) is not None, "petatrain wrote no verifiable checkpoint"
     return {
         "stall_s": _median(stalls),
         "samples": stalls,
+        "staging_wait_samples": waits,
+        "live": lives,
+        "forward_backward_during_write_s": _median(overlapped),
+        "staging_samples": stagings,  # the write reading the tensors (serialising them)
         "background_s": _median(writes),
         "background_samples": writes,
         "bytes": commits[-1]["bytes"],
@@ -312,8 +350,8 @@ def child(args: argparse.Namespace) -> None:
     folder = Path(args.folder)
     if args.row == "step":
         result = row_step(args.size, args)
-    elif args.row == "petatrain":
-        result = row_petatrain(args.size, args, folder)
+    elif args.row in ("petatrain", "petatrain-copy"):
+        result = row_petatrain(args.size, args, folder, staging="copy" if args.row == "petatrain-copy" else "auto")
     elif args.row == "ray":
         result = row_ray(args.size, args, folder)
     elif args.row in ("dcp", "dcp-async"):

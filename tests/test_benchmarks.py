@@ -27,5 +27,5 @@ def test_checkpoint_benchmark_times_the_loops_own_snapshot(tmp_path):
     result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=300, check=False)
     assert result.returncode == 0, result.stderr[-2000:]
     row = json.loads(out.read_text())
-    assert len(row["samples"]) == 1 and 0 < row["stall_s"] < row["background_s"]
+    assert len(row["samples"]) == 1 and len(row["live"]) == 1 and 0 < row["stall_s"] < row["background_s"]
     assert row["bytes"] > 10_000_000 * 12  # weights + AdamW state of ~10M parameters

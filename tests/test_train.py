@@ -92,7 +92,8 @@ def test_every_fault_recovered_with_bit_identical_weights(baseline, token_datase
     kinds_ = ["kill", "raise", "hang", "preempt"]
     rng.shuffle(kinds_)
     specs = [f"{k}@step={s},rank={rng.randrange(2)}" for k, s in zip(kinds_, points, strict=True)]
-    summary = train(tiny(token_dataset), tmp_path, *specs)
+    # Checkpoints written from the live weights (not copies) resume to the same bits.
+    summary = train(tiny(token_dataset, "checkpoint.staging=live"), tmp_path, *specs)
     assert sha256(tmp_path / "final" / "model.safetensors") == sha256(baseline / "final" / "model.safetensors"), (
         f"weights differ after {specs} (seed {seed})"
     )
@@ -100,6 +101,7 @@ def test_every_fault_recovered_with_bit_identical_weights(baseline, token_datase
     expected = {"kill": "kill", "raise": "exception", "hang": "hang", "preempt": "preempt"}
     assert causes == [expected[k] for k in kinds_], (specs, summary["failures"])
     events = read_events(str(tmp_path))
+    assert all(e["live"] for e in events if e["event"] == "checkpoint_snapshot")
     injected = [e for e in events if e["event"] == "fault_injected"]
     assert [e["key"] for e in injected] == [f"{s}" for s in specs], "each injection fires exactly once"
     # A notice arriving after step s is seen by all ranks at the end of step s + 1, which is
@@ -150,8 +152,9 @@ def test_gives_up_after_max_restarts(token_dataset, tmp_path):
 
 def test_fsdp_resumes_on_another_world_size(baseline, token_dataset, tmp_path):
     """FSDP shards saved by 2 ranks load on 1; the global batch stays 16 (accumulation doubles)."""
-    with pytest.raises(PetatrainError):
-        train(tiny(token_dataset, "parallel.strategy=fsdp", "faults.max_restarts=0"), tmp_path, "raise@step=12")
+    with pytest.raises(PetatrainError):  # shards written from the live (sharded) weights
+        fsdp = tiny(token_dataset, "parallel.strategy=fsdp", "faults.max_restarts=0", "checkpoint.staging=live")
+        train(fsdp, tmp_path, "raise@step=12")
     summary = train(tiny(token_dataset, "parallel.strategy=fsdp", "parallel.workers=1"), tmp_path)
     events = read_events(str(tmp_path))
     assert [e["world_size"] for e in events if e["event"] == "attempt_start"] == [2, 1]
@@ -323,6 +326,124 @@ def test_resume_falls_back_when_any_rank_finds_its_file_corrupt(baseline, token_
     assert len(skipped) == 1 and skipped[0]["url"].endswith("step-00000020"), skipped
     assert "rank-00001.safetensors does not verify: checksum" in skipped[0]["reason"]
     assert sha256(tmp_path / "final" / "model.safetensors") == sha256(baseline / "final" / "model.safetensors")
+
+
+def test_live_snapshot_is_written_as_taken_and_refused_if_it_changed(tmp_path):
+    """A live snapshot references the weights (no copy) and is committed as they were; one whose
+    weights changed before the writer had read them is not committed, and copying takes over."""
+    import torch
+
+    from petatrain.train.checkpoint import (
+        CheckpointWriter,
+        HostBuffers,
+        Snapshot,
+        committed_steps,
+        flatten_state,
+        latest_verified,
+        read_rank_tensors,
+    )
+
+    weight = torch.arange(6.0).reshape(2, 3)
+    exp_avg = torch.ones(2, 3)
+    model_sd = {"w": weight, "tied": weight}
+    optim_sd = {"state": {"w": {"exp_avg": exp_avg}}, "param_groups": [{"lr": 0.1}]}
+    ptrs = frozenset({weight.data_ptr(), exp_avg.data_ptr()})
+    parts: dict = {}
+    writer = CheckpointWriter(
+        str(tmp_path),
+        None,
+        report_part=lambda s, r, f: parts.__setitem__(s, f),
+        wait_parts=lambda s, w, t: parts.get(s),
+        on_commit=lambda info: None,
+    )
+
+    def snapshot(step: int) -> Snapshot:
+        tensors, meta, live = flatten_state(model_sd, optim_sd, with_model=True, buffers=HostBuffers(), live_ptrs=ptrs)
+        assert tensors["model/w"].data_ptr() == weight.data_ptr(), "referenced, not copied"
+        assert tensors["model/tied"].data_ptr() != weight.data_ptr(), "a storage saved twice is copied"
+        versions = [t._version for t in live]
+        return Snapshot(step=step, rank=0, world_size=1, tensors=tensors, meta=meta, live=live, versions=versions)
+
+    writer.submit(snapshot(1))
+    writer.wait_for_staging()
+    weight.add_(100.0)  # optimizer.step, after the staging
+    writer.wait()
+    assert writer.error is None and not writer.live_refused
+    state = latest_verified(str(tmp_path))
+    assert torch.equal(read_rank_tensors(str(tmp_path), state, 0)["model/w"], torch.arange(6.0).reshape(2, 3))
+
+    changed = snapshot(2)
+    weight.add_(1.0)  # written before the writer has read it
+    writer.submit(changed)
+    writer.close()
+    assert "weights changed while they were written" in str(writer.error) and writer.live_refused
+    assert committed_steps(str(tmp_path)) == [1]
+    assert not list(tmp_path.glob("checkpoints/step-00000002/*")), "nothing of the torn snapshot was published"
+
+
+_WATCH_SCRIPT = """
+import socket, sys, torch, torch.distributed as dist
+from petatrain import config
+from petatrain.models import build_model
+from petatrain.train import checkpoint as ckpt
+from petatrain.train.loop import build_optimizer
+from petatrain.train.parallel import parallelize, state_for_save
+
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+cfg = config.load("examples/tiny.yaml", [f"parallel.strategy={sys.argv[1]}"])
+spec = build_model(cfg.model, cfg.train)
+model = parallelize(spec, cfg, torch.device("cpu"))
+optimizer = build_optimizer(model, cfg.train)
+tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_len + 1))
+spec.loss_fn(model, tokens).backward()
+optimizer.step()
+_, _, live = state_for_save(model, optimizer, rank=0, cfg=cfg, buffers=ckpt.HostBuffers(), live=True)
+versions = [t._version for t in live]
+spec.loss_fn(model, tokens).backward()
+after_backward = sum(v != t._version for v, t in zip(versions, live))
+optimizer.step()
+print(len(live), after_backward, sum(v != t._version for v, t in zip(versions, live)))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_live_snapshot_guard_sees_every_change_optimizer_step_makes(strategy):
+    """The writer's guard watches version counters: every live tensor's moves in optimizer.step
+    (FSDP's sharded DTensors bump only their own, not their local tensor's), none in forward/backward."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", _WATCH_SCRIPT, strategy], capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    live, after_backward, after_step = map(int, out.stdout.split()[-3:])
+    assert live > 50 and after_backward == 0 and after_step == live, (live, after_backward, after_step)
+
+
+def test_staging_choice_keeps_the_cheaper_of_copy_and_live():
+    from petatrain.train.loop import StagingChoice
+
+    auto = StagingChoice("auto", available=True, retry_every=4)
+    taken = []
+    for _ in range(9):
+        live = auto.live()
+        taken.append(live)
+        auto.observed(live, 0.01 if live else 0.3)  # live is cheaper: the next step never waits
+    # copy once, live once, then live, except every 4th checkpoint retries copying
+    assert taken == [False, True, True, True, False, True, True, True, False]
+    slow = StagingChoice("auto", available=True)
+    for _ in range(2):
+        live = slow.live()
+        slow.observed(live, 2.0 if live else 0.3)  # the next optimizer.step waited 2 s for the write
+    assert not slow.live()
+    assert not auto.live(refused=True), "a live snapshot changed under the writer: copies only"
+    assert not StagingChoice("live", available=False).live(), "GPU: host copies"
+    assert StagingChoice("live", available=True).live() and not StagingChoice("copy", available=True).live()
 
 
 def test_retention_keeps_the_last_k_and_every_mth(tmp_path):

@@ -165,6 +165,11 @@ class CheckpointConfig:
     keep_last: int = 3
     keep_every: int = 0  # also keep checkpoints whose step is a multiple of this; 0 = none
     asynchronous: bool = True
+    # How a snapshot holds the training state on CPU: "copy" to host buffers; "live" writes the
+    # weights themselves while the next step's forward and backward run (optimizer.step waits
+    # for the write to have read them); "auto": for the built-in models, whichever of the two
+    # measured cheaper (train/loop.py StagingChoice). On GPU snapshots are always host copies.
+    staging: Literal["auto", "copy", "live"] = "auto"
 
     def __post_init__(self) -> None:
         self.interval()

@@ -24,6 +24,10 @@ class ModelSpec:
     module: nn.Module
     loss_fn: LossFn
     block_types: tuple[type[nn.Module], ...] = ()  # units FSDP shards one by one
+    # Forward and backward never write the parameters (only optimizer.step does), so a
+    # checkpoint may be written from the live tensors while the next step's forward and
+    # backward run. Known for the built-in models only; a user model's weights are copied.
+    weights_fixed_in_forward: bool = False
 
 
 def build_model(model: ModelConfig, train: TrainConfig | None = None) -> ModelSpec:
@@ -33,9 +37,9 @@ def build_model(model: ModelConfig, train: TrainConfig | None = None) -> ModelSp
         module = GPT(model, attention=train.attention, activation_checkpointing=train.activation_checkpointing)
         from petatrain.models.gpt import Block
 
-        return ModelSpec(module, next_token_loss, (Block,))
+        return ModelSpec(module, next_token_loss, (Block,), weights_fixed_in_forward=True)
     if model.kind == "mlp":
-        return ModelSpec(TokenMLP(model), next_token_loss, ())
+        return ModelSpec(TokenMLP(model), next_token_loss, (), weights_fixed_in_forward=True)
     module_name, _, attr = model.kind.partition(":")
     try:
         factory = getattr(importlib.import_module(module_name), attr)

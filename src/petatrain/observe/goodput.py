@@ -6,7 +6,7 @@ into parts that do not overlap:
 
     productive        step time of the steps kept in the final model, data wait excluded
     data_wait         data wait of the kept steps
-    checkpoint_stall  what the training loop paid for every checkpoint snapshot
+    checkpoint_stall  what the training loop paid for every checkpoint snapshot (and staging wait)
     fault_detection   per failure: from the fault to the moment it was noticed
     restart           per failure: from the failure to the start of the next attempt's first step
     recomputed        step time of step occurrences that a later attempt redid (lost work)
@@ -277,7 +277,7 @@ def _checkpoints(
     skipped = []
     for e, (attempt, _) in zip(events, attempts, strict=True):
         kind = e.get("event")
-        if kind not in ("checkpoint_snapshot", "checkpoint_commit", "checkpoint_skipped"):
+        if kind not in ("checkpoint_snapshot", "checkpoint_staging", "checkpoint_commit", "checkpoint_skipped"):
             continue
         step = _int(e.get("step"))
         if kind == "checkpoint_snapshot" and step is not None:
@@ -287,6 +287,9 @@ def _checkpoints(
                 t_s=as_number(e["t"]) - t0,
                 stall_s=max(as_number(e.get("stall_s")) or 0.0, 0.0),
             )
+        elif kind == "checkpoint_staging" and (attempt, step) in by_key:
+            # The next step waited for the write to read a live snapshot: stall, not training.
+            by_key[(attempt, step)].stall_s += max(as_number(e.get("wait_s")) or 0.0, 0.0)
         elif kind == "checkpoint_commit" and step is not None:
             record = by_key.get((attempt, step))
             if record is None:  # a commit whose snapshot line was lost: still a checkpoint

@@ -10,7 +10,10 @@ The kinds and their fields, which `goodput.py` and the report read:
     step              attempt, step, step_s (end of previous step to end of this one, data
                       wait included, checkpoint stall excluded), data_wait_s, loss, lr,
                       tokens, grad_norm
-    checkpoint_snapshot  attempt, step, stall_s (what the training loop paid)
+    checkpoint_snapshot  attempt, step, stall_s (what the training loop paid), live (written
+                         from the training state itself, not a copy)
+    checkpoint_staging   attempt, step, wait_s (a later step waited this long for the write of
+                         a live snapshot to read its tensors before optimizer.step; stall too)
     checkpoint_commit    attempt, step, write_s, bytes, url
     checkpoint_skipped   url, reason (torn or corrupt, at resume)
     eval              attempt, step, loss

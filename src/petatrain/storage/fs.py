@@ -179,11 +179,14 @@ def local_staging_path(url: str) -> str:
     return name
 
 
-def publish_file(url: str, staged: str, options: StorageOptions | None = None) -> tuple[str, int]:
+def publish_file(
+    url: str, staged: str, options: StorageOptions | None = None, *, consume: bool = True
+) -> tuple[str, int]:
     """Publish a staged local file at `url`, all or nothing, like `atomic_write`; returns (checksum, size).
 
     The checksum is computed by reading the staged file back in chunks after fsync, so a
-    multi-GB checkpoint is never held in memory. The staged file is consumed.
+    multi-GB checkpoint is never held in memory. The staged file is consumed (on local disk
+    it becomes `url`); with `consume=False` an upload leaves it for the caller to retry or remove.
     """
     from petatrain.storage.checksum import checksum_file
 
@@ -202,7 +205,7 @@ def publish_file(url: str, staged: str, options: StorageOptions | None = None) -
             raise OSError(f"{url}: stored {stored} bytes, wrote {size}")
         return checksum, size
     finally:
-        if os.path.exists(staged):
+        if consume and os.path.exists(staged):
             os.unlink(staged)
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import queue
 import threading
 import time
@@ -71,6 +72,10 @@ class Snapshot:
     world_size: int
     tensors: dict[str, torch.Tensor]  # flat names -> CPU tensors (may be empty on DDP ranks > 0)
     meta: dict[str, Any] = field(default_factory=dict)  # JSON: loader state, optimizer groups, ...
+    # The training-state tensors `tensors` references instead of copying, and their version
+    # counters when taken: the loop must not change them before `CheckpointWriter.wait_for_staging()`.
+    live: list[torch.Tensor] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
 
 
 class HostBuffers:
@@ -101,21 +106,44 @@ class HostBuffers:
 
 
 def flatten_state(
-    model_sd: dict[str, Any], optim_sd: dict[str, Any], *, with_model: bool, buffers: HostBuffers | None = None
-) -> tuple[dict, dict]:
-    """(tensors, json) of a model + optimizer state dict keyed by parameter name (FQN), copied to host."""
+    model_sd: dict[str, Any],
+    optim_sd: dict[str, Any],
+    *,
+    with_model: bool,
+    buffers: HostBuffers | None = None,
+    live_ptrs: frozenset[int] = frozenset(),
+) -> tuple[dict, dict, list[torch.Tensor]]:
+    """(tensors, json, live) of a model + optimizer state dict keyed by parameter name (FQN).
+
+    Tensors are copied to host buffers, except contiguous CPU tensors whose memory starts at
+    one of `live_ptrs`: those are referenced as they are, and the state-dict values they
+    came from are listed in `live`, to watch their version counters (a storage referenced
+    twice, as tied weights are, is copied the second time: safetensors refuses shared memory)."""
     buffers = buffers or HostBuffers()
     tensors: dict[str, torch.Tensor] = {}
+    live: list[torch.Tensor] = []
+    storages: set[int] = set()
+
+    def take(name: str, value: Any) -> torch.Tensor:
+        local = value.to_local() if hasattr(value, "to_local") else value
+        if isinstance(local, torch.Tensor) and local.data_ptr() in live_ptrs and local.device.type == "cpu":
+            storage = local.untyped_storage().data_ptr()
+            if local.is_contiguous() and storage not in storages:
+                storages.add(storage)
+                live.append(value)  # not `local`: a DTensor's in-place updates bump its own version only
+                return local.detach()
+        return buffers.copy(name, value)
+
     if with_model:
         for name, value in model_sd.items():
-            tensors[f"model/{name}"] = buffers.copy(f"model/{name}", value)
+            tensors[f"model/{name}"] = take(f"model/{name}", value)
         for fqn, state in optim_sd["state"].items():
             for key, value in state.items():
-                tensors[f"optim/{fqn}/{key}"] = buffers.copy(f"optim/{fqn}/{key}", value)
+                tensors[f"optim/{fqn}/{key}"] = take(f"optim/{fqn}/{key}", value)
         if torch.cuda.is_available():
             torch.cuda.synchronize()  # the non-blocking copies must land before the writer reads
     groups = [{k: v for k, v in g.items()} for g in optim_sd["param_groups"]]
-    return tensors, {"param_groups": groups}
+    return tensors, {"param_groups": groups}, live
 
 
 def unflatten_state(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
@@ -156,7 +184,11 @@ class CheckpointWriter:
     """Writes snapshots on a background thread; one write in flight at a time.
 
     `submit()` returns at once unless the previous write is still running, in which case
-    it waits for it; that wait is returned so the loop can count it as stall.
+    it waits for it; that wait is returned so the loop can count it as stall. A snapshot
+    with `live` tensors is serialised from the training state itself: the loop calls
+    `wait_for_staging()` before it next changes them (before `optimizer.step()`), and the
+    writer checks their version counters once it has read them, so a snapshot that changed
+    under it is never committed.
     `parts` is how this rank reports its file and how rank 0 learns the others':
     `report(step, rank, files)` and `wait_parts(step, world_size, timeout) -> files`.
     """
@@ -182,7 +214,11 @@ class CheckpointWriter:
         self._jobs: queue.Queue[Snapshot | None] = queue.Queue(maxsize=1)
         self._idle = threading.Event()
         self._idle.set()
+        self._staged = threading.Event()  # the current write no longer reads the snapshot's tensors
+        self._staged.set()
         self.error: BaseException | None = None
+        self.live_refused = False  # a live snapshot changed while being written: copy from now on
+        self.last_staging_s: float | None = None  # serialising the last snapshot (reading its tensors)
         self.last_write_s = 0.0
         self.last_write_cpu_s = 0.0  # CPU time of this thread for the last write (it competes with training on CPU)
         self._thread = threading.Thread(target=self._run, name="petatrain-ckpt", daemon=True)
@@ -194,8 +230,18 @@ class CheckpointWriter:
         self._idle.wait()
         waited = time.perf_counter() - t0
         self._idle.clear()
+        if snap.live:
+            self._staged.clear()
         self._jobs.put(snap)
         return waited
+
+    def wait_for_staging(self) -> float:
+        """Block until the write in flight has read its live tensors; returns the seconds waited."""
+        if self._staged.is_set():
+            return 0.0
+        t0 = time.perf_counter()
+        self._staged.wait()
+        return time.perf_counter() - t0
 
     def wait(self) -> float:
         t0 = time.perf_counter()
@@ -215,6 +261,7 @@ class CheckpointWriter:
                 self.error = exc
                 log.error("checkpoint of step %d on rank %d failed: %s", snap.step, snap.rank, exc)
             finally:
+                self._staged.set()
                 self._idle.set()
 
     def _put(self, url: str, data: bytes) -> tuple[str, int]:
@@ -224,16 +271,33 @@ class CheckpointWriter:
 
         return retrying(f"checkpoint write {url}", attempt)
 
-    def _put_tensors(self, url: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> tuple[str, int]:
-        """Serialise straight to a staged file (no in-memory copy of the bytes), then publish."""
+    def _put_tensors(self, url: str, snap: Snapshot, metadata: dict[str, str]) -> tuple[str, int]:
+        """Serialise once straight to a staged file (no in-memory copy of the bytes), then publish,
+        retrying the publication."""
+        staged = local_staging_path(url)
+        try:
+            t0 = time.perf_counter()
+            try:
+                st_save_file(snap.tensors, staged, metadata=metadata)
+            finally:
+                changed = [t._version for t in snap.live] != snap.versions
+                self._staged.set()  # the loop may change the tensors again
+            self.last_staging_s = time.perf_counter() - t0
+            if changed:
+                self.live_refused = True
+                raise PetatrainError(
+                    f"checkpoint step {snap.step}: the weights changed while they were written (the model "
+                    "writes them outside optimizer.step); not committed, later snapshots are copied"
+                )
 
-        def attempt() -> tuple[str, int]:
-            self.faults.check(url)
-            staged = local_staging_path(url)
-            st_save_file(tensors, staged, metadata=metadata)
-            return publish_file(url, staged, self.options)
+            def attempt() -> tuple[str, int]:
+                self.faults.check(url)
+                return publish_file(url, staged, self.options, consume=False)
 
-        return retrying(f"checkpoint write {url}", attempt)
+            return retrying(f"checkpoint write {url}", attempt)
+        finally:
+            if os.path.exists(staged):
+                os.unlink(staged)
 
     def _write(self, snap: Snapshot) -> None:
         t0, cpu0 = time.perf_counter(), time.thread_time()
@@ -242,7 +306,7 @@ class CheckpointWriter:
         try:
             if snap.tensors or snap.rank == 0:
                 metadata = {"step": str(snap.step), "rank": str(snap.rank)}
-                checksum, size = self._put_tensors(join(folder, rank_file(snap.rank)), snap.tensors, metadata)
+                checksum, size = self._put_tensors(join(folder, rank_file(snap.rank)), snap, metadata)
                 files[rank_file(snap.rank)] = {"checksum": checksum, "bytes": size}
         except Exception:
             self._report_part(snap.step, snap.rank, None)  # rank 0 stops waiting: no commit of this step

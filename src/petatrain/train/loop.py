@@ -360,6 +360,12 @@ def train_worker(payload: Payload) -> None:
         emit("resume", step=start, checkpoint=ckpt.step_dir(payload.run_url, start) if state else None)
 
     schedule = CheckpointSchedule(cfg, world, writer_competes=device.type == "cpu")
+    # Live snapshots: forward/backward must not write the weights (the built-in models), or the user says so.
+    staging = StagingChoice(
+        cfg.checkpoint.staging,
+        available=device.type == "cpu" and (spec.weights_fixed_in_forward or cfg.checkpoint.staging == "live"),
+    )
+    live_stall: float | None = None  # a live snapshot's stall, until the wait before optimizer.step adds to it
     digest = _digest(cfg)
     tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
     # Each injection fires once per run: drop those an earlier attempt fired (a warm standby's
@@ -371,7 +377,7 @@ def train_worker(payload: Payload) -> None:
     nan_next = False
     last_end = time.perf_counter()
     wait_mark = data.wait_s
-    step = start
+    step = last_checkpoint = start
     try:
         while step < cfg.train.steps:
             lr = lr_at(step, cfg.train)
@@ -405,9 +411,14 @@ def train_worker(payload: Payload) -> None:
             shared = dist.all_reduce(flags, async_op=True)
             grad_norm = _grad_norm(model, cfg.train.grad_clip)
             nonfinite = not math.isfinite(grad_norm)
+            staging_wait = 0.0
             if nonfinite:
                 optimizer.zero_grad(set_to_none=True)
             else:
+                staging_wait = writer.wait_for_staging()  # a live snapshot's tensors are read before they change
+                if live_stall is not None:
+                    staging.observed(True, live_stall + staging_wait)
+                    live_stall = None
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             shared.wait()
@@ -421,11 +432,14 @@ def train_worker(payload: Payload) -> None:
                     raise NonFiniteLoss(f"non-finite loss at step {step}; rolling back to the last checkpoint")
                 grad_norm = 0.0
             now = time.perf_counter()
+            step_s = now - last_end - staging_wait
             if rank == 0:
+                if staging_wait > 0.0:  # checkpoint stall, not training
+                    telemetry.record("checkpoint_staging", step=last_checkpoint, wait_s=staging_wait)
                 telemetry.record(
                     "step",
                     step=step,
-                    step_s=now - last_end,
+                    step_s=step_s,
                     data_wait_s=data.wait_s - wait_mark,
                     loss=loss_value if not nonfinite and math.isfinite(loss_value) else None,
                     lr=lr,
@@ -457,9 +471,17 @@ def train_worker(payload: Payload) -> None:
                     inject.act(injection)
 
             if checkpoint_due or preempt or stop or step == cfg.train.steps:
-                snapshot, stall = _snapshot(model, optimizer, data, writer, buffers, step, rank, world, cfg, digest)
+                live = staging.live(refused=writer.live_refused)
+                snapshot, stall = _snapshot(
+                    model, optimizer, data, writer, buffers, step, rank, world, cfg, digest, live=live
+                )
+                last_checkpoint = step
+                if live:
+                    live_stall = stall
+                else:
+                    staging.observed(False, stall)
                 if rank == 0:
-                    telemetry.record("checkpoint_snapshot", step=step, stall_s=stall)
+                    telemetry.record("checkpoint_snapshot", step=step, stall_s=stall, live=live)
                 writer.submit(snapshot)
                 schedule.taken(stall, writer.last_write_s, writer.last_write_cpu_s)
             if preempt:
@@ -547,15 +569,61 @@ def _restore_point(payload: Payload, rank: int, world: int, cfg: JobConfig, emit
         below = step
 
 
-def _snapshot(model, optimizer, data, writer, buffers, step, rank, world, cfg, digest) -> tuple[ckpt.Snapshot, float]:
-    """Snapshot to host memory for the writer; returns it and the stall in seconds (waiting
-    for a previous write that is still running included)."""
+def _snapshot(
+    model, optimizer, data, writer, buffers, step, rank, world, cfg, digest, live=False
+) -> tuple[ckpt.Snapshot, float]:
+    """Snapshot for the writer: host copies, or with `live` references to the parameters and
+    optimizer state (the loop then waits for the writer's staging before `optimizer.step()`).
+    Returns it and the stall in seconds (waiting for a previous write still running included)."""
     t0 = time.perf_counter()
     writer.wait()  # the host buffers are free again
-    tensors, meta = state_for_save(model, optimizer, rank=rank, cfg=cfg, buffers=buffers)
+    tensors, meta, live_tensors = state_for_save(model, optimizer, rank=rank, cfg=cfg, buffers=buffers, live=live)
     tensors["rng/cpu"] = torch.get_rng_state()
     meta.update(loader=data.state_dict(), strategy=cfg.parallel.strategy, config_digest=digest)
-    return ckpt.Snapshot(step=step, rank=rank, world_size=world, tensors=tensors, meta=meta), time.perf_counter() - t0
+    snap = ckpt.Snapshot(
+        step=step,
+        rank=rank,
+        world_size=world,
+        tensors=tensors,
+        meta=meta,
+        live=live_tensors,
+        versions=[t._version for t in live_tensors],
+    )
+    return snap, time.perf_counter() - t0
+
+
+class StagingChoice:
+    """Whether the next checkpoint is written from the live tensors instead of host copies.
+
+    `checkpoint.staging: copy` always copies, `live` always writes the live tensors; but never
+    on GPU (its tensors need a device-to-host copy anyway) and never after a live snapshot
+    was seen to change under the writer. `auto` measures both and keeps the cheaper: a copy
+    costs its snapshot (0.34 s for a 500M model's 5.9 GB here); a live snapshot costs almost
+    nothing unless the next step's `optimizer.step()` has to wait for the write to finish
+    reading, as it does when writing takes longer than a forward and backward. The first
+    checkpoint copies, the second tries live; from then on the cheaper of the last of each,
+    with the other retried every `retry_every` checkpoints as conditions change.
+    """
+
+    def __init__(self, mode: str, *, available: bool, retry_every: int = 10):
+        self.mode, self.available, self.retry_every = mode, available, retry_every
+        self.cost: dict[bool, float] = {}  # live? -> stall of the last such checkpoint
+        self.taken = 0
+
+    def live(self, refused: bool = False) -> bool:
+        if not self.available or refused or self.mode == "copy":
+            return False
+        if self.mode == "live":
+            return True
+        if len(self.cost) < 2:
+            return False in self.cost  # copy first, then live
+        cheaper = self.cost[True] <= self.cost[False]
+        return cheaper != (self.taken % self.retry_every == 0)
+
+    def observed(self, live: bool, stall_s: float) -> None:
+        """A checkpoint's whole stall: the snapshot, and for a live one the wait before optimizer.step."""
+        self.cost[live] = stall_s
+        self.taken += 1
 
 
 def _digest(cfg: JobConfig) -> str:

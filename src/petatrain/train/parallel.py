@@ -56,13 +56,29 @@ def parallelize(spec: ModelSpec, cfg: JobConfig, device: torch.device) -> nn.Mod
 
 
 def state_for_save(
-    model: nn.Module, optimizer: torch.optim.Optimizer, *, rank: int, cfg: JobConfig, buffers: ckpt.HostBuffers
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    rank: int,
+    cfg: JobConfig,
+    buffers: ckpt.HostBuffers,
+    live: bool = False,
 ):
-    """(tensors, json) this rank writes: host copies, taken at a step boundary."""
+    """(tensors, json, live tensors) this rank writes, taken at a step boundary: host copies, or
+    with `live` the parameters and optimizer state themselves (model buffers, which forward
+    may update, are always copied)."""
     model_sd = get_model_state_dict(model)
     optim_sd = get_optimizer_state_dict(model, optimizer)
     with_model = cfg.parallel.strategy == "fsdp" or rank == 0
-    return ckpt.flatten_state(model_sd, optim_sd, with_model=with_model, buffers=buffers)
+    live_ptrs: frozenset[int] = frozenset()
+    if live:
+        state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        live_ptrs = frozenset(_local(t).data_ptr() for t in [*model.parameters(), *state])
+    return ckpt.flatten_state(model_sd, optim_sd, with_model=with_model, buffers=buffers, live_ptrs=live_ptrs)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def ranks_to_read(state: dict[str, Any], *, rank: int, world: int, cfg: JobConfig) -> list[int]:
