@@ -4,7 +4,7 @@ For GPT models of ~10M, ~100M and ~500M parameters (fp32 weights + AdamW state, 
 12 bytes per parameter: ~6 GB at 500M), on this CPU, one run, same model and disk:
 
 - petatrain: the loop's own calls on a real step: forward/backward, AdamW step, then the
-  loop's staging decision (`_snapshot_live`), `_snapshot()` and submit to the real
+  loop's staging decision (`StagingChoice`), `_snapshot()` and submit to the real
   `CheckpointWriter` (single rank, in-process fake hub, local directory), then the next
   step's forward/backward and its wait before `optimizer.step()` (`wait_for_staging`). The
   stall is the snapshot + submit + that wait, taken once the previous write has finished (as
