@@ -272,10 +272,10 @@ def test_torn_truncated_and_corrupt_checkpoints_are_never_loaded(tmp_path):
     assert state["step"] == 30
     assert [url.rsplit("/", 1)[-1] for url, _ in skipped] == ["step-00000040"]
     assert "rank-00000.safetensors has" in skipped[0][1] and "does not verify" in skipped[0][1]
-    with pytest.raises(CorruptDataError, match=r"step-00000030/rank-00000.safetensors does not verify: checksum"):
+    with pytest.raises(CorruptDataError, match=r"step-00000030 does not verify: rank-00000.safetensors: checksum"):
         read_rank_tensors(run, state, 0)
     state = latest_verified(run, below=30)
-    with pytest.raises(CorruptDataError, match=r"step-00000020/rank-00000.safetensors does not verify: header length"):
+    with pytest.raises(CorruptDataError, match=r"step-00000020 does not verify: rank-00000.safetensors: header length"):
         read_rank_tensors(run, state, 0)
     state = latest_verified(run, below=20)
     assert state["step"] == 10 and state["loader"] == {"position": 10}
@@ -324,7 +324,7 @@ def test_resume_falls_back_when_any_rank_finds_its_file_corrupt(baseline, token_
     assert [e["step"] for e in events if e["event"] == "resume"] == [0, 10]
     skipped = [e for e in events if e["event"] == "checkpoint_skipped"]
     assert len(skipped) == 1 and skipped[0]["url"].endswith("step-00000020"), skipped
-    assert "rank-00001.safetensors does not verify: checksum" in skipped[0]["reason"]
+    assert "does not verify: rank-00001.safetensors: checksum" in skipped[0]["reason"]
     assert sha256(tmp_path / "final" / "model.safetensors") == sha256(baseline / "final" / "model.safetensors")
 
 

@@ -16,15 +16,32 @@ def checksum_bytes(data: bytes | memoryview) -> str:
 
 
 def verify(data: bytes | memoryview, expected: str, where: str) -> None:
-    actual = checksum_bytes(data)
+    _compare(checksum_bytes(data), expected, where)
+
+
+def new_digest() -> xxhash.xxh3_128:
+    """A running checksum for bytes that arrive in pieces; finish with `checksum_of` or `verify_digest`."""
+    return xxhash.xxh3_128()
+
+
+def checksum_of(digest: xxhash.xxh3_128) -> str:
+    return f"{ALGORITHM}:{digest.hexdigest()}"
+
+
+def verify_digest(digest: xxhash.xxh3_128, expected: str, where: str = "") -> None:
+    _compare(checksum_of(digest), expected, where)
+
+
+def _compare(actual: str, expected: str, where: str) -> None:
     if actual != expected:
-        raise ChecksumMismatch(f"{where}: checksum {actual} does not match recorded {expected}")
+        prefix = f"{where}: " if where else ""
+        raise ChecksumMismatch(f"{prefix}checksum {actual} does not match recorded {expected}")
 
 
 def checksum_file(path: str, chunk: int = 8 << 20) -> str:
     """Checksum of a local file, read in chunks (large checkpoints never sit in memory twice)."""
-    digest = xxhash.xxh3_128()
+    digest = new_digest()
     with open(path, "rb") as handle:
         while block := handle.read(chunk):
             digest.update(block)
-    return f"{ALGORITHM}:{digest.hexdigest()}"
+    return checksum_of(digest)

@@ -31,12 +31,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import xxhash
 from safetensors.torch import save_file as st_save_file
 
 from petatrain.errors import CorruptDataError, PetatrainError
 from petatrain.storage import StorageOptions, join
-from petatrain.storage.checksum import ALGORITHM, ChecksumMismatch, verify
+from petatrain.storage.checksum import new_digest, verify, verify_digest
 from petatrain.storage.fs import (
     atomic_write,
     exists,
@@ -429,7 +428,8 @@ def read_rank_tensors(
     info = state["files"].get(name)
     if info is None:
         return {}
-    url = join(step_dir(run_url, state["step"]), name)
+    folder = step_dir(run_url, state["step"])
+    url = join(folder, name)
     fs, path = resolve(url, options)
 
     def attempt() -> dict[str, torch.Tensor]:
@@ -439,7 +439,7 @@ def read_rank_tensors(
     try:
         return retrying(f"read {url}", attempt)
     except (OSError, ValueError) as exc:
-        raise CorruptDataError(f"checkpoint file {url} does not verify: {exc}") from None
+        raise CorruptDataError(f"checkpoint {folder} does not verify: {name}: {exc}") from None
 
 
 _DTYPES = {
@@ -468,7 +468,7 @@ def _read_safetensors(handle: Any, info: dict[str, Any]) -> dict[str, torch.Tens
 
     The header is validated before anything is allocated: the tensors must tile the data
     section exactly (as the format requires), which must end where the recorded size does."""
-    digest = xxhash.xxh3_128()
+    digest = new_digest()
     size = int(info["bytes"])
     head = _read_exact(handle, bytearray(8), digest)
     header_len = int.from_bytes(head, "little")
@@ -504,9 +504,7 @@ def _read_safetensors(handle: Any, info: dict[str, Any]) -> dict[str, torch.Tens
         tensors[name] = tensor
     if handle.read(1):
         raise ValueError(f"longer than the {size} bytes recorded")
-    actual = f"{ALGORITHM}:{digest.hexdigest()}"
-    if actual != info["checksum"]:
-        raise ChecksumMismatch(f"checksum {actual} does not match recorded {info['checksum']}")
+    verify_digest(digest, info["checksum"])
     return tensors
 
 

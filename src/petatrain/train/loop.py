@@ -432,14 +432,13 @@ def train_worker(payload: Payload) -> None:
                     raise NonFiniteLoss(f"non-finite loss at step {step}; rolling back to the last checkpoint")
                 grad_norm = 0.0
             now = time.perf_counter()
-            step_s = now - last_end - staging_wait
             if rank == 0:
                 if staging_wait > 0.0:  # checkpoint stall, not training
                     telemetry.record("checkpoint_staging", step=last_checkpoint, wait_s=staging_wait)
                 telemetry.record(
                     "step",
                     step=step,
-                    step_s=step_s,
+                    step_s=now - last_end - staging_wait,
                     data_wait_s=data.wait_s - wait_mark,
                     loss=loss_value if not nonfinite and math.isfinite(loss_value) else None,
                     lr=lr,
