@@ -106,6 +106,7 @@ def main() -> None:
     result = {
         "every": args.every,
         "for": args.duration,
+        "seed": args.seed,
         "goodput": report["goodput"],
         "time_split_s": split,
         "faults": report.get("faults", []),
@@ -113,7 +114,9 @@ def main() -> None:
         "steps": summary["steps"],
         "run": str(run_dir),
     }
-    write_results("soak", result)
+    # Seeds other than the default keep their own file: the fault sequence is the seed's, and
+    # runs with different ones are how the spread of the goodput is seen.
+    write_results("soak" if args.seed == 0 else f"soak-seed{args.seed}", result)
 
 
 if __name__ == "__main__":
