@@ -15,6 +15,7 @@ import pytest
 from petatrain import config
 from petatrain.chaos.inject import parse
 from petatrain.errors import ConfigError, PetatrainError
+from petatrain.observe import goodput
 from petatrain.observe.ledger import read_events
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -113,6 +114,22 @@ def test_every_fault_recovered_with_bit_identical_weights(baseline, token_datase
     hang_failure = next(e for e in events if e["event"] == "failure" and e["cause"] == "hang")
     hang_fired = next(e for e in injected if e["fault"] == "hang")
     assert hang_failure["t"] - hang_fired["t"] < 6 + 5, "the watchdog found the hang within faults.hang_timeout_s"
+
+
+def test_synchronous_checkpoints_stall_for_the_whole_write(baseline, token_dataset, tmp_path):
+    """checkpoint.asynchronous=false: the loop waits for each commit; the weights are the same."""
+    train(tiny(token_dataset, "checkpoint.asynchronous=false"), tmp_path)
+    assert sha256(tmp_path / "final" / "model.safetensors") == sha256(baseline / "final" / "model.safetensors")
+    events = read_events(str(tmp_path))
+    order = [(e["event"], e["step"]) for e in events if e["event"] in ("checkpoint_snapshot", "checkpoint_commit")]
+    assert order == [(kind, s) for s in (10, 20, 30) for kind in ("checkpoint_commit", "checkpoint_snapshot")]
+    writes = {e["step"]: e["write_s"] for e in events if e["event"] == "checkpoint_commit"}
+    for e in events:
+        if e["event"] == "checkpoint_snapshot":
+            assert e["stall_s"] >= writes[e["step"]] > 0, "the stall holds the whole write"
+    report = goodput.account(events)
+    assert [c.step for c in report.checkpoints if c.committed] == [10, 20, 30]
+    assert report.checkpoint_stall_s >= sum(writes.values())
 
 
 def test_storage_errors_during_checkpoint_are_retried(baseline, token_dataset, tmp_path):

@@ -164,6 +164,9 @@ class CheckpointConfig:
     every: str = "20"  # steps ("20"), seconds ("30s") or "auto" (Young/Daly from stall and faults.mtbf_hours)
     keep_last: int = 3
     keep_every: int = 0  # also keep checkpoints whose step is a multiple of this; 0 = none
+    # False: the loop waits for each checkpoint to be committed (the stall is the whole write),
+    # as Ray Train's synchronous report(checkpoint=...) does; for debugging or a host without
+    # memory for a second copy of the training state.
     asynchronous: bool = True
     # How a snapshot holds the training state on CPU: "copy" to host buffers; "live" writes the
     # weights themselves while the next step's forward and backward run (optimizer.step waits

@@ -281,12 +281,10 @@ def _checkpoints(
             continue
         step = _int(e.get("step"))
         if kind == "checkpoint_snapshot" and step is not None:
-            by_key[(attempt, step)] = CheckpointRecord(
-                step=step,
-                attempt=attempt,
-                t_s=as_number(e["t"]) - t0,
-                stall_s=max(as_number(e.get("stall_s")) or 0.0, 0.0),
-            )
+            # After its commit when checkpoints are synchronous (the stall is known only then).
+            record = by_key.setdefault((attempt, step), CheckpointRecord(step=step, attempt=attempt, t_s=0, stall_s=0))
+            record.t_s = as_number(e["t"]) - t0
+            record.stall_s = max(as_number(e.get("stall_s")) or 0.0, 0.0)
         elif kind == "checkpoint_staging" and (attempt, step) in by_key:
             # The next step waited for the write to read a live snapshot: stall, not training.
             by_key[(attempt, step)].stall_s += max(as_number(e.get("wait_s")) or 0.0, 0.0)

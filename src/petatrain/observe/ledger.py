@@ -11,7 +11,9 @@ The kinds and their fields, which `goodput.py` and the report read:
                       wait included, checkpoint stall excluded), data_wait_s, loss, lr,
                       tokens, grad_norm
     checkpoint_snapshot  attempt, step, stall_s (what the training loop paid), live (written
-                         from the training state itself, not a copy)
+                         from the training state itself, not a copy); with
+                         checkpoint.asynchronous false the stall is the whole write and
+                         the event comes after the commit's
     checkpoint_staging   attempt, step, wait_s (a later step waited this long for the write of
                          a live snapshot to read its tensors before optimizer.step; stall too)
     checkpoint_commit    attempt, step, write_s, bytes, url

@@ -340,7 +340,7 @@ def train_worker(payload: Payload) -> None:
         payload.options,
         report_part=lambda s, r, f: ray.get(hub.report_part.remote(attempt, s, r, f)),
         wait_parts=lambda s, w, t: ray.get(hub.wait_parts.remote(attempt, s, w, t)),
-        on_commit=lambda info: telemetry.record("checkpoint_commit", **info),  # after its snapshot event
+        on_commit=lambda info: telemetry.record("checkpoint_commit", **info),  # after its snapshot event if async
         keep_last=cfg.checkpoint.keep_last,
         keep_every=cfg.checkpoint.keep_every,
         faults=faults,
@@ -359,7 +359,8 @@ def train_worker(payload: Payload) -> None:
     if rank == 0:
         emit("resume", step=start, checkpoint=ckpt.step_dir(payload.run_url, start) if state else None)
 
-    schedule = CheckpointSchedule(cfg, world, writer_competes=device.type == "cpu")
+    # A synchronous write is all stall already; an asynchronous one on CPU also takes cores from the steps.
+    schedule = CheckpointSchedule(cfg, world, writer_competes=device.type == "cpu" and cfg.checkpoint.asynchronous)
     # Live snapshots: forward/backward must not write the weights (the built-in models), or the user says so.
     staging = StagingChoice(
         cfg.checkpoint.staging,
@@ -475,13 +476,15 @@ def train_worker(payload: Payload) -> None:
                     model, optimizer, data, writer, buffers, step, rank, world, cfg, digest, live=live
                 )
                 last_checkpoint = step
+                writer.submit(snapshot)
+                if not cfg.checkpoint.asynchronous:  # the loop waits for the commit: all of it is stall
+                    stall += writer.wait()
                 if live:
                     live_stall = stall
                 else:
                     staging.observed(False, stall)
                 if rank == 0:
                     telemetry.record("checkpoint_snapshot", step=step, stall_s=stall, live=live)
-                writer.submit(snapshot)
                 schedule.taken(stall, writer.last_write_s, writer.last_write_cpu_s)
             if preempt:
                 writer.wait()
