@@ -30,6 +30,31 @@ def test_demo_ingests_streams_and_resumes_exactly_once(tmp_path):
     assert json.loads(again.stdout)["ingest"]["files_new"] == 0, "a second demo run ingests nothing new"
 
 
+_NOISY = """
+import atexit, os, subprocess, sys
+from petatrain import cli
+cli._claim_stdout(True)
+print("a print")
+os.write(1, b"a write to fd 1\\n")
+subprocess.run([sys.executable, "-c", "print('a child process')"])
+atexit.register(print, "a print at exit, after the object")
+cli._print_json({"ok": True})
+"""
+
+
+def test_json_stdout_holds_only_the_object_whatever_else_prints():
+    """--json: prints, writes to fd 1 and child processes (Ray's log forwarding, also at exit)
+    go to stderr; the soak benchmark once failed to parse a run's JSON because of them."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _NOISY], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"ok": True}
+    for noise in ("a print", "a write to fd 1", "a child process", "a print at exit"):
+        assert noise in done.stderr
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

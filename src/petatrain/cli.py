@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -63,8 +62,30 @@ def _guarded(fn: Callable[[], Any]) -> Any:
         _fail(f"{type(exc).__name__}: {first} (set PETATRAIN_DEBUG=1 for the traceback)", 1)
 
 
+_json_out: Any = None  # where --json's object goes once `_claim_stdout` moved everything else
+
+
+def _claim_stdout(as_json: bool) -> None:
+    """With --json, stdout carries one JSON object. Commands that run Ray call this first: from
+    then on, to the end of the process, whatever is written to file descriptor 1 (Ray's log
+    forwarding, also at exit; the processes Ray starts; print) goes to stderr, and the object
+    goes to the original stdout."""
+    global _json_out
+    if not as_json or _json_out is not None:
+        return
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a real file (captured): nothing to move
+        return
+    sys.stdout.flush()
+    _json_out = os.fdopen(os.dup(fd), "w")
+    os.dup2(sys.stderr.fileno(), fd)
+
+
 def _print_json(obj: Any) -> None:
-    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+    stream = _json_out or sys.stdout
+    stream.write(json.dumps(obj, indent=2, default=str) + "\n")
+    stream.flush()
 
 
 @app.callback()
@@ -103,6 +124,7 @@ def ingest(
     def go():
         from petatrain.data.ingest import IngestJob, run
 
+        _claim_stdout(as_json)
         overrides = list(set_ or [])
         cli_values = {
             "format": fmt,
@@ -235,6 +257,7 @@ def demo(
         from petatrain.data.ingest import IngestJob, run
         from petatrain.data.inspect import describe
 
+        _claim_stdout(as_json)
         corpus_dir = os.path.join(root, "demo-corpus")
         dataset = os.path.join(root, "datasets", "demo")
         if not os.path.isdir(corpus_dir):
@@ -276,8 +299,7 @@ def _demo_train(root: str, dataset: str, as_json: bool) -> dict[str, Any]:
     remove_tree(run_dir)  # a fresh run each time: resuming a finished run would train nothing
     if not as_json:
         out.print(f"\n[bold]training[/bold] a {cfg.model.n_layer}-layer GPT on 2 workers; rank 1 is killed at step 17")
-    with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():  # keep stdout JSON
-        summary = run(TrainJob(config=cfg, run_url=run_dir, injections=[parse("kill@step=17,rank=1")]))
+    summary = run(TrainJob(config=cfg, run_url=run_dir, injections=[parse("kill@step=17,rank=1")]))
     report = write_report(summary["run"])
     samples = sample_text(cfg, summary["final"], prompts=["the ", "data "], new_tokens=60)
     if not as_json:
@@ -471,9 +493,8 @@ def _train(config, overrides, run_dir, address, specs, as_json, stop_after_s: fl
         on_event=progress,
         stop_after_s=stop_after_s,
     )
-    # With --json, stdout carries one JSON object: whatever Ray prints goes to stderr.
-    with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():
-        summary = run(job)
+    _claim_stdout(as_json)
+    summary = run(job)
     from petatrain.observe.report import write_report
 
     report = write_report(summary["run"], cfg.storage.options())
