@@ -438,6 +438,146 @@ def test_live_snapshot_guard_sees_every_change_optimizer_step_makes(strategy):
     assert live > 50 and after_backward == 0 and after_step == live, (live, after_backward, after_step)
 
 
+def test_reshard_copies_each_ranks_rows_out_of_the_old_files_that_hold_them():
+    import torch
+
+    from petatrain.errors import CorruptDataError
+    from petatrain.train.parallel import chunk_rows, reshard
+
+    for rows in (1, 2, 5, 10):  # FSDP2 splits dim 0 as torch.chunk does, empty chunks at the end
+        for world in (1, 2, 3, 4):
+            sizes = [len(c) for c in torch.chunk(torch.arange(rows), world)]
+            sizes += [0] * (world - len(sizes))
+            assert [end - first for first, end in (chunk_rows(rows, world, r) for r in range(world))] == sizes
+    full = {
+        "model/w": torch.arange(30.0).reshape(10, 3),
+        "optim/w/exp_avg": -torch.arange(30.0).reshape(10, 3),
+        "optim/w/step": torch.tensor(7.0),  # replicated: in every file
+        "model/tiny": torch.tensor([1.0, 2.0]),  # fewer rows than ranks: some shards are empty
+        "model/buffer": torch.tensor([3.0, 4.0, 5.0]),  # not a sharded parameter: replicated
+    }
+    sharded = {"w": 10, "tiny": 2}
+
+    def files_of(world: int) -> dict[int, dict]:
+        files = {}
+        for k in range(world):
+            files[k] = {"rng/cpu": torch.tensor([k], dtype=torch.uint8)}
+            for name, tensor in full.items():
+                fqn = name.split("/")[1]
+                first, end = chunk_rows(tensor.shape[0], world, k) if fqn in sharded and tensor.dim() else (0, None)
+                files[k][name] = tensor[first:end].clone() if end is not None else tensor.clone()
+        return files
+
+    for old in (1, 2, 3, 4):
+        files = files_of(old)
+        for new in (1, 2, 3, 4):
+            for rank in range(new):
+                layout = {fqn: (n, *chunk_rows(n, new, rank)) for fqn, n in sharded.items()}
+                read = []
+                got = reshard(lambda k: read.append(k) or files[k], layout, old)  # noqa: B023
+                assert set(got) == set(full), "the old ranks' RNG streams are not this rank's"
+                for name, tensor in full.items():
+                    first, end = layout.get(name.split("/")[1], (0, 0, None))[1:]
+                    expected = tensor[first:end] if end is not None and tensor.dim() else tensor
+                    assert torch.equal(got[name], expected), (old, new, rank, name)
+                holders = [
+                    k
+                    for k in range(old)
+                    for n, first, end in layout.values()
+                    if max(first, chunk_rows(n, old, k)[0]) < min(end, chunk_rows(n, old, k)[1])
+                ]
+                assert read == (sorted(set(holders)) or [0]), (old, new, rank)  # only the files holding its rows
+    files = files_of(3)
+    files[1]["model/w"] = files[1]["model/w"][:-1]
+    with pytest.raises(
+        CorruptDataError, match=r"rank-00001\.safetensors: model/w has 3 rows; 10 rows over 3 ranks gives it 4"
+    ):
+        reshard(lambda k: files[k], {"w": (10, 0, 5), "tiny": (2, 0, 1)}, 3)
+
+
+_RESHARD_SCRIPT = """
+import json, sys, torch, torch.distributed as dist
+from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+from petatrain import config
+from petatrain.models import build_model
+from petatrain.train import checkpoint as ckpt
+from petatrain.train.loop import build_optimizer
+from petatrain.train.parallel import load_into, parallelize, read_for_resume, state_for_save
+
+phase, folder, rank, world, old_world = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:])
+dist.init_process_group("gloo", init_method=f"file://{folder}/store-{phase}", rank=rank, world_size=world)
+# d_model 40: most dims (40, 120, 160, 320, 64 rows) split unevenly over 3 ranks
+cfg = config.load("examples/tiny.yaml", ["parallel.strategy=fsdp", "model.d_model=40"])
+torch.manual_seed(0 if phase == "save" else 1)
+spec = build_model(cfg.model, cfg.train)
+model = parallelize(spec, cfg, torch.device("cpu"))
+optimizer = build_optimizer(model, cfg.train)
+if phase == "save":
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_len + 1))
+    spec.loss_fn(model, tokens).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    tensors, meta, _ = state_for_save(model, optimizer, rank=rank, cfg=cfg, buffers=ckpt.HostBuffers())
+    save_file(tensors, f"{folder}/rank-{rank}.safetensors")
+    if rank == 0:
+        json.dump(meta["param_groups"], open(f"{folder}/groups.json", "w"))
+else:
+    read = []
+    def load(k):
+        read.append(k)
+        return load_file(f"{folder}/rank-{k}.safetensors")
+    groups = json.load(open(f"{folder}/groups.json"))
+    state = {"step": 1, "strategy": "fsdp", "world_size": old_world, "param_groups": groups}
+    shards = read_for_resume(state, load, model=model, rank=rank, world=world, cfg=cfg)
+    load_into(model, optimizer, state, shards, rank=rank, world=world, cfg=cfg)
+    print("read", json.dumps(read))
+full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+model_sd = get_model_state_dict(model, options=full)
+optim_sd = get_optimizer_state_dict(model, optimizer, options=full)
+if rank == 0:
+    save_file(ckpt.flatten_state(model_sd, optim_sd, with_model=True)[0], f"{folder}/full-{phase}.safetensors")
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize(("old_world", "new_world", "reads"), [(3, 2, [[0, 1], [1, 2]]), (2, 3, [[0], [0, 1], [1]])])
+def test_fsdp_checkpoint_loads_on_another_world_size_reading_only_the_rows_each_rank_holds(
+    tmp_path, old_world, new_world, reads
+):
+    """Shards of 3 ranks load on 2 and back: the full model and optimizer state are exactly the
+    saved ones, and each rank read only the old files that hold its rows."""
+    import subprocess
+    import sys
+
+    import torch
+    from safetensors.torch import load_file
+
+    def run(phase: str, world: int) -> list[str]:
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", _RESHARD_SCRIPT, phase, str(tmp_path), str(r), str(world), str(old_world)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                cwd=ROOT,
+            )
+            for r in range(world)
+        ]
+        outs = [p.communicate(timeout=300) for p in procs]
+        for p, (_, err) in zip(procs, outs, strict=True):
+            assert p.returncode == 0, err[-3000:]
+        return [out for out, _ in outs]
+
+    run("save", old_world)
+    outs = run("load", new_world)
+    assert [json.loads(out.split("read ")[-1]) for out in outs] == reads
+    saved, loaded = load_file(tmp_path / "full-save.safetensors"), load_file(tmp_path / "full-load.safetensors")
+    assert set(saved) == set(loaded) and len(saved) > 20
+    for name, tensor in saved.items():
+        assert torch.equal(tensor, loaded[name]), name
+
+
 def test_staging_choice_keeps_the_cheaper_of_copy_and_live():
     from petatrain.train.loop import StagingChoice
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import functools
 import logging
 import math
 import os
@@ -30,7 +31,7 @@ from petatrain.models import ModelSpec, build_model
 from petatrain.storage import StorageOptions, join
 from petatrain.storage.fs import atomic_write
 from petatrain.train import checkpoint as ckpt
-from petatrain.train.parallel import load_into, parallelize, ranks_to_read, state_for_save
+from petatrain.train.parallel import load_into, parallelize, read_for_resume, state_for_save
 
 log = logging.getLogger(__name__)
 
@@ -348,7 +349,7 @@ def train_worker(payload: Payload) -> None:
 
     # -- resume ---------------------------------------------------------------------------------
     start = 0
-    state, shards = _restore_point(payload, rank, world, cfg, emit)
+    state, shards = _restore_point(payload, model, rank, world, cfg, emit)
     if state is not None:
         load_into(model, optimizer, state, shards, rank=rank, world=world, cfg=cfg)
         data.load_state_dict(state["loader"])
@@ -528,9 +529,9 @@ def _partitionable() -> bool:
     return on_cuttable_node()
 
 
-def _restore_point(payload: Payload, rank: int, world: int, cfg: JobConfig, emit):
-    """The newest checkpoint every rank can read and verify, and the rank files this rank needs
-    from it (rank -> tensors); (None, {}) for a fresh start.
+def _restore_point(payload: Payload, model: torch.nn.Module, rank: int, world: int, cfg: JobConfig, emit):
+    """The newest checkpoint every rank can read and verify, and the tensors this rank loads
+    from it (`parallel.read_for_resume`: rank file -> tensors); (None, {}) for a fresh start.
 
     Rank 0 picks the newest committed checkpoint whose state.json and file sizes check out and
     broadcasts its step. Each rank then reads the files it needs, checksummed as they load, so
@@ -556,8 +557,14 @@ def _restore_point(payload: Payload, rank: int, world: int, cfg: JobConfig, emit
         try:
             if rank != 0:
                 state = ckpt.read_state(payload.run_url, step, payload.options)
-            needed = ranks_to_read(state, rank=rank, world=world, cfg=cfg)
-            shards = {r: ckpt.read_rank_tensors(payload.run_url, state, r, payload.options) for r in needed}
+            shards = read_for_resume(
+                state,
+                functools.partial(ckpt.read_rank_tensors, payload.run_url, state, options=payload.options),
+                model=model,
+                rank=rank,
+                world=world,
+                cfg=cfg,
+            )
         except CorruptDataError as exc:
             problem, shards = str(exc), {}
         # The lowest rank that found a problem reports it; world = nobody did.

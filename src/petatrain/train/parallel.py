@@ -9,6 +9,7 @@ concatenating the shards into full tensors first.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from petatrain.config import JobConfig
-from petatrain.errors import ConfigError, PetatrainError
+from petatrain.errors import ConfigError, CorruptDataError, PetatrainError
 from petatrain.models import ModelSpec
 from petatrain.train import checkpoint as ckpt
 
@@ -81,11 +82,23 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
-def ranks_to_read(state: dict[str, Any], *, rank: int, world: int, cfg: JobConfig) -> list[int]:
-    """Whose rank files this rank needs to resume from the checkpoint `state`.
+def read_for_resume(
+    state: dict[str, Any],
+    read: Callable[[int], dict[str, torch.Tensor]],
+    *,
+    model: nn.Module,
+    rank: int,
+    world: int,
+    cfg: JobConfig,
+) -> dict[int, dict[str, torch.Tensor]]:
+    """The tensors this rank loads from the checkpoint `state`, by rank file; `read(r)` reads
+    (and verifies) rank r's file.
 
-    DDP: rank 0's (the replicas' model and optimizer) and, at the same world size, its own
-    (its RNG state). FSDP: its own shards at the same world size, every rank's otherwise."""
+    DDP: rank 0's file (the replicas' model and optimizer) and, at the same world size, its
+    own (its RNG state). FSDP at the same world size: its own shards. FSDP at another world
+    size: its dim-0 rows of every sharded tensor, copied out of the files of the old ranks that
+    hold them, one file in memory at a time (not the whole checkpoint on every rank); returned
+    as this rank's file."""
     if state.get("strategy") != cfg.parallel.strategy:
         raise PetatrainError(
             f"checkpoint step {state['step']} was written with parallel.strategy={state.get('strategy')}; "
@@ -93,42 +106,107 @@ def ranks_to_read(state: dict[str, Any], *, rank: int, world: int, cfg: JobConfi
         )
     same_world = state["world_size"] == world
     if cfg.parallel.strategy == "ddp":
-        return sorted({0, rank}) if same_world else [0]
-    return [rank] if same_world else list(range(state["world_size"]))
+        return {r: read(r) for r in sorted({0, rank} if same_world else {0})}
+    if same_world:
+        return {rank: read(rank)}
+    return {rank: reshard(read, fsdp_rows(model, rank, world), state["world_size"])}
+
+
+def chunk_rows(rows: int, world: int, rank: int) -> tuple[int, int]:
+    """Rows [first, end) of a dim-0 size `rows` that `rank` of `world` holds under FSDP2, which
+    splits as torch.chunk does: ceil(rows / world) each, the last ranks' short or empty."""
+    size = -(-rows // world)
+    first = min(rank * size, rows)
+    return first, min(first + size, rows)
+
+
+def fsdp_rows(model: nn.Module, rank: int, world: int) -> dict[str, tuple[int, int, int]]:
+    """parameter FQN -> (rows of the full tensor, first row this rank holds, end row), for every
+    sharded parameter of an FSDP2 model (buffers are replicated and not listed)."""
+    from torch.distributed.tensor import Shard
+
+    out = {}
+    for fqn, value in get_model_state_dict(model).items():
+        if not hasattr(value, "to_local"):
+            continue
+        if tuple(value.placements) != (Shard(0),):
+            raise PetatrainError(f"{fqn}: placements {value.placements}; only dim-0 FSDP shards can be re-sharded")
+        first, end = chunk_rows(value.shape[0], world, rank)
+        if end - first != value.to_local().shape[0]:
+            raise PetatrainError(
+                f"{fqn}: rank {rank} of {world} holds {value.to_local().shape[0]} rows of {value.shape[0]}, "
+                f"not the {end - first} FSDP2's chunking gives"
+            )
+        out[fqn] = (value.shape[0], first, end)
+    return out
+
+
+def reshard(
+    read: Callable[[int], dict[str, torch.Tensor]], rows: dict[str, tuple[int, int, int]], old_world: int
+) -> dict[str, torch.Tensor]:
+    """This rank's part of every tensor of an FSDP checkpoint written by `old_world` ranks:
+    for each sharded tensor (of a parameter in `rows`, as `fsdp_rows` gives them) the rows this
+    rank holds, gathered from the old ranks' files that hold any of them; replicated tensors
+    (buffers, step counts) from the first file read. Reads only those files, one at a time."""
+    wanted = {
+        k
+        for total, first, end in rows.values()
+        for k in range(old_world)
+        if _overlap((first, end), chunk_rows(total, old_world, k))
+    }
+    out: dict[str, torch.Tensor] = {}
+    filled: dict[str, int] = {}
+    for k in sorted(wanted) or [0]:  # a rank holding no rows still needs the replicated tensors
+        for name, tensor in read(k).items():
+            if name.startswith("rng/"):
+                continue  # per-rank streams of the old world: not this rank's
+            kind, _, rest = name.partition("/")  # model/FQN or optim/FQN/KEY
+            fqn = rest if kind == "model" else rest.rpartition("/")[0]
+            if fqn not in rows or tensor.dim() == 0:
+                out.setdefault(name, tensor)
+                continue
+            total, first, end = rows[fqn]
+            old_first, old_end = chunk_rows(total, old_world, k)
+            if tensor.shape[0] != old_end - old_first:
+                raise CorruptDataError(
+                    f"{ckpt.rank_file(k)}: {name} has {tensor.shape[0]} rows; {total} rows over {old_world} ranks "
+                    f"gives it {old_end - old_first}"
+                )
+            if name not in out:
+                out[name], filled[name] = tensor.new_empty((end - first, *tensor.shape[1:])), 0
+            both = _overlap((first, end), (old_first, old_end))
+            if both:
+                a, b = both
+                out[name][a - first : b - first] = tensor[a - old_first : b - old_first]
+                filled[name] += b - a
+    short = sorted(name for name, got in filled.items() if got != out[name].shape[0])
+    if short:
+        raise CorruptDataError(f"rows missing from the old ranks' files for {', '.join(short[:3])}")
+    return out
+
+
+def _overlap(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int] | None:
+    first, end = max(a[0], b[0]), min(a[1], b[1])
+    return (first, end) if first < end else None
 
 
 def load_into(model, optimizer, state: dict[str, Any], shards: dict[int, dict[str, torch.Tensor]], *, rank, world, cfg):
-    """Restore model and optimizer from a checkpoint's verified rank files (`shards`: rank ->
-    tensors, those `ranks_to_read` named), on any world size for FSDP and DDP."""
+    """Restore model and optimizer from the tensors `read_for_resume` gave (rank -> tensors)."""
     groups = state["param_groups"]
     if cfg.parallel.strategy == "ddp":
         model_sd, optim_state = ckpt.unflatten_state(shards[0])
         set_model_state_dict(model, model_sd)
         set_optimizer_state_dict(model, optimizer, {"state": optim_state, "param_groups": groups})
         return
-    if state["world_size"] == world:
-        model_sd, optim_state = ckpt.unflatten_state(shards[rank])
-        current = get_model_state_dict(model)
-        set_model_state_dict(model, {k: _like(current[k], v) for k, v in model_sd.items()})
-        current_optim = get_optimizer_state_dict(model, optimizer)["state"]
-        optim_state = {
-            fqn: {k: _like(current_optim[fqn][k], v) if k in current_optim.get(fqn, {}) else v for k, v in s.items()}
-            for fqn, s in optim_state.items()
-        }
-        set_optimizer_state_dict(model, optimizer, {"state": optim_state, "param_groups": groups})
-        return
-    # Another world size: rebuild full tensors from every rank's dim-0 shards.
-    parts_by_rank = [shards[r] for r in range(state["world_size"])]
-    full: dict[str, torch.Tensor] = {}
-    for name in parts_by_rank[0]:
-        if name.startswith("rng/"):
-            continue
-        parts = [s[name] for s in parts_by_rank if name in s]
-        full[name] = parts[0] if parts[0].dim() == 0 else torch.cat(parts, dim=0)
-    model_sd, optim_state = ckpt.unflatten_state(full)
-    options = StateDictOptions(full_state_dict=True)
-    set_model_state_dict(model, model_sd, options=options)
-    set_optimizer_state_dict(model, optimizer, {"state": optim_state, "param_groups": groups}, options=options)
+    model_sd, optim_state = ckpt.unflatten_state(shards[rank])  # this rank's shards, in this world
+    current = get_model_state_dict(model)
+    set_model_state_dict(model, {k: _like(current[k], v) for k, v in model_sd.items()})
+    current_optim = get_optimizer_state_dict(model, optimizer)["state"]
+    optim_state = {
+        fqn: {k: _like(current_optim[fqn][k], v) if k in current_optim.get(fqn, {}) else v for k, v in s.items()}
+        for fqn, s in optim_state.items()
+    }
+    set_optimizer_state_dict(model, optimizer, {"state": optim_state, "param_groups": groups})
 
 
 def _like(current: Any, saved: torch.Tensor) -> Any:
