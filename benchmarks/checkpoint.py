@@ -26,6 +26,14 @@ For GPT models of ~10M, ~100M and ~500M parameters (fp32 weights + AdamW state, 
 - torch.save: model + optimizer state dicts to one file (no fsync, as users call it).
 
 State dicts are taken inside the timed region for every peer (the loop pays for them).
+
+Restore: after its checkpoints each peer loads its newest one back into the model and
+optimizer, as a resuming worker does (the files were just written: page cache warm, the
+disk's read speed left out). petatrain: `loop._restore_point`'s calls for one rank (newest
+checkpoint that verifies, its rank file streamed into tensors and checksummed, `load_into`);
+DCP: `dcp.load` into the live state dicts, then `set_*_state_dict` (torchtitan's resume);
+torch.save and Ray Train: `torch.load(weights_only=True)` and `load_state_dict` (for Ray
+Train from the fit result's checkpoint, `Checkpoint.as_directory()`, as its docs show).
 Each peer runs in its own process, one at a time (the 500M state does not fit twice in
 24 GiB); a row that would not fit in the memory available now is skipped and says why.
 The step time is a real forward/backward/AdamW step on a `--batch` x `--seq-len` batch
@@ -80,8 +88,10 @@ TITLES = {
 }
 # Host copies of the 12 B/param state each peer holds at its peak, besides the model's own
 # (weights + AdamW; gradients are freed before checkpointing). petatrain: the snapshot
-# buffers, plus gradients and activations of the real steps it runs; DCP async: its staging copy.
+# buffers, plus gradients and activations of the real steps it runs; DCP async: its staging
+# copy; torch.load (the torch.save and Ray Train rows' restore): the loaded state dicts.
 PEAK_COPIES = {"step": 0.4, "petatrain": 1.6, "petatrain-copy": 1.6, "dcp": 0.2, "dcp-async": 1.2}
+PEAK_COPIES |= {"torch-save": 1.0, "ray-sync": 1.0, "ray-async": 1.0}
 RAY_OVERHEAD_GIB = 1.5  # raylet, GCS, controller and worker processes
 
 
@@ -214,7 +224,13 @@ def row_petatrain(size: str, args: argparse.Namespace, folder: Path, staging: st
             writes.append(writer.last_write_s)
             stagings.append(writer.last_staging_s)
     writer.close()
-    assert ckpt.latest_verified(str(folder)) is not None, "petatrain wrote no verifiable checkpoint"
+    del buffers, snapshot  # the snapshot copies; resume happens in a new process
+    first = next(iter(optimizer.state.values()))
+    steps_taken = float(first["step"])  # one optimizer step after the last checkpoint
+    restore_s, step = restore_petatrain(model, optimizer, folder, cfg)
+    assert step == 100 * (args.repeats + warmup), f"resumed from step {step}"
+    first = next(iter(optimizer.state.values()))
+    assert float(first["step"]) == steps_taken - 1, "the optimizer state is not the checkpoint's"
     return {
         "stall_s": _median(stalls),
         "samples": stalls,
@@ -225,7 +241,25 @@ def row_petatrain(size: str, args: argparse.Namespace, folder: Path, staging: st
         "background_s": _median(writes),
         "background_samples": writes,
         "bytes": commits[-1]["bytes"],
+        "restore_s": restore_s,
     }
+
+
+def restore_petatrain(model, optimizer, folder: Path, cfg) -> tuple[float, int]:
+    """What a resuming rank does (loop._restore_point, one rank): choose the newest checkpoint
+    that verifies, stream its rank file into tensors (checksummed), load model and optimizer."""
+    from petatrain.train import checkpoint as ckpt
+    from petatrain.train.parallel import load_into, read_for_resume
+
+    started = time.perf_counter()
+    state = ckpt.latest_verified(str(folder))
+
+    def read(rank: int) -> dict:
+        return ckpt.read_rank_tensors(str(folder), state, rank)
+
+    shards = read_for_resume(state, read, model=model, rank=0, world=1, cfg=cfg)
+    load_into(model, optimizer, state, shards, rank=0, world=1, cfg=cfg)
+    return time.perf_counter() - started, state["step"]
 
 
 def row_ray(size: str, args: argparse.Namespace, folder: Path) -> dict:
@@ -254,11 +288,20 @@ def row_ray(size: str, args: argparse.Namespace, folder: Path) -> dict:
             checkpoint_config=CheckpointConfig(num_to_keep=1),
         ),
     )
-    trainer.fit()
+    latest = trainer.fit().checkpoint
     total = time.perf_counter() - started
     ray.shutdown()
     result = json.loads(out.read_text())
     result["trainer_s"] = total
+    # Resume as the Ray docs show: the checkpoint as a local directory, torch.load from it.
+    model, optimizer = trained_model(size, args.seq_len)
+    started = time.perf_counter()
+    with latest.as_directory() as local:
+        restore_torch_load(model, optimizer, Path(local))
+    restore_s = time.perf_counter() - started
+    for row in result.values():
+        if isinstance(row, dict):
+            row["restore_s"] = restore_s
     return result
 
 
@@ -305,7 +348,12 @@ def _ray_train_fn(config: dict) -> None:
 def row_dcp(size: str, args: argparse.Namespace, folder: Path, asynchronous: bool) -> dict:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
@@ -325,9 +373,17 @@ def row_dcp(size: str, args: argparse.Namespace, folder: Path, asynchronous: boo
             dcp.save(state, checkpoint_id=str(target))
             stalls.append(time.perf_counter() - started)
         del state
-        shutil.rmtree(target)
+        if rep < args.repeats - 1:
+            shutil.rmtree(target)
+    # Resume as torchtitan does: state dicts of the live model, loaded in place, then set back.
+    started = time.perf_counter()
+    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    dcp.load(state, checkpoint_id=str(target))
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    restore_s = time.perf_counter() - started
     dist.destroy_process_group()
-    out = {"stall_s": _median(stalls), "samples": stalls}
+    out = {"stall_s": _median(stalls), "samples": stalls, "restore_s": restore_s}
     if backgrounds:
         out |= {"background_s": _median(backgrounds), "background_samples": backgrounds}
     return out
@@ -342,8 +398,18 @@ def row_torch_save(size: str, args: argparse.Namespace, folder: Path) -> dict:
         started = time.perf_counter()
         torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, folder / "checkpoint.pt")
         stalls.append(time.perf_counter() - started)
-        (folder / "checkpoint.pt").unlink()
-    return {"stall_s": _median(stalls), "samples": stalls}
+    return {"stall_s": _median(stalls), "samples": stalls, "restore_s": restore_torch_load(model, optimizer, folder)}
+
+
+def restore_torch_load(model, optimizer, folder: Path) -> float:
+    """Resume from torch.save's file: torch.load (weights_only, the default) and load_state_dict."""
+    import torch
+
+    started = time.perf_counter()
+    saved = torch.load(folder / "checkpoint.pt", weights_only=True)
+    model.load_state_dict(saved["model"])
+    optimizer.load_state_dict(saved["optimizer"])
+    return time.perf_counter() - started
 
 
 def child(args: argparse.Namespace) -> None:
@@ -435,7 +501,7 @@ def report(size: str, result: dict, args: argparse.Namespace) -> None:
     )
     print(
         f"{'run':<38} {'stall (s)':>10} {'background (s)':>15} {'stall x petatrain':>18} "
-        f"{'DCP sync / this':>16} {f'% of {args.interval:g} s':>10}"
+        f"{'DCP sync / this':>16} {f'% of {args.interval:g} s':>10} {'restore (s)':>12}"
     )
     for peer, row in rows.items():
         if peer == "step":
@@ -451,7 +517,8 @@ def report(size: str, result: dict, args: argparse.Namespace) -> None:
         vs = f"{row['vs_petatrain']:.1f}x" if base else "-"
         over = f"{row['dcp_sync_over_this']:.1f}x" if dcp else "-"
         pct = f"{row['percent_of_interval']:.2f}%" if steps else "-"
-        print(f"{TITLES[peer]:<38} {stall:>10.3f} {background:>15} {vs:>18} {over:>16} {pct:>10}")
+        restore = f"{row['restore_s']:.3f}" if row.get("restore_s") is not None else "-"
+        print(f"{TITLES[peer]:<38} {stall:>10.3f} {background:>15} {vs:>18} {over:>16} {pct:>10} {restore:>12}")
     if base and dcp and step_s:
         pct = rows["petatrain"]["percent_of_interval"]
         result["targets"] = {
