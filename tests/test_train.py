@@ -530,7 +530,7 @@ else:
     groups = json.load(open(f"{folder}/groups.json"))
     state = {"step": 1, "strategy": "fsdp", "world_size": old_world, "param_groups": groups}
     shards = read_for_resume(state, load, model=model, rank=rank, world=world, cfg=cfg)
-    load_into(model, optimizer, state, shards, rank=rank, world=world, cfg=cfg)
+    load_into(model, optimizer, state, shards, rank=rank, cfg=cfg)
     print("read", json.dumps(read))
 full = StateDictOptions(full_state_dict=True, cpu_offload=True)
 model_sd = get_model_state_dict(model, options=full)

@@ -351,7 +351,7 @@ def train_worker(payload: Payload) -> None:
     start = 0
     state, shards = _restore_point(payload, model, rank, world, cfg, emit)
     if state is not None:
-        load_into(model, optimizer, state, shards, rank=rank, world=world, cfg=cfg)
+        load_into(model, optimizer, state, shards, rank=rank, cfg=cfg)
         data.load_state_dict(state["loader"])
         rng = shards.get(rank, {}).get("rng/cpu")
         if rng is not None and state["world_size"] == world:

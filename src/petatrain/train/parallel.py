@@ -130,7 +130,7 @@ def fsdp_rows(model: nn.Module, rank: int, world: int) -> dict[str, tuple[int, i
         if not hasattr(value, "to_local"):
             continue
         if tuple(value.placements) != (Shard(0),):
-            raise PetatrainError(f"{fqn}: placements {value.placements}; only dim-0 FSDP shards can be re-sharded")
+            raise ConfigError(f"{fqn}: placements {value.placements}; only dim-0 FSDP shards can be re-sharded")
         first, end = chunk_rows(value.shape[0], world, rank)
         if end - first != value.to_local().shape[0]:
             raise PetatrainError(
@@ -190,7 +190,7 @@ def _overlap(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int] | None:
     return (first, end) if first < end else None
 
 
-def load_into(model, optimizer, state: dict[str, Any], shards: dict[int, dict[str, torch.Tensor]], *, rank, world, cfg):
+def load_into(model, optimizer, state: dict[str, Any], shards: dict[int, dict[str, torch.Tensor]], *, rank, cfg):
     """Restore model and optimizer from the tensors `read_for_resume` gave (rank -> tensors)."""
     groups = state["param_groups"]
     if cfg.parallel.strategy == "ddp":
