@@ -34,6 +34,7 @@ checkpoint that verifies, its rank file streamed into tensors and checksummed, `
 DCP: `dcp.load` into the live state dicts, then `set_*_state_dict` (torchtitan's resume);
 torch.save and Ray Train: `torch.load(weights_only=True)` and `load_state_dict` (for Ray
 Train from the fit result's checkpoint, `Checkpoint.as_directory()`, as its docs show).
+
 Each peer runs in its own process, one at a time (the 500M state does not fit twice in
 24 GiB); a row that would not fit in the memory available now is skipped and says why.
 The step time is a real forward/backward/AdamW step on a `--batch` x `--seq-len` batch
