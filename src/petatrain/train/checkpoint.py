@@ -145,15 +145,23 @@ def flatten_state(
     return tensors, {"param_groups": groups}, live
 
 
+def split_name(name: str) -> tuple[str, str, str]:
+    """A flattened tensor name's parts: ("model", FQN, ""), ("optim", FQN, KEY) or ("rng", NAME, "")."""
+    kind, _, rest = name.partition("/")
+    if kind == "optim":
+        fqn, _, key = rest.rpartition("/")
+        return kind, fqn, key
+    return kind, rest, ""
+
+
 def unflatten_state(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
     model: dict[str, torch.Tensor] = {}
     optim: dict[str, dict[str, torch.Tensor]] = {}
     for name, value in tensors.items():
-        kind, _, rest = name.partition("/")
+        kind, fqn, key = split_name(name)
         if kind == "model":
-            model[rest] = value
+            model[fqn] = value
         elif kind == "optim":
-            fqn, _, key = rest.rpartition("/")
             optim.setdefault(fqn, {})[key] = value
     return model, optim
 

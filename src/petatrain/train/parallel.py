@@ -158,10 +158,9 @@ def reshard(
     filled: dict[str, int] = {}
     for k in sorted(wanted) or [0]:  # a rank holding no rows still needs the replicated tensors
         for name, tensor in read(k).items():
-            if name.startswith("rng/"):
+            kind, fqn, _ = ckpt.split_name(name)
+            if kind == "rng":
                 continue  # per-rank streams of the old world: not this rank's
-            kind, _, rest = name.partition("/")  # model/FQN or optim/FQN/KEY
-            fqn = rest if kind == "model" else rest.rpartition("/")[0]
             if fqn not in rows or tensor.dim() == 0:
                 out.setdefault(name, tensor)
                 continue
