@@ -394,8 +394,20 @@ def test_live_snapshot_is_written_as_taken_and_refused_if_it_changed(tmp_path):
     assert not list(tmp_path.glob("checkpoints/step-00000002/*")), "nothing of the torn snapshot was published"
 
 
-_WATCH_SCRIPT = """
-import socket, sys, torch, torch.distributed as dist
+# gloo's worker thread can drop its last reference to a finished all-gather after wait() has returned;
+# if that happens while Python finalizes, the tensors' decref takes the GIL, which calls pthread_exit inside
+# a noexcept frame: std::terminate and exit -6 (seen in CI; 2 of 15 runs of the reshard load here).
+# Leave without finalizing once every file is written.
+_GLOO_EXIT = """
+dist.destroy_process_group()
+sys.stdout.flush()
+os._exit(0)
+"""
+
+
+_WATCH_SCRIPT = (
+    """
+import os, socket, sys, torch, torch.distributed as dist
 from petatrain import config
 from petatrain.models import build_model
 from petatrain.train import checkpoint as ckpt
@@ -419,8 +431,9 @@ spec.loss_fn(model, tokens).backward()
 after_backward = sum(v != t._version for v, t in zip(versions, live))
 optimizer.step()
 print(len(live), after_backward, sum(v != t._version for v, t in zip(versions, live)))
-dist.destroy_process_group()
 """
+    + _GLOO_EXIT
+)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
@@ -495,8 +508,9 @@ def test_reshard_copies_each_ranks_rows_out_of_the_old_files_that_hold_them():
         reshard(lambda k: files[k], {"w": (10, 0, 5), "tiny": (2, 0, 1)}, 3)
 
 
-_RESHARD_SCRIPT = """
-import json, sys, torch, torch.distributed as dist
+_RESHARD_SCRIPT = (
+    """
+import json, os, sys, torch, torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from petatrain import config
@@ -537,8 +551,9 @@ model_sd = get_model_state_dict(model, options=full)
 optim_sd = get_optimizer_state_dict(model, optimizer, options=full)
 if rank == 0:
     save_file(ckpt.flatten_state(model_sd, optim_sd, with_model=True)[0], f"{folder}/full-{phase}.safetensors")
-dist.destroy_process_group()
 """
+    + _GLOO_EXIT
+)
 
 
 @pytest.mark.parametrize(("old_world", "new_world", "reads"), [(3, 2, [[0, 1], [1, 2]]), (2, 3, [[0], [0, 1], [1]])])
