@@ -679,17 +679,26 @@ def test_local_attempts_send_no_autoscaler_requests(monkeypatch):
     """On the local Ray that train starts there is no autoscaler: the attempt's scaling policy
     sends it nothing (its coordinator would be one more Ray process on the start-up path)."""
     from ray.train import ScalingConfig
-    from ray.train.torch import TorchTrainer
     from ray.train.v2._internal.execution.scaling_policy import FixedScalingPolicy
 
     from petatrain.train.launch import _trainer_class
 
+    class Started(Exception):
+        pass
+
     seen = {}
-    monkeypatch.setattr(TorchTrainer, "_initialize_and_run_controller", lambda self, **kw: seen.update(kw))
+
+    def start(kwargs):  # where the controller actor would start: look at what it would get
+        seen.update(kwargs)
+        raise Started
+
     scaling = ScalingConfig(num_workers=2)
     for local in (True, False):
-        trainer = _trainer_class(local=local)(lambda: None, scaling_config=scaling)
-        trainer._initialize_and_run_controller(scaling_policy=FixedScalingPolicy(scaling), callbacks=[])
+        trainer_class = _trainer_class(local=local)
+        monkeypatch.setattr(trainer_class, "_start_controller", staticmethod(start))
+        trainer = trainer_class(lambda: None, scaling_config=scaling)
+        with pytest.raises(Started):
+            trainer._initialize_and_run_controller(scaling_policy=FixedScalingPolicy(scaling), callbacks=[])
         policy = seen["scaling_policy"]
         assert isinstance(policy, FixedScalingPolicy)
         if local:
@@ -774,3 +783,50 @@ def test_standby_is_used_only_for_the_attempt_and_world_it_was_built_for():
     off = _Standby(Trainer, enabled=False)  # faults.standby: false
     off.prepare(0, 2)
     assert off.take(1, 2) is None and built[-1] == (3, 1), "nothing started"
+
+
+def test_synchronization_actor_starts_only_when_called(ray_local):
+    """Worker groups get a stand-in for Ray Train's SynchronizationActor: no process until a
+    method is called; then one actor, the same for every process holding the stand-in."""
+    from ray.train.v2._internal.execution.worker_group import state, worker_group
+
+    from petatrain.train import controller
+
+    stock = worker_group.SynchronizationActor
+    stock_shutdown = state._shutdown_sync_actor
+    try:
+        controller.use_on_demand_sync_actor()
+        controller.use_on_demand_sync_actor()  # idempotent
+        assert worker_group.SynchronizationActor.actor_class is stock
+        # as WorkerGroup._start calls it
+        sync = worker_group.SynchronizationActor.options(num_cpus=0).remote(timeout_s=30, warn_interval_s=10)
+        assert isinstance(sync, controller.OnDemandSyncActor) and not sync.started
+        with pytest.raises(ValueError):
+            ray_local.get_actor(sync._name)
+        state._shutdown_sync_actor(sync)  # a group that never used it: nothing to end
+
+        @ray_local.remote(num_cpus=0)
+        class Rank:  # as a Ray Train worker holds the stand-in (in its train context): pickled, in another process
+            def broadcast(self, held, rank):
+                self.sync = held  # an actor lives while a handle does
+                return ray_local.get(
+                    held.broadcast_from_rank_zero.remote(
+                        world_rank=rank, world_size=2, data=f"from {rank}", caller_method_name="test"
+                    )
+                )
+
+        ranks = [Rank.remote() for _ in range(2)]
+        done = [rank.broadcast.remote(sync, r) for r, rank in enumerate(ranks)]
+        assert ray_local.get(done, timeout=60) == ["from 0", "from 0"]
+        assert not sync.started, "the ranks started it; this process has not called it"
+        actor = ray_local.get_actor(sync._name)
+        ray_local.get(sync.get_counter.remote())  # this process finds the ranks' actor by name
+        assert sync.started and sync._handle._actor_id == actor._actor_id
+        state._shutdown_sync_actor(sync)
+        with pytest.raises(ray_local.exceptions.RayActorError):
+            ray_local.get(actor.get_counter.remote(), timeout=30)
+        for rank in ranks:
+            ray_local.kill(rank)
+    finally:
+        worker_group.SynchronizationActor = stock
+        state._shutdown_sync_actor = stock_shutdown

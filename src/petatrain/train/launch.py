@@ -386,8 +386,10 @@ def _trainer_class(local: bool = False):
     the scaling policy also leaves out its resource requests to the cluster autoscaler's
     coordinator: there is no autoscaler, and the coordinator is one more Ray process
     (importing Ray Data) on the first attempt's path, 7.4 -> 6.1 s, that then takes
-    CPU from training for the whole run. Falls back to the stock trainer if Ray's
-    internals move.
+    CPU from training for the whole run. The controller starts its worker groups'
+    synchronization actor only if something calls it (`petatrain.train.controller`), and a
+    finished controller is killed rather than left to exit gracefully. Falls back to the
+    stock trainer (or controller) if Ray's internals move.
     """
     import ray
     from ray.train.torch import TorchTrainer
@@ -402,13 +404,17 @@ def _trainer_class(local: bool = False):
         )
         from ray.train.v2._internal.execution.controller import TrainController
         from ray.train.v2._internal.execution.scaling_policy import FixedScalingPolicy
+
+        from petatrain.train import controller as lean
     except ImportError:
         return TorchTrainer
     needed = ("_create_default_callbacks", "_initialize_and_run_controller", "_register_sigint_handler")
     if not all(hasattr(TorchTrainer, name) for name in needed):
         return TorchTrainer
+    on_demand = hasattr(lean.group_module, "SynchronizationActor") and hasattr(lean.group_state, "_shutdown_sync_actor")
+    controller_class = lean.LeanTrainController if on_demand else TrainController
 
-    def _start_controller(kwargs):
+    def _new_controller(kwargs):
         """The controller actor as `DataParallelTrainer._initialize_and_run_controller` creates it."""
         env_vars = get_env_vars_to_propagate()
         env_vars.setdefault(
@@ -418,7 +424,7 @@ def _trainer_class(local: bool = False):
             num_cpus=0,
             label_selector={ray._raylet.RAY_NODE_ID_KEY: ray.get_runtime_context().get_node_id()},
             runtime_env={"env_vars": env_vars},
-        )(TrainController).remote(**kwargs)
+        )(controller_class).remote(**kwargs)
 
     unused = (DatasetsCallback, PlacementGroupCleanerCallback)
 
@@ -443,6 +449,7 @@ def _trainer_class(local: bool = False):
     class LeanTorchTrainer(TorchTrainer):
         _standby = None  # a controller actor started by prepare(), run by the next fit()
         _preparing = False
+        _start_controller = staticmethod(_new_controller)
 
         def prepare(self) -> None:
             """Start this trainer's controller now (its process imports in the background); fit() runs it."""
@@ -465,15 +472,20 @@ def _trainer_class(local: bool = False):
             if local and type(kwargs.get("scaling_policy")) is FixedScalingPolicy:
                 kwargs["scaling_policy"] = NoAutoscalerPolicy(self.scaling_config)
             if self._preparing:
-                self._standby = _start_controller(kwargs)
+                self._standby = self._start_controller(kwargs)
                 return _NOT_RUN
             controller, self._standby = self._standby, None
             if controller is None:
-                return super()._initialize_and_run_controller(**kwargs)
+                controller = self._start_controller(kwargs)
             if threading.current_thread() is threading.main_thread():
                 self._register_sigint_handler(controller)
             ray.get(controller.run.remote())
-            return ray.get(controller.get_result.remote())
+            result = ray.get(controller.get_result.remote())
+            # Dropping the handle would let the finished controller exit gracefully, and a Ray
+            # worker's graceful exit imports ray.dag (~0.9 s of CPU), just when the next
+            # attempt's workers start. Its work is done: end it at once.
+            ray.kill(controller)
+            return result
 
     return LeanTorchTrainer
 
