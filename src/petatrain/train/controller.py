@@ -7,6 +7,8 @@ is one more Python process importing Ray Train, ~1.4 s of CPU on every restart's
 In the controller's process, the worker group gets an `OnDemandSyncActor` instead: the
 first method call on it (from a user's `ray.train.report`, say) starts the real actor under
 a name unique to the worker group, so the controller and every rank reach the same one.
+Its owner is the process that started it (a rank, where the stock actor's is the
+controller), so it ends with that rank; a rank's failure ends the worker group anyway.
 
 Imported by the controller's process (the actor class is pickled by reference) and, on
 the driver, only once Ray Train is.
