@@ -3,8 +3,8 @@
 State goes through `torch.distributed.checkpoint.state_dict` (parameter names as keys,
 no pickle): DDP replicas are identical, so only rank 0 saves model and optimizer
 tensors; FSDP ranks save their own shards (dim-0 chunks, in rank order). An FSDP
-checkpoint loads on the same world size shard by shard, and on another world size by
-concatenating the shards into full tensors first.
+checkpoint loads on the same world size shard by shard, and on another world size from the
+rows each new rank holds, copied out of the old ranks' files that hold them (`reshard`).
 """
 
 from __future__ import annotations
