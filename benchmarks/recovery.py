@@ -11,7 +11,10 @@ its own local Ray:
   classified the failure), the first `step` event of the next attempt. Twice: as configured
   by default (the next attempt's Ray Train controller is started once the attempt steps and
   waits: `faults.standby: true`; its start-up slows the attempt's steps by ~1.1-1.7 s here) and
-  with `faults.standby: false` (the restart starts the controller).
+  with `faults.standby: false` (the restart starts the controller). A third row turns off
+  the spares instead (`faults.spares: false`): by default, once an attempt steps, each
+  node also starts and imports the next attempt's worker processes at idle priority
+  (petatrain.train.spares), and the restart's ranks start in them.
 - **Ray Train**: a plain `TorchTrainer` with `FailureConfig(max_failures=1)` whose loop saves
   and loads its own checkpoint through `ray.train.report(checkpoint=...)` /
   `ray.train.get_checkpoint()` and kills rank 1 with SIGKILL at step K. The loop appends
@@ -70,11 +73,11 @@ def dataset() -> str:
 # -- petatrain -------------------------------------------------------------------------------
 
 
-def run_petatrain(ds: str, steps: int, kill_step: int, rep: int, standby: bool = True) -> dict:
-    run_dir = WORK / f"petatrain-run-{standby}-{rep}"
+def run_petatrain(ds: str, steps: int, kill_step: int, rep: int, standby: bool = True, spares: bool = True) -> dict:
+    run_dir = WORK / f"petatrain-run-{standby}-{spares}-{rep}"
     shutil.rmtree(run_dir, ignore_errors=True)
     sets = [f"data.dataset={ds}", f"train.steps={steps}", f"checkpoint.every={CKPT_EVERY}", "train.eval_every=0"]
-    sets.append(f"faults.standby={str(standby).lower()}")
+    sets += [f"faults.standby={str(standby).lower()}", f"faults.spares={str(spares).lower()}"]
     cmd = [sys.executable, "-m", "petatrain", "train", str(TINY), "--run-dir", str(run_dir), "--json"]
     cmd += [arg for s in sets for arg in ("--set", s)] + ["--inject", f"kill@step={kill_step},rank=1"]
     load = os.getloadavg()[0]
@@ -90,7 +93,9 @@ def run_petatrain(ds: str, steps: int, kill_step: int, rep: int, standby: bool =
     failure = first("failure", 0)
     resumed = first("resume", 1)
     step1 = first("step", 1)
-    starts = [e["t"] for e in events if e["event"] == "worker_start" and e["attempt"] == 1]
+    ranks = [e for e in events if e["event"] == "worker_start" and e["attempt"] == 1]
+    starts = [e["t"] for e in ranks]
+    begun = first("attempt_start", 1)["t"]
     return _row(
         kill=killed["t"],
         detected=failure["t"],
@@ -99,9 +104,10 @@ def run_petatrain(ds: str, steps: int, kill_step: int, rep: int, standby: bool =
         steps_lost=kill_step - resumed["step"],
         cause=failure["cause"],
         load=load,
+        in_spares=sum(1 for e in ranks if (e.get("warm_up_started") or begun) < begun),
         breakdown={
-            "failure -> attempt_start": first("attempt_start", 1)["t"] - failure["t"],
-            "attempt_start -> all workers started": max(starts) - first("attempt_start", 1)["t"],
+            "failure -> attempt_start": begun - failure["t"],
+            "attempt_start -> all workers started": max(starts) - begun,
             "workers started -> resumed (model, data, checkpoint read)": resumed["t"] - max(starts),
             "resumed -> first step done": step1["t"] - resumed["t"],
         },
@@ -119,8 +125,9 @@ def _first(events: list[dict], kind: str, attempt: int | None = None, **match) -
     )
 
 
-def _row(*, kill, detected, first_step, back_at_k, steps_lost, cause, load, breakdown) -> dict:
+def _row(*, kill, detected, first_step, back_at_k, steps_lost, cause, load, breakdown, in_spares=None) -> dict:
     return {
+        "ranks_started_in_spares": in_spares,
         "detection_s": detected - kill,
         "restart_s": first_step - detected,
         "total_s": first_step - kill,
@@ -297,6 +304,8 @@ def summarise(rows: list[dict]) -> dict:
             "min": round(min(values), 2),
             "max": round(max(values), 2),
         }
+    if rows[0].get("ranks_started_in_spares") is not None:  # petatrain's rows: per repetition
+        out["ranks_started_in_spares"] = [r["ranks_started_in_spares"] for r in rows]
     parts = rows[0]["restart_breakdown_s"]
     out["restart_breakdown_s"] = {
         part: round(statistics.median(r["restart_breakdown_s"][part] for r in rows), 2) for part in parts
@@ -320,6 +329,7 @@ def main() -> None:
     ds = dataset()
     runs = {
         "petatrain": lambda rep: run_petatrain(ds, args.steps, args.kill_step, rep),
+        "petatrain, no spares": lambda rep: run_petatrain(ds, args.steps, args.kill_step, rep, spares=False),
         "petatrain, no warm standby": lambda rep: run_petatrain(ds, args.steps, args.kill_step, rep, False),
         "Ray Train, defaults (health check 2 s)": lambda rep: run_ray_train(args.steps, args.kill_step, rep, None),
         "Ray Train, health check 0.5 s": lambda rep: run_ray_train(args.steps, args.kill_step, rep, 0.5),
@@ -357,6 +367,8 @@ def main() -> None:
         print(f"\nrestart breakdown, {name} (median s):")
         for part, seconds in s["restart_breakdown_s"].items():
             print(f"  {part:<60} {seconds:6.2f}")
+        if "ranks_started_in_spares" in s:
+            print(f"  ranks of the next attempt that started in spares, per repetition: {s['ranks_started_in_spares']}")
     target = summary["petatrain"]["total_s"]["median"] <= 30
     print(f"\ntarget (kill -> first step after recovery <= 30 s): {'met' if target else 'NOT met'}")
     print("noise: 2 shared cores (load averages per run are in the JSON); compare medians, not single runs")

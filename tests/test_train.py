@@ -114,6 +114,15 @@ def test_every_fault_recovered_with_bit_identical_weights(baseline, token_datase
     hang_failure = next(e for e in events if e["event"] == "failure" and e["cause"] == "hang")
     hang_fired = next(e for e in injected if e["fault"] == "hang")
     assert hang_failure["t"] - hang_fired["t"] < 6 + 5, "the watchdog found the hang within faults.hang_timeout_s"
+    # The hung attempt stepped at least once before the hang (faults are >= 3 steps apart), so
+    # the raylet had its request for spares; the watchdog's 6 s left them time to start, and the
+    # next attempt's ranks started in them: processes whose warm-up began before that attempt.
+    after_hang = hang_failure["attempt"] + 1
+    begun = next(e["t"] for e in events if e["event"] == "attempt_start" and e["attempt"] == after_hang)
+    ranks = [e for e in events if e["event"] == "worker_start" and e["attempt"] == after_hang]
+    assert len(ranks) == 2 and all(e["warm_up_started"] < begun for e in ranks), (specs, ranks, begun)
+    starts = [e for e in events if e["event"] == "worker_start"]
+    assert {e["torch_threads"] for e in starts} == {1}, "every rank, spare or cold, uses the one CPU it has"
 
 
 def test_synchronous_checkpoints_stall_for_the_whole_write(baseline, token_dataset, tmp_path):

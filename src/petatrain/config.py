@@ -210,6 +210,10 @@ class FaultsConfig:
     # not wait for one: kill -> next step 7.8 -> 4.9 s on 2 cores; its start-up costs ~1.1-1.7 s
     # of training per attempt there (nothing where the driver's node has a spare core).
     standby: bool = True
+    # Once an attempt trains, start and import the next attempt's worker processes (spares) at
+    # idle priority, so a restart's ranks skip Python, Ray, torch and Ray Train start-up
+    # (petatrain.train.spares).
+    spares: bool = True
 
     def __post_init__(self) -> None:
         if self.max_restarts < 0 or self.hang_timeout_s <= 0 or self.mtbf_hours <= 0:

@@ -31,6 +31,7 @@ from petatrain.models import ModelSpec, build_model
 from petatrain.storage import StorageOptions, join
 from petatrain.storage.fs import atomic_write
 from petatrain.train import checkpoint as ckpt
+from petatrain.train import spares
 from petatrain.train.parallel import load_into, parallelize, read_for_resume, state_for_save
 
 log = logging.getLogger(__name__)
@@ -298,6 +299,9 @@ def train_worker(payload: Payload) -> None:
     cfg = config_mod.build(JobConfig, payload.config)
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    next_ranks = spares.Spares(
+        ctx.get_local_rank(), ctx.get_local_world_size(), enabled=cfg.faults.spares and cfg.faults.max_restarts > 0
+    )
     hub, attempt = payload.hub, payload.attempt
     preemption = PreemptionNotice()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the watchdog asks for stacks before a kill
@@ -308,7 +312,14 @@ def train_worker(payload: Payload) -> None:
         if sync:
             ray.get(ref)
 
-    emit("worker_start", rank=rank, pid=os.getpid(), node=node_id)
+    emit(
+        "worker_start",
+        rank=rank,
+        pid=os.getpid(),
+        node=node_id,
+        warm_up_started=spares.warm_up_started(),
+        torch_threads=torch.get_num_threads(),
+    )
     hub.beat.remote(attempt, rank, -1, os.getpid(), node_id)
 
     device = ray.train.torch.get_device() if cfg.resources.accelerator != "cpu" else torch.device("cpu")
@@ -454,6 +465,7 @@ def train_worker(payload: Payload) -> None:
                 others = [i for i in others if not _passed(i, step, elapsed, telemetry.period_s)]
             else:
                 telemetry.progress(step)
+            next_ranks.trained()  # the next attempt's processes start while this one trains
 
             for injection in [i for i in pending if i.due(step, elapsed)]:
                 pending.remove(injection)

@@ -1,0 +1,276 @@
+"""Spare worker processes: the next attempt's ranks, started and imported while this one trains.
+
+Ray Train starts new worker actors for every attempt, and on 2 cores each new rank spent
+~3.4 s of CPU before it could build a model: starting Python and Ray, importing torch
+(~1.0 s), Ray Train (~0.8 s) and petatrain. A restart waits for all of it.
+
+Ray places a new actor in an idle worker process of its node if that process has the
+actor's runtime environment and has never run anything (a process that ran a task is not
+reused for an actor), and the raylet's `PrestartWorkers` call starts such processes. So:
+
+- the worker group's runtime environment carries a setup hook, `warm_up`, that Ray runs in
+  every new worker process of the group before it takes work: it imports what a rank
+  imports (`worker_runtime_env`);
+- once an attempt has taken its first step, each node's local rank 0 asks its raylet for
+  as many spares as the node runs ranks, with its own runtime environment (`top_up`); the
+  next attempt's actors start in them and skip the imports.
+
+A spare must not slow the ranks it stands behind. While ranks train on its node (each
+holds a shared lock, `hold_training_lock`), a spare imports at `SCHED_IDLE` and takes only
+the CPU the ranks leave; when nothing trains (a restart is under way and may be waiting
+for this very process) it imports at normal priority. That needs permission to return a
+thread to the normal policy (CAP_SYS_NICE or RLIMIT_NICE); without it a spare imports at
+normal priority. Each spare registers itself in the Ray session directory until a rank
+starts in it (`claim`), so a node never holds more than it needs. Spares belong to the
+run's Ray job, and Ray ends them with it.
+
+Everything here is an optimisation: if Ray's internals move, or a call fails, ranks start
+cold as they did before, and the hook never raises into Ray's worker start-up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import importlib
+import json
+import logging
+import math
+import os
+import threading
+import time
+
+log = logging.getLogger(__name__)
+
+# ray._private.ray_constants.WORKER_PROCESS_SETUP_HOOK_ENV_VAR: a module path in it is imported
+# and called by every new worker process that has it in its environment (default_worker.py).
+HOOK_ENV = "__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR"
+HOOK = "petatrain.train.spares.warm_up"
+# What a rank imports before its first step, heaviest first (torch ~1.0 s, Ray Train ~0.8 s of CPU).
+MODULES = (
+    "torch",
+    "torch.distributed",
+    "torch.nn.parallel",
+    "ray.train.torch",
+    "ray.train.v2._internal.execution.worker_group.worker",
+    "petatrain.train.loop",
+    "ray._private.grpc_utils",  # top_up's: its call then takes milliseconds on the step's path
+    "ray.core.generated.node_manager_pb2_grpc",
+)
+KEEP_ALIVE_S = 3600  # the raylet keeps an idle spare at least this long; local rank 0 tops up as often
+_REGISTRY = "petatrain-spares"
+_TRAINING_LOCK = "petatrain-training.lock"
+_held: list[int] = []  # the training lock's descriptor, held until the rank's process ends
+_warmed: dict = {}  # this process's warm-up: started, ready, idle
+
+
+def worker_runtime_env(cpus_per_worker: float) -> dict:
+    """The worker group's runtime environment: every new worker process of the group runs `warm_up`.
+
+    It also fixes OMP_NUM_THREADS from the start, to what Ray would set it to when the rank's
+    actor starts (the floor of its CPUs, at least 1) unless the driver's environment sets it.
+    Ray sets it only then, and torch, imported earlier by `warm_up`, would have sized its
+    thread pool by the node's cores: two ranks of two threads on two cores stepped 3x slower.
+    """
+    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, math.floor(cpus_per_worker)))
+    return {"env_vars": {HOOK_ENV: HOOK, "OMP_NUM_THREADS": threads}}
+
+
+class Spares:
+    """A rank's side: it is no longer a spare; once it trains, the node gets spares for the next attempt."""
+
+    TOP_UP_EVERY_S = 600.0  # spares the raylet ended (KEEP_ALIVE_S) are replaced this often
+
+    def __init__(self, local_rank: int, local_world: int, *, enabled: bool):
+        claim()
+        self.local_rank, self.local_world, self.enabled = local_rank, local_world, enabled
+        self._next = 0.0  # monotonic time of the next top-up; the first step does one
+
+    def trained(self) -> None:
+        """After every step; does something after the first and then every TOP_UP_EVERY_S."""
+        if not self.enabled or time.monotonic() < self._next:
+            return
+        self._next = time.monotonic() + self.TOP_UP_EVERY_S
+        hold_training_lock()
+        if self.local_rank == 0:  # synchronous: the raylet has the request even if this rank hangs next
+            top_up(self.local_world)
+
+
+def warm_up() -> None:
+    """Ray's setup hook for the group's worker processes: import what a rank needs, quietly if ranks train here."""
+    try:
+        started = time.time()
+        _register({"started": started})
+        idle_ok, idle_used = _can_leave_idle(), False
+        for name in MODULES:
+            idle = idle_ok and _training_here()
+            idle_used |= idle
+            with _priority(idle=idle):
+                importlib.import_module(name)
+        _warmed.update(started=started, ready=time.time(), idle=idle_used)
+        _register(_warmed)
+    except Exception:  # a failing hook would stop Ray's worker start-up; the rank imports again anyway
+        log.warning("spare warm-up failed; the rank imports on its own", exc_info=True)
+
+
+def warm_up_started() -> float | None:
+    """When this process's warm-up began (unix time), or None if it never ran: before its attempt began = a spare."""
+    return _warmed.get("started")
+
+
+def claim() -> None:
+    """A rank has started in this process: it is no longer a spare."""
+    with contextlib.suppress(Exception):
+        os.unlink(os.path.join(_registry_dir(), f"{_job()}-{os.getpid()}"))
+
+
+def hold_training_lock() -> None:
+    """Mark this node as training for as long as this process lives (spares then import at idle priority)."""
+    if _held:
+        return
+    with contextlib.suppress(Exception):
+        fd = os.open(os.path.join(_session_dir(), _TRAINING_LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        _held.append(fd)
+
+
+def top_up(count: int, keep_alive_s: int = KEEP_ALIVE_S) -> int:
+    """Ask this node's raylet for spares until `count` of this job live here; returns how many it asked for."""
+    try:
+        import ray
+        import ray._private.worker as ray_worker
+        from ray._private.grpc_utils import init_grpc_channel
+        from ray.core.generated import common_pb2, node_manager_pb2, node_manager_pb2_grpc
+
+        runtime_env = ray.get_runtime_context().get_runtime_env_string()
+        if HOOK_ENV not in runtime_env:
+            return 0  # this group's processes would not warm up: a spare saves little
+        want = count - live_spares()
+        if want <= 0:
+            return 0
+        node = ray_worker.global_worker.node
+        request = node_manager_pb2.PrestartWorkersRequest(
+            language=common_pb2.PYTHON,
+            job_id=bytes.fromhex(ray.get_runtime_context().get_job_id()),
+            num_workers=want,
+            keep_alive_duration_secs=keep_alive_s,
+        )
+        request.runtime_env_info.serialized_runtime_env = runtime_env
+        channel = init_grpc_channel(f"{node.node_ip_address}:{node.node_manager_port}")
+        try:
+            node_manager_pb2_grpc.NodeManagerServiceStub(channel).PrestartWorkers(request, timeout=10)
+        finally:
+            channel.close()
+        return want
+    except Exception as exc:  # ranks start cold, as without spares
+        log.warning("could not start spare worker processes (%s); the next attempt's ranks start cold", exc)
+        return 0
+
+
+def live_spares() -> int:
+    """Spares of this job on this node: started, alive, and no rank in them yet."""
+    job, alive = _job(), 0
+    with contextlib.suppress(FileNotFoundError):
+        for name in os.listdir(_registry_dir()):
+            owner, _, pid = name.rpartition("-")
+            if owner != job or not pid.isdigit():
+                continue
+            try:
+                os.kill(int(pid), 0)
+                alive += 1
+            except ProcessLookupError:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(_registry_dir(), name))
+            except PermissionError:
+                alive += 1
+    return alive
+
+
+def spares_here() -> list[dict]:
+    """This job's spares on this node, as they registered: pid, started, and once imported ready and idle."""
+    job, found = _job(), []
+    with contextlib.suppress(FileNotFoundError):
+        for name in sorted(os.listdir(_registry_dir())):
+            if not name.startswith(".") and name.rpartition("-")[0] == job:
+                with contextlib.suppress(FileNotFoundError, ValueError), open(os.path.join(_registry_dir(), name)) as f:
+                    found.append({"pid": int(name.rpartition("-")[2]), **json.loads(f.read())})
+    return found
+
+
+def _register(state: dict) -> None:
+    directory = _registry_dir()
+    os.makedirs(directory, exist_ok=True)
+    name = f"{_job()}-{os.getpid()}"
+    with open(os.path.join(directory, f".{name}"), "w") as f:  # readers skip dot names
+        f.write(json.dumps(state))
+    os.replace(os.path.join(directory, f".{name}"), os.path.join(directory, name))
+
+
+def _training_here() -> bool:
+    """True while a rank on this node holds the shared training lock."""
+    try:
+        fd = os.open(os.path.join(_session_dir(), _TRAINING_LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing also releases the probe's lock
+
+
+@contextlib.contextmanager
+def _priority(*, idle: bool):
+    """Run the body at SCHED_IDLE (this thread only), then put every thread of the process back."""
+    if not idle:
+        yield
+        return
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    try:
+        yield
+    finally:
+        _normal_policy()
+
+
+def _normal_policy() -> None:
+    """Threads started during an idle import inherit SCHED_IDLE: return them all to the normal policy."""
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):
+            if os.sched_getscheduler(int(tid)) == os.SCHED_IDLE:
+                os.sched_setscheduler(int(tid), os.SCHED_OTHER, os.sched_param(0))
+
+
+def _can_leave_idle() -> bool:
+    """Whether a thread may go from SCHED_IDLE back to normal here (tried on a throwaway thread)."""
+    result: list[bool] = []
+
+    def probe() -> None:
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+            result.append(True)
+        except OSError:
+            result.append(False)
+
+    thread = threading.Thread(target=probe, name="petatrain-sched-probe")
+    thread.start()
+    thread.join()
+    return bool(result and result[0])
+
+
+def _session_dir() -> str:
+    import ray._private.worker as ray_worker
+
+    return ray_worker.global_worker.node.get_session_dir_path()
+
+
+def _registry_dir() -> str:
+    return os.path.join(_session_dir(), _REGISTRY)
+
+
+def _job() -> str:
+    import ray
+
+    return ray.get_runtime_context().get_job_id()
