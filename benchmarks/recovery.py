@@ -104,7 +104,7 @@ def run_petatrain(ds: str, steps: int, kill_step: int, rep: int, standby: bool =
         steps_lost=kill_step - resumed["step"],
         cause=failure["cause"],
         load=load,
-        in_spares=sum(1 for e in ranks if (e.get("warm_up_started") or begun) < begun),
+        in_spares=sum(1 for e in ranks if (e.get("warm_up") or {}).get("started", begun) < begun),
         breakdown={
             "failure -> attempt_start": begun - failure["t"],
             "attempt_start -> all workers started": max(starts) - begun,

@@ -120,7 +120,7 @@ def test_every_fault_recovered_with_bit_identical_weights(baseline, token_datase
     after_hang = hang_failure["attempt"] + 1
     begun = next(e["t"] for e in events if e["event"] == "attempt_start" and e["attempt"] == after_hang)
     ranks = [e for e in events if e["event"] == "worker_start" and e["attempt"] == after_hang]
-    assert len(ranks) == 2 and all(e["warm_up_started"] < begun for e in ranks), (specs, ranks, begun)
+    assert len(ranks) == 2 and all(e["warm_up"]["started"] < begun for e in ranks), (specs, ranks, begun)
     starts = [e for e in events if e["event"] == "worker_start"]
     assert {e["torch_threads"] for e in starts} == {1}, "every rank, spare or cold, uses the one CPU it has"
 

@@ -317,7 +317,7 @@ def train_worker(payload: Payload) -> None:
         rank=rank,
         pid=os.getpid(),
         node=node_id,
-        warm_up_started=spares.warm_up_started(),
+        warm_up=spares.warmed(),
         torch_threads=torch.get_num_threads(),
     )
     hub.beat.remote(attempt, rank, -1, os.getpid(), node_id)

@@ -18,10 +18,12 @@ reused for an actor), and the raylet's `PrestartWorkers` call starts such proces
 A spare must not slow the ranks it stands behind. While ranks train on its node (each
 holds a shared lock, `hold_training_lock`), a spare imports at `SCHED_IDLE` and takes only
 the CPU the ranks leave; when nothing trains (a restart is under way and may be waiting
-for this very process) it imports at normal priority. That needs permission to return a
-thread to the normal policy (CAP_SYS_NICE or RLIMIT_NICE); without it a spare imports at
-normal priority. Each spare registers itself in the Ray session directory until a rank
-starts in it (`claim`), so a node never holds more than it needs. Spares belong to the
+for this very process) it imports at normal priority. Once imported, it waits with all its
+threads at SCHED_IDLE while ranks train (an idle Ray worker still spends ~0.85% of a core)
+and at normal priority while none do. Going back to the normal policy needs CAP_SYS_NICE or
+RLIMIT_NICE; without them a spare stays at normal priority throughout. Each spare registers
+itself in the Ray session directory until a rank starts in it (`claim`), so a node never
+holds more than it needs. Spares belong to the
 run's Ray job, and Ray ends them with it.
 
 Everything here is an optimisation: if Ray's internals move, or a call fails, ranks start
@@ -62,6 +64,8 @@ _REGISTRY = "petatrain-spares"
 _TRAINING_LOCK = "petatrain-training.lock"
 _held: list[int] = []  # the training lock's descriptor, held until the rank's process ends
 _warmed: dict = {}  # this process's warm-up: started, ready, idle
+_claimed = threading.Event()  # a rank has started in this process
+_flip = threading.Lock()  # one priority change at a time: a waiting spare's follower, or claim()
 
 
 def worker_runtime_env(cpus_per_worker: float) -> dict:
@@ -99,7 +103,7 @@ class Spares:
 def warm_up() -> None:
     """Ray's setup hook for the group's worker processes: import what a rank needs, quietly if ranks train here."""
     try:
-        started = time.time()
+        started, cpu_before = time.time(), time.process_time()  # the process's CPU so far: Python and Ray start-up
         _register({"started": started})
         idle_ok, idle_used = _can_leave_idle(), False
         for name in MODULES:
@@ -107,21 +111,55 @@ def warm_up() -> None:
             idle_used |= idle
             with _priority(idle=idle):
                 importlib.import_module(name)
-        _warmed.update(started=started, ready=time.time(), idle=idle_used)
+        cpu = {"cpu_start_s": round(cpu_before, 3), "cpu_imports_s": round(time.process_time() - cpu_before, 3)}
+        _warmed.update(started=started, ready=time.time(), idle=idle_used, **cpu)
         _register(_warmed)
+        if idle_ok:
+            threading.Thread(target=_follow_training, name="petatrain-spare-priority", daemon=True).start()
     except Exception:  # a failing hook would stop Ray's worker start-up; the rank imports again anyway
         log.warning("spare warm-up failed; the rank imports on its own", exc_info=True)
 
 
-def warm_up_started() -> float | None:
-    """When this process's warm-up began (unix time), or None if it never ran: before its attempt began = a spare."""
-    return _warmed.get("started")
+def warmed() -> dict | None:
+    """This process's warm-up (started, ready: unix times; idle; CPU seconds), None if it did not run.
+
+    Started before the rank's attempt began: the rank started in a spare.
+    """
+    return dict(_warmed) or None
 
 
 def claim() -> None:
-    """A rank has started in this process: it is no longer a spare."""
+    """A rank has started in this process: it is no longer a spare (normal priority, off the registry)."""
+    _claimed.set()
+    if _warmed:
+        with _flip, contextlib.suppress(OSError):
+            _normal_policy()
     with contextlib.suppress(Exception):
         os.unlink(os.path.join(_registry_dir(), f"{_job()}-{os.getpid()}"))
+
+
+def _follow_training(period_s: float = 0.1) -> None:
+    """A waiting spare: every thread at SCHED_IDLE while ranks train on the node, normal otherwise.
+
+    An idle Ray worker still spends ~0.85% of a core (its loops), which two busy cores take
+    from the steps; at SCHED_IDLE it takes only what the ranks leave. When the lock is free an
+    attempt has ended and the next one may start its ranks here: normal priority at once
+    (within `period_s`). Ends when a rank starts in the process (`claim`).
+    """
+    idle = False
+    while not _claimed.wait(period_s):
+        training = _training_here()
+        if training == idle:
+            continue
+        with _flip:
+            if _claimed.is_set():
+                return
+            with contextlib.suppress(OSError):
+                if training:
+                    _set_policy(os.SCHED_IDLE)
+                else:
+                    _normal_policy()
+            idle = training
 
 
 def hold_training_lock() -> None:
@@ -232,6 +270,12 @@ def _priority(*, idle: bool):
         yield
     finally:
         _normal_policy()
+
+
+def _set_policy(policy: int) -> None:
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setscheduler(int(tid), policy, os.sched_param(0))
 
 
 def _normal_policy() -> None:
