@@ -307,13 +307,9 @@ def _make_trainer(cfg, payload, world: int, run_id: str, attempt: int, job: Trai
             name=f"petatrain-{run_id}-attempt{attempt}",
             storage_path=storage,
             failure_config=FailureConfig(max_failures=0),  # the supervisor decides, not Ray Train
-            worker_runtime_env=spares.worker_runtime_env(cfg.resources.cpus_per_worker) if _want_spares(cfg) else None,
+            worker_runtime_env=spares.worker_runtime_env(cfg.resources.cpus_per_worker) if spares.wanted(cfg) else None,
         ),
     )
-
-
-def _want_spares(cfg: JobConfig) -> bool:
-    return cfg.faults.spares and cfg.faults.max_restarts > 0
 
 
 def _fit(trainer, attempt: int, world: int, watch: _Watchdog) -> BaseException | None:

@@ -299,9 +299,7 @@ def train_worker(payload: Payload) -> None:
     cfg = config_mod.build(JobConfig, payload.config)
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    next_ranks = spares.Spares(
-        ctx.get_local_rank(), ctx.get_local_world_size(), enabled=cfg.faults.spares and cfg.faults.max_restarts > 0
-    )
+    next_ranks = spares.Spares(ctx.get_local_rank(), ctx.get_local_world_size(), enabled=spares.wanted(cfg))
     hub, attempt = payload.hub, payload.attempt
     preemption = PreemptionNotice()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the watchdog asks for stacks before a kill

@@ -22,8 +22,8 @@ for this very process) it imports at normal priority. Once imported, it waits wi
 threads at SCHED_IDLE while ranks train (an idle Ray worker still spends ~0.85% of a core)
 and at normal priority while none do. Going back to the normal policy needs CAP_SYS_NICE or
 RLIMIT_NICE; without them a spare stays at normal priority throughout. Each spare registers
-itself in the Ray session directory until a rank starts in it (`claim`), so a node never
-holds more than it needs. Spares belong to the
+itself in the Ray session directory, under its job and runtime environment, until a rank
+starts in it (`claim`), so a node never holds more than it needs. Spares belong to the
 run's Ray job, and Ray ends them with it.
 
 Everything here is an optimisation: if Ray's internals move, or a call fails, ranks start
@@ -39,8 +39,10 @@ import json
 import logging
 import math
 import os
+import sys
 import threading
 import time
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +61,7 @@ MODULES = (
     "ray._private.grpc_utils",  # top_up's: its call then takes milliseconds on the step's path
     "ray.core.generated.node_manager_pb2_grpc",
 )
-KEEP_ALIVE_S = 3600  # the raylet keeps an idle spare at least this long; local rank 0 tops up as often
+KEEP_ALIVE_S = 3600  # the raylet keeps an idle spare at least this long (Spares.TOP_UP_EVERY_S replaces it after)
 _REGISTRY = "petatrain-spares"
 _TRAINING_LOCK = "petatrain-training.lock"
 _held: list[int] = []  # the training lock's descriptor, held until the rank's process ends
@@ -78,6 +80,11 @@ def worker_runtime_env(cpus_per_worker: float) -> dict:
     """
     threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, math.floor(cpus_per_worker)))
     return {"env_vars": {HOOK_ENV: HOOK, "OMP_NUM_THREADS": threads}}
+
+
+def wanted(cfg: Any) -> bool:
+    """Whether a job's attempts get spares: `faults.spares`, and restarts allowed at all."""
+    return cfg.faults.spares and cfg.faults.max_restarts > 0
 
 
 class Spares:
@@ -135,7 +142,7 @@ def claim() -> None:
         with _flip, contextlib.suppress(OSError):
             _normal_policy()
     with contextlib.suppress(Exception):
-        os.unlink(os.path.join(_registry_dir(), f"{_job()}-{os.getpid()}"))
+        os.unlink(os.path.join(_registry_dir(), f"{_group()}-{os.getpid()}"))
 
 
 def _follow_training(period_s: float = 0.1) -> None:
@@ -206,12 +213,12 @@ def top_up(count: int, keep_alive_s: int = KEEP_ALIVE_S) -> int:
 
 
 def live_spares() -> int:
-    """Spares of this job on this node: started, alive, and no rank in them yet."""
-    job, alive = _job(), 0
+    """Spares of this group on this node: started, alive, and no rank in them yet."""
+    group, alive = _group(), 0
     with contextlib.suppress(FileNotFoundError):
         for name in os.listdir(_registry_dir()):
             owner, _, pid = name.rpartition("-")
-            if owner != job or not pid.isdigit():
+            if owner != group or not pid.isdigit():
                 continue
             try:
                 os.kill(int(pid), 0)
@@ -225,11 +232,11 @@ def live_spares() -> int:
 
 
 def spares_here() -> list[dict]:
-    """This job's spares on this node, as they registered: pid, started, and once imported ready and idle."""
-    job, found = _job(), []
+    """This group's spares on this node, as they registered: pid, started, and once imported ready and idle."""
+    group, found = _group(), []
     with contextlib.suppress(FileNotFoundError):
         for name in sorted(os.listdir(_registry_dir())):
-            if not name.startswith(".") and name.rpartition("-")[0] == job:
+            if not name.startswith(".") and name.rpartition("-")[0] == group:
                 with contextlib.suppress(FileNotFoundError, ValueError), open(os.path.join(_registry_dir(), name)) as f:
                     found.append({"pid": int(name.rpartition("-")[2]), **json.loads(f.read())})
     return found
@@ -238,14 +245,19 @@ def spares_here() -> list[dict]:
 def _register(state: dict) -> None:
     directory = _registry_dir()
     os.makedirs(directory, exist_ok=True)
-    name = f"{_job()}-{os.getpid()}"
+    name = f"{_group()}-{os.getpid()}"
     with open(os.path.join(directory, f".{name}"), "w") as f:  # readers skip dot names
         f.write(json.dumps(state))
     os.replace(os.path.join(directory, f".{name}"), os.path.join(directory, name))
 
 
 def _training_here() -> bool:
-    """True while a rank on this node holds the shared training lock."""
+    """True while a rank on this node holds the shared training lock.
+
+    The probe takes the lock exclusively for a moment, so two spares probing at once can
+    see each other as a rank: the loser then reads "training" for one probe (one import, or
+    0.1 s of waiting at idle priority).
+    """
     try:
         fd = os.open(os.path.join(_session_dir(), _TRAINING_LOCK), os.O_RDWR | os.O_CREAT, 0o644)
     except OSError:
@@ -318,3 +330,18 @@ def _job() -> str:
     import ray
 
     return ray.get_runtime_context().get_job_id()
+
+
+def _group() -> str:
+    """Job and runtime environment: only a spare of both can take a rank (the registry's key).
+
+    Ray passes every worker process its runtime environment's hash (`--runtime-env-hash`),
+    the same in a spare and in the rank that asks for more.
+    """
+    env_hash, argv = "0", sys.argv
+    for i, arg in enumerate(argv):
+        if arg.startswith("--runtime-env-hash="):
+            env_hash = arg.split("=", 1)[1]
+        elif arg == "--runtime-env-hash" and i + 1 < len(argv):
+            env_hash = argv[i + 1]
+    return f"{_job()}-{env_hash}"
