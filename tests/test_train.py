@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -832,8 +833,16 @@ def test_synchronization_actor_starts_only_when_called(ray_local):
         ray_local.get(sync.get_counter.remote())  # this process finds the ranks' actor by name
         assert sync.started and sync._handle._actor_id == actor._actor_id
         state._shutdown_sync_actor(sync)
-        with pytest.raises(ray_local.exceptions.RayActorError):
-            ray_local.get(actor.get_counter.remote(), timeout=30)
+        # ray.kill returns before the actor is dead: a call made at once can still be answered
+        # (it was, once, in a full run). Ended means: calls fail from some point on.
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                ray_local.get(actor.get_counter.remote(), timeout=30)
+            except ray_local.exceptions.RayActorError:
+                break
+            assert time.monotonic() < deadline, "shutdown did not end the synchronization actor"
+            time.sleep(0.1)
         for rank in ranks:
             ray_local.kill(rank)
     finally:
