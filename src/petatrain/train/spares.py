@@ -180,7 +180,7 @@ def hold_training_lock() -> None:
 
 
 def top_up(count: int, keep_alive_s: int = KEEP_ALIVE_S) -> int:
-    """Ask this node's raylet for spares until `count` of this job live here; returns how many it asked for."""
+    """Ask this node's raylet for spares until `count` of this group live here; returns how many it asked for."""
     try:
         import ray
         import ray._private.worker as ray_worker
@@ -214,32 +214,36 @@ def top_up(count: int, keep_alive_s: int = KEEP_ALIVE_S) -> int:
 
 def live_spares() -> int:
     """Spares of this group on this node: started, alive, and no rank in them yet."""
-    group, alive = _group(), 0
-    with contextlib.suppress(FileNotFoundError):
-        for name in os.listdir(_registry_dir()):
-            owner, _, pid = name.rpartition("-")
-            if owner != group or not pid.isdigit():
-                continue
-            try:
-                os.kill(int(pid), 0)
-                alive += 1
-            except ProcessLookupError:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(_registry_dir(), name))
-            except PermissionError:
-                alive += 1
-    return alive
+    return sum(1 for _ in _entries())
 
 
 def spares_here() -> list[dict]:
     """This group's spares on this node, as they registered: pid, started, and once imported ready and idle."""
-    group, found = _group(), []
-    with contextlib.suppress(FileNotFoundError):
-        for name in sorted(os.listdir(_registry_dir())):
-            if not name.startswith(".") and name.rpartition("-")[0] == group:
-                with contextlib.suppress(FileNotFoundError, ValueError), open(os.path.join(_registry_dir(), name)) as f:
-                    found.append({"pid": int(name.rpartition("-")[2]), **json.loads(f.read())})
+    found = []
+    for pid, path in _entries():
+        with contextlib.suppress(FileNotFoundError, ValueError), open(path) as f:
+            found.append({"pid": pid, **json.loads(f.read())})
     return found
+
+
+def _entries():
+    """(pid, path) of this group's live spares in the registry; entries of dead processes are removed."""
+    directory, group = _registry_dir(), _group()
+    with contextlib.suppress(FileNotFoundError):
+        for name in sorted(os.listdir(directory)):
+            owner, _, pid = name.rpartition("-")
+            if owner != group or not pid.isdigit():  # dot names (being written) have another owner
+                continue
+            path = os.path.join(directory, name)
+            try:
+                os.kill(int(pid), 0)
+            except ProcessLookupError:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+                continue
+            except PermissionError:
+                pass  # alive, another user's
+            yield int(pid), path
 
 
 def _register(state: dict) -> None:
