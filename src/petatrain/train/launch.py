@@ -70,8 +70,16 @@ class RestartPolicy:
         return "retry" if self.used <= self.max_restarts else "raise"
 
 
-def classify(error: BaseException, *, hang: Failure | None, nodes_lost: bool) -> Failure:
-    """The cause of a failed attempt, from the watchdog's verdict and Ray Train's error."""
+# What a surviving rank raises when a peer's process is gone in the middle of a collective.
+PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "remote process exited")
+
+
+def classify(error: BaseException, *, hang: Failure | None, nodes_lost: bool, died: int | None = None) -> Failure:
+    """The cause of a failed attempt, from the watchdog's verdict and Ray Train's error.
+
+    `died`: the rank whose process Ray saw die on its own during the attempt (`_rank_died`),
+    when Ray Train's error names only the ranks that survived it.
+    """
     if hang is not None:
         return hang
     text = str(error)
@@ -91,6 +99,8 @@ def classify(error: BaseException, *, hang: Failure | None, nodes_lost: bool) ->
     if "health check failed" in text or "ActorDiedError" in text or "actor died" in text.lower():
         rank = _dead_rank(text, rank)
         return Failure("kill", "worker process died: " + first, rank)
+    if died is not None:
+        return Failure("kill", f"worker process of rank {died} died: " + first, died)
     if "petatrain.errors." in text:  # bad config, missing or corrupt data: a retry would fail the same way
         return Failure("error", first, rank)
     if "Traceback" in text:
@@ -214,6 +224,9 @@ def run(job: TrainJob) -> dict[str, Any]:
             if error is None:
                 break
             failure = classify(error, hang=watch.verdict, nodes_lost=_nodes_lost(nodes_before, error))
+            if failure.cause in ("exception", "unknown"):  # or a rank died, and a survivor's error came first
+                died = _rank_died(ray.get(hub.heartbeats.remote()), error)
+                failure = classify(error, hang=None, nodes_lost=False, died=died)
             failures.append(failure)
             emit("failure", attempt=attempt, cause=failure.cause, detail=failure.detail, rank=failure.rank)
             if policy.decide(failure) == "raise":
@@ -589,6 +602,40 @@ def _kill_group(beats: dict[int, dict[str, Any]]) -> None:
         for b in beats.values()
     ]
     ray.wait(refs, num_returns=len(refs), timeout=10)
+
+
+def _rank_died(beats: dict[int, dict[str, Any]], error: BaseException, wait_s: float = 2.0) -> int | None:
+    """The rank whose worker process died on its own (SIGKILL, the OOM killer, a crash), if the error hides it.
+
+    Ray Train fails an attempt at the first poll of its workers that shows an error. When a
+    rank's process dies, its peers' collective fails at once (the socket closes), and that
+    error can reach a poll before the dead rank's failed health check does: the error then
+    names only a survivor's `RuntimeError`, and the fault would be counted as an exception.
+    GCS's actor table tells the two apart: the dead rank's actor died of its process's exit
+    (a system error), the survivors' of Ray Train's `ray.kill`. Asked only when the error is
+    a lost peer and names no dead worker; GCS may learn of the death a moment later.
+    """
+    import ray
+    import ray._private.state as ray_state
+
+    text = str(error)
+    if not any(marker in text for marker in PEER_LOST) or "health check failed" in text:
+        return None
+    ranks = {(b["pid"], b["node_id"]): rank for rank, b in beats.items()}
+    job = ray.JobID.from_hex(ray.get_runtime_context().get_job_id())
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            dead = ray_state.actors(job_id=job, actor_state_name="DEAD").values()
+        except Exception:  # without GCS's answer the error's own cause stands
+            return None
+        for actor in dead:
+            rank = ranks.get((actor.get("Pid"), actor.get("Address", {}).get("NodeID")))
+            if rank is not None and "worker process has died" in str(actor.get("DeathCause", "")):
+                return rank
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.2)
 
 
 def _nodes_lost(before: set[str], error: BaseException) -> bool:
