@@ -226,7 +226,8 @@ def run(job: TrainJob) -> dict[str, Any]:
             failure = classify(error, hang=watch.verdict, nodes_lost=_nodes_lost(nodes_before, error))
             if failure.cause in ("exception", "unknown"):  # or a rank died, and a survivor's error came first
                 died = _rank_died(ray.get(hub.heartbeats.remote()), error)
-                failure = classify(error, hang=None, nodes_lost=False, died=died)
+                if died is not None:
+                    failure = classify(error, hang=None, nodes_lost=False, died=died)
             failures.append(failure)
             emit("failure", attempt=attempt, cause=failure.cause, detail=failure.detail, rank=failure.rank)
             if policy.decide(failure) == "raise":
@@ -612,14 +613,14 @@ def _rank_died(beats: dict[int, dict[str, Any]], error: BaseException, wait_s: f
     error can reach a poll before the dead rank's failed health check does: the error then
     names only a survivor's `RuntimeError`, and the fault would be counted as an exception.
     GCS's actor table tells the two apart: the dead rank's actor died of its process's exit
-    (a system error), the survivors' of Ray Train's `ray.kill`. Asked only when the error is
-    a lost peer and names no dead worker; GCS may learn of the death a moment later.
+    (a system error), the survivors' of Ray Train's `ray.kill`. Asked only when `classify`
+    found an exception and the error is a lost peer; GCS may learn of the death a moment later.
     """
     import ray
     import ray._private.state as ray_state
 
     text = str(error)
-    if not any(marker in text for marker in PEER_LOST) or "health check failed" in text:
+    if not any(marker in text for marker in PEER_LOST):
         return None
     ranks = {(b["pid"], b["node_id"]): rank for rank, b in beats.items()}
     job = ray.JobID.from_hex(ray.get_runtime_context().get_job_id())
