@@ -8,10 +8,16 @@ Rank 0 records the end time of every step and writes them to --out.
 
 With --ray-train the same loop runs as the train function of a Ray Train `TorchTrainer`
 (2 workers, gloo, Ray Train's defaults, a fresh local Ray as `petatrain train` starts):
-what the loop costs under Ray Train alone, before anything petatrain adds.
+what the loop costs under Ray Train alone, before anything petatrain adds. With --ray-actors
+it runs in two bare Ray actors of 1 CPU each (no Ray Train: the group set up by hand, the
+loop in a thread as Ray Train runs it): what Ray's own worker processes cost. One difference
+stays: the actor's task waits for that thread, where Ray Train's `run_train_fn` returns and
+the actor's main thread idles in Ray's task loop (which takes the GIL every 10 ms to check
+for signals).
 
     torchrun --standalone --nproc_per_node 2 benchmarks/plain_ddp.py --dataset DS --out times.json
     python benchmarks/plain_ddp.py --ray-train --dataset DS --out times.json
+    python benchmarks/plain_ddp.py --ray-actors --dataset DS --out times.json
 """
 
 from __future__ import annotations
@@ -68,9 +74,13 @@ def main() -> None:
     parser.add_argument("--warmup-steps", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ray-train", action="store_true", help="run the loop in a Ray Train TorchTrainer")
+    parser.add_argument("--ray-actors", action="store_true", help="run the loop in two bare Ray actors")
     args = parser.parse_args()
     if args.ray_train:
         run_in_ray_train(args)
+        return
+    if args.ray_actors:
+        run_in_ray_actors(args)
         return
     dist.init_process_group("gloo")
     train(args)
@@ -94,6 +104,42 @@ def run_in_ray_train(args: argparse.Namespace) -> None:
             scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
             run_config=RunConfig(name=f"plain-{os.getpid()}", storage_path=storage),
         ).fit()
+    ray.shutdown()
+
+
+def run_in_ray_actors(args: argparse.Namespace) -> None:
+    import socket
+    import threading
+
+    import ray
+
+    @ray.remote(num_cpus=1)
+    class Rank:
+        def run(self, rank: int, world: int, addr: str, port: int, config: dict) -> None:
+            os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+            errors = []
+
+            def loop() -> None:
+                try:
+                    dist.init_process_group("gloo")
+                    train(argparse.Namespace(**config))
+                    dist.destroy_process_group()
+                except BaseException as e:  # raised again in the actor's task
+                    errors.append(e)
+
+            thread = threading.Thread(target=loop, name="training")
+            thread.start()
+            thread.join()
+            if errors:
+                raise errors[0]
+
+    ray.init(include_dashboard=False, logging_level="WARNING")
+    addr = ray.util.get_node_ip_address()  # as Ray Train sets MASTER_ADDR
+    with socket.socket() as s:
+        s.bind((addr, 0))
+        port = s.getsockname()[1]
+    ranks = [Rank.remote() for _ in range(2)]
+    ray.get([r.run.remote(i, len(ranks), addr, port, vars(args)) for i, r in enumerate(ranks)])
     ray.shutdown()
 
 
