@@ -225,7 +225,11 @@ def run(job: TrainJob) -> dict[str, Any]:
                 break
             failure = classify(error, hang=watch.verdict, nodes_lost=_nodes_lost(nodes_before, error))
             if failure.cause in ("exception", "unknown"):  # or a rank died, and a survivor's error came first
-                died = _rank_died(ray.get(hub.heartbeats.remote()), error)
+                try:
+                    beats = ray.get(hub.heartbeats.remote(), timeout=5)
+                except Exception:  # a hub that does not answer: the error's own cause stands
+                    beats = {}
+                died = _rank_died(beats, error)
                 if died is not None:
                     failure = classify(error, hang=None, nodes_lost=False, died=died)
             failures.append(failure)
