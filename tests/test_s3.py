@@ -130,14 +130,20 @@ def test_training_with_data_and_run_on_s3_recovers_from_a_kill(s3_bucket, ray_lo
     from petatrain.chaos.inject import parse
     from petatrain.train.launch import TrainJob, run
 
+    # The kill comes after step 21. Step 20's snapshot waited for step 10's write, so step 10 was
+    # committed by then. Step 20's write may or may not have finished: a SIGKILL loses a write
+    # that is still in flight, and how long it takes to reach the store is up to the machine.
     summary = run(
-        TrainJob(config=cfg, run_url=run_url, options=StorageOptions(), injections=[parse("kill@step=14,rank=1")])
+        TrainJob(config=cfg, run_url=run_url, options=StorageOptions(), injections=[parse("kill@step=21,rank=1")])
     )
     assert [f["cause"] for f in summary["failures"]] == ["kill"]
     events = read_events(run_url)
-    assert [e["step"] for e in events if e["event"] == "resume"] == [0, 10]
+    resumed = [e["step"] for e in events if e["event"] == "resume"]
+    assert resumed in ([0, 10], [0, 20]), resumed
+    if resumed[1] == 10:  # then step 20 was not committed: its write was lost with rank 1
+        assert 20 not in [e["step"] for e in events if e["event"] == "checkpoint_commit" and e["attempt"] == 0]
     from petatrain.observe.goodput import account
 
-    assert account(events).to_dict()["faults"][0]["steps_lost"] == 4, "steps 11-14 were run twice"
+    assert account(events).to_dict()["faults"][0]["steps_lost"] == 21 - resumed[1]
     assert committed_steps(run_url) == [20, 24]  # keep_last: 2
     assert len(storage.read_bytes(summary["final"])) > 0
