@@ -8,9 +8,10 @@ packed-token dataset. Each repetition runs in fresh processes:
 - plain DDP: `torchrun --standalone --nproc_per_node 2 benchmarks/plain_ddp.py` (the data
   read with pyarrow + numpy, no checkpoints); rank 0 timestamps the end of every step;
 - Ray Train: the same plain loop as the train function of a `TorchTrainer` with Ray Train's
-  defaults (`plain_ddp.py --ray-train`): what Ray Train's processes around the workers (the
-  controller and its health checks, GCS, raylet, log monitor, ...) cost before anything
-  petatrain adds. On 2 busy cores every one of them takes its CPU from the workers;
+  defaults (`plain_ddp.py --ray-train`): what Ray Train (its controller, health checks and
+  worker actor, on top of a local Ray) costs before anything petatrain adds;
+- Ray core: the same plain loop in two bare Ray actors (`plain_ddp.py --ray-actors`), no Ray
+  Train: what Ray's worker processes and daemons cost, apart from Ray Train's layer.
 - petatrain: `petatrain train` with asynchronous checkpoints every 10 s (the setting the
   issue's target is stated for), and with checkpoints off (only the final one, after the
   measured window) for reference; both with `faults.standby=false` and `faults.spares=false`.
@@ -19,9 +20,6 @@ packed-token dataset. Each repetition runs in fresh processes:
   (Python and Ray at normal priority, then their imports at idle priority). That is a
   one-time cost per attempt, which lands inside this short window and says nothing about
   the per-step cost. A third row keeps both on, to show what they cost here.
-
-- Ray core: the same plain loop in two bare Ray actors (`plain_ddp.py --ray-actors`), no Ray
-  Train: what Ray's worker processes and daemons cost, apart from Ray Train's layer.
 
 Steady state: the first --warmup steps are dropped (process start, Ray, first-touch). For
 every run the rate is steps / (end of the last step - end of the last warm-up step), from

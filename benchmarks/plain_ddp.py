@@ -13,7 +13,8 @@ it runs in two bare Ray actors of 1 CPU each (no Ray Train: the group set up by 
 loop in a thread as Ray Train runs it): what Ray's own worker processes cost. One difference
 stays: the actor's task waits for that thread, where Ray Train's `run_train_fn` returns and
 the actor's main thread idles in Ray's task loop (which takes the GIL every 10 ms to check
-for signals).
+for signals); keeping petatrain's worker main thread out of that loop changed nothing
+measurable (README, overhead).
 
     torchrun --standalone --nproc_per_node 2 benchmarks/plain_ddp.py --dataset DS --out times.json
     python benchmarks/plain_ddp.py --ray-train --dataset DS --out times.json
@@ -144,7 +145,7 @@ def run_in_ray_actors(args: argparse.Namespace) -> None:
 
 
 def train(args: argparse.Namespace) -> None:
-    """The loop, in a process of an initialised gloo group (torchrun's or Ray Train's)."""
+    """The loop, in a process of an initialised gloo group (torchrun's, Ray Train's or the bare actors')."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.use_deterministic_algorithms(True)  # petatrain's default (train.deterministic)
     torch.manual_seed(args.seed)
