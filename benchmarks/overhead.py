@@ -31,6 +31,13 @@ torchrun rate of the same repetition (`vs_plain_paired`): slow drifts of the mac
 hit both halves of a pair, so the paired ratio is the steadier of the two. The target is
 called met only if both ratios are within it.
 
+Where the time goes: while every run goes on, /proc is read once a second (`CpuAccount`),
+and the steady window's CPU is split into the two training workers (their CPU time per step:
+the loop's own cost, whatever runs it) and every other process the run started (its control
+plane: Ray's GCS, raylet and log monitor, Ray Train's controller and helper actors,
+petatrain's driver and run hub). The workers fill both cores, so the control plane's CPU
+comes out of theirs; steal (cores the hypervisor gave to other tenants) is recorded too.
+
     .venv/bin/python benchmarks/overhead.py [--reps 5] [--steps 220] [--warmup 20]
 """
 
@@ -43,6 +50,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -56,14 +64,106 @@ MODEL = {"n_layer": 4, "n_head": 4, "d_model": 256}  # on top of examples/tiny.y
 TARGET = 0.03  # petatrain at most 3% slower
 
 
-def _run(cmd: list[str], what: str) -> tuple[float, float]:
-    """Run a command from the repository root; (wall seconds, 1-minute load average before it)."""
+class CpuAccount:
+    """Who used the CPU while a run went on: /proc read once a second from a thread of this process.
+
+    Every process of the run descends from the command this benchmark starts (torchrun's
+    workers; Ray's GCS, raylet, log monitor and every actor), so `window` splits the CPU time
+    between two instants into the two busiest descendants (the training workers) and all the
+    others: the run's control plane. With both workers keeping a core each busy, the control
+    plane's CPU is taken from them. The same window of /proc/stat gives the cores left idle
+    (ranks waiting on each other) and stolen by the hypervisor (other tenants of the host).
+    """
+
+    TICK_S = 1 / os.sysconf("SC_CLK_TCK")
+
+    def __init__(self, period_s: float = 1.0):
+        self.period_s, self.samples = period_s, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample_until_stopped, name="cpu-account", daemon=True)
+
+    def __enter__(self) -> CpuAccount:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _sample_until_stopped(self) -> None:
+        while True:
+            self.samples.append(self._sample())
+            if self._stop.wait(self.period_s):
+                return
+
+    @staticmethod
+    def _sample() -> dict:
+        procs = {}
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                raw = Path(f"/proc/{pid}/stat").read_text()
+                name = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:  # ended between the listing and the read
+                continue
+            fields = raw[raw.rindex(")") + 2 :].split()  # state ppid ... utime (12th) stime (13th)
+            procs[int(pid)] = (int(fields[1]), int(fields[11]) + int(fields[12]), CpuAccount._short(name))
+        with open("/proc/stat") as stat:
+            cpu = [int(x) for x in stat.readline().split()[1:]]
+        return {"time": time.time(), "perf": time.perf_counter(), "cpu": cpu, "procs": procs}
+
+    @staticmethod
+    def _short(cmdline: str) -> str:
+        """ "ray::RunHub", "raylet", "log_monitor.py", "-m petatrain": what the process is."""
+        words = cmdline.split()
+        if not words or not os.path.basename(words[0]).startswith("python"):
+            return os.path.basename(words[0]) if words else "?"  # ray::Actor, raylet, gcs_server
+        if "-m" in words[:-1]:
+            return "-m " + words[words.index("-m") + 1]
+        script = next((w for w in words[1:] if w.endswith(".py")), words[0])
+        return os.path.basename(script)
+
+    def window(self, start: float, end: float, clock: str, steps_per_s: float) -> dict:
+        """Cores used between the first sample at or after `start` and the last at or before `end`
+        (`clock`: "time" for time.time(), "perf" for time.perf_counter()), and the workers' CPU
+        time per step at the run's rate: the same loop costs the same there whatever runs it."""
+        inside = [s for s in self.samples if start <= s[clock] <= end]
+        if len(inside) < 2:
+            raise SystemExit("the steady window is shorter than two CPU samples")
+        a, b = inside[0], inside[-1]
+        span = b[clock] - a[clock]
+        ours, todo = set(), [os.getpid()]
+        children: dict[int, list[int]] = {}
+        for pid, (ppid, _, _) in b["procs"].items():
+            children.setdefault(ppid, []).append(pid)
+        while todo:  # the run's processes: descendants of this benchmark, which is left out
+            for child in children.get(todo.pop(), []):
+                ours.add(child)
+                todo.append(child)
+        used = {pid: (b["procs"][pid][1] - a["procs"].get(pid, (0, 0, ""))[1]) * self.TICK_S / span for pid in ours}
+        workers = sorted(used, key=used.get, reverse=True)[:2]
+        control = {pid: c for pid, c in used.items() if pid not in workers and c > 0}
+        idle, steal = (b["cpu"][i] - a["cpu"][i] for i in (3, 7))  # /proc/stat: user nice system idle ... steal
+        top = sorted(control, key=control.get, reverse=True)[:8]
+        return {
+            "window_s": round(span, 1),
+            "workers_cores": round(sum(used[p] for p in workers), 4),
+            "workers_cpu_ms_per_step": round(sum(used[p] for p in workers) / steps_per_s * 1e3, 1),
+            "control_plane_cores": round(sum(control.values()), 4),
+            "control_plane_top": [[b["procs"][p][2], round(control[p], 4)] for p in top],
+            "idle_cores": round(idle * self.TICK_S / span, 4),
+            "steal_cores": round(steal * self.TICK_S / span, 4),
+        }
+
+
+def _run(cmd: list[str], what: str) -> tuple[float, float, CpuAccount]:
+    """Run a command from the repository root; (wall seconds, 1-minute load average before it, its CPU)."""
     load = os.getloadavg()[0]
     started = time.perf_counter()
-    result = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=ROOT)
+    with CpuAccount() as account:
+        result = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=ROOT)
     if result.returncode != 0:
         raise SystemExit(f"{what} failed:\n{result.stderr[-3000:]}")
-    return time.perf_counter() - started, load
+    return time.perf_counter() - started, load, account
 
 
 def run_plain(ds: str, steps: int, warmup: int, rep: int, under: str = "torchrun") -> dict:
@@ -76,19 +176,21 @@ def run_plain(ds: str, steps: int, warmup: int, rep: int, under: str = "torchrun
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *script]
     else:
         cmd = [sys.executable, *script, f"--{under}"]
-    wall, load = _run(cmd, f"plain loop under {under}")
+    wall, load, account = _run(cmd, f"plain loop under {under}")
     times = json.loads(out.read_text())
     ends = times["step_end_s"]
     window = ends[warmup:]
     durations = [b - a for a, b in zip(ends[warmup - 1 :], window, strict=False)]
+    rate = len(window) / (window[-1] - ends[warmup - 1])
     return {
-        "steps_per_s": len(window) / (window[-1] - ends[warmup - 1]),
+        "steps_per_s": rate,
         "median_step_s": statistics.median(durations),
         "window_steps": len(window),
         "process_wall_s": wall,
         "torch_threads_per_worker": times["threads"],
         "final_loss": times["loss"][-1],
         "load_avg_1m": round(load, 2),
+        "cpu": account.window(ends[warmup - 1], ends[-1], "perf", rate),
     }
 
 
@@ -101,7 +203,7 @@ def run_petatrain(ds: str, steps: int, warmup: int, rep: int, checkpoint_every: 
     sets += [f"model.{k}={v}" for k, v in MODEL.items()]
     cmd = [sys.executable, "-m", "petatrain", "train", str(TINY), "--run-dir", str(run_dir), "--json"]
     cmd += [arg for s in sets for arg in ("--set", s)]
-    wall, load = _run(cmd, "petatrain train")
+    wall, load, account = _run(cmd, "petatrain train")
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines() if line.strip()]
     steps = [e for e in events if e["event"] == "step"]
     if len({e["attempt"] for e in steps}) != 1:
@@ -114,8 +216,9 @@ def run_petatrain(ds: str, steps: int, warmup: int, rep: int, checkpoint_every: 
     ]  # the final checkpoint (at the last step) comes after the window
     busy = sum(e["step_s"] for e in window) + sum(stalls)
     loss = [e["loss"] for e in events if e["event"] == "step"][-1]
+    rate = len(window) / (window[-1]["t"] - warm_end)
     return {
-        "steps_per_s": len(window) / (window[-1]["t"] - warm_end),  # as the plain loops: end to end
+        "steps_per_s": rate,  # as the plain loops: end to end
         "busy_steps_per_s": len(window) / busy,  # the loop's own step times + snapshot stalls only
         "median_step_s": statistics.median(e["step_s"] for e in window),
         "window_steps": len(window),
@@ -125,6 +228,7 @@ def run_petatrain(ds: str, steps: int, warmup: int, rep: int, checkpoint_every: 
         "process_wall_s": wall,
         "final_loss": loss,
         "load_avg_1m": round(load, 2),
+        "cpu": account.window(warm_end, window[-1]["t"], "time", rate),
     }
 
 
@@ -174,6 +278,9 @@ def main() -> None:
             "vs_plain_paired": round(statistics.median(paired), 3),
             "vs_plain_paired_min": round(min(paired), 3),
             "vs_plain_paired_max": round(max(paired), 3),
+            "control_plane_cores": round(statistics.median(x["cpu"]["control_plane_cores"] for x in r), 4),
+            "steal_cores": round(statistics.median(x["cpu"]["steal_cores"] for x in r), 4),
+            "workers_cpu_ms_per_step": round(statistics.median(x["cpu"]["workers_cpu_ms_per_step"] for x in r), 1),
         }
 
     print(
@@ -181,11 +288,15 @@ def main() -> None:
         f"{MODEL['n_layer']} layers, batch 16 (micro 8), seq 64, 2 CPU workers (gloo), {os.cpu_count()} cores "
         f"shared with other users: median of {args.reps} (min-max)\n"
     )
-    print(f"{'run':<44} {'steps/s':>20} {'median step ms':>15} {'vs plain':>9} {'paired (min-max)':>22}")
+    header = f"{'run':<44} {'steps/s':>20} {'median step ms':>15} {'vs plain':>9} {'paired (min-max)':>22}"
+    print(f"{header} {'control plane, cores':>21} {'workers CPU ms/step':>20}")
     for name, s in summary.items():
         spread = f"{s['steps_per_s']:.2f} ({s['steps_per_s_min']:.2f}-{s['steps_per_s_max']:.2f})"
         paired = f"{s['vs_plain_paired']:.3f}x ({s['vs_plain_paired_min']:.3f}-{s['vs_plain_paired_max']:.3f})"
-        print(f"{name:<44} {spread:>20} {s['median_step_ms']:>15.1f} {s['vs_plain']:>8.3f}x {paired:>22}")
+        print(
+            f"{name:<44} {spread:>20} {s['median_step_ms']:>15.1f} {s['vs_plain']:>8.3f}x {paired:>22} "
+            f"{s['control_plane_cores']:>21.3f} {s['workers_cpu_ms_per_step']:>20.1f}"
+        )
     ours = summary["petatrain, async checkpoint every 10 s"]
     target = min(ours["vs_plain"], ours["vs_plain_paired"]) >= 1 - TARGET
     verdict = "met" if target else "NOT met"
@@ -196,6 +307,14 @@ def main() -> None:
         f"of the {ours['slower_than_plain_pct']:.1f}%, Ray Train with the plain loop accounts for "
         f"{ray_train['slower_than_plain_pct']:.1f}% (bare Ray actors: {bare['slower_than_plain_pct']:.1f}%); "
         f"petatrain vs Ray Train: {ours['steps_per_s'] / ray_train['steps_per_s']:.3f}x"
+    )
+    cores = {name: s["control_plane_cores"] for name, s in summary.items()}
+    print(
+        f"control plane (CPU of every process but the two workers, median): petatrain "
+        f"{cores['petatrain, async checkpoint every 10 s']:.3f} cores, Ray Train "
+        f"{cores['Ray Train TorchTrainer, plain loop']:.3f}, bare Ray actors "
+        f"{cores['bare Ray actors, plain loop']:.3f}, torchrun {cores['plain torchrun DDP']:.3f}, "
+        f"of the {os.cpu_count()} cores the workers fill"
     )
     print("noise: 2 shared cores (load averages per run are in the JSON); compare medians, not single runs")
     write_results(
