@@ -17,9 +17,10 @@ packed-token dataset. Each repetition runs in fresh processes:
   measured window) for reference; both with `faults.standby=false` and `faults.spares=false`.
   Both helpers (default on) prepare the next attempt once this one steps: the warm standby
   starts its Ray Train controller (~2 s of CPU), the spares start its worker processes
-  (Python and Ray at normal priority, then their imports at idle priority). That is a
-  one-time cost per attempt, which lands inside this short window and says nothing about
-  the per-step cost. A third row keeps both on, to show what they cost here.
+  (Python and Ray at normal priority, then their imports at idle priority). That start
+  is a one-time cost per attempt, which lands inside this short window; after it, each of
+  the three processes idles at ~0.01 cores, as every Ray process does. A third row keeps
+  both on, to show what they cost here.
 
 Steady state: the first --warmup steps are dropped (process start, Ray, first-touch). For
 every run the rate is steps / (end of the last step - end of the last warm-up step), from
