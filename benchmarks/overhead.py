@@ -114,7 +114,7 @@ class CpuAccount:
 
     @staticmethod
     def _short(cmdline: str) -> str:
-        """ "ray::RunHub", "raylet", "log_monitor.py", "-m petatrain": what the process is."""
+        """What the process is: "ray::RunHub", "raylet", "log_monitor.py", "-m petatrain"."""
         words = cmdline.split()
         if not words or not os.path.basename(words[0]).startswith("python"):
             return os.path.basename(words[0]) if words else "?"  # ray::Actor, raylet, gcs_server
