@@ -788,13 +788,78 @@ def test_heartbeat_dates_the_last_step_not_the_message(ray_local, tmp_path):
     ray_local.kill(hub)
 
 
-def test_restart_runs_the_controller_started_while_the_attempt_trained(token_dataset, tmp_path):
-    """Once an attempt steps, the next attempt's Ray Train controller is started and waits;
-    the restart after a kill runs it instead of starting a process then."""
+def test_restart_runs_the_controller_started_while_the_attempt_trained(token_dataset, tmp_path, monkeypatch):
+    """Where Ray Train's controller is an actor, once an attempt steps the next attempt's
+    controller is started and waits; the restart after a kill runs it instead of starting a
+    process then."""
+    monkeypatch.setenv("PETATRAIN_CONTROLLER", "actor")
     summary = train(tiny(token_dataset, "train.steps=320"), tmp_path, "kill@step=300,rank=1")
     assert [f["cause"] for f in summary["failures"]] == ["kill"]
     starts = [e for e in read_events(str(tmp_path)) if e["event"] == "attempt_start"]
-    assert [e["warm_controller"] for e in starts] == [False, True]
+    assert [(e["controller"], e["warm_controller"]) for e in starts] == [("actor", False), ("actor", True)]
+
+
+def _train_workers() -> set[int]:
+    """Pids of this machine's Ray Train worker processes (Ray titles them `ray::RayTrainWorker...`)."""
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and (entry / "cmdline").read_bytes().startswith(b"ray::RayTrainWorker"):
+                pids.add(int(entry.name))
+        except OSError:  # ended meanwhile
+            pass
+    return pids
+
+
+def test_controller_runs_in_the_driver_and_an_interrupt_ends_its_workers(token_dataset, tmp_path):
+    """By default Ray Train's controller is an object of the driver (no process of its own);
+    the standby has nothing to start. Ctrl-C in the driver ends the run's workers at once
+    instead of leaving them to train with no controller."""
+    import threading
+
+    done = train(tiny(token_dataset, "train.steps=12"), tmp_path / "ok", "kill@step=6,rank=1")
+    assert [f["cause"] for f in done["failures"]] == ["kill"] and done["steps"] == 12
+    starts = [e for e in read_events(str(tmp_path / "ok")) if e["event"] == "attempt_start"]
+    assert [(e["controller"], e["warm_controller"]) for e in starts] == [("driver", False), ("driver", False)]
+
+    before = _train_workers()
+    seen: set[int] = set()
+
+    def interrupt_once_training() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            seen.update(_train_workers() - before)
+            if len(seen) == 2:
+                time.sleep(3)  # into the loop
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+            time.sleep(0.2)
+
+    threading.Thread(target=interrupt_once_training, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        train(tiny(token_dataset, "train.steps=100000"), tmp_path / "interrupted")
+    assert len(seen) == 2, "the workers never started"
+    deadline = time.monotonic() + 15
+    while _train_workers() & seen:
+        assert time.monotonic() < deadline, "the interrupted run's workers are still alive"
+        time.sleep(0.2)
+
+
+def test_workers_of_a_driver_controller_get_a_stand_in_for_its_handle(ray_local):
+    """Ray Train hands each worker its controller's actor handle (for one call petatrain's
+    loop does not make); a driver has none, so the workers get one that says why."""
+    from ray.train.v2._internal.execution.worker_group import worker_group
+
+    from petatrain.train import controller
+
+    with pytest.raises(RuntimeError):
+        ray_local.get_runtime_context().current_actor  # noqa: B018 (what Ray Train would call in the driver)
+    context = controller._DriverRay(ray_local).get_runtime_context()
+    assert isinstance(context.current_actor, controller.NoControllerActor)
+    assert context.get_node_id() == ray_local.get_runtime_context().get_node_id()
+    with pytest.raises(RuntimeError, match="runs Ray Train's controller in its driver"):
+        context.current_actor.get_all_reported_checkpoints.remote(0)
+    assert controller.can_run_in_driver() and callable(worker_group.WorkerGroup._init_train_context_on_workers)
 
 
 def test_standby_is_used_only_for_the_attempt_and_world_it_was_built_for():
@@ -807,8 +872,9 @@ def test_standby_is_used_only_for_the_attempt_and_world_it_was_built_for():
             self.key = (attempt, world)
             built.append(self.key)
 
-        def prepare(self):
+        def prepare(self):  # a controller actor started: True
             self.prepared = True
+            return True
 
         def discard(self):
             discarded.append(self.key)
@@ -833,16 +899,17 @@ def test_standby_is_used_only_for_the_attempt_and_world_it_was_built_for():
 def test_synchronization_actor_starts_only_when_called(ray_local):
     """Worker groups get a stand-in for Ray Train's SynchronizationActor: no process until a
     method is called; then one actor, the same for every process holding the stand-in."""
+    from ray.train.v2._internal.execution.checkpoint.sync_actor import SynchronizationActor
     from ray.train.v2._internal.execution.worker_group import state, worker_group
 
     from petatrain.train import controller
 
-    stock = worker_group.SynchronizationActor
+    stock = worker_group.SynchronizationActor  # as it is: a run's controller in this driver already replaced it
     stock_shutdown = state._shutdown_sync_actor
     try:
         controller.use_on_demand_sync_actor()
         controller.use_on_demand_sync_actor()  # idempotent
-        assert worker_group.SynchronizationActor.actor_class is stock
+        assert worker_group.SynchronizationActor.actor_class is SynchronizationActor
         # as WorkerGroup._start calls it
         sync = worker_group.SynchronizationActor.options(num_cpus=0).remote(timeout_s=30, warn_interval_s=10)
         assert isinstance(sync, controller.OnDemandSyncActor) and not sync.started

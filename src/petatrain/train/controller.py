@@ -1,4 +1,5 @@
-"""Ray Train's controller, with its synchronization actor started only when something calls it.
+"""Ray Train's controller: its synchronization actor started only when something calls it,
+and the controller itself run by the driver instead of as an actor of its own.
 
 Ray Train starts a `SynchronizationActor` for every worker group: the barrier behind
 `ray.train.report` and `ray.train.collective`. petatrain's loop calls neither, and the actor
@@ -10,20 +11,35 @@ a name unique to the worker group, so the controller and every rank reach the sa
 Its owner is the process that started it (a rank, where the stock actor's is the
 controller), so it ends with that rank; a rank's failure ends the worker group anyway.
 
+`DriverController` is the same controller as an object of the driver process, its control
+loop run on the driver's thread: Ray Train makes it an actor, one more process that imports
+Ray Train and torch before any worker can start (~2 s of CPU on every restart's path on 2
+cores) and then idles at ~0.011 cores for the whole run (Ray's 10 ms signal check, its gRPC
+threads), all of it taken from training where the workers fill the machine.
+
 Imported by the controller's process (the actor class is pickled by reference) and, on
 the driver, only once Ray Train is.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
+import logging
+import os
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import ray
+from ray.train.v2._internal.constants import ENABLE_CONTROLLER_STRUCTURED_LOGGING_ENV_VAR
 from ray.train.v2._internal.execution.controller import TrainController
+from ray.train.v2._internal.execution.controller.state import AbortedState
 from ray.train.v2._internal.execution.worker_group import state as group_state
 from ray.train.v2._internal.execution.worker_group import worker_group as group_module
+
+log = logging.getLogger(__name__)
 
 
 class OnDemandSyncActor:
@@ -94,3 +110,128 @@ class LeanTrainController(TrainController):
     def __init__(self, *args: Any, **kwargs: Any):
         use_on_demand_sync_actor()
         super().__init__(*args, **kwargs)
+
+
+class NoControllerActor:
+    """The controller's actor handle in the workers' train context, when the controller has none.
+
+    Ray Train gives each worker its controller's handle for one call,
+    `ray.train.get_all_reported_checkpoints()`, which petatrain's loop does not make (its
+    checkpoints are its own, under RUN/checkpoints); anything else that calls it gets this error.
+    """
+
+    def __getattr__(self, method: str):
+        if method.startswith("_"):
+            raise AttributeError(method)
+        raise RuntimeError(
+            f"ray.train's controller call {method!r} is not available: petatrain runs Ray Train's controller in "
+            "its driver, not as an actor; petatrain's checkpoints are under RUN/checkpoints"
+        )
+
+
+class _DriverRuntimeContext:
+    """`ray.get_runtime_context()` whose `current_actor`, where Ray's would raise (not an actor), is a stand-in."""
+
+    def __init__(self, context: Any):
+        self._context = context
+
+    def __getattr__(self, name: str):
+        return getattr(self._context, name)
+
+    @property
+    def current_actor(self):
+        try:
+            return self._context.current_actor
+        except RuntimeError:  # "only available in an actor": the driver
+            return NoControllerActor()
+
+
+class _DriverRay:
+    """The `ray` module as Ray Train's worker group module sees it in the driver's process."""
+
+    def __init__(self, module: Any):
+        self._module = module
+
+    def __getattr__(self, name: str):
+        return getattr(self._module, name)
+
+    def get_runtime_context(self) -> _DriverRuntimeContext:
+        return _DriverRuntimeContext(self._module.get_runtime_context())
+
+
+def can_run_in_driver() -> bool:
+    """Ray's internals this module relies on are where it expects them, and the driver is on the cluster.
+
+    A Ray Client driver (`ray://`) runs off the cluster: every poll of the workers would cross
+    the client's connection, so its controller stays an actor on the cluster.
+    """
+    from ray.util.client import ray as client
+
+    return (
+        (getattr(group_module, "ray", None) is ray or isinstance(group_module.ray, _DriverRay))
+        and callable(getattr(group_module.WorkerGroup, "_init_train_context_on_workers", None))
+        and not client.is_connected()
+    )
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str) -> Iterator[None]:
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
+def _loop_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:  # no event loop runs in this thread
+        return False
+    return True
+
+
+class DriverController(LeanTrainController):
+    """Ray Train's controller as an object of the driver: `run_here()` runs its control loop on this thread.
+
+    What changes from the actor: the worker group, its workers and placement group are owned
+    by the driver (they end with it, as they end with the controller actor); the workers get
+    `NoControllerActor` for the controller's handle; Ray Train's structured controller log
+    (a `logging.config.dictConfig` of the process) is left off, since the process is the
+    driver; and an interrupt (Ctrl-C) aborts the worker group from here.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        if not isinstance(group_module.ray, _DriverRay):
+            group_module.ray = _DriverRay(group_module.ray)
+        with _env(ENABLE_CONTROLLER_STRUCTURED_LOGGING_ENV_VAR, "0"):
+            super().__init__(*args, **kwargs)
+
+    def run_here(self):
+        """Run the control loop to its end; Ray Train's `Result` (its `error` set if training failed)."""
+        try:
+            if _loop_running():  # called from a coroutine (a notebook): a loop of its own, on a thread of its own
+                with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="petatrain-controller") as pool:
+                    pool.submit(asyncio.run, self.run()).result()
+            else:  # the usual case; a Ctrl-C cancels the loop and raises KeyboardInterrupt here
+                asyncio.run(self.run())
+        except BaseException:
+            self.abort_here()
+            raise
+        return self.get_result()
+
+    def abort_here(self) -> None:
+        """`abort()` without its actor exit: stop the workers of a run that did not end."""
+        if self.get_state().is_terminal():
+            return
+        try:
+            self._controller_callback_manager.invoke_best_effort("before_controller_abort")
+            if self._worker_group:
+                self._worker_group.abort()
+            self._set_state(AbortedState())
+        except Exception:
+            log.exception("aborting Ray Train's worker group failed")

@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import logging
 import os
+import signal
 import threading
 import time
 import uuid
@@ -219,7 +220,13 @@ def run(job: TrainJob) -> dict[str, Any]:
             warm = trainer is not None
             trainer = trainer or build(attempt, world)
             ray.get(hub.new_attempt.remote(attempt))
-            emit("attempt_start", attempt=attempt, world_size=world, warm_controller=warm)
+            emit(
+                "attempt_start",
+                attempt=attempt,
+                world_size=world,
+                controller="driver" if getattr(trainer, "controller_in_driver", False) else "actor",
+                warm_controller=warm,
+            )
             error = _fit(trainer, attempt, world, watch)
             if error is None:
                 break
@@ -314,7 +321,8 @@ def _make_trainer(cfg, payload, world: int, run_id: str, attempt: int, job: Trai
     gpu = _use_gpu(cfg, ray.cluster_resources().get("GPU", 0))
     resources = {"CPU": cfg.resources.cpus_per_worker} | ({"GPU": 1} if gpu else {})
     storage = os.path.join(os.path.expanduser("~"), ".cache", "petatrain", "ray-train")
-    return _trainer_class(local=not (job.address or cfg.resources.address or os.environ.get("RAY_ADDRESS")))(
+    local = not (job.address or cfg.resources.address or os.environ.get("RAY_ADDRESS"))
+    return _trainer_class(local=local, controller=os.environ.get("PETATRAIN_CONTROLLER", "driver"))(
         _entry,
         train_loop_config={"payload": payload},
         torch_config=TorchConfig(
@@ -355,6 +363,9 @@ class _Standby:
     ~2 s of CPU: free where the driver's node has a core to spare; on a machine whose every
     core trains (2 cores, 2 workers) it slows the attempt's steps by ~1.1-1.7 s, against ~2.8 s
     it saves the restart (benchmarks/recovery.py). `faults.standby: false` turns it off.
+    With Ray Train's controller run by the driver (the default, `_trainer_class`) there is
+    no controller process to start, and nothing is prepared: the standby acts only where the
+    controller is an actor (a Ray Client driver, `PETATRAIN_CONTROLLER=actor`).
     """
 
     def __init__(self, build: Callable[[int, int], Any], *, enabled: bool = True):
@@ -369,8 +380,8 @@ class _Standby:
             if not self.enabled:
                 return
             trainer = self._build(attempt + 1, world)
-            if hasattr(trainer, "prepare"):  # the stock TorchTrainer (Ray's internals moved) starts on fit()
-                trainer.prepare()
+            # The stock TorchTrainer (Ray's internals moved) starts on fit(); a driver's controller has no process.
+            if hasattr(trainer, "prepare") and trainer.prepare():
                 self._next = (attempt + 1, world, trainer)
 
     def take(self, attempt: int, world: int):
@@ -393,7 +404,7 @@ class _Standby:
 
 
 @functools.cache
-def _trainer_class(local: bool = False):
+def _trainer_class(local: bool = False, controller: str = "driver"):
     """TorchTrainer without the per-attempt helper actors petatrain does not use.
 
     Each attempt is a new `fit()`, and every helper actor is one more Python process that
@@ -407,9 +418,15 @@ def _trainer_class(local: bool = False):
     coordinator: there is no autoscaler, and the coordinator is one more Ray process
     (importing Ray Data) on the first attempt's path, 7.4 -> 6.1 s, that then takes
     CPU from training for the whole run. The controller starts its worker groups'
-    synchronization actor only if something calls it (`petatrain.train.controller`), and a
-    finished controller is killed rather than left to exit gracefully. Falls back to the
-    stock trainer (or controller) if Ray's internals move.
+    synchronization actor only if something calls it (`petatrain.train.controller`).
+    With `controller="driver"` (the default; `PETATRAIN_CONTROLLER=actor` chooses the
+    actor) the controller is an object of the driver, its loop run on the thread that
+    calls `fit()` (`DriverController`): no controller process to start on every attempt's
+    path (kill -> recovered 8.6-9.8 -> 5.9-6.1 s for examples/tiny.yaml on 2 cores) nor to
+    idle beside the workers for the whole run (control plane 0.067 -> 0.056 cores). Where
+    it is an actor (also under a Ray Client driver), a finished controller is killed rather
+    than left to exit gracefully. Falls back to the stock trainer (or controller) if Ray's
+    internals move.
     """
     import ray
     from ray.train.torch import TorchTrainer
@@ -433,9 +450,13 @@ def _trainer_class(local: bool = False):
         return TorchTrainer
     on_demand = hasattr(lean.group_module, "SynchronizationActor") and hasattr(lean.group_state, "_shutdown_sync_actor")
     controller_class = lean.LeanTrainController if on_demand else TrainController
+    in_driver = controller == "driver" and on_demand and lean.can_run_in_driver()
 
     def _new_controller(kwargs):
-        """The controller actor as `DataParallelTrainer._initialize_and_run_controller` creates it."""
+        """The controller: the driver's object (`run_here()` runs it), or the actor as
+        `DataParallelTrainer._initialize_and_run_controller` creates it (`run.remote()`)."""
+        if in_driver:
+            return lean.DriverController(**kwargs)
         env_vars = get_env_vars_to_propagate()
         env_vars.setdefault(
             RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR, DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE
@@ -469,15 +490,22 @@ def _trainer_class(local: bool = False):
     class LeanTorchTrainer(TorchTrainer):
         _standby = None  # a controller actor started by prepare(), run by the next fit()
         _preparing = False
+        controller_in_driver = in_driver
         _start_controller = staticmethod(_new_controller)
 
-        def prepare(self) -> None:
-            """Start this trainer's controller now (its process imports in the background); fit() runs it."""
+        def prepare(self) -> bool:
+            """Start this trainer's controller now (its process imports in the background); fit() runs it.
+
+            False when there is nothing to start ahead: a controller run by the driver has no process.
+            """
+            if self.controller_in_driver:
+                return False
             self._preparing = True
             try:
                 self.fit()
             finally:
                 self._preparing = False
+            return True
 
         def discard(self) -> None:
             if self._standby is not None:
@@ -491,16 +519,25 @@ def _trainer_class(local: bool = False):
         def _initialize_and_run_controller(self, **kwargs):
             if local and type(kwargs.get("scaling_policy")) is FixedScalingPolicy:
                 kwargs["scaling_policy"] = NoAutoscalerPolicy(self.scaling_config)
+            if self.controller_in_driver:
+                return self._start_controller(kwargs).run_here()
             if self._preparing:
                 self._standby = self._start_controller(kwargs)
                 return _NOT_RUN
             controller, self._standby = self._standby, None
             if controller is None:
                 controller = self._start_controller(kwargs)
+            interrupt = signal.getsignal(signal.SIGINT)
             if threading.current_thread() is threading.main_thread():
+                # Ray Train's handler aborts this controller; it is put back once the attempt ends,
+                # or a Ctrl-C after it would call a killed controller and exit with status 0.
                 self._register_sigint_handler(controller)
-            ray.get(controller.run.remote())
-            result = ray.get(controller.get_result.remote())
+            try:
+                ray.get(controller.run.remote())
+                result = ray.get(controller.get_result.remote())
+            finally:
+                if threading.current_thread() is threading.main_thread():
+                    signal.signal(signal.SIGINT, interrupt)
             # Dropping the handle would let the finished controller exit gracefully, and a Ray
             # worker's graceful exit imports ray.dag (~0.9 s of CPU), just when the next
             # attempt's workers start. Its work is done: end it at once.
