@@ -14,13 +14,13 @@ packed-token dataset. Each repetition runs in fresh processes:
   Train: what Ray's worker processes and daemons cost, apart from Ray Train's layer.
 - petatrain: `petatrain train` with asynchronous checkpoints every 10 s (the setting the
   issue's target is stated for), and with checkpoints off (only the final one, after the
-  measured window) for reference; both with `faults.standby=false` and `faults.spares=false`.
-  Both helpers (default on) prepare the next attempt once this one steps: the warm standby
-  starts its Ray Train controller (~2 s of CPU), the spares start its worker processes
-  (Python and Ray at normal priority, then their imports at idle priority). That start
-  is a one-time cost per attempt, which lands inside this short window; after it, each of
-  the three processes idles at ~0.01 cores, as every Ray process does. A third row keeps
-  both on, to show what they cost here.
+  measured window) for reference; both with `faults.spares=false`. The spares (default on)
+  prepare the next attempt once this one steps: they start its worker processes (Python
+  and Ray at normal priority, then their imports at idle priority). That start is a
+  one-time cost per attempt, which lands inside this short window; after it, each spare
+  idles at ~0.01 cores, as every Ray process does. A third row keeps them on, to show what
+  they cost here. (Ray Train's controller runs in petatrain's driver, so the warm standby,
+  which starts the next attempt's controller actor where there is one, has nothing to do.)
 
 Steady state: the first --warmup steps are dropped (process start, Ray, first-touch). For
 every run the rate is steps / (end of the last step - end of the last warm-up step), from
@@ -196,7 +196,8 @@ def run_plain(ds: str, steps: int, warmup: int, rep: int, under: str = "torchrun
 
 
 def run_petatrain(ds: str, steps: int, warmup: int, rep: int, checkpoint_every: str, standby: bool = False) -> dict:
-    """`standby` turns on both per-attempt helpers: the warm standby controller and the spare workers."""
+    """`standby` turns on both per-attempt helpers: the spare workers and the warm standby (idle
+    while the controller runs in the driver)."""
     run_dir = WORK / f"petatrain-{checkpoint_every}-{standby}-{rep}"
     shutil.rmtree(run_dir, ignore_errors=True)
     sets = [f"data.dataset={ds}", f"train.steps={steps}", "train.eval_every=0", f"checkpoint.every={checkpoint_every}"]
@@ -247,7 +248,7 @@ def main() -> None:
         "Ray Train TorchTrainer, plain loop": lambda rep: run_plain(ds, args.steps, args.warmup, rep, "ray-train"),
         "petatrain, async checkpoint every 10 s": lambda rep: run_petatrain(ds, args.steps, args.warmup, rep, "10s"),
         "petatrain, checkpoints off": lambda rep: run_petatrain(ds, args.steps, args.warmup, rep, "1000000"),
-        "petatrain, ckpt 10 s + standby, spares start": lambda rep: run_petatrain(
+        "petatrain, ckpt 10 s + spares start": lambda rep: run_petatrain(
             ds, args.steps, args.warmup, rep, "10s", standby=True
         ),
     }

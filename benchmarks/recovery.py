@@ -2,19 +2,19 @@
 
 Both train the same GPT (examples/tiny.yaml: 2 layers, d_model 64, seq 64, global batch 16,
 micro-batch 8) on two CPU workers with gloo, checkpoint every 10 steps, and SIGKILL rank 1
-at the end of step K (default 200: ~5 s into the attempt, so the warm controller is up,
-as it would be minutes into a real one). For every repetition, each in a fresh process with
-its own local Ray:
+at the end of step K (default 200: ~5 s into the attempt, so what an attempt prepares for
+the next, spares and a warm controller, is up, as it would be minutes into a real one).
+For every repetition, each in a fresh process with its own local Ray:
 
 - **petatrain**: `petatrain train examples/tiny.yaml --inject kill@step=K,rank=1`; times from
   RUN/events.jsonl: fault_injected.t (just before the kill), failure.t (the supervisor has
-  classified the failure), the first `step` event of the next attempt. Twice: as configured
-  by default (the next attempt's Ray Train controller is started once the attempt steps and
-  waits: `faults.standby: true`; its start-up slows the attempt's steps by ~1.1-1.7 s here) and
-  with `faults.standby: false` (the restart starts the controller). A third row turns off
-  the spares instead (`faults.spares: false`): by default, once an attempt steps, each
-  node also starts and imports the next attempt's worker processes at idle priority
-  (petatrain.train.spares), and the restart's ranks start in them.
+  classified the failure), the first `step` event of the next attempt. As configured by
+  default: Ray Train's controller runs in the driver, and once an attempt steps each node
+  starts and imports the next attempt's worker processes at idle priority (spares,
+  petatrain.train.spares), in which the restart's ranks start. A second row turns off the
+  spares (`faults.spares: false`). A third runs the controller as Ray Train does, an actor
+  (`PETATRAIN_CONTROLLER=actor`), with the warm standby that then starts the next
+  attempt's controller once the attempt steps (`faults.standby: true`).
 - **Ray Train**: a plain `TorchTrainer` with `FailureConfig(max_failures=1)` whose loop saves
   and loads its own checkpoint through `ray.train.report(checkpoint=...)` /
   `ray.train.get_checkpoint()` and kills rank 1 with SIGKILL at step K. The loop appends
@@ -73,15 +73,18 @@ def dataset() -> str:
 # -- petatrain -------------------------------------------------------------------------------
 
 
-def run_petatrain(ds: str, steps: int, kill_step: int, rep: int, standby: bool = True, spares: bool = True) -> dict:
-    run_dir = WORK / f"petatrain-run-{standby}-{spares}-{rep}"
+def run_petatrain(
+    ds: str, steps: int, kill_step: int, rep: int, *, spares: bool = True, controller: str = "driver"
+) -> dict:
+    run_dir = WORK / f"petatrain-run-{controller}-{spares}-{rep}"
     shutil.rmtree(run_dir, ignore_errors=True)
     sets = [f"data.dataset={ds}", f"train.steps={steps}", f"checkpoint.every={CKPT_EVERY}", "train.eval_every=0"]
-    sets += [f"faults.standby={str(standby).lower()}", f"faults.spares={str(spares).lower()}"]
+    sets += [f"faults.spares={str(spares).lower()}"]  # faults.standby: true, the default
     cmd = [sys.executable, "-m", "petatrain", "train", str(TINY), "--run-dir", str(run_dir), "--json"]
     cmd += [arg for s in sets for arg in ("--set", s)] + ["--inject", f"kill@step={kill_step},rank=1"]
     load = os.getloadavg()[0]
-    result = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=ROOT)
+    env = {**os.environ, "PETATRAIN_CONTROLLER": controller}
+    result = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=ROOT, env=env)
     if result.returncode != 0:
         raise SystemExit(f"petatrain train failed:\n{result.stderr[-3000:]}")
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines() if line.strip()]
@@ -330,7 +333,9 @@ def main() -> None:
     runs = {
         "petatrain": lambda rep: run_petatrain(ds, args.steps, args.kill_step, rep),
         "petatrain, no spares": lambda rep: run_petatrain(ds, args.steps, args.kill_step, rep, spares=False),
-        "petatrain, no warm standby": lambda rep: run_petatrain(ds, args.steps, args.kill_step, rep, False),
+        "petatrain, controller actor + standby": lambda rep: run_petatrain(
+            ds, args.steps, args.kill_step, rep, controller="actor"
+        ),
         "Ray Train, defaults (health check 2 s)": lambda rep: run_ray_train(args.steps, args.kill_step, rep, None),
         "Ray Train, health check 0.5 s": lambda rep: run_ray_train(args.steps, args.kill_step, rep, 0.5),
     }
