@@ -206,9 +206,10 @@ class FaultsConfig:
     hang_timeout_s: float = 20.0  # no step progress for this long on any rank = hung
     nonfinite: Literal["skip", "rollback"] = "skip"  # what a NaN/inf loss does
     mtbf_hours: float = 24.0  # per node, between failures that roll back (not preemptions), for checkpoint.every=auto
-    # Start the next attempt's Ray Train controller once an attempt trains, so a restart need
-    # not wait for one: kill -> next step 7.8 -> 4.9 s on 2 cores; its start-up costs ~1.1-1.7 s
-    # of training per attempt there (nothing where the driver's node has a spare core).
+    # Where Ray Train's controller is an actor (a Ray Client driver, PETATRAIN_CONTROLLER=actor;
+    # by default it runs in the driver, with nothing to start), start the next attempt's
+    # controller once an attempt trains, so a restart need not wait for one: kill -> next step
+    # 7.8 -> 4.9 s on 2 cores; its start-up costs ~1.1-1.7 s of training per attempt there.
     standby: bool = True
     # Once an attempt trains, start and import the next attempt's worker processes (spares) at
     # idle priority, so a restart's ranks skip Python, Ray, torch and Ray Train start-up
