@@ -836,8 +836,13 @@ def test_controller_runs_in_the_driver_and_an_interrupt_ends_its_workers(token_d
             time.sleep(0.2)
 
     threading.Thread(target=interrupt_once_training, daemon=True).start()
-    with pytest.raises(KeyboardInterrupt):
-        train(tiny(token_dataset, "train.steps=100000"), tmp_path / "interrupted")
+    # Ctrl-C as a terminal delivers it: a shell starts background jobs (make test &) with SIGINT ignored.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            train(tiny(token_dataset, "train.steps=3000"), tmp_path / "interrupted")  # ends anyway
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert len(seen) == 2, "the workers never started"
     deadline = time.monotonic() + 15
     while _train_workers() & seen:
