@@ -850,6 +850,16 @@ def test_controller_runs_in_the_driver_and_an_interrupt_ends_its_workers(token_d
         time.sleep(0.2)
 
 
+def test_controller_place_is_driver_or_actor(monkeypatch):
+    from petatrain.train.launch import _controller_mode
+
+    monkeypatch.setenv("PETATRAIN_CONTROLLER", "Driver")
+    with pytest.raises(ConfigError, match=r"driver \(the default\) or actor"):
+        _controller_mode()
+    monkeypatch.delenv("PETATRAIN_CONTROLLER")
+    assert _controller_mode() == "driver"
+
+
 def test_workers_of_a_driver_controller_get_a_stand_in_for_its_handle(ray_local):
     """Ray Train hands each worker its controller's actor handle (for one call petatrain's
     loop does not make); a driver has none, so the workers get one that says why."""

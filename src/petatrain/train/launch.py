@@ -162,6 +162,7 @@ def run(job: TrainJob) -> dict[str, Any]:
             cfg, data=dataclasses.replace(cfg.data, dataset=os.path.abspath(resolve(cfg.data.dataset)[1]))
         )
     _check_dataset(cfg, job.options)
+    _controller_mode()  # a bad PETATRAIN_CONTROLLER fails here, before anything starts
     # Faster failure detection than Ray Train's 2 s poll; propagated to the controller and workers.
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
@@ -322,7 +323,7 @@ def _make_trainer(cfg, payload, world: int, run_id: str, attempt: int, job: Trai
     resources = {"CPU": cfg.resources.cpus_per_worker} | ({"GPU": 1} if gpu else {})
     storage = os.path.join(os.path.expanduser("~"), ".cache", "petatrain", "ray-train")
     local = not (job.address or cfg.resources.address or os.environ.get("RAY_ADDRESS"))
-    return _trainer_class(local=local, controller=os.environ.get("PETATRAIN_CONTROLLER", "driver"))(
+    return _trainer_class(local=local, controller=_controller_mode())(
         _entry,
         train_loop_config={"payload": payload},
         torch_config=TorchConfig(
@@ -336,6 +337,14 @@ def _make_trainer(cfg, payload, world: int, run_id: str, attempt: int, job: Trai
             worker_runtime_env=spares.worker_runtime_env(cfg.resources.cpus_per_worker) if spares.wanted(cfg) else None,
         ),
     )
+
+
+def _controller_mode() -> str:
+    """Where Ray Train's controller runs: "driver" (the default) or "actor" (PETATRAIN_CONTROLLER)."""
+    mode = os.environ.get("PETATRAIN_CONTROLLER", "driver")
+    if mode not in ("driver", "actor"):
+        raise ConfigError(f"PETATRAIN_CONTROLLER={mode!r}: driver (the default) or actor")
+    return mode
 
 
 def _fit(trainer, attempt: int, world: int, watch: _Watchdog) -> BaseException | None:
