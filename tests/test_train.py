@@ -788,6 +788,40 @@ def test_heartbeat_dates_the_last_step_not_the_message(ray_local, tmp_path):
     ray_local.kill(hub)
 
 
+def test_watchdog_long_poll_answers_when_there_is_something_to_act_on(ray_local, tmp_path):
+    """RunHub.watch holds the watchdog's call until the first step (unless announced), a hang
+    is due, a new attempt starts, or its wait ends; a heartbeat moves the hang deadline."""
+    from petatrain.train.hub import RunHub
+
+    hub = RunHub.remote(str(tmp_path), None)
+    ray_local.get(hub.new_attempt.remote(0))
+
+    def timed(call) -> tuple[dict, float]:
+        started = time.monotonic()
+        return ray_local.get(call, timeout=30), time.monotonic() - started
+
+    beats, took = timed(hub.watch.remote(0, 1.0, False, 0.5))
+    assert beats == {} and 0.4 < took < 3, "no beat yet: nothing is due before the wait ends"
+    ray_local.get(hub.beat.remote(0, 0, -1, 1, "node"))
+    beats, took = timed(hub.watch.remote(0, 1.0, False, 20.0))
+    assert beats[0]["step"] == -1 and 2.5 < took < 6, "before the first step a hang is due after 3 x timeout"
+    ray_local.get(hub.beat.remote(0, 0, 3, 1, "node"))
+    beats, took = timed(hub.watch.remote(0, 1.0, False, 20.0))
+    assert beats[0]["step"] == 3 and took < 0.5, "the first step: at once, unless announced"
+    waiting = hub.watch.remote(0, 1.0, True, 20.0)
+    for step in (4, 5, 6):  # progress keeps moving the deadline
+        time.sleep(0.6)
+        ray_local.get(hub.beat.remote(0, 0, step, 1, "node"))
+    beats, took = timed(waiting)
+    assert beats[0]["step"] == 6 and time.time() - beats[0]["t"] > 1.0, "answered once the last beat was 1 s old"
+    waiting = hub.watch.remote(0, 5.0, True, 20.0)
+    time.sleep(0.3)
+    ray_local.get(hub.new_attempt.remote(1))
+    beats, took = timed(waiting)
+    assert beats == {} and took < 1, "a new attempt: at once"
+    ray_local.kill(hub)
+
+
 def test_restart_runs_the_controller_started_while_the_attempt_trained(token_dataset, tmp_path, monkeypatch):
     """Where Ray Train's controller is an actor, once an attempt steps the next attempt's
     controller is started and waits; the restart after a kill runs it instead of starting a

@@ -585,8 +585,11 @@ class _Watchdog:
     Killing the stuck processes (SIGKILL through a task on their node) turns a hang into a
     worker death that Ray Train reports at once, instead of a collective that waits for
     its timeout. Until the first step the allowance is three times longer (start-up, resume).
-    Once an attempt has stepped, `on_training(attempt, world_size)` is called (once).
+    Once an attempt has stepped, `on_training(attempt, world_size)` is called (once). It
+    waits on the hub's long poll (`RunHub.watch`), which answers when one of these is due.
     """
+
+    WAIT_S = 10.0  # the longest the hub holds a watch() call
 
     def __init__(self, hub: Any, timeout_s: float, on_training: Callable[[int, int], None] | None = None):
         self.hub, self.timeout_s, self.on_training = hub, timeout_s, on_training
@@ -615,11 +618,17 @@ class _Watchdog:
 
         while not self._stop.is_set():
             self._active.wait()
-            if self._stop.wait(0.5) or not self._active.is_set() or self.verdict is not None:
+            attempt, announced = self._attempt, self._announced
+            if self._stop.is_set() or self.verdict is not None:  # a hung attempt ends: wait for the next
+                self._stop.wait(0.5)
                 continue
-            try:
-                beats = ray.get(self.hub.heartbeats.remote(), timeout=5)
+            try:  # returns when there is something to act on (the hub's long poll), or after WAIT_S
+                call = self.hub.watch.remote(attempt, self.timeout_s, announced, self.WAIT_S)
+                beats = ray.get(call, timeout=self.WAIT_S + 5)
             except Exception:
+                self._stop.wait(0.5)
+                continue
+            if not self._active.is_set() or attempt != self._attempt:
                 continue
             now = time.time()
             stepped = [b for b in beats.values() if b["step"] >= 0]
