@@ -195,13 +195,13 @@ def run_plain(ds: str, steps: int, warmup: int, rep: int, under: str = "torchrun
     }
 
 
-def run_petatrain(ds: str, steps: int, warmup: int, rep: int, checkpoint_every: str, standby: bool = False) -> dict:
-    """`standby` turns on both per-attempt helpers: the spare workers and the warm standby (idle
-    while the controller runs in the driver)."""
-    run_dir = WORK / f"petatrain-{checkpoint_every}-{standby}-{rep}"
+def run_petatrain(ds: str, steps: int, warmup: int, rep: int, checkpoint_every: str, spares: bool = False) -> dict:
+    """`spares` turns on the per-attempt helpers as by default: the spare workers and the warm
+    standby (which has nothing to start while the controller runs in the driver)."""
+    run_dir = WORK / f"petatrain-{checkpoint_every}-{spares}-{rep}"
     shutil.rmtree(run_dir, ignore_errors=True)
     sets = [f"data.dataset={ds}", f"train.steps={steps}", "train.eval_every=0", f"checkpoint.every={checkpoint_every}"]
-    sets += [f"faults.standby={str(standby).lower()}", f"faults.spares={str(standby).lower()}"]
+    sets += [f"faults.standby={str(spares).lower()}", f"faults.spares={str(spares).lower()}"]
     sets += [f"model.{k}={v}" for k, v in MODEL.items()]
     cmd = [sys.executable, "-m", "petatrain", "train", str(TINY), "--run-dir", str(run_dir), "--json"]
     cmd += [arg for s in sets for arg in ("--set", s)]
@@ -249,7 +249,7 @@ def main() -> None:
         "petatrain, async checkpoint every 10 s": lambda rep: run_petatrain(ds, args.steps, args.warmup, rep, "10s"),
         "petatrain, checkpoints off": lambda rep: run_petatrain(ds, args.steps, args.warmup, rep, "1000000"),
         "petatrain, ckpt 10 s + spares start": lambda rep: run_petatrain(
-            ds, args.steps, args.warmup, rep, "10s", standby=True
+            ds, args.steps, args.warmup, rep, "10s", spares=True
         ),
     }
     rows: dict[str, list[dict]] = {name: [] for name in runs}

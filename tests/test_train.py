@@ -800,25 +800,27 @@ def test_watchdog_long_poll_answers_when_there_is_something_to_act_on(ray_local,
         started = time.monotonic()
         return ray_local.get(call, timeout=30), time.monotonic() - started
 
-    beats, took = timed(hub.watch.remote(0, 1.0, False, 0.5))
-    assert beats == {} and 0.4 < took < 3, "no beat yet: nothing is due before the wait ends"
+    seen, took = timed(hub.watch.remote(0, 1.0, False, 0.5))
+    assert seen["beats"] == {} and seen["stale_s"] is None and 0.4 < took < 3, "no beat yet: nothing is due"
     ray_local.get(hub.beat.remote(0, 0, -1, 1, "node"))
-    beats, took = timed(hub.watch.remote(0, 1.0, False, 20.0))
-    assert beats[0]["step"] == -1 and 2.5 < took < 6, "before the first step a hang is due after 3 x timeout"
+    seen, took = timed(hub.watch.remote(0, 1.0, False, 20.0))
+    assert seen["stale_s"] >= 3.0 and 2.5 < took < 6, "before the first step a hang is due after 3 x timeout"
     ray_local.get(hub.beat.remote(0, 0, 3, 1, "node"))
-    beats, took = timed(hub.watch.remote(0, 1.0, False, 20.0))
-    assert beats[0]["step"] == 3 and took < 0.5, "the first step: at once, unless announced"
+    seen, took = timed(hub.watch.remote(0, 1.0, False, 20.0))
+    assert seen["stepped"] and seen["stale_s"] is None and took < 0.5, "the first step: at once, unless announced"
     waiting = hub.watch.remote(0, 1.0, True, 20.0)
     for step in (4, 5, 6):  # progress keeps moving the deadline
         time.sleep(0.6)
         ray_local.get(hub.beat.remote(0, 0, step, 1, "node"))
-    beats, took = timed(waiting)
-    assert beats[0]["step"] == 6 and time.time() - beats[0]["t"] > 1.0, "answered once the last beat was 1 s old"
+    seen, took = timed(waiting)
+    assert seen["beats"][0]["step"] == 6 and seen["stale_s"] >= 1.0, "answered once the last beat was 1 s old"
+    seen, took = timed(hub.watch.remote(0, 5.0, True, 0.5))
+    assert seen["stale_s"] is None and 0.4 < took < 3, "the wait ends before a hang is due: not hung"
     waiting = hub.watch.remote(0, 5.0, True, 20.0)
     time.sleep(0.3)
     ray_local.get(hub.new_attempt.remote(1))
-    beats, took = timed(waiting)
-    assert beats == {} and took < 1, "a new attempt: at once"
+    seen, took = timed(waiting)
+    assert seen["beats"] == {} and took < 1, "a new attempt: at once"
     ray_local.kill(hub)
 
 

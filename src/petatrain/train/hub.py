@@ -103,25 +103,27 @@ class RunHub:
             return dict(self.beats)
 
     @ray.method(concurrency_group="watch")
-    def watch(self, attempt: int, timeout_s: float, announced: bool, wait_s: float) -> dict[int, dict[str, Any]]:
-        """The heartbeats, once the driver's watchdog has something to act on, or after `wait_s`.
+    def watch(self, attempt: int, timeout_s: float, announced: bool, wait_s: float) -> dict[str, Any]:
+        """Answers the driver's watchdog once it has something to act on, or after `wait_s`.
 
         Something to act on: a new attempt; the attempt's first step, unless `announced`; no
-        step progress on any rank for `timeout_s` (three times that before the first step).
-        A long poll, where the watchdog used to ask twice a second: ~0.004 cores fewer of the
-        hub's and the driver's CPU on 2 cores, and a hang is returned when it is due.
+        step progress on any rank for `timeout_s` (three times that before the first step):
+        then "stale_s" says for how long. A long poll, where the watchdog used to ask twice a
+        second: ~0.004 cores fewer of the hub's and the driver's CPU on 2 cores, and a hang
+        is returned when it is due. {"beats": heartbeats, "stepped": bool, "stale_s": float | None}.
         """
         end = time.time() + wait_s
         with self._lock:
             while True:
                 now, beats = time.time(), self.beats
                 stepped = any(b["step"] >= 0 for b in beats.values())
-                due = end
-                if beats:
-                    limit = timeout_s if stepped else 3 * timeout_s
-                    due = min(end, max(b["t"] for b in beats.values()) + limit + 0.01)
-                if attempt != self.attempt or (stepped and not announced) or now >= due:
-                    return dict(beats)
+                due, last = end, None
+                if beats:  # no beat yet: the attempt is starting, nothing to call hung
+                    last = max(b["t"] for b in beats.values())
+                    due = min(end, last + (timeout_s if stepped else 3 * timeout_s))
+                hung = last is not None and now >= due and due < end
+                if attempt != self.attempt or (stepped and not announced) or hung or now >= end:
+                    return {"beats": dict(beats), "stepped": stepped, "stale_s": now - last if hung else None}
                 self._lock.wait(due - now)
 
     # -- checkpoint parts ----------------------------------------------------------------------

@@ -536,8 +536,8 @@ def _trainer_class(local: bool = False, controller: str = "driver"):
             controller, self._standby = self._standby, None
             if controller is None:
                 controller = self._start_controller(kwargs)
-            interrupt = signal.getsignal(signal.SIGINT)
-            if threading.current_thread() is threading.main_thread():
+            main, interrupt = threading.current_thread() is threading.main_thread(), signal.getsignal(signal.SIGINT)
+            if main:
                 # Ray Train's handler aborts this controller; it is put back once the attempt ends,
                 # or a Ctrl-C after it would call a killed controller and exit with status 0.
                 self._register_sigint_handler(controller)
@@ -545,7 +545,7 @@ def _trainer_class(local: bool = False, controller: str = "driver"):
                 ray.get(controller.run.remote())
                 result = ray.get(controller.get_result.remote())
             finally:
-                if threading.current_thread() is threading.main_thread():
+                if main:
                     signal.signal(signal.SIGINT, interrupt)
             # Dropping the handle would let the finished controller exit gracefully, and a Ray
             # worker's graceful exit imports ray.dag (~0.9 s of CPU), just when the next
@@ -597,12 +597,11 @@ class _Watchdog:
         self._attempt, self._world, self._announced = -1, 0, True
         self._active = threading.Event()
         self._stop = threading.Event()
-        self._started_at = 0.0
         self._thread = threading.Thread(target=self._run, name="petatrain-watchdog", daemon=True)
         self._thread.start()
 
     def start(self, attempt: int, world: int = 0) -> None:
-        self.verdict, self._attempt, self._world, self._started_at = None, attempt, world, time.time()
+        self.verdict, self._attempt, self._world = None, attempt, world
         self._announced = self.on_training is None
         self._active.set()
 
@@ -624,26 +623,23 @@ class _Watchdog:
                 continue
             try:  # returns when there is something to act on (the hub's long poll), or after WAIT_S
                 call = self.hub.watch.remote(attempt, self.timeout_s, announced, self.WAIT_S)
-                beats = ray.get(call, timeout=self.WAIT_S + 5)
+                seen = ray.get(call, timeout=self.WAIT_S + 5)
             except Exception:
                 self._stop.wait(0.5)
                 continue
             if not self._active.is_set() or attempt != self._attempt:
                 continue
-            now = time.time()
-            stepped = [b for b in beats.values() if b["step"] >= 0]
-            limit = self.timeout_s if stepped else 3 * self.timeout_s
-            last = max((b["t"] for b in beats.values()), default=self._started_at)
-            if beats and now - last > limit:
+            beats = seen["beats"]
+            if seen["stale_s"] is not None:
                 stale = min(beats.items(), key=lambda kv: (kv[1]["step"], kv[1]["t"]))
                 self.verdict = Failure(
                     "hang",
-                    f"no step progress for {now - last:.1f}s (faults.hang_timeout_s={self.timeout_s:g}); "
+                    f"no step progress for {seen['stale_s']:.1f}s (faults.hang_timeout_s={self.timeout_s:g}); "
                     f"rank {stale[0]} last at step {stale[1]['step']}",
                     stale[0],
                 )
                 _kill_group(beats)
-            elif stepped and not self._announced:
+            elif seen["stepped"] and not self._announced:
                 self._announced = True
                 try:
                     self.on_training(self._attempt, self._world)
