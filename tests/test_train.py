@@ -155,6 +155,19 @@ def test_storage_errors_during_checkpoint_are_retried(baseline, token_dataset, t
     assert sha256(tmp_path / "final" / "model.safetensors") == sha256(baseline / "final" / "model.safetensors")
 
 
+def test_preemption_waits_for_rank_0_to_commit(baseline, token_dataset, tmp_path):
+    """Rank 1 is preempted while rank 0's part of that checkpoint retries storage errors (>= 1.5 s
+    of back-off). Ray Train ends an attempt at the first rank's error, so no rank may leave before
+    rank 0 commits: the next attempt starts at the preempted step."""
+    summary = train(tiny(token_dataset), tmp_path, "storage@step=5,rank=0,count=4", "preempt@step=5,rank=1")
+    assert [f["cause"] for f in summary["failures"]] == ["preempt"], summary["failures"]
+    assert "checkpoint of step 6 committed" in summary["failures"][0]["detail"]
+    events = read_events(str(tmp_path))
+    assert max(e["step"] for e in events if e["event"] == "step" and e["attempt"] == 0) == 6
+    assert [e["step"] for e in events if e["event"] == "resume"] == [0, 6]
+    assert sha256(tmp_path / "final" / "model.safetensors") == sha256(baseline / "final" / "model.safetensors")
+
+
 def test_storage_outage_skips_a_checkpoint_without_a_partial_commit(token_dataset, tmp_path):
     # 8 failures: the step-10 write exhausts its 5 tries, the step-20 one succeeds on its 4th.
     summary = train(tiny(token_dataset), tmp_path, "storage@step=9,rank=1,count=8")

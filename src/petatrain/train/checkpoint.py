@@ -227,6 +227,7 @@ class CheckpointWriter:
         self.live_refused = False  # a live snapshot changed while being written: copy from now on
         self.last_staging_s: float | None = None  # serialising the last snapshot (reading its tensors)
         self.last_write_s = 0.0
+        self.committed_step: int | None = None  # rank 0: the newest step this writer committed
         self.last_write_cpu_s = 0.0  # CPU time of this thread for the last write (it competes with training on CPU)
         self._thread = threading.Thread(target=self._run, name="petatrain-ckpt", daemon=True)
         self._thread.start()
@@ -338,6 +339,7 @@ class CheckpointWriter:
         self._put(join(folder, COMMITTED), json.dumps({"state_checksum": state_sum}).encode())
         self.last_write_s, self.last_write_cpu_s = time.perf_counter() - t0, time.thread_time() - cpu0
         nbytes = sum(f["bytes"] for f in parts.values()) + len(state_bytes)
+        self.committed_step = snap.step
         self._on_commit({"step": snap.step, "write_s": self.last_write_s, "bytes": nbytes, "url": folder})
         self._retain()
 

@@ -120,12 +120,17 @@ class Telemetry:
         if now or time.monotonic() - self.sent_at >= self.period_s:
             self.flush()
 
-    def flush(self) -> None:
+    def flush(self, wait: bool = False) -> None:
+        """Send what is pending; with `wait`, return once the hub has it (before the process may end)."""
         with self._lock:
             events, self.pending = self.pending, []
         age = time.time() - self.step_at if self.step >= 0 else 0.0
-        self.hub.telemetry.remote(events, self.attempt, self.rank, self.step, os.getpid(), self.node_id, age)
+        ref = self.hub.telemetry.remote(events, self.attempt, self.rank, self.step, os.getpid(), self.node_id, age)
         self.sent_at = time.monotonic()
+        if wait:
+            import ray
+
+            ray.get(ref)
 
 
 class TokenBatches:
@@ -439,7 +444,7 @@ def train_worker(payload: Payload) -> None:
                 if rank == 0:
                     telemetry.record("nonfinite", step=step, action=cfg.faults.nonfinite)
                 if cfg.faults.nonfinite == "rollback":
-                    telemetry.flush()
+                    _leave_together(writer, telemetry, device)
                     raise NonFiniteLoss(f"non-finite loss at step {step}; rolling back to the last checkpoint")
                 grad_norm = 0.0
             now = time.perf_counter()
@@ -498,9 +503,9 @@ def train_worker(payload: Payload) -> None:
                     telemetry.record("checkpoint_snapshot", step=step, stall_s=stall, live=live)
                 schedule.taken(stall, writer.last_write_s, writer.last_write_cpu_s)
             if preempt:
-                writer.wait()
-                telemetry.flush()
-                raise Preempted(f"preemption notice: checkpoint of step {step} committed, exiting")
+                if _leave_together(writer, telemetry, device) == step:
+                    raise Preempted(f"preemption notice: checkpoint of step {step} committed, exiting")
+                raise Preempted(f"preemption notice: checkpoint of step {step} failed, resuming from an earlier one")
             if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
                 _evaluate(model, spec, data, cfg, device, amp, step, rank, world, telemetry.record)
             last_end = time.perf_counter()
@@ -509,11 +514,26 @@ def train_worker(payload: Payload) -> None:
                 break
         writer.wait()
         _evaluate(model, spec, data, cfg, device, amp, step, rank, world, telemetry.record)
-        telemetry.flush()
+        telemetry.flush(wait=True)
         _save_final(model, payload, rank)
     finally:
         writer.close()
         telemetry.flush()  # the commit of a write that finished while the attempt failed
+
+
+def _leave_together(writer: ckpt.CheckpointWriter, telemetry: Telemetry, device: torch.device) -> int:
+    """Before every rank raises the same error: rank 0's writes are done and the ledger has the
+    events; returns the newest step rank 0 committed in this attempt (-1: none).
+
+    Ray Train ends an attempt at the first rank's error and kills the others, so a rank that
+    raised once its own checkpoint part was written would cut rank 0's commit short (the
+    checkpoint of a preemption lost, tests/test_train.py).
+    """
+    writer.wait()
+    committed = torch.tensor(-1 if writer.committed_step is None else writer.committed_step, device=device)
+    dist.broadcast(committed, src=0)
+    telemetry.flush(wait=True)
+    return int(committed.item())
 
 
 def _passed(injection: inject.Injection, step: int, elapsed_s: float, margin_s: float) -> bool:
