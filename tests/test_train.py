@@ -899,6 +899,36 @@ def test_controller_runs_in_the_driver_and_an_interrupt_ends_its_workers(token_d
         time.sleep(0.2)
 
 
+def test_a_run_started_from_a_coroutine_runs_the_controller_on_a_thread(token_dataset, tmp_path):
+    """A notebook cell runs inside an event loop, where the controller's own `asyncio.run` would
+    fail: it runs on a thread of its own, and a fault is still recovered."""
+    import asyncio
+    import threading
+
+    names: set[str] = set()
+    watching = threading.Event()
+
+    def watch() -> None:
+        while not watching.is_set():
+            names.update(t.name for t in threading.enumerate())
+            time.sleep(0.05)
+
+    async def cell() -> dict:
+        return train(tiny(token_dataset, "train.steps=10"), tmp_path, "raise@step=4,rank=0")
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        done = asyncio.run(cell())
+    finally:
+        watching.set()
+        watcher.join()
+    assert done["steps"] == 10 and [f["cause"] for f in done["failures"]] == ["exception"]
+    assert any(n.startswith("petatrain-controller") for n in names), sorted(names)
+    starts = [e for e in read_events(str(tmp_path)) if e["event"] == "attempt_start"]
+    assert [e["controller"] for e in starts] == ["driver", "driver"]
+
+
 def test_controller_place_is_driver_or_actor(monkeypatch):
     from petatrain.train.launch import _controller_mode
 
