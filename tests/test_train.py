@@ -801,6 +801,46 @@ def test_heartbeat_dates_the_last_step_not_the_message(ray_local, tmp_path):
     ray_local.kill(hub)
 
 
+def test_waiting_on_its_own_checkpoint_write_keeps_a_rank_alive_but_waiting_for_peers_does_not(tmp_path):
+    """The loop waits on its writer (a synchronous write, rank 0's commit of a preemption's
+    checkpoint): that is progress for the watchdog while this rank writes (here two storage
+    errors retried, >= 0.3 s of back-off), not while rank 0 waits for the other ranks' parts,
+    since a peer that never writes its part is a hang."""
+    import torch
+
+    from petatrain.train.checkpoint import CheckpointWriter, Snapshot, StorageFaults
+
+    parts: dict = {}
+    beats: list[float] = []
+    waited: list[tuple[float, float]] = []
+
+    def wait_parts(step: int, world: int, timeout: float) -> dict:
+        t0 = time.monotonic()
+        time.sleep(0.6)  # a slow peer
+        waited.append((t0, time.monotonic()))
+        return dict(parts)
+
+    faults = StorageFaults()
+    faults.arm(2)
+    writer = CheckpointWriter(
+        str(tmp_path),
+        None,
+        report_part=lambda s, r, f: parts.update(f),
+        wait_parts=wait_parts,
+        on_commit=lambda info: None,
+        faults=faults,
+        keepalive=lambda: beats.append(time.monotonic()),
+        keepalive_s=0.05,
+    )
+    writer.submit(Snapshot(step=1, rank=0, world_size=2, tensors={"model/w": torch.ones(4)}))
+    writer.wait()
+    writer.close()
+    assert writer.error is None and writer.committed_step == 1 and faults.raised == 2
+    ((t0, t1),) = waited
+    assert sum(b < t0 for b in beats) >= 3, "alive while its own writes were retried"
+    assert not [b for b in beats if t0 + 0.06 < b < t1 - 0.06], "not while waiting for the other ranks"
+
+
 def test_watchdog_long_poll_answers_when_there_is_something_to_act_on(ray_local, tmp_path):
     """RunHub.watch holds the watchdog's call until the first step (unless announced), a hang
     is due, a new attempt starts, or its wait ends; a heartbeat moves the hang deadline."""

@@ -198,6 +198,9 @@ class CheckpointWriter:
     under it is never committed.
     `parts` is how this rank reports its file and how rank 0 learns the others':
     `report(step, rank, files)` and `wait_parts(step, world_size, timeout) -> files`.
+    `keepalive`, called every `keepalive_s` while the loop waits on this rank's own writing:
+    such a rank is not hung (the watchdog would otherwise count a long synchronous write, or
+    rank 0's commit of a preemption's checkpoint, against `faults.hang_timeout_s`).
     """
 
     def __init__(
@@ -212,12 +215,16 @@ class CheckpointWriter:
         keep_every: int = 0,
         faults: StorageFaults | None = None,
         parts_timeout_s: float = 120.0,
+        keepalive: Callable[[], None] | None = None,
+        keepalive_s: float = 1.0,
     ):
         self.run_url, self.options = run_url, options
         self._report_part, self._wait_parts, self._on_commit = report_part, wait_parts, on_commit
         self.keep_last, self.keep_every = keep_last, keep_every
         self.faults = faults or StorageFaults()
         self.parts_timeout_s = parts_timeout_s
+        self._keepalive, self._keepalive_s = keepalive, keepalive_s
+        self._writing = False  # this rank's files or its commit are being written (not waiting on peers)
         self._jobs: queue.Queue[Snapshot | None] = queue.Queue(maxsize=1)
         self._idle = threading.Event()
         self._idle.set()
@@ -235,7 +242,7 @@ class CheckpointWriter:
     def submit(self, snap: Snapshot) -> float:
         """Queue a snapshot; returns the seconds spent waiting for the previous write."""
         t0 = time.perf_counter()
-        self._idle.wait()
+        self._await(self._idle)
         waited = time.perf_counter() - t0
         self._idle.clear()
         if snap.live:
@@ -248,13 +255,21 @@ class CheckpointWriter:
         if self._staged.is_set():
             return 0.0
         t0 = time.perf_counter()
-        self._staged.wait()
+        self._await(self._staged)
         return time.perf_counter() - t0
 
     def wait(self) -> float:
         t0 = time.perf_counter()
-        self._idle.wait()
+        self._await(self._idle)
         return time.perf_counter() - t0
+
+    def _await(self, event: threading.Event) -> None:
+        if self._keepalive is None:
+            event.wait()
+            return
+        while not event.wait(self._keepalive_s):
+            if self._writing:  # not while rank 0 waits for the others' parts: a hung peer is a hang
+                self._keepalive()
 
     def close(self) -> None:
         self.wait()
@@ -264,11 +279,13 @@ class CheckpointWriter:
     def _run(self) -> None:
         while (snap := self._jobs.get()) is not None:
             try:
+                self._writing = True
                 self._write(snap)
             except Exception as exc:  # training continues; the next checkpoint tries again
                 self.error = exc
                 log.error("checkpoint of step %d on rank %d failed: %s", snap.step, snap.rank, exc)
             finally:
+                self._writing = False
                 self._staged.set()
                 self._idle.set()
 
@@ -323,7 +340,9 @@ class CheckpointWriter:
         if snap.rank != 0:
             self.last_write_s, self.last_write_cpu_s = time.perf_counter() - t0, time.thread_time() - cpu0
             return
+        self._writing = False
         parts = self._wait_parts(snap.step, snap.world_size, self.parts_timeout_s)
+        self._writing = True
         if parts is None:
             raise PetatrainError(f"checkpoint step {snap.step}: not every rank wrote its part; not committed")
         state = {

@@ -120,6 +120,11 @@ class Telemetry:
         if now or time.monotonic() - self.sent_at >= self.period_s:
             self.flush()
 
+    def alive(self) -> None:
+        """The loop is waiting on this rank's checkpoint write: progress for the watchdog, not a step."""
+        self.step_at = time.time()
+        self.flush()
+
     def flush(self, wait: bool = False) -> None:
         """Send what is pending; with `wait`, return once the hub has it (before the process may end)."""
         with self._lock:
@@ -359,6 +364,8 @@ def train_worker(payload: Payload) -> None:
         keep_last=cfg.checkpoint.keep_last,
         keep_every=cfg.checkpoint.keep_every,
         faults=faults,
+        keepalive=telemetry.alive,
+        keepalive_s=telemetry.period_s,
     )
 
     # -- resume ---------------------------------------------------------------------------------
