@@ -816,7 +816,7 @@ def test_waiting_on_its_own_checkpoint_write_keeps_a_rank_alive_but_waiting_for_
 
     def wait_parts(step: int, world: int, timeout: float) -> dict:
         t0 = time.monotonic()
-        time.sleep(0.6)  # a slow peer
+        time.sleep(1.0)  # a slow peer
         waited.append((t0, time.monotonic()))
         return dict(parts)
 
@@ -837,8 +837,9 @@ def test_waiting_on_its_own_checkpoint_write_keeps_a_rank_alive_but_waiting_for_
     writer.close()
     assert writer.error is None and writer.committed_step == 1 and faults.raised == 2
     ((t0, t1),) = waited
-    assert sum(b < t0 for b in beats) >= 3, "alive while its own writes were retried"
-    assert not [b for b in beats if t0 + 0.06 < b < t1 - 0.06], "not while waiting for the other ranks"
+    assert sum(b < t0 for b in beats) >= 2, "alive while its own writes were retried"
+    # ~18 beats if it were alive while waiting; the margin is for a keepalive checked just before.
+    assert not [b for b in beats if t0 + 0.25 < b < t1 - 0.05], "not while waiting for the other ranks"
 
 
 def test_watchdog_long_poll_answers_when_there_is_something_to_act_on(ray_local, tmp_path):

@@ -234,8 +234,8 @@ class CheckpointWriter:
         self.live_refused = False  # a live snapshot changed while being written: copy from now on
         self.last_staging_s: float | None = None  # serialising the last snapshot (reading its tensors)
         self.last_write_s = 0.0
-        self.committed_step: int | None = None  # rank 0: the newest step this writer committed
         self.last_write_cpu_s = 0.0  # CPU time of this thread for the last write (it competes with training on CPU)
+        self.committed_step: int | None = None  # rank 0: the newest step this writer committed
         self._thread = threading.Thread(target=self._run, name="petatrain-ckpt", daemon=True)
         self._thread.start()
 
