@@ -156,6 +156,36 @@ def test_kill_after_checkpoint_recomputes_the_lost_steps(tmp_path):
     assert g.evals == [{"step": 20, "loss": 0.55, "attempt": 1, "t_s": approx(36.0)}]
 
 
+def test_waiting_for_rank_0s_checkpoint_write_counts_as_restart_not_detection(tmp_path):
+    """The kill run, but Ray Train's shutdown first let rank 0 finish a checkpoint for 1.5 s
+    (22.7 -> 24.2, the drain event written at its end, the failure event after it)."""
+    s = Script(str(tmp_path))
+    s.start(steps=20)
+    s.now += 2.0
+    s.steps(0, 1, 10)
+    s.checkpoint(0, 10, stall=0.5)
+    s.steps(0, 11, 17)
+    s.emit("fault_injected", after=0.2, attempt=0, fault="kill", step=17, rank=1)
+    s.emit("checkpoint_drain", after=4.5, attempt=0, lost=[1], waited_s=1.5, done=True, committed=10)
+    s.emit("failure", after=0.1, attempt=0, cause="kill", detail="rank 1 exited with SIGKILL", rank=1)
+    s.emit("restart", after=0.3, attempt=1, world_size=2, reason="kill")
+    s.emit("attempt_start", attempt=1, world_size=2)
+    s.emit("resume", after=0.6, attempt=1, step=11, checkpoint="ckpt")
+    s.emit("step", after=2.0, attempt=1, step=11, step_s=1.5, data_wait_s=0.1, loss=10 / 11, tokens=1024)
+    s.steps(1, 12, 20)
+    s.emit("end", after=0.5, status="ok", step=20, detail="", final="f")
+    s.close()
+
+    g = account(read_events(str(tmp_path)))
+    (fault,) = g.faults
+    assert fault.t_s == approx(22.7)  # decided when the drain began, not when the failure was written
+    assert fault.detected_after_s == approx(3.0)
+    assert fault.restart_s == approx(3.0)  # 1.5 s of drain, 0.1 to the failure event, 1.4 to step 11's start
+    assert g.time_split()["fault_detection_s"] == approx(3.0)
+    assert g.time_split()["restart_s"] == approx(3.0)
+    assert sum(g.time_split().values()) == approx(g.wall_s)
+
+
 def test_hang_is_charged_detection_time_until_the_watchdog_fires(tmp_path):
     s = Script(str(tmp_path))
     s.start(steps=50)

@@ -43,8 +43,8 @@ class FaultRecord:
     rank: int | None
     attempt: int
     step: int | None  # the step at which it happened (injected step, else the last step reached)
-    t_s: float  # failure time, seconds since the run started
-    detected_after_s: float | None  # fault -> failure event; None when nothing says when the fault happened
+    t_s: float  # failure time, seconds since the run started (a checkpoint drain's start, if one came first)
+    detected_after_s: float | None  # fault -> failure; None when nothing says when the fault happened
     recovered_after_s: float | None  # failure -> first step of the next attempt done; None if none came
     restart_s: float  # failure -> start of the next attempt's first step (the part counted as restart)
     steps_lost: int | None  # last step reached in the failed attempt - step the next attempt resumed from
@@ -326,6 +326,7 @@ def _faults(
     injections: dict[int, list[tuple[int, dict[str, Any]]]] = {}
     progress: dict[int, list[tuple[int, float]]] = {}
     resumes: dict[int, dict[str, Any]] = {}
+    drains: dict[int, float] = {}  # attempt -> when Ray Train's shutdown began waiting for rank 0's write
     failures = []
     for i, (e, (attempt, _)) in enumerate(zip(events, attempts, strict=True)):
         kind = e.get("event")
@@ -335,8 +336,17 @@ def _faults(
             progress.setdefault(attempt, []).append((i, as_number(e["t"])))
         elif kind == "resume":
             resumes.setdefault(attempt, e)
+        elif kind == "checkpoint_drain":
+            drains[attempt] = as_number(e["t"]) - (as_number(e.get("waited_s")) or 0.0)
         elif kind == "failure":
             failures.append((i, e, attempt))
+
+    def failed_at(failure: dict[str, Any], attempt: int) -> float:
+        """The failure event's time, or the start of the drain before it: the failure was decided
+        then, and letting rank 0 finish its checkpoint write is part of the recovery."""
+        t = as_number(failure["t"])
+        return min(t, drains[attempt]) if attempt in drains else t
+
     steps_of: dict[int, list[_Occurrence]] = {}
     for o in occurrences:
         steps_of.setdefault(o.attempt, []).append(o)
@@ -348,7 +358,7 @@ def _faults(
     detect_start: list[float | None] = []
     previous_failure_t = t0
     for i, failure, attempt in failures:
-        t_fail = as_number(failure["t"])
+        t_fail = failed_at(failure, attempt)
         injected = [e for j, e in injections.get(attempt, []) if j < i and as_number(e["t"]) <= t_fail]
         marks = [t for j, t in progress.get(attempt, []) if j < i and t <= t_fail]
         last_step_t = max((o.t for o in steps_of.get(attempt, []) if o.index < i), default=None)
@@ -361,7 +371,7 @@ def _faults(
 
     rows = []
     for n, (i, failure, attempt) in enumerate(failures):
-        t_fail = as_number(failure["t"])
+        t_fail = failed_at(failure, attempt)
         last_reached = max((o.step for o in steps_of.get(attempt, []) if o.index < i), default=None)
         injected = next((e for j, e in reversed(injections.get(attempt, [])) if j < i), None)
         step = _int(injected.get("step")) if injected else None
@@ -387,7 +397,7 @@ def _faults(
                 restart_end = first.t - first.step_s
             elif next_failure is not None:
                 start = detect_start[next_failure]
-                restart_end = start if start is not None else as_number(failures[next_failure][1]["t"])
+                restart_end = start if start is not None else failed_at(failures[next_failure][1], next_attempt)
             else:
                 restart_end = t_end
         restart_s = max(restart_end - t_fail, 0.0) if restart_end is not None else 0.0

@@ -18,6 +18,11 @@ The kinds and their fields, which `goodput.py` and the report read:
                          a live snapshot to read its tensors before optimizer.step; stall too)
     checkpoint_commit    attempt, step, write_s, bytes, url
     checkpoint_skipped   url, reason (torn or corrupt, at resume)
+    checkpoint_drain     attempt, lost (ranks gone), waited_s, done (rank 0 has no write in
+                         flight; null if rank 0 is gone), committed (newest step rank 0
+                         committed, or null): a failed attempt's rank 0 let finish its
+                         checkpoint write before Ray Train kills it; the report counts the
+                         wait as restart, not detection
     eval              attempt, step, loss
     nonfinite         attempt, step, action (skip | rollback)
     fault_injected    attempt, fault, step, rank (written by the chaos injector)

@@ -26,6 +26,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,6 +53,9 @@ log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 COMMITTED = "COMMITTED"
 STATE = "state.json"
+
+# The writers of this process, for `finish_writes` (a rank's peer failed: its commit in flight is let finish).
+_writers: weakref.WeakSet[CheckpointWriter] = weakref.WeakSet()
 
 
 def step_dir(run_url: str, step: int) -> str:
@@ -238,6 +242,7 @@ class CheckpointWriter:
         self.committed_step: int | None = None  # rank 0: the newest step this writer committed
         self._thread = threading.Thread(target=self._run, name="petatrain-ckpt", daemon=True)
         self._thread.start()
+        _writers.add(self)
 
     def submit(self, snap: Snapshot) -> float:
         """Queue a snapshot; returns the seconds spent waiting for the previous write."""
@@ -262,6 +267,10 @@ class CheckpointWriter:
         t0 = time.perf_counter()
         self._await(self._idle)
         return time.perf_counter() - t0
+
+    def idle(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for the write in flight (none: at once); True once none is."""
+        return self._idle.wait(timeout_s)
 
     def _await(self, event: threading.Event) -> None:
         if self._keepalive is None:
@@ -370,6 +379,22 @@ class CheckpointWriter:
         for s in steps:
             if s not in keep:
                 remove_tree(step_dir(self.run_url, s), self.options)
+
+
+def finish_writes(timeout_s: float) -> dict[str, Any]:
+    """Let this process's checkpoint writes in flight finish, for up to `timeout_s`.
+
+    Run on rank 0 of an attempt that failed elsewhere, before Ray Train kills its workers:
+    the failed rank's part of the checkpoint is already written, and rank 0's own file and
+    commit would otherwise be cut short, resuming the run from the checkpoint before
+    (a whole checkpoint interval recomputed). Returns {"done": no write left in flight,
+    "committed": the newest step committed here, or None}.
+    """
+    deadline = time.monotonic() + timeout_s
+    writers = list(_writers)
+    done = all([w.idle(max(0.0, deadline - time.monotonic())) for w in writers])
+    steps = [w.committed_step for w in writers if w.committed_step is not None]
+    return {"done": done, "committed": max(steps, default=None)}
 
 
 def committed_steps(run_url: str, options: StorageOptions | None = None) -> list[int]:

@@ -28,12 +28,15 @@ import concurrent.futures
 import contextlib
 import logging
 import os
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import ray
 from ray.train.v2._internal.constants import ENABLE_CONTROLLER_STRUCTURED_LOGGING_ENV_VAR
+from ray.train.v2._internal.exceptions import WorkerHealthCheckFailedError, WorkerHealthCheckTimeoutError
+from ray.train.v2._internal.execution.callback import WorkerGroupCallback
 from ray.train.v2._internal.execution.controller import TrainController
 from ray.train.v2._internal.execution.controller.state import AbortedState
 from ray.train.v2._internal.execution.worker_group import state as group_state
@@ -110,6 +113,47 @@ class LeanTrainController(TrainController):
     def __init__(self, *args: Any, **kwargs: Any):
         use_on_demand_sync_actor()
         super().__init__(*args, **kwargs)
+
+
+class CommitDrain(WorkerGroupCallback):
+    """Before Ray Train kills a failed attempt's workers, rank 0 finishes the checkpoint it is writing.
+
+    Ray Train ends an attempt at the first poll that shows a rank's error and kills every
+    worker. A fault on another rank while rank 0 uploads its file (its part of the
+    checkpoint the others already wrote) or commits would lose that checkpoint, and the
+    next attempt would recompute a whole interval. So, on a failure: the hub learns which
+    ranks are gone (a checkpoint still waiting for one of their parts is given up at once,
+    and no survivor counts as hung meanwhile), and unless rank 0 is among them, it is given
+    up to `timeout_s` to finish its write. The outcome goes to the ledger
+    (`checkpoint_drain`). A clean end has nothing in flight: the loop closes its writer.
+    """
+
+    TIMEOUT_S = 30.0  # the longest a restart waits for rank 0's write (a write that long saves minutes of steps)
+
+    def __init__(self, hub: Any, attempt: int, timeout_s: float):
+        self.hub, self.attempt, self.timeout_s = hub, attempt, timeout_s
+
+    def before_worker_group_shutdown(self, worker_group: Any) -> None:
+        from petatrain.train.checkpoint import finish_writes
+
+        status = worker_group.get_latest_poll_status()
+        errors = {rank: s.error for rank, s in (status.worker_statuses if status else {}).items() if s.error}
+        if not errors:
+            return
+        gone = (WorkerHealthCheckFailedError, WorkerHealthCheckTimeoutError)  # the process died or stopped answering
+        lost = sorted(rank for rank, error in errors.items() if isinstance(error, gone))
+        t0 = time.monotonic()
+        outcome: dict[str, Any] = {"done": None, "committed": None}  # rank 0 gone: unknown
+        try:
+            ray.get(self.hub.attempt_failed.remote(self.attempt, lost), timeout=5)
+            if 0 not in lost:
+                rank0 = next(w for w in worker_group.get_workers() if w.distributed_context.world_rank == 0)
+                outcome = ray.get(rank0.execute_async(finish_writes, self.timeout_s), timeout=self.timeout_s + 5)
+        except Exception as exc:  # rank 0 died meanwhile, or the hub is gone: the shutdown goes on
+            log.warning("letting rank 0 finish its checkpoint write failed: %s", exc)
+        fields = {"attempt": self.attempt, "lost": lost, "waited_s": round(time.monotonic() - t0, 3), **outcome}
+        with contextlib.suppress(Exception):
+            self.hub.emit.remote("checkpoint_drain", fields)
 
 
 class NoControllerActor:

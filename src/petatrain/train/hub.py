@@ -32,6 +32,8 @@ class RunHub:
         self._lock = threading.Condition()
         self.attempt = -1
         self.beats: dict[int, dict[str, Any]] = {}
+        self.lost: set[int] = set()  # ranks of the ending attempt that are gone (attempt_failed)
+        self.draining = False  # the attempt failed and its survivors finish their checkpoint writes
         self.parts: dict[tuple[int, int], dict[int, dict]] = {}  # (attempt, step) -> rank -> files
         self.fired: set[str] = set()
         self.last_flush = time.time()
@@ -85,7 +87,7 @@ class RunHub:
     def new_attempt(self, attempt: int) -> None:
         with self._lock:
             self.attempt = attempt
-            self.beats = {}
+            self.beats, self.lost, self.draining = {}, set(), False
             # A waiter of a failed attempt must not take the parts of the new one.
             self.parts = {k: v for k, v in self.parts.items() if k[0] >= attempt}
             self._lock.notify_all()
@@ -97,6 +99,15 @@ class RunHub:
             if attempt == self.attempt:
                 self.beats[rank] = {"t": time.time() - age_s, "step": step, "pid": pid, "node_id": node_id}
                 self._lock.notify_all()  # a waiting watch() moves its hang deadline
+
+    def attempt_failed(self, attempt: int, lost: list[int]) -> None:
+        """The attempt is ending on a failure, and the ranks in `lost` are gone: a checkpoint
+        waiting for one of their parts is given up at once, and while the survivors finish
+        their writes (`checkpoint.finish_writes`) no rank counts as hung."""
+        with self._lock:
+            if attempt == self.attempt:
+                self.lost, self.draining = set(lost), True
+                self._lock.notify_all()
 
     def heartbeats(self) -> dict[int, dict[str, Any]]:
         with self._lock:
@@ -118,7 +129,9 @@ class RunHub:
                 now, beats = time.time(), self.beats
                 stepped = any(b["step"] >= 0 for b in beats.values())
                 due, last = end, None
-                if beats:  # no beat yet: the attempt is starting, nothing to call hung
+                # No beat yet (the attempt is starting) or draining (a failed attempt's survivors
+                # finish their checkpoint writes): nothing to call hung.
+                if beats and not self.draining:
                     last = max(b["t"] for b in beats.values())
                     due = min(end, last + (timeout_s if stepped else 3 * timeout_s))
                 hung = last is not None and now >= due and due < end
@@ -141,9 +154,12 @@ class RunHub:
         key = (attempt, step)
         with self._lock:
             while len(self.parts.get(key, {})) < world_size:
-                if any(files is None for files in self.parts.get(key, {}).values()):
+                got = self.parts.get(key, {})
+                if any(files is None for files in got.values()):
                     self.parts.pop(key)
                     return None  # a rank's write failed
+                if attempt == self.attempt and self.lost - got.keys():
+                    return None  # a rank that has not written its part is gone
                 left = deadline - time.time()
                 if left <= 0 or attempt != self.attempt:
                     return None

@@ -323,7 +323,7 @@ def _make_trainer(cfg, payload, world: int, run_id: str, attempt: int, job: Trai
     resources = {"CPU": cfg.resources.cpus_per_worker} | ({"GPU": 1} if gpu else {})
     storage = os.path.join(os.path.expanduser("~"), ".cache", "petatrain", "ray-train")
     local = not (job.address or cfg.resources.address or os.environ.get("RAY_ADDRESS"))
-    return _trainer_class(local=local, controller=_controller_mode())(
+    trainer = _trainer_class(local=local, controller=_controller_mode())(
         _entry,
         train_loop_config={"payload": payload},
         torch_config=TorchConfig(
@@ -337,6 +337,8 @@ def _make_trainer(cfg, payload, world: int, run_id: str, attempt: int, job: Trai
             worker_runtime_env=spares.worker_runtime_env(cfg.resources.cpus_per_worker) if spares.wanted(cfg) else None,
         ),
     )
+    trainer.drain = (payload.hub, attempt)  # a failure lets rank 0 finish its checkpoint write (CommitDrain)
+    return trainer
 
 
 def _controller_mode() -> str:
@@ -498,6 +500,7 @@ def _trainer_class(local: bool = False, controller: str = "driver"):
 
     class LeanTorchTrainer(TorchTrainer):
         _standby = None  # a controller actor started by prepare(), run by the next fit()
+        drain = None  # (hub, attempt) for CommitDrain
         _preparing = False
         controller_in_driver = in_driver
         _start_controller = staticmethod(_new_controller)
@@ -523,7 +526,10 @@ def _trainer_class(local: bool = False, controller: str = "driver"):
                 self._standby = None
 
         def _create_default_callbacks(self):
-            return [c for c in super()._create_default_callbacks() if not isinstance(c, unused)]
+            callbacks = [c for c in super()._create_default_callbacks() if not isinstance(c, unused)]
+            if self.drain is not None:  # first: before the backend's shutdown destroys the process groups
+                callbacks.insert(0, lean.CommitDrain(*self.drain, timeout_s=lean.CommitDrain.TIMEOUT_S))
+            return callbacks
 
         def _initialize_and_run_controller(self, **kwargs):
             if local and type(kwargs.get("scaling_policy")) is FixedScalingPolicy:

@@ -96,8 +96,9 @@ class Telemetry:
     Rank 0 sends the step events, every rank its heartbeat, once a second. Events keep the
     time they happened and reach the ledger in the order they were recorded (one channel
     per rank: the checkpoint writer's commit events go through it too, after the snapshot
-    event). `flush()`, called by the loop's thread only, is forced before anything that
-    must be in the ledger at once (an injected fault, the end of the loop). The heartbeat
+    event). `flush()` is forced before anything that must be in the ledger at once (an
+    injected fault, the end of the loop, a commit: rank 0 may be killed right after it when
+    another rank failed, `CommitDrain`). The heartbeat
     says how long ago the last step ended, so the watchdog measures a hang from the last
     step, not from the last message.
     """
@@ -120,18 +121,24 @@ class Telemetry:
         if now or time.monotonic() - self.sent_at >= self.period_s:
             self.flush()
 
+    def commit(self, info: dict[str, Any]) -> None:
+        """The checkpoint writer committed (after its snapshot event if asynchronous); sent at once."""
+        self.record("checkpoint_commit", **info)
+        self.flush()
+
     def alive(self) -> None:
         """The loop is waiting on this rank's checkpoint write: progress for the watchdog, not a step."""
         self.step_at = time.time()
         self.flush()
 
     def flush(self, wait: bool = False) -> None:
-        """Send what is pending; with `wait`, return once the hub has it (before the process may end)."""
+        """Send what is pending; with `wait`, return once the hub has it (before the process may end).
+        Any thread may call it: batches leave in the order they were taken."""
         with self._lock:
             events, self.pending = self.pending, []
-        age = time.time() - self.step_at if self.step >= 0 else 0.0
-        ref = self.hub.telemetry.remote(events, self.attempt, self.rank, self.step, os.getpid(), self.node_id, age)
-        self.sent_at = time.monotonic()
+            age = time.time() - self.step_at if self.step >= 0 else 0.0
+            ref = self.hub.telemetry.remote(events, self.attempt, self.rank, self.step, os.getpid(), self.node_id, age)
+            self.sent_at = time.monotonic()
         if wait:
             import ray
 
@@ -360,7 +367,7 @@ def train_worker(payload: Payload) -> None:
         payload.options,
         report_part=lambda s, r, f: ray.get(hub.report_part.remote(attempt, s, r, f)),
         wait_parts=lambda s, w, t: ray.get(hub.wait_parts.remote(attempt, s, w, t)),
-        on_commit=lambda info: telemetry.record("checkpoint_commit", **info),  # after its snapshot event if async
+        on_commit=lambda info: telemetry.commit(info),
         keep_last=cfg.checkpoint.keep_last,
         keep_every=cfg.checkpoint.keep_every,
         faults=faults,
