@@ -33,6 +33,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import ray
 
+from petatrain.data.buffers import arrow_reader
 from petatrain.data.minhash import LSHParams, band_keys
 from petatrain.storage import StorageOptions, atomic_write, read_bytes
 
@@ -58,7 +59,7 @@ def partitions_for(total_rows: int, num_perm: int, cpus: int) -> int:
 
 
 def read_signatures(url: str, options: StorageOptions | None) -> Parts:
-    table = pq.ParquetFile(pa.BufferReader(read_bytes(url, options))).read()
+    table = pq.ParquetFile(arrow_reader(read_bytes(url, options))).read()
     out = {name: table.column(name).to_numpy() for name in ("ord", "nbytes", "h_hi", "h_lo")}
     if "sig" in table.column_names:
         width = table.schema.field("sig").type.byte_width // 2

@@ -18,6 +18,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from petatrain.data.buffers import arrow_reader
 from petatrain.errors import CorruptDataError, PetatrainError
 from petatrain.storage import StorageOptions, atomic_write, exists, join, read_bytes
 from petatrain.storage.checksum import ChecksumMismatch, checksum_bytes
@@ -106,7 +107,7 @@ def read_shard_index(
                 with open(tmp, "wb") as handle:
                     handle.write(data)
                 os.replace(tmp, local_copy)
-            source = pa.BufferReader(data)
+            source = arrow_reader(data)
         # ParquetFile.read, unlike pq.read_table, does not import pyarrow.dataset (and pandas):
         # ~0.3 s off every loader's start.
         table = pq.ParquetFile(source).read()

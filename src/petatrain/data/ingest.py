@@ -43,6 +43,7 @@ from petatrain.data import dedup as dedup_mod
 from petatrain.data import index as idx
 from petatrain.data import sources as src
 from petatrain.data import tokenize as tk
+from petatrain.data.buffers import arrow_reader
 from petatrain.data.minhash import LSHParams, signatures
 from petatrain.errors import PetatrainError
 from petatrain.storage import StorageOptions, atomic_write, join, listdir, read_bytes, remove_tree
@@ -394,7 +395,7 @@ def _write_parquet(url: str, table: pa.Table, options: StorageOptions | None, **
 
 
 def _read_parquet(url: str, options: StorageOptions | None) -> pq.ParquetFile:
-    return pq.ParquetFile(pa.BufferReader(read_bytes(url, options)))
+    return pq.ParquetFile(arrow_reader(read_bytes(url, options)))
 
 
 def plan_shards(file_stats: list[dict], drops: dict[int, dict], shard_bytes: int, *, first_shard: int) -> list[dict]:
@@ -520,7 +521,7 @@ class _ShardWriter:
         group = file_ord % self.num_groups
         if group not in self._groups:
             url = join(self.staging, "dups", f"g-{group:05d}.parquet")
-            table = pq.ParquetFile(pa.BufferReader(read_bytes(url, self.options))).read(columns=["ord"])
+            table = pq.ParquetFile(arrow_reader(read_bytes(url, self.options))).read(columns=["ord"])
             self._groups[group] = table.column("ord").to_numpy()
         ords = self._groups[group]
         return ords[(ords >> FILE_BITS) == file_ord]

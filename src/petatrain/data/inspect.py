@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
 import pyarrow.parquet as pq
 
 from petatrain.data import index as idx
+from petatrain.data.buffers import arrow_reader
 from petatrain.storage import StorageOptions, read_bytes
 
 
@@ -49,7 +49,7 @@ def _samples(dataset: idx.Dataset, n: int) -> list[dict[str, Any]]:
         return []
     first = dataset.shards.column("path")[0].as_py()
     try:
-        table = pq.read_table(pa.BufferReader(read_bytes(dataset.shard_url(first), dataset.options))).slice(0, n)
+        table = pq.read_table(arrow_reader(read_bytes(dataset.shard_url(first), dataset.options))).slice(0, n)
     except Exception as exc:  # inspect must still report on a damaged dataset
         return [{"error": f"cannot read {first}: {exc}"}]
     dtype = np.dtype((dataset.manifest.get("tokenizer") or {}).get("dtype", "uint16"))

@@ -14,6 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from petatrain.data import index as idx
+from petatrain.data.buffers import arrow_reader
 from petatrain.errors import PetatrainError
 from petatrain.storage import read_bytes
 from petatrain.storage.checksum import checksum_bytes
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
 def _describe(f: SourceFile, options) -> dict:
     data = read_bytes(f.url, options)
     try:
-        meta = pq.ParquetFile(pa.BufferReader(data))
+        meta = pq.ParquetFile(arrow_reader(data))
     except pa.ArrowException as exc:
         raise PetatrainError(f"--register: {f.url} is not a Parquet file ({exc})") from None
     return {

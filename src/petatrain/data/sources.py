@@ -20,6 +20,7 @@ import pyarrow.parquet as pq
 from fsspec.compression import compr
 from fsspec.utils import infer_compression
 
+from petatrain.data.buffers import arrow_reader
 from petatrain.errors import PetatrainError
 
 FORMATS = ("jsonl", "parquet", "csv", "text", "webdataset")
@@ -159,7 +160,7 @@ def _column_records(table: pa.Table, text_field: str, out: FileRecords, first: i
 
 
 def _read_parquet(data: bytes, text_field: str, out: FileRecords) -> None:
-    handle = pq.ParquetFile(pa.BufferReader(data))
+    handle = pq.ParquetFile(arrow_reader(data))
     names = handle.schema_arrow.names
     columns = [text_field] if text_field in names else names[:1]
     first = 0
@@ -176,7 +177,7 @@ def _read_csv(data: bytes, text_field: str, out: FileRecords) -> None:
         return "skip"
 
     table = pacsv.read_csv(
-        pa.BufferReader(data),
+        arrow_reader(data),
         parse_options=pacsv.ParseOptions(invalid_row_handler=on_invalid, newlines_in_values=True),
         convert_options=pacsv.ConvertOptions(column_types={text_field: pa.string()}, strings_can_be_null=False),
     )
