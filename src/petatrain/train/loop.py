@@ -89,6 +89,14 @@ class PreemptionNotice:
     def received(self) -> bool:
         return self.received_at is not None
 
+    def wait(self, timeout_s: float) -> bool:
+        """Until the handler has run (an injected notice: Python runs it on the main thread, which
+        may get the GIL only after this thread's next step has read the flag); True if it has."""
+        deadline = time.monotonic() + timeout_s
+        while not self.received and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return self.received
+
 
 class Telemetry:
     """Events and heartbeats sent to the run hub at most every `period_s`.
@@ -499,6 +507,8 @@ def train_worker(payload: Payload) -> None:
                     nan_next = True
                 else:
                     inject.act(injection)
+                    if injection.kind == "preempt":  # noticed at this step's boundary, as it was sent
+                        preemption.wait(timeout_s=2.0)
 
             if checkpoint_due or preempt or stop or step == cfg.train.steps:
                 live = staging.live(refused=writer.live_refused)
