@@ -76,6 +76,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ray-train", action="store_true", help="run the loop in a Ray Train TorchTrainer")
     parser.add_argument("--ray-actors", action="store_true", help="run the loop in two bare Ray actors")
+    parser.add_argument("--workers", type=int, default=2, help="ranks under --ray-train or --ray-actors")
     args = parser.parse_args()
     if args.ray_train:
         run_in_ray_train(args)
@@ -102,7 +103,7 @@ def run_in_ray_train(args: argparse.Namespace) -> None:
             lambda config: train(argparse.Namespace(**config)),
             train_loop_config=vars(args),
             torch_config=TorchConfig(backend="gloo"),
-            scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
+            scaling_config=ScalingConfig(num_workers=args.workers, resources_per_worker={"CPU": 1}),
             run_config=RunConfig(name=f"plain-{os.getpid()}", storage_path=storage),
         ).fit()
     ray.shutdown()
@@ -139,7 +140,7 @@ def run_in_ray_actors(args: argparse.Namespace) -> None:
     with socket.socket() as s:
         s.bind((addr, 0))
         port = s.getsockname()[1]
-    ranks = [Rank.remote() for _ in range(2)]
+    ranks = [Rank.remote() for _ in range(args.workers)]
     ray.get([r.run.remote(i, len(ranks), addr, port, vars(args)) for i, r in enumerate(ranks)])
     ray.shutdown()
 
