@@ -165,12 +165,12 @@ class CpuAccount:
         }
 
 
-def _run(cmd: list[str], what: str) -> tuple[float, float, CpuAccount]:
+def _run(cmd: list[str], what: str, env: dict[str, str] | None = None) -> tuple[float, float, CpuAccount]:
     """Run a command from the repository root; (wall seconds, 1-minute load average before it, its CPU)."""
     load = os.getloadavg()[0]
     started = time.perf_counter()
     with CpuAccount() as account:
-        result = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=ROOT)
+        result = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=ROOT, env=env)
     if result.returncode != 0:
         raise SystemExit(f"{what} failed:\n{result.stderr[-3000:]}")
     return time.perf_counter() - started, load, account
@@ -186,7 +186,9 @@ def run_plain(ds: str, steps: int, warmup: int, rep: int, under: str = "torchrun
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(workers), *script]
     else:
         cmd = [sys.executable, *script, f"--{under}", "--workers", str(workers)]
-    wall, load, account = _run(cmd, f"plain loop under {under}")
+    # One torch thread per rank, as Ray gives a 1-CPU worker and petatrain's ranks use: torchrun
+    # sets it only for more than one process, and one rank would otherwise compute on every core.
+    wall, load, account = _run(cmd, f"plain loop under {under}", env={**os.environ, "OMP_NUM_THREADS": "1"})
     times = json.loads(out.read_text())
     ends = times["step_end_s"]
     window = ends[warmup:]

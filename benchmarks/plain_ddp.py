@@ -77,6 +77,9 @@ def main() -> None:
     parser.add_argument("--ray-train", action="store_true", help="run the loop in a Ray Train TorchTrainer")
     parser.add_argument("--ray-actors", action="store_true", help="run the loop in two bare Ray actors")
     parser.add_argument("--workers", type=int, default=2, help="ranks under --ray-train or --ray-actors")
+    parser.add_argument(
+        "--keep-denormals", action="store_true", help="do not flush denormals (petatrain's train.flush_denormal=false)"
+    )
     args = parser.parse_args()
     if args.ray_train:
         run_in_ray_train(args)
@@ -149,6 +152,7 @@ def train(args: argparse.Namespace) -> None:
     """The loop, in a process of an initialised gloo group (torchrun's, Ray Train's or the bare actors')."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.use_deterministic_algorithms(True)  # petatrain's default (train.deterministic)
+    torch.set_flush_denormal(not args.keep_denormals)  # petatrain's default (train.flush_denormal)
     torch.manual_seed(args.seed)
     cfg = ModelConfig(
         n_layer=args.n_layer,

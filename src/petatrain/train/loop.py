@@ -351,6 +351,7 @@ def train_worker(payload: Payload) -> None:
         if device.type == "cuda":
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.backends.cudnn.benchmark = False
+    torch.set_flush_denormal(cfg.train.flush_denormal)  # CPU arithmetic; the same on every rank and attempt
     torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
     spec: ModelSpec = build_model(cfg.model, cfg.train)
     model = parallelize(spec, cfg, device)
