@@ -67,13 +67,9 @@ class Script:
         self.log.close()
 
 
-def kill_run(run_dir) -> Script:
-    """Killed at step 17 (rank 1) after a checkpoint at step 10; resumed at step 11; 20 steps.
-
-    Timeline (s since start): start-up 2; steps 1-10 end at 12; snapshot stall 0.5; steps
-    11-17 end at 19.5; kill injected at 19.7, noticed at 22.7; restart; resume at 25;
-    step 11 takes 1.5 s (starts at 25.5, ends at 27); steps 12-20 end at 36; end at 36.5.
-    """
+def until_kill(run_dir) -> Script:
+    """Start-up 2 s; steps 1-10 end at 12; snapshot stall 0.5; steps 11-17 end at 19.5; rank 1
+    killed (injected) at 19.7."""
     s = Script(str(run_dir))
     s.start(steps=20)
     s.now += 2.0
@@ -81,6 +77,16 @@ def kill_run(run_dir) -> Script:
     s.checkpoint(0, 10, stall=0.5)
     s.steps(0, 11, 17)
     s.emit("fault_injected", after=0.2, attempt=0, fault="kill", step=17, rank=1)
+    return s
+
+
+def kill_run(run_dir) -> Script:
+    """Killed at step 17 (rank 1) after a checkpoint at step 10; resumed at step 11; 20 steps.
+
+    Timeline (s since start): `until_kill`; the kill noticed at 22.7; restart; resume at 25;
+    step 11 takes 1.5 s (starts at 25.5, ends at 27); steps 12-20 end at 36; end at 36.5.
+    """
+    s = until_kill(run_dir)
     s.emit("failure", after=3.0, attempt=0, cause="kill", detail="rank 1 exited with SIGKILL", rank=1)
     s.restart(1, "kill", after=0.3, resume_after=2.0, next_step=11)
     s.emit("step", after=2.0, attempt=1, step=11, step_s=1.5, data_wait_s=0.1, loss=10 / 11, tokens=1024)
@@ -159,13 +165,7 @@ def test_kill_after_checkpoint_recomputes_the_lost_steps(tmp_path):
 def test_waiting_for_rank_0s_checkpoint_write_counts_as_restart_not_detection(tmp_path):
     """The kill run, but Ray Train's shutdown first let rank 0 finish a checkpoint for 1.5 s
     (22.7 -> 24.2, the drain event written at its end, the failure event after it)."""
-    s = Script(str(tmp_path))
-    s.start(steps=20)
-    s.now += 2.0
-    s.steps(0, 1, 10)
-    s.checkpoint(0, 10, stall=0.5)
-    s.steps(0, 11, 17)
-    s.emit("fault_injected", after=0.2, attempt=0, fault="kill", step=17, rank=1)
+    s = until_kill(tmp_path)
     s.emit("checkpoint_drain", after=4.5, attempt=0, lost=[1], waited_s=1.5, done=True, committed=10)
     s.emit("failure", after=0.1, attempt=0, cause="kill", detail="rank 1 exited with SIGKILL", rank=1)
     s.emit("restart", after=0.3, attempt=1, world_size=2, reason="kill")
