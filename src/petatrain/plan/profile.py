@@ -126,6 +126,7 @@ def profile(cfg: JobConfig, *, steps: int = 5, use_dataset: bool = False, save: 
     tr = cfg.train
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cpu = device.type == "cpu"
+    torch.set_flush_denormal(tr.flush_denormal)  # the arithmetic `train` runs, or CPU calibration reads low
     torch.manual_seed(tr.seed)
     spec = build_model(cfg.model, tr)
     model = spec.module.to(device).train()

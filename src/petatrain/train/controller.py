@@ -130,7 +130,7 @@ class CommitDrain(WorkerGroupCallback):
 
     TIMEOUT_S = 30.0  # the longest a restart waits for rank 0's write (a write that long saves minutes of steps)
 
-    def __init__(self, hub: Any, attempt: int, timeout_s: float):
+    def __init__(self, hub: Any, attempt: int, timeout_s: float = TIMEOUT_S):
         self.hub, self.attempt, self.timeout_s = hub, attempt, timeout_s
 
     def before_worker_group_shutdown(self, worker_group: Any) -> None:

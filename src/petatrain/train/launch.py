@@ -528,7 +528,7 @@ def _trainer_class(local: bool = False, controller: str = "driver"):
         def _create_default_callbacks(self):
             callbacks = [c for c in super()._create_default_callbacks() if not isinstance(c, unused)]
             if self.drain is not None:  # first: before the backend's shutdown destroys the process groups
-                callbacks.insert(0, lean.CommitDrain(*self.drain, timeout_s=lean.CommitDrain.TIMEOUT_S))
+                callbacks.insert(0, lean.CommitDrain(*self.drain))
             return callbacks
 
         def _initialize_and_run_controller(self, **kwargs):

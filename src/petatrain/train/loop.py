@@ -376,7 +376,7 @@ def train_worker(payload: Payload) -> None:
         payload.options,
         report_part=lambda s, r, f: ray.get(hub.report_part.remote(attempt, s, r, f)),
         wait_parts=lambda s, w, t: ray.get(hub.wait_parts.remote(attempt, s, w, t)),
-        on_commit=lambda info: telemetry.commit(info),
+        on_commit=telemetry.commit,
         keep_last=cfg.checkpoint.keep_last,
         keep_every=cfg.checkpoint.keep_every,
         faults=faults,
