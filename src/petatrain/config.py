@@ -238,12 +238,24 @@ class ObserveConfig:
     metrics_host: str = "127.0.0.1"  # "" turns the Prometheus endpoint off
 
 
+# Read from a config, never written back: JobConfig.to_dict (a run's config.yaml and run_start
+# event, `petatrain config`, the workers' payload) leaves them out, reprs and errors hide them.
+SECRET_STORAGE_KEYS = ("s3_access_key_id", "s3_secret_access_key")
+
+
 @dataclass(kw_only=True, slots=True)
 class StorageConfig:
+    """How to reach object stores.
+
+    Leave the credentials out: empty keys come from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY
+    (or AWS_PROFILE) and the rest of botocore's credential chain (instance or pod role, SSO),
+    so no file holds them. Keys set here are used, but never written anywhere.
+    """
+
     s3_endpoint_url: str = ""
     s3_region: str = ""
-    s3_access_key_id: str = ""
-    s3_secret_access_key: str = ""
+    s3_access_key_id: str = field(default="", repr=False)
+    s3_secret_access_key: str = field(default="", repr=False)
     s3_anonymous: bool = False
 
     def options(self) -> StorageOptions:
@@ -294,7 +306,12 @@ class JobConfig:
     plan: PlanConfig = field(default_factory=PlanConfig)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The config as plain data, less the storage credentials that are set."""
+        values = dataclasses.asdict(self)
+        for key in SECRET_STORAGE_KEYS:
+            if values["storage"][key]:
+                del values["storage"][key]
+        return values
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
@@ -357,25 +374,32 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
     if origin is Literal:
         if value not in typing.get_args(hint):
             allowed = ", ".join(map(str, typing.get_args(hint)))
-            raise ConfigError(f"{key}: {value!r} is not one of {allowed}")
+            raise ConfigError(f"{key}: {_shown(key, value)} is not one of {allowed}")
         return value
     if origin in (typing.Union, types.UnionType):
         return value
     if hint is bool:
         if isinstance(value, bool):
             return value
-        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        raise ConfigError(f"{key}: expected true or false, got {_shown(key, value)}")
     if hint in (int, float):
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ConfigError(f"{key}: expected a number, got {value!r}")
+            raise ConfigError(f"{key}: expected a number, got {_shown(key, value)}")
         if hint is int and isinstance(value, float) and not value.is_integer():
-            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+            raise ConfigError(f"{key}: expected an integer, got {_shown(key, value)}")
         return hint(value)
     if hint is str:
         if isinstance(value, dict | list):
-            raise ConfigError(f"{key}: expected a string, got {value!r}")
+            raise ConfigError(f"{key}: expected a string, got {_shown(key, value)}")
         return str(value)
     return value
+
+
+def _shown(key: str, value: Any) -> str:
+    """`value` as an error message shows it: never a credential."""
+    if key.rpartition(".")[2] in SECRET_STORAGE_KEYS:
+        return f"a {type(value).__name__} (not shown: a credential)"
+    return repr(value)
 
 
 def apply_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
