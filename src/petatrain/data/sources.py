@@ -107,6 +107,22 @@ def _decode(number: int, raw: bytes, out: FileRecords) -> str | None:
         return None
 
 
+def _parse_json(number: int, raw: bytes, out: FileRecords) -> tuple[bool, object]:
+    """(True, value), or (False, None) with the record rejected: whatever the parser raises
+    on one record (RecursionError, ValueError, MemoryError, ...) is that record's fault."""
+    try:
+        return True, json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        out.reject(number, "invalid_utf8", str(exc)[:200], raw)
+    except RecursionError:
+        out.reject(number, "malformed_json", "nested too deeply", raw)
+    except json.JSONDecodeError as exc:
+        out.reject(number, "malformed_json", str(exc)[:200], raw)
+    except Exception as exc:
+        out.reject(number, "malformed_json", f"{type(exc).__name__}: {exc}"[:200], raw)
+    return False, None
+
+
 def _take_field(number: int, value: object, text_field: str, raw: bytes, out: FileRecords) -> None:
     if not isinstance(value, dict):
         out.reject(number, "malformed_record", f"expected an object, got {type(value).__name__}", raw)
@@ -122,15 +138,9 @@ def _read_jsonl(data: bytes, text_field: str, out: FileRecords) -> None:
     for number, raw in _lines(data):
         if not raw.strip():
             continue  # blank lines separate records; they are not records
-        line = _decode(number, raw, out)
-        if line is None:
-            continue
-        try:
-            value = json.loads(line)
-        except json.JSONDecodeError as exc:
-            out.reject(number, "malformed_json", str(exc)[:200], raw)
-            continue
-        _take_field(number, value, text_field, raw, out)
+        parsed, value = _parse_json(number, raw, out)
+        if parsed:
+            _take_field(number, value, text_field, raw, out)
 
 
 def _read_text(data: bytes, text_field: str, out: FileRecords) -> None:
@@ -213,12 +223,9 @@ def _read_webdataset(data: bytes, text_field: str, out: FileRecords) -> None:
                 out.keep(number, text)
         elif "json" in members:
             raw = members["json"]
-            try:
-                value = json.loads(raw.decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-                out.reject(number, "malformed_json", str(exc)[:200], raw)
-                continue
-            _take_field(number, value, text_field, raw, out)
+            parsed, value = _parse_json(number, raw, out)
+            if parsed:
+                _take_field(number, value, text_field, raw, out)
         else:
             out.reject(number, "missing_field", f"sample {key} has no .{text_field}, .txt or .json member")
 
