@@ -13,8 +13,9 @@ Layout of one checkpoint (DESIGN.md, "Run on storage"):
 The training loop pays only for `snapshot()` (a host-memory copy); `CheckpointWriter`
 serialises, uploads and commits on a background thread. Every rank writes its own file
 and reports its checksum to the run hub; rank 0 waits for all parts, then writes
-state.json and COMMITTED. A checkpoint without COMMITTED, or whose checksums do not
-verify, is skipped on resume in favour of the previous one.
+state.json and COMMITTED. A checkpoint without COMMITTED, whose checksums do not verify,
+or whose state.json is not a record resume can rely on (`check_state`), is skipped on
+resume in favour of the previous one.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import logging
 import math
 import os
 import queue
+import re
 import threading
 import time
 import weakref
@@ -413,17 +415,107 @@ def committed_steps(run_url: str, options: StorageOptions | None = None) -> list
 
 
 def read_state(run_url: str, step: int, options: StorageOptions | None = None) -> dict[str, Any]:
-    """state.json of a committed checkpoint, checked against COMMITTED; CorruptDataError otherwise.
+    """state.json of a committed checkpoint, checked against COMMITTED and for every field resume
+    relies on (`check_state`); CorruptDataError otherwise.
 
     The rank files are checked by whoever reads them (`read_rank_tensors`)."""
     folder = step_dir(run_url, step)
     try:
         marker = json.loads(read_bytes(join(folder, COMMITTED), options))
+        if not isinstance(marker, dict) or not isinstance(marker.get("state_checksum"), str):
+            raise ValueError(f"{COMMITTED} holds no state checksum")
         raw = read_bytes(join(folder, STATE), options)
         verify(raw, marker["state_checksum"], join(folder, STATE))
-        return json.loads(raw)
-    except (OSError, ValueError, KeyError) as exc:
+        return check_state(json.loads(raw), step)
+    except (OSError, ValueError, RecursionError) as exc:  # RecursionError: JSON nested too deep to parse
         raise CorruptDataError(f"checkpoint {folder} does not verify: {exc}") from None
+
+
+_CHECKSUM = re.compile(r"xxh3-128:[0-9a-f]{32}")
+_RANK_FILE = re.compile(r"rank-(\d{5,})\.safetensors")
+# The loader's resume state (`StreamingDataset.state_dict`): counts, where the record has them.
+_LOADER_COUNTS = ("version", "epoch", "position", "num_samples", "shuffle_window")
+_LOADER_SIZES = ("world_size", "batch_size")
+
+
+def _count(value: Any) -> bool:
+    """A non-negative JSON integer (JSON's `true` is not one, though Python's True == 1)."""
+    return type(value) is int and value >= 0
+
+
+def check_state(state: Any, step: int) -> dict[str, Any]:
+    """`state` if it is a state.json that resume can rely on for the checkpoint of step `step`;
+    ValueError naming the first field that is not.
+
+    COMMITTED's checksum only says state.json is the one committed, not that its writer was
+    petatrain: a record edited by hand or by a bug (checksum recomputed) must not steer resume
+    (a negative step restarted the run from 0; a rank file left out loaded nothing)."""
+    if not isinstance(state, dict):
+        raise ValueError(f"{STATE} holds a JSON {type(state).__name__}, not an object")
+    if type(state.get("format")) is not int or state["format"] != FORMAT_VERSION:
+        raise ValueError(f"format {state.get('format')!r}; this petatrain reads format {FORMAT_VERSION}")
+    if not _count(state.get("step")) or state["step"] != step:
+        raise ValueError(f"step {state.get('step')!r} recorded in the folder of step {step}")
+    world = state.get("world_size")
+    if not _count(world) or world < 1:
+        raise ValueError(f"world_size {world!r} is not a positive integer")
+    _check_files(state.get("files"), world, state.get("strategy"))
+    if "strategy" in state and not isinstance(state["strategy"], str):
+        raise ValueError(f"strategy {state['strategy']!r} is not a name")
+    if "config_digest" in state and not isinstance(state["config_digest"], str):
+        raise ValueError(f"config_digest {state['config_digest']!r} is not a string")
+    if "loader" in state:
+        _check_loader(state["loader"])
+    if "param_groups" in state:
+        _check_param_groups(state["param_groups"])
+    return state
+
+
+def _check_files(files: Any, world: int, strategy: Any) -> None:
+    """Rank files only, of ranks in the world, each with its size and xxh3 checksum; rank 0's
+    always (it holds the model under DDP), every rank's under FSDP (each holds its shards)."""
+    if not isinstance(files, dict):
+        raise ValueError(f"files {str(files)[:80]} is not an object")
+    for name, info in files.items():
+        match = _RANK_FILE.fullmatch(name)
+        if match is None or int(match[1]) >= world:
+            raise ValueError(f"files names {name[:80]!r}, not a rank file of world size {world}")
+        if not isinstance(info, dict):
+            raise ValueError(f"{name}: record {str(info)[:80]} is not an object")
+        if not _count(info.get("bytes")):
+            raise ValueError(f"{name}: size {info.get('bytes')!r} is not a byte count")
+        if not isinstance(info.get("checksum"), str) or not _CHECKSUM.fullmatch(info["checksum"]):
+            raise ValueError(f"{name}: checksum {info.get('checksum')!r} is not an xxh3-128 checksum")
+    if rank_file(0) not in files:
+        raise ValueError(f"files leaves out {rank_file(0)}")
+    if strategy == "fsdp" and len(files) != world:  # the names are distinct ranks below `world`
+        raise ValueError(f"files names {len(files)} rank files; FSDP over {world} ranks writes one per rank")
+
+
+def _check_loader(loader: Any) -> None:
+    if not isinstance(loader, dict):
+        raise ValueError(f"loader state {str(loader)[:80]} is not an object")
+    for key in _LOADER_COUNTS + _LOADER_SIZES:
+        if key in loader and (not _count(loader[key]) or (key in _LOADER_SIZES and loader[key] < 1)):
+            raise ValueError(f"loader state {key} {loader[key]!r} is not a count")
+    if "seed" in loader and type(loader["seed"]) is not int:
+        raise ValueError(f"loader state seed {loader['seed']!r} is not an integer")
+    if "shuffle" in loader and not isinstance(loader["shuffle"], bool):
+        raise ValueError(f"loader state shuffle {loader['shuffle']!r} is not true or false")
+    if "num_samples" in loader and loader.get("position", 0) > loader["num_samples"]:
+        raise ValueError(f"loader state position {loader['position']} is beyond its {loader['num_samples']} samples")
+
+
+def _check_param_groups(groups: Any) -> None:
+    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+        raise ValueError(f"param_groups {str(groups)[:80]} is not a list of objects")
+    for group in groups:
+        params = group.get("params", [])
+        if not isinstance(params, list) or not all(isinstance(p, str) for p in params):
+            raise ValueError(f"param_groups params {str(params)[:80]} is not a list of parameter names")
+        lr = group.get("lr", 0.0)
+        if type(lr) not in (int, float) or not math.isfinite(lr) or lr < 0:
+            raise ValueError(f"param_groups lr {lr!r} is not a learning rate")
 
 
 def verify_checkpoint(run_url: str, step: int, options: StorageOptions | None = None) -> dict[str, Any]:

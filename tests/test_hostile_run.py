@@ -1,0 +1,244 @@
+"""A run directory that someone or something else touched: its records are checked, never trusted.
+
+A state.json edited by hand, by a bug or by an attacker (with COMMITTED's checksum recomputed
+to match) must make resume fall back to the previous checkpoint, never crash every attempt
+or silently start over.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from petatrain.errors import CorruptDataError
+from petatrain.storage.checksum import checksum_bytes
+from petatrain.train.checkpoint import (
+    COMMITTED,
+    STATE,
+    CheckpointWriter,
+    Snapshot,
+    latest_verified,
+    read_state,
+    step_dir,
+)
+
+
+def _meta(step: int, world: int, strategy: str) -> dict:
+    """What the training loop puts in every checkpoint besides the files."""
+    loader = {
+        "version": 1,
+        "epoch": 0,
+        "position": 8 * step,
+        "seed": 0,
+        "shuffle": True,
+        "shuffle_window": 64,
+        "num_samples": 1000,
+        "world_size": world,
+        "batch_size": 8,
+    }
+    groups = [{"lr": 0.001, "betas": [0.9, 0.999], "weight_decay": 0.1, "params": ["w"]}]
+    return {"loader": loader, "strategy": strategy, "config_digest": "0123abcd", "param_groups": groups}
+
+
+def _checkpoint(run: str, step: int, *, world: int = 1, strategy: str = "ddp") -> None:
+    """A checkpoint as the training loop writes it: every rank's file, then rank 0's commit."""
+    parts: dict[int, dict] = {}
+    for rank in reversed(range(world)):  # rank 0 last: it commits once the others' parts are in
+        writer = CheckpointWriter(
+            run,
+            None,
+            report_part=lambda s, r, f: parts.__setitem__(r, f),
+            wait_parts=lambda s, w, t: {n: i for f in parts.values() for n, i in f.items()},
+            on_commit=lambda info: None,
+            keep_last=10,
+        )
+        tensors = {"rng/cpu": torch.get_rng_state()}
+        if rank == 0 or strategy == "fsdp":
+            tensors["model/w"] = torch.full((4, 4), float(step))
+        meta = _meta(step, world, strategy)
+        writer.submit(Snapshot(step=step, rank=rank, world_size=world, tensors=tensors, meta=meta))
+        writer.close()
+        assert writer.error is None
+
+
+def _rewrite(run: str, step: int, raw: bytes) -> None:
+    """Replace state.json and recompute the checksum COMMITTED holds, as a careful forger would."""
+    folder = Path(step_dir(run, step))
+    (folder / STATE).write_bytes(raw)
+    (folder / COMMITTED).write_text(json.dumps({"state_checksum": checksum_bytes(raw)}))
+
+
+def _edit(run: str, step: int, change) -> None:
+    folder = Path(step_dir(run, step))
+    state = json.loads((folder / STATE).read_text())
+    _rewrite(run, step, json.dumps(change(state)).encode())
+
+
+def _set(key: str, value):
+    def change(state: dict) -> dict:
+        state[key] = value
+        return state
+
+    return change
+
+
+def _drop(key: str):
+    def change(state: dict) -> dict:
+        del state[key]
+        return state
+
+    return change
+
+
+def _file(name: str, **record):
+    def change(state: dict) -> dict:
+        state["files"][name] = {**state["files"][name], **record}
+        return state
+
+    return change
+
+
+def _loader(**fields):
+    def change(state: dict) -> dict:
+        state["loader"] = {**state["loader"], **fields}
+        return state
+
+    return change
+
+
+def _without_file(name: str):
+    def change(state: dict) -> dict:
+        del state["files"][name]
+        return state
+
+    return change
+
+
+def _borrowed_file(state: dict) -> dict:
+    """Names the previous checkpoint's rank file (present, with its true size) instead of its own."""
+    info = state["files"].pop("rank-00000.safetensors")
+    state["files"]["../step-00000010/rank-00000.safetensors"] = info
+    return state
+
+
+def _extra_rank_file(state: dict) -> dict:
+    state["files"]["rank-00001.safetensors"] = dict(state["files"]["rank-00000.safetensors"])
+    return state
+
+
+RANK0 = "rank-00000.safetensors"
+
+HOSTILE_EDITS = {
+    "negative step": _set("step", -5),
+    "another folder's step": _set("step", 10),
+    "a later step": _set("step", 30),
+    "step as text": _set("step", "20"),
+    "step as a float": _set("step", 20.0),
+    "step missing": _drop("step"),
+    "format from the future": _set("format", 99),
+    "format missing": _drop("format"),
+    "world size 0": _set("world_size", 0),
+    "world size negative": _set("world_size", -2),
+    "world size as text": _set("world_size", "1"),
+    "world size missing": _drop("world_size"),
+    "files missing": _drop("files"),
+    "files not an object": _set("files", [RANK0]),
+    "rank 0's file left out": _without_file(RANK0),
+    "a rank file beyond the world size": _extra_rank_file,
+    "a file outside the folder": _borrowed_file,
+    "file size missing": _file(RANK0, bytes=None),
+    "file size as text": _file(RANK0, bytes="4096"),
+    "file size negative": _file(RANK0, bytes=-1),
+    "checksum not a string": _file(RANK0, checksum=12),
+    "checksum of another algorithm": _file(RANK0, checksum="md5:00"),
+    "file record not an object": _set("files", {RANK0: 12}),
+    "loader not an object": _set("loader", "position=8"),
+    "loader position negative": _loader(position=-8),
+    "loader position beyond the epoch": _loader(position=10**6),
+    "loader epoch as text": _loader(epoch="0"),
+    "loader world size 0": _loader(world_size=0),
+    "strategy not a string": _set("strategy", 1),
+    "param groups not a list": _set("param_groups", {"lr": 0.1}),
+    "param group not an object": _set("param_groups", [0.1]),
+    "param group params not names": _set("param_groups", [{"lr": 0.1, "params": [0]}]),
+}
+
+
+@pytest.mark.parametrize("edit", HOSTILE_EDITS.values(), ids=HOSTILE_EDITS.keys())
+def test_a_forged_state_json_is_skipped_for_the_previous_checkpoint(tmp_path, edit):
+    """Every field resume relies on is checked before a checkpoint is chosen: a bad one skips it
+    (with the reason, for the `checkpoint_skipped` event), and never raises anything else."""
+    run = str(tmp_path)
+    _checkpoint(run, 10)
+    _checkpoint(run, 20)
+    _edit(run, 20, edit)
+    skipped: list[tuple[str, str]] = []
+    state = latest_verified(run, on_skip=lambda url, why: skipped.append((url, why)))
+    assert state is not None and state["step"] == 10, "the previous checkpoint, not a fresh start"
+    assert [url for url, _ in skipped] == [step_dir(run, 20)]
+    assert "step-00000020 does not verify" in skipped[0][1]
+    with contextlib.suppress(CorruptDataError):  # the other ranks read state.json too: never a crash
+        read_state(run, 20)
+
+
+UNREADABLE = {
+    "not JSON": b"\x00\x01 not json",
+    "a list": b"[]",
+    "a string": b'"step-00000020"',
+    "null": b"null",
+    "an empty object": b"{}",
+}
+
+
+@pytest.mark.parametrize("raw", UNREADABLE.values(), ids=UNREADABLE.keys())
+def test_a_state_json_that_is_not_a_record_is_skipped(tmp_path, raw):
+    run = str(tmp_path)
+    _checkpoint(run, 10)
+    _checkpoint(run, 20)
+    _rewrite(run, 20, raw)
+    skipped: list[str] = []
+    assert latest_verified(run, on_skip=lambda url, why: skipped.append(url))["step"] == 10
+    assert skipped == [step_dir(run, 20)]
+    with pytest.raises(CorruptDataError, match="step-00000020 does not verify"):
+        read_state(run, 20)
+
+
+@pytest.mark.parametrize("marker", [b"[]", b'"x"', b'{"state_checksum": 5}', b"{", b"{}"])
+def test_a_garbled_committed_marker_is_skipped(tmp_path, marker):
+    run = str(tmp_path)
+    _checkpoint(run, 10)
+    _checkpoint(run, 20)
+    (Path(step_dir(run, 20)) / COMMITTED).write_bytes(marker)
+    assert latest_verified(run)["step"] == 10
+    with pytest.raises(CorruptDataError, match="step-00000020 does not verify"):
+        read_state(run, 20)
+
+
+def test_a_forged_record_of_a_missing_rank_file_falls_back(tmp_path):
+    """FSDP, 2 ranks: rank 1's file is gone, and state.json no longer names it (or names it
+    while it is missing): either way the previous checkpoint is used."""
+    run = str(tmp_path)
+    _checkpoint(run, 10, world=2, strategy="fsdp")
+    _checkpoint(run, 20, world=2, strategy="fsdp")
+    assert latest_verified(run)["step"] == 20
+    (Path(step_dir(run, 20)) / "rank-00001.safetensors").unlink()
+    assert latest_verified(run)["step"] == 10
+    _edit(run, 20, _without_file("rank-00001.safetensors"))
+    assert latest_verified(run)["step"] == 10
+    _edit(run, 20, _set("world_size", 10**9))  # at once: the ranks are not counted one by one
+    assert latest_verified(run)["step"] == 10
+
+
+def test_a_sound_record_is_returned_as_written(tmp_path):
+    """The checks refuse nothing the writer writes: DDP and FSDP, one and two ranks."""
+    for step, (world, strategy) in enumerate([(1, "ddp"), (2, "ddp"), (2, "fsdp")], start=1):
+        run = str(tmp_path / str(step))
+        _checkpoint(run, step, world=world, strategy=strategy)
+        state = latest_verified(run)
+        assert state["step"] == step and state["world_size"] == world and state["strategy"] == strategy
+        assert state == read_state(run, step)
+        assert sorted(state["files"]) == [f"rank-{r:05d}.safetensors" for r in range(world)]
