@@ -5,13 +5,16 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from petatrain import config as config_mod
@@ -30,19 +33,8 @@ DEMO_ROOT = ".petatrain"
 
 
 def _fail(message: str, code: int = 2) -> None:
-    console.print(f"[red]error:[/red] {message}", highlight=False, soft_wrap=True)
+    console.print(f"[red]error:[/red] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
-
-
-def _unwrap(exc: BaseException) -> BaseException:
-    """The user-facing cause of an error raised inside a Ray task, if there is one."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, PetatrainError):
-            return exc
-        exc = getattr(exc, "cause", None) or exc.__cause__
-    return None
 
 
 def _guarded(fn: Callable[[], Any]) -> Any:
@@ -55,11 +47,84 @@ def _guarded(fn: Callable[[], Any]) -> Any:
     except Exception as exc:
         if os.environ.get("PETATRAIN_DEBUG"):
             raise
-        cause = _unwrap(exc)
-        if cause is not None:
-            _fail(str(cause))
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        _fail(f"{type(exc).__name__}: {first} (set PETATRAIN_DEBUG=1 for the traceback)", 1)
+        _fail(*_explain(exc))
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # Ray colours the task tracebacks it forwards
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+_DEBUG_HINT = "PETATRAIN_DEBUG=1 shows the traceback"
+
+
+def _explain(exc: Exception) -> tuple[str, int]:
+    """The one line the CLI prints for `exc`, and the exit code: 2 for a PetatrainError, even
+    one raised in a Ray task; 1, naming the exception and where it was raised, for any other."""
+    cause = _cause(exc)
+    if isinstance(cause, PetatrainError):
+        return _one_line(str(cause)), 2
+    if cause is not exc and cause.__traceback__ is None:
+        # Raised in a Ray task: the exception came back pickled, its traceback only as text. Ray
+        # Data wraps what a map raised in a UserCodeException, and pickling dropped __cause__,
+        # so the text is all there is of it.
+        found = _task_exception(str(exc))
+        if found:
+            what, where = found
+            qualname, _, message = what.partition(": ")
+            module, _, name = qualname.rpartition(".")
+            raised = getattr(sys.modules.get(module), name, None)
+            if isinstance(raised, type) and issubclass(raised, PetatrainError):
+                return _one_line(message), 2
+            return _unexpected(what, where), 1
+    if type(cause).__module__.startswith("ray."):  # a process died, a node was lost...
+        return f"Ray: {type(cause).__name__}: {_first_line(str(cause))} ({_DEBUG_HINT})", 1
+    frames = traceback.extract_tb(cause.__traceback__)
+    where = f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
+    return _unexpected(f"{type(cause).__name__}: {_first_line(str(cause))}", where), 1
+
+
+def _cause(exc: BaseException) -> BaseException:
+    """What to tell the user about `exc`: the first PetatrainError along its chain (through
+    `raise ... from` and Ray's wrappers), else what a Ray task raised, else `exc`."""
+    seen: set[int] = set()
+    shown = None
+    node: BaseException | None = exc
+    while node is not None and id(node) not in seen:
+        seen.add(id(node))
+        inner = getattr(node, "cause", None)
+        if isinstance(inner, BaseException):  # RayTaskError(X) is an X, but prints Ray's traceback
+            node = inner
+            continue
+        if isinstance(node, PetatrainError):
+            return node
+        shown = shown or node
+        node = node.__cause__
+    return shown or exc
+
+
+def _task_exception(text: str) -> tuple[str, str] | None:
+    """("Type: message", "file:line in function") of the innermost exception in the text of a
+    Ray task error, which lists it first: a header, its frames, its line, then any wrappers."""
+    lines = _ANSI.sub("", text[:50_000]).split("\n\n")[0].splitlines()
+    framed = [i for i, line in enumerate(lines) if _FRAME.search(line)]
+    if not framed:
+        return None
+    what = next((line for line in lines[framed[-1] + 1 :] if line and not line[0].isspace()), "")
+    file, line, function = _FRAME.search(lines[framed[-1]]).groups()
+    return what, f"{os.path.basename(file)}:{line} in {function}"
+
+
+def _unexpected(what: str, where: str) -> str:
+    at = f" at {where}" if where else ""
+    return f"unexpected {_one_line(what)}{at}: a bug in petatrain, or a file it read is corrupt ({_DEBUG_HINT})"
+
+
+def _first_line(text: str) -> str:
+    return next((line for line in _ANSI.sub("", text[:10_000]).splitlines() if line.strip()), "")
+
+
+def _one_line(text: str, limit: int = 1000) -> str:
+    """`text` without colour codes, its lines joined, at most `limit` characters."""
+    line = " ".join(_ANSI.sub("", text[: 4 * limit]).split())
+    return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
 _json_out: Any = None  # where --json's object goes once `_claim_stdout` moved everything else

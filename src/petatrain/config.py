@@ -8,6 +8,8 @@ describes a whole job from the start.
 from __future__ import annotations
 
 import dataclasses
+import math
+import reprlib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -130,10 +132,18 @@ class TrainConfig:
             raise ConfigError(
                 f"train.global_batch ({self.global_batch}) must be a multiple of train.micro_batch ({self.micro_batch})"
             )
-        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
-            raise ConfigError(f"train.lr must be > 0 and train.min_lr in [0, lr], got {self.lr} and {self.min_lr}")
-        if self.warmup_steps < 0 or self.grad_clip < 0 or self.eval_every < 0 or self.tokens < 0:
-            raise ConfigError("train.warmup_steps, train.grad_clip, train.eval_every and train.tokens must be >= 0")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ConfigError(f"train.lr must be a finite number > 0 (e.g. 3e-4), got {self.lr}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ConfigError(f"train.min_lr must be in [0, train.lr={self.lr}], got {self.min_lr}")
+        for name in ("weight_decay", "grad_clip"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
+                raise ConfigError(f"train.{name} must be a finite number >= 0, got {getattr(self, name)}")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(f"train.{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.warmup_steps < 0 or self.eval_every < 0 or self.tokens < 0:
+            raise ConfigError("train.warmup_steps, train.eval_every and train.tokens must be >= 0")
 
 
 Strategy = Literal["ddp", "zero1", "zero2", "fsdp", "pipeline"]
@@ -223,6 +233,8 @@ class FaultsConfig:
     def __post_init__(self) -> None:
         if self.max_restarts < 0 or self.hang_timeout_s <= 0 or self.mtbf_hours <= 0:
             raise ConfigError("faults.max_restarts must be >= 0, faults.hang_timeout_s and faults.mtbf_hours > 0")
+        if not math.isfinite(self.hang_timeout_s):
+            raise ConfigError(f"faults.hang_timeout_s must be a finite number of seconds, got {self.hang_timeout_s}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -231,11 +243,21 @@ class ResourcesConfig:
     cpus_per_worker: float = 1.0
     accelerator: Literal["auto", "cpu", "gpu"] = "auto"
 
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.cpus_per_worker) and self.cpus_per_worker >= 0):
+            raise ConfigError(f"resources.cpus_per_worker must be a finite number >= 0, got {self.cpus_per_worker}")
+
 
 @dataclass(kw_only=True, slots=True)
 class ObserveConfig:
     metrics_port: int = 0  # 0 picks a free port (written to the ledger's run_start)
     metrics_host: str = "127.0.0.1"  # "" turns the Prometheus endpoint off
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(
+                f"observe.metrics_port must be in [0, 65535] (0 picks a free one), got {self.metrics_port}"
+            )
 
 
 # Read from a config, never written back: JobConfig.to_dict (a run's config.yaml and run_start
@@ -385,6 +407,8 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
     if hint in (int, float):
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"{key}: expected a number, got {_shown(key, value)}")
+        if math.isnan(value):  # every comparison with nan is False: no range check would catch it
+            raise ConfigError(f"{key}: expected a number, got nan")
         if hint is int and isinstance(value, float) and not value.is_integer():
             raise ConfigError(f"{key}: expected an integer, got {_shown(key, value)}")
         return hint(value)
@@ -395,11 +419,50 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
     return value
 
 
+_SHORT = reprlib.Repr()  # how much of a value an error message shows
+_SHORT.maxstring, _SHORT.maxother, _SHORT.maxlist, _SHORT.maxdict, _SHORT.maxlevel = 60, 60, 4, 4, 2
+
+
 def _shown(key: str, value: Any) -> str:
-    """`value` as an error message shows it: never a credential."""
+    """`value` as an error message shows it: never a credential, never more than a line."""
     if key.rpartition(".")[2] in SECRET_STORAGE_KEYS:
         return f"a {type(value).__name__} (not shown: a credential)"
-    return repr(value)
+    return _SHORT.repr(value)
+
+
+class _JobConfigLoader(yaml.SafeLoader):
+    """YAML for job configs: no aliases (a few hundred bytes of them expand to gigabytes, the
+    "billion laughs") and no repeated keys (YAML lets the last one win, silently)."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            raise yaml.MarkedYAMLError(
+                problem="aliases (*name) are not allowed in a job config; write the value out",
+                problem_mark=self.peek_event().start_mark,
+            )
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        seen = set()
+        for key_node, _ in node.value:
+            if isinstance(key_node, yaml.ScalarNode):
+                if key_node.value in seen:
+                    raise yaml.MarkedYAMLError(
+                        problem=f"duplicate key {key_node.value!r}", problem_mark=key_node.start_mark
+                    )
+                seen.add(key_node.value)
+        return super().construct_mapping(node, deep)
+
+
+def _read_yaml(text: str, where: str, *, numbered: bool = True) -> Any:
+    """Parse job-config YAML; errors are one line naming `where` (and the line, if `numbered`)."""
+    try:
+        return yaml.load(text, Loader=_JobConfigLoader)  # a SafeLoader: builds plain data only
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        line = f" line {mark.line + 1}" if mark and numbered else ""
+        raise ConfigError(f"{where}{line}: {problem}") from None
 
 
 def apply_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -414,7 +477,7 @@ def apply_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, A
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"--set {dotted}: '{part}' is not a section")
-        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+        node[parts[-1]] = _read_yaml(raw, f"--set {dotted}", numbered=False) if raw.strip() else ""
     return values
 
 
@@ -423,10 +486,9 @@ def load(path: str | Path | None = None, overrides: list[str] | None = None) -> 
     values: dict[str, Any] = {}
     if path:
         try:
-            values = yaml.safe_load(Path(path).read_text()) or {}
+            text = Path(path).read_text()
         except FileNotFoundError:
             raise ConfigError(f"config file not found: {path}") from None
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+        values = _read_yaml(text, f"config file {path}") or {}
     values = apply_overrides(values, overrides or [])
     return build(JobConfig, values)
