@@ -6,15 +6,25 @@ not, with the file going on; never in a crash, a silent drop or an unbounded rea
 
 from __future__ import annotations
 
+import glob
 import io
 import json
+import os
 import tarfile
+import tracemalloc
+import zlib
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from petatrain.config import IngestConfig
 from petatrain.data import sources
+from petatrain.data.ingest import IngestJob, _StageOne, run
 
 
 def _read(data: bytes, fmt: str, name: str = "in") -> sources.FileRecords:
-    return sources.read_file(f"{name}.{fmt}", data, fmt, "text")
+    return sources.read_file(f"{name}.{fmt}", data, fmt, "text", max_chars=IngestConfig().max_chars)
 
 
 def _tar(members: list[tuple[str, bytes]]) -> bytes:
@@ -25,6 +35,35 @@ def _tar(members: list[tuple[str, bytes]]) -> bytes:
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
     return buf.getvalue()
+
+
+def _stage_one_read(path, **cfg) -> sources.FileRecords:
+    """What ingest's first stage reads from one source file, in this process (so a test can
+    patch a module constant)."""
+    stage = _StageOne(staging=str(path.parent / "staging"), cfg=IngestConfig(**cfg), options=None, lsh=None)
+    return stage._read(str(path))[0]
+
+
+def _ingest_rejects(sources_, out, **cfg) -> tuple[object, list[dict]]:
+    summary = run(IngestJob(sources=[str(s) for s in sources_], out=str(out), config=IngestConfig(**cfg)))
+    files = sorted(glob.glob(os.path.join(str(out), "_rejects", "*", "records-*.parquet")))
+    return summary, pa.concat_tables([pq.read_table(f) for f in files]).to_pylist() if files else []
+
+
+def _gzip_bomb(expanded: int) -> bytes:
+    """`expanded` bytes of zeros, gzipped: about 1/1000 of that on disk."""
+    packer = zlib.compressobj(9, zlib.DEFLATED, 31)  # wbits 31: a gzip header and trailer
+    block = bytes(1 << 20)
+    return b"".join([*(packer.compress(block) for _ in range(expanded >> 20)), packer.flush()])
+
+
+def _peak_bytes(fn):
+    """fn's result and the peak of Python allocations while it ran."""
+    tracemalloc.start()
+    try:
+        return fn(), tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
 
 
 def _reasons(records: sources.FileRecords) -> dict[int, tuple[str, str]]:
@@ -61,3 +100,64 @@ def test_a_webdataset_json_member_that_breaks_the_parser_costs_only_its_sample()
     assert records.text == ["first", "second"] and records.index == [0, 2]
     assert [(r.index, r.reason) for r in records.rejects] == [(1, "malformed_json")]
     assert "nested too deeply" in records.rejects[0].detail
+
+
+# -- 4. decompression and record size are bounded before anything is parsed ----------------
+def test_a_gzip_bomb_is_unreadable_past_the_cap_and_never_expanded_whole(tmp_path, monkeypatch):
+    monkeypatch.setattr(sources, "MAX_DECOMPRESSED_BYTES", 4 << 20, raising=False)
+    bomb = tmp_path / "bomb.jsonl.gz"
+    bomb.write_bytes(_gzip_bomb(128 << 20))
+    assert bomb.stat().st_size < 1 << 20
+    records, peak = _peak_bytes(lambda: _stage_one_read(bomb))
+    assert records.text == []
+    assert [(r.reason, r.detail) for r in records.rejects] == [
+        ("unreadable_file", "PetatrainError: expands past 4194304 bytes when decompressed")
+    ]
+    assert peak < 16 << 20, f"peak {peak >> 20} MiB: the decompressor ran past the cap"
+
+
+def test_a_line_over_the_record_cap_is_too_long_unread_and_its_neighbours_kept(tmp_path):
+    giant = b'{"text": "' + b"x" * (64 << 20) + b'"}'
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b'{"text": "before"}\n' + giant + b'\n{"text": "after"}\n')
+    records, peak = _peak_bytes(lambda: _stage_one_read(path, max_chars=1000))
+    assert records.text == ["before", "after"] and records.index == [0, 2]
+    [reject] = records.rejects
+    assert (reject.index, reject.reason, reject.raw) == (1, "too_long", giant[:4096])
+    assert f"{len(giant)} bytes" in reject.detail and "\n" not in reject.detail
+    # The file itself is in memory once; the giant line is never copied, decoded or parsed.
+    assert peak < path.stat().st_size + (8 << 20), f"peak {peak >> 20} MiB"
+
+
+@pytest.mark.parametrize("fmt", ["text", "webdataset"])
+def test_an_oversized_text_line_or_member_is_too_long_with_a_bounded_raw(tmp_path, fmt):
+    big = b"z" * (2 << 20)  # over the record cap for max_chars=1000
+    texts = [b"before", big, b"after"]
+    path = tmp_path / ("in.txt" if fmt == "text" else "in.tar")
+    path.write_bytes(b"\n".join(texts) if fmt == "text" else _tar([(f"s{i}.txt", t) for i, t in enumerate(texts)]))
+    records = _stage_one_read(path, max_chars=1000)
+    assert records.text == ["before", "after"]
+    assert [(r.index, r.reason, r.raw) for r in records.rejects] == [(1, "too_long", big[:4096])]
+    assert f"{len(big)} bytes" in records.rejects[0].detail
+
+
+def test_a_reject_keeps_a_bounded_prefix_of_its_raw_bytes_and_says_how_long_it_was(tmp_path):
+    bad = b'{"text": "' + b"y" * 100_000  # unterminated string, under the record cap
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(bad + b'\n{"text": "fine"}\n')
+    records = _stage_one_read(path)
+    assert records.text == ["fine"]
+    [reject] = records.rejects
+    assert (reject.reason, reject.raw) == ("malformed_json", bad[:4096])
+    assert f"{len(bad)} bytes" in reject.detail
+
+
+def test_ingest_stores_a_bounded_raw_for_an_oversized_record(tmp_path, ray_local):
+    giant = b'{"text": "' + b"x" * (8 << 20) + b'"}'
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b'{"text": "before"}\n' + giant + b'\n{"text": "after"}\n')
+    summary, rejects = _ingest_rejects([path], tmp_path / "ds", max_chars=1000, dedup="none")
+    assert summary.rows_out == 2 and summary.rejected == {"too_long": 1}
+    [reject] = rejects
+    assert (reject["record"], reject["reason"], reject["raw"]) == (1, "too_long", giant[:4096])
+    assert f"{len(giant)} bytes" in reject["detail"]

@@ -374,7 +374,8 @@ class _StageOne:
             records = src.FileRecords()
             records.reject(0, "unreadable_file", f"{type(exc).__name__}: {exc}"[:500])
             return records, checksum, size
-        return src.read_file(url, data, fmt, self.cfg.text_field), checksum, size
+        records = src.read_file(url, data, fmt, self.cfg.text_field, max_chars=self.cfg.max_chars)
+        return records, checksum, size
 
 
 def _sign(texts: pa.ChunkedArray, lsh: LSHParams) -> pa.Array:

@@ -3,11 +3,17 @@
 Each reader turns one file's bytes into records `(index, text)` and rejects
 `(index, reason, detail, raw)`; a malformed record becomes a reject and the file goes
 on. A file that cannot be parsed at all becomes one `unreadable_file` reject.
+
+Nothing is read unbounded: a compressed file is decompressed in chunks up to
+`MAX_DECOMPRESSED_BYTES`, a line or member longer than `record_byte_cap(max_chars)` is
+rejected `too_long` before it is copied or decoded, and a reject keeps the first
+`RAW_PREFIX_BYTES` of its record.
 """
 
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import os
 import tarfile
@@ -38,6 +44,12 @@ _EXTENSIONS = {
     ".tar": "webdataset",
 }
 
+MAX_DECOMPRESSED_BYTES = 4 << 30  # per file: past it a compressed source is unreadable_file, not a worker OOM
+RAW_PREFIX_BYTES = 4096  # of a rejected record's bytes, kept in its reject; the detail gives the full length
+_BYTES_PER_CHAR = 12  # the most a char takes in JSON: an astral one as an escaped surrogate pair, \ud83d\ude00
+_RECORD_SLACK_BYTES = 1 << 20  # the rest of a record beside its text: keys, quotes, other fields
+_DECOMPRESS_CHUNK = 1 << 20
+
 
 @dataclass(slots=True)
 class Reject:
@@ -57,8 +69,19 @@ class FileRecords:
         self.index.append(index)
         self.text.append(text)
 
-    def reject(self, index: int, reason: str, detail: str = "", raw: bytes | None = None) -> None:
+    def reject(self, index: int, reason: str, detail: str = "", raw: bytes | memoryview | None = None) -> None:
+        if raw is not None:
+            if len(raw) > RAW_PREFIX_BYTES:
+                kept = f"raw is {len(raw)} bytes, the first {RAW_PREFIX_BYTES} kept"
+                detail = f"{detail}; {kept}" if detail else kept
+            raw = bytes(raw[:RAW_PREFIX_BYTES])
         self.rejects.append(Reject(index, reason, detail, raw))
+
+
+def record_byte_cap(max_chars: int) -> int:
+    """The most bytes a raw record holding a text of `max_chars` can take; longer ones are
+    rejected `too_long` unread."""
+    return _BYTES_PER_CHAR * max_chars + _RECORD_SLACK_BYTES
 
 
 def detect_format(url: str) -> str:
@@ -74,29 +97,49 @@ def detect_format(url: str) -> str:
 
 
 def decompress(url: str, data: bytes) -> bytes:
+    """`data` decompressed as `url`'s suffix says, in chunks: past `MAX_DECOMPRESSED_BYTES`
+    it stops and raises, so a small bomb never expands whole."""
     compression = infer_compression(url.lower())
     if not compression:
         return data
+    limit = MAX_DECOMPRESSED_BYTES
+    out = io.BytesIO()
     with compr[compression](io.BytesIO(data), mode="rb") as handle:
-        return handle.read()
+        while chunk := handle.read(min(_DECOMPRESS_CHUNK, limit + 1 - out.tell())):
+            out.write(chunk)
+            if out.tell() > limit:
+                raise PetatrainError(f"expands past {limit} bytes when decompressed")
+    return out.getvalue()
 
 
-def read_file(url: str, data: bytes, fmt: str, text_field: str) -> FileRecords:
+def read_file(url: str, data: bytes, fmt: str, text_field: str, *, max_chars: int) -> FileRecords:
     """Parse one file's (decompressed) bytes into records and rejects."""
     out = FileRecords()
     reader = _READERS[fmt]
     try:
-        reader(data, text_field, out)
+        reader(data, text_field, record_byte_cap(max_chars), out)
     except Exception as exc:  # the file as a whole is unreadable: quarantine it, keep going
         out.reject(len(out.index) + len(out.rejects), "unreadable_file", f"{type(exc).__name__}: {exc}"[:500])
     return out
 
 
-def _lines(data: bytes) -> Iterator[tuple[int, bytes]]:
-    for number, line in enumerate(data.split(b"\n")):
-        if line.endswith(b"\r"):
-            line = line[:-1]
-        yield number, line
+def _lines(data: bytes, max_bytes: int, out: FileRecords) -> Iterator[tuple[int, bytes]]:
+    """Numbered lines without their line ending. A line over `max_bytes` is rejected
+    `too_long` here, never copied or decoded: one giant line costs nothing beyond the file."""
+    view = memoryview(data)
+    start = 0
+    for number in itertools.count():
+        end = data.find(b"\n", start)
+        stop = len(data) if end < 0 else end
+        if data.endswith(b"\r", start, stop):
+            stop -= 1
+        if stop - start > max_bytes:
+            out.reject(number, "too_long", f"over the {max_bytes}-byte cap that max_chars sets", view[start:stop])
+        else:
+            yield number, data[start:stop]
+        if end < 0:
+            return
+        start = end + 1
 
 
 def _decode(number: int, raw: bytes, out: FileRecords) -> str | None:
@@ -134,8 +177,8 @@ def _take_field(number: int, value: object, text_field: str, raw: bytes, out: Fi
         out.keep(number, value[text_field])
 
 
-def _read_jsonl(data: bytes, text_field: str, out: FileRecords) -> None:
-    for number, raw in _lines(data):
+def _read_jsonl(data: bytes, text_field: str, max_bytes: int, out: FileRecords) -> None:
+    for number, raw in _lines(data, max_bytes, out):
         if not raw.strip():
             continue  # blank lines separate records; they are not records
         parsed, value = _parse_json(number, raw, out)
@@ -143,8 +186,8 @@ def _read_jsonl(data: bytes, text_field: str, out: FileRecords) -> None:
             _take_field(number, value, text_field, raw, out)
 
 
-def _read_text(data: bytes, text_field: str, out: FileRecords) -> None:
-    for number, raw in _lines(data):
+def _read_text(data: bytes, text_field: str, max_bytes: int, out: FileRecords) -> None:
+    for number, raw in _lines(data, max_bytes, out):
         if not raw:
             continue
         line = _decode(number, raw, out)
@@ -169,7 +212,7 @@ def _column_records(table: pa.Table, text_field: str, out: FileRecords, first: i
             out.keep(first + i, value)
 
 
-def _read_parquet(data: bytes, text_field: str, out: FileRecords) -> None:
+def _read_parquet(data: bytes, text_field: str, max_bytes: int, out: FileRecords) -> None:
     handle = pq.ParquetFile(arrow_reader(data))
     names = handle.schema_arrow.names
     columns = [text_field] if text_field in names else names[:1]
@@ -179,7 +222,7 @@ def _read_parquet(data: bytes, text_field: str, out: FileRecords) -> None:
         first += batch.num_rows
 
 
-def _read_csv(data: bytes, text_field: str, out: FileRecords) -> None:
+def _read_csv(data: bytes, text_field: str, max_bytes: int, out: FileRecords) -> None:
     bad: list[tuple[int, str]] = []
 
     def on_invalid(row) -> str:
@@ -196,10 +239,11 @@ def _read_csv(data: bytes, text_field: str, out: FileRecords) -> None:
     _column_records(table, text_field, out, 0)
 
 
-def _read_webdataset(data: bytes, text_field: str, out: FileRecords) -> None:
+def _read_webdataset(data: bytes, text_field: str, max_bytes: int, out: FileRecords) -> None:
     """Samples are members sharing a key (name up to the first dot); text is the member
-    with extension `text_field` (e.g. txt), else `txt`, else the field of a `.json` member."""
-    samples: dict[str, dict[str, bytes]] = {}
+    with extension `text_field` (e.g. txt), else `txt`, else the field of a `.json` member.
+    Only that member is read, and only if it is within `max_bytes`."""
+    samples: dict[str, dict[str, tarfile.TarInfo]] = {}
     order: list[str] = []
     with tarfile.open(fileobj=io.BytesIO(data), mode="r:*") as tar:
         for member in tar:
@@ -213,24 +257,31 @@ def _read_webdataset(data: bytes, text_field: str, out: FileRecords) -> None:
             if key not in samples:
                 samples[key] = {}
                 order.append(key)
-            samples[key][ext.lower()] = tar.extractfile(member).read()
-    for number, key in enumerate(order):
-        members = samples[key]
-        ext = text_field if text_field in members else "txt" if "txt" in members else None
-        if ext is not None:
-            text = _decode(number, members[ext], out)
-            if text is not None:
-                out.keep(number, text)
-        elif "json" in members:
-            raw = members["json"]
-            parsed, value = _parse_json(number, raw, out)
-            if parsed:
-                _take_field(number, value, text_field, raw, out)
-        else:
-            out.reject(number, "missing_field", f"sample {key} has no .{text_field}, .txt or .json member")
+            samples[key][ext.lower()] = member
+        for number, key in enumerate(order):
+            members = samples[key]
+            ext = next((e for e in (text_field, "txt", "json") if e in members), None)
+            if ext is None:
+                out.reject(number, "missing_field", f"sample {key} has no .{text_field}, .txt or .json member")
+                continue
+            member = members[ext]
+            handle = tar.extractfile(member)
+            if member.size > max_bytes:
+                detail = f"{member.name} is {member.size} bytes, over the {max_bytes}-byte cap that max_chars sets"
+                out.reject(number, "too_long", detail, handle.read(RAW_PREFIX_BYTES))
+                continue
+            raw = handle.read()
+            if ext == "json" and text_field != "json":
+                parsed, value = _parse_json(number, raw, out)
+                if parsed:
+                    _take_field(number, value, text_field, raw, out)
+            else:
+                text = _decode(number, raw, out)
+                if text is not None:
+                    out.keep(number, text)
 
 
-_READERS: dict[str, Callable[[bytes, str, FileRecords], None]] = {
+_READERS: dict[str, Callable[[bytes, str, int, FileRecords], None]] = {
     "jsonl": _read_jsonl,
     "parquet": _read_parquet,
     "csv": _read_csv,
