@@ -2,7 +2,8 @@
 
 A state.json edited by hand, by a bug or by an attacker (with COMMITTED's checksum recomputed
 to match) must make resume fall back to the previous checkpoint, never crash every attempt
-or silently start over.
+or silently start over. `train --run-dir` into a folder that is not a petatrain run must not
+write or delete anything in it, and retention deletes only what petatrain wrote.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from petatrain.errors import CorruptDataError
+from petatrain import config
+from petatrain.errors import CorruptDataError, PetatrainError
 from petatrain.storage.checksum import checksum_bytes
 from petatrain.train.checkpoint import (
     COMMITTED,
@@ -25,6 +27,8 @@ from petatrain.train.checkpoint import (
     read_state,
     step_dir,
 )
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _meta(step: int, world: int, strategy: str) -> dict:
@@ -44,7 +48,7 @@ def _meta(step: int, world: int, strategy: str) -> dict:
     return {"loader": loader, "strategy": strategy, "config_digest": "0123abcd", "param_groups": groups}
 
 
-def _checkpoint(run: str, step: int, *, world: int = 1, strategy: str = "ddp") -> None:
+def _checkpoint(run: str, step: int, *, world: int = 1, strategy: str = "ddp", keep_last: int = 10) -> None:
     """A checkpoint as the training loop writes it: every rank's file, then rank 0's commit."""
     parts: dict[int, dict] = {}
     for rank in reversed(range(world)):  # rank 0 last: it commits once the others' parts are in
@@ -54,7 +58,7 @@ def _checkpoint(run: str, step: int, *, world: int = 1, strategy: str = "ddp") -
             report_part=lambda s, r, f: parts.__setitem__(r, f),
             wait_parts=lambda s, w, t: {n: i for f in parts.values() for n, i in f.items()},
             on_commit=lambda info: None,
-            keep_last=10,
+            keep_last=keep_last,
         )
         tensors = {"rng/cpu": torch.get_rng_state()}
         if rank == 0 or strategy == "fsdp":
@@ -242,3 +246,125 @@ def test_a_sound_record_is_returned_as_written(tmp_path):
         assert state["step"] == step and state["world_size"] == world and state["strategy"] == strategy
         assert state == read_state(run, step)
         assert sorted(state["files"]) == [f"rank-{r:05d}.safetensors" for r in range(world)]
+
+
+# -- the run directory: petatrain writes only into its own runs -------------------------------
+
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _users_folder(tmp_path: Path) -> Path:
+    """A folder of the user's whose names happen to be those a run has."""
+    folder = tmp_path / "thesis"
+    for name in ("config.yaml", "report.html", "final/model.safetensors", "checkpoints/step-00000010/COMMITTED"):
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(f"the user's {name}")
+    return folder
+
+
+def _dataset(tmp_path: Path) -> Path:
+    """Enough of a dataset for train's checks that run before the run directory's."""
+    manifest = tmp_path / "dataset" / "_index" / "manifest.json"
+    manifest.parent.mkdir(parents=True)
+    manifest.write_text("{}")
+    return manifest.parent.parent
+
+
+def _refusal(folder: Path) -> str:
+    return f"--run-dir {folder} is a non-empty folder that is not a petatrain run; choose a new or empty folder"
+
+
+def test_train_refuses_a_folder_that_is_not_a_run_before_writing_anything(tmp_path):
+    from petatrain.train.launch import TrainJob, run
+
+    folder = _users_folder(tmp_path)
+    before = _tree(folder)
+    cfg = config.load(ROOT / "examples" / "tiny.yaml", [f"data.dataset={_dataset(tmp_path)}"])
+    with pytest.raises(PetatrainError) as refused:
+        run(TrainJob(config=cfg, run_url=str(folder)))
+    assert str(refused.value) == _refusal(folder)
+    assert _tree(folder) == before
+
+
+def test_the_cli_refuses_it_in_one_line(tmp_path):
+    from conftest import run_cli
+
+    folder = _users_folder(tmp_path)
+    before = _tree(folder)
+    dataset = _dataset(tmp_path)
+    done = run_cli(
+        "train", "examples/tiny.yaml", "--set", f"data.dataset={dataset}", "--run-dir", str(folder), timeout=120
+    )
+    assert done.returncode != 0
+    assert done.stderr.strip() == f"error: {_refusal(folder)}", done.stdout + done.stderr
+    assert _tree(folder) == before
+
+
+def test_a_new_an_empty_or_an_earlier_run_folder_is_accepted(tmp_path):
+    """Accepted: a new folder, an empty one, one petatrain marked as a run, and a run made
+    before the marker (its events.jsonl starts with run_start). Refused: anything else."""
+    from petatrain.train import run_dir
+
+    new = tmp_path / "new"
+    run_dir.claim(str(new))
+    marker = json.loads((new / run_dir.MARKER).read_text())
+    assert marker["format"] == "petatrain-run" and marker["version"] == 1
+    (new / "config.yaml").write_text("model: {}")
+    run_dir.claim(str(new))  # ours: resumed
+
+    (tmp_path / "empty").mkdir()
+    run_dir.claim(str(tmp_path / "empty"))
+
+    earlier = tmp_path / "earlier"
+    _checkpoint(str(earlier), 10)
+    events = [{"t": 1.0, "event": "run_start", "run_id": "ab12cd34"}, {"t": 2.0, "event": "attempt_start"}]
+    (earlier / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    run_dir.claim(str(earlier))
+    assert (earlier / run_dir.MARKER).exists()
+
+    for name, files in {
+        "no-run-start": {"events.jsonl": '{"event": "step"}\n', "config.yaml": "x"},
+        "not-json-events": {"events.jsonl": "hello\n"},
+        "foreign-marker": {run_dir.MARKER: "hello"},
+        "other-format": {run_dir.MARKER: json.dumps({"format": "other", "version": 1})},
+        "dotfile": {".DS_Store": "x"},
+    }.items():
+        folder = tmp_path / name
+        for file, text in files.items():
+            (folder / file).parent.mkdir(parents=True, exist_ok=True)
+            (folder / file).write_text(text)
+        before = _tree(folder)
+        with pytest.raises(PetatrainError, match="is a non-empty folder that is not a petatrain run"):
+            run_dir.claim(str(folder))
+        assert _tree(folder) == before, name
+
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(PetatrainError, match="is a file, not a folder"):
+        run_dir.claim(str(tmp_path / "a-file"))
+
+
+def test_retention_deletes_only_the_files_petatrain_wrote(tmp_path):
+    """Dropping old checkpoints removes COMMITTED, state.json and the rank files of committed
+    petatrain checkpoints; an unknown file in one stays (and so does its folder), and a
+    look-alike folder without a petatrain record is not touched at all."""
+    run = str(tmp_path)
+    _checkpoint(run, 10)
+    _checkpoint(run, 20)
+    (Path(step_dir(run, 10)) / "notes.txt").write_text("the user's")
+    alien = Path(step_dir(run, 5))
+    alien.mkdir()
+    for name in ("COMMITTED", "state.json", "rank-00000.safetensors", "data.bin"):
+        (alien / name).write_text("another tool's")
+    odd = tmp_path / "checkpoints" / "step-7"
+    odd.mkdir()
+    (odd / "COMMITTED").write_text("another tool's")
+    before_alien, before_odd = _tree(alien), _tree(odd)
+
+    _checkpoint(run, 30, keep_last=1)
+    folders = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert folders == ["step-00000005", "step-00000010", "step-00000030", "step-7"]
+    assert _tree(Path(step_dir(run, 10))) == {"notes.txt": b"the user's"}
+    assert _tree(alien) == before_alien and _tree(odd) == before_odd
+    assert latest_verified(run)["step"] == 30

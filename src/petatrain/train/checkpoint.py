@@ -20,6 +20,7 @@ resume in favour of the previous one.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -42,10 +43,10 @@ from petatrain.storage.checksum import new_digest, verify, verify_digest
 from petatrain.storage.fs import (
     atomic_write,
     exists,
+    is_local,
     local_staging_path,
     publish_file,
     read_bytes,
-    remove_tree,
     resolve,
 )
 from petatrain.storage.retry import retrying
@@ -242,6 +243,7 @@ class CheckpointWriter:
         self.last_write_s = 0.0
         self.last_write_cpu_s = 0.0  # CPU time of this thread for the last write (it competes with training on CPU)
         self.committed_step: int | None = None  # rank 0: the newest step this writer committed
+        self._left_alone: set[int] = set()  # old checkpoints retention found not to be petatrain's
         self._thread = threading.Thread(target=self._run, name="petatrain-ckpt", daemon=True)
         self._thread.start()
         _writers.add(self)
@@ -379,8 +381,11 @@ class CheckpointWriter:
         if self.keep_every:
             keep |= {s for s in steps if s % self.keep_every == 0}
         for s in steps:
-            if s not in keep:
-                remove_tree(step_dir(self.run_url, s), self.options)
+            if s in keep or s in self._left_alone:
+                continue
+            if not remove_checkpoint(self.run_url, s, self.options):
+                self._left_alone.add(s)  # warned once
+                log.warning("retention leaves %s: not a petatrain checkpoint that verifies", step_dir(self.run_url, s))
 
 
 def finish_writes(timeout_s: float) -> dict[str, Any]:
@@ -399,6 +404,35 @@ def finish_writes(timeout_s: float) -> dict[str, Any]:
     return {"done": done, "committed": max(steps, default=None)}
 
 
+# The files petatrain writes in a checkpoint's folder (a `.tmp-` sibling: a write cut short).
+_OWN_FILE = re.compile(r"(COMMITTED|state\.json|rank-\d{5,}\.safetensors)(\.tmp-[0-9a-f]{12})?")
+
+
+def remove_checkpoint(run_url: str, step: int, options: StorageOptions | None = None) -> bool:
+    """Delete the files petatrain wrote in the folder of a committed checkpoint, COMMITTED first
+    (a deletion cut short leaves a torn checkpoint, never a committed one missing files); False,
+    with nothing deleted, if its record does not check out (it may not be petatrain's).
+
+    Files petatrain does not write stay, and so does their folder."""
+    folder = step_dir(run_url, step)
+    try:
+        read_state(run_url, step, options)
+    except CorruptDataError:
+        return False
+    fs, path = resolve(folder, options)
+    fs.invalidate_cache(path)
+    entries = retrying(f"list {folder}", lambda: fs.ls(path, detail=True))
+    names = [e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e["type"] == "file"]
+    ours = sorted((n for n in names if _OWN_FILE.fullmatch(n)), key=lambda n: n != COMMITTED)
+    for name in ours:
+        with contextlib.suppress(FileNotFoundError):
+            retrying(f"remove {folder}/{name}", lambda p=f"{path.rstrip('/')}/{name}": fs.rm_file(p))
+    if is_local(folder) and len(ours) == len(entries):
+        with contextlib.suppress(OSError):  # a file written there meanwhile: the folder stays
+            os.rmdir(path)
+    return True
+
+
 def committed_steps(run_url: str, options: StorageOptions | None = None) -> list[int]:
     """Steps that have a COMMITTED marker, oldest first (not yet verified)."""
     root = join(run_url, "checkpoints")
@@ -409,7 +443,10 @@ def committed_steps(run_url: str, options: StorageOptions | None = None) -> list
     steps = []
     for child in fs.ls(path, detail=False):
         name = child.rstrip("/").rsplit("/", 1)[-1]
-        if name.startswith("step-") and name[5:].isdigit() and fs.exists(f"{child.rstrip('/')}/{COMMITTED}"):
+        # Only the names `step_dir` gives: "step-7" or "step-٠٧" is not a checkpoint of step 7.
+        if not re.fullmatch(r"step-[0-9]{8,}", name) or name != f"step-{int(name[5:]):08d}":
+            continue
+        if fs.exists(f"{child.rstrip('/')}/{COMMITTED}"):
             steps.append(int(name[5:]))
     return sorted(steps)
 

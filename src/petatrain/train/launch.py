@@ -28,7 +28,7 @@ from petatrain.config import JobConfig
 from petatrain.errors import ConfigError, PetatrainError
 from petatrain.storage import StorageOptions, join
 from petatrain.storage.fs import atomic_write, is_local, resolve
-from petatrain.train import spares
+from petatrain.train import run_dir, spares
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +163,10 @@ def run(job: TrainJob) -> dict[str, Any]:
         )
     _check_dataset(cfg, job.options)
     _controller_mode()  # a bad PETATRAIN_CONTROLLER fails here, before anything starts
+    run_url = job.run_url
+    if is_local(run_url):
+        run_url = os.path.abspath(resolve(run_url)[1])
+    run_dir.claim(run_url, job.options)  # before anything is written there: someone else's folder is refused
     # Faster failure detection than Ray Train's 2 s poll; propagated to the controller and workers.
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
@@ -170,9 +174,6 @@ def run(job: TrainJob) -> dict[str, Any]:
     # watcher is one more actor process per attempt that nothing here reads.
     os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
     init_ray(job.address or cfg.resources.address, job.local_cpus)
-    run_url = job.run_url
-    if is_local(run_url):
-        run_url = os.path.abspath(resolve(run_url)[1])
     atomic_write(join(run_url, "config.yaml"), cfg.to_yaml().encode(), job.options)
     run_id = uuid.uuid4().hex[:8]
     # The hub lives on the driver's node, so its metrics endpoint is on this machine's 127.0.0.1.
