@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -368,3 +371,63 @@ def test_retention_deletes_only_the_files_petatrain_wrote(tmp_path):
     assert _tree(Path(step_dir(run, 10))) == {"notes.txt": b"the user's"}
     assert _tree(alien) == before_alien and _tree(odd) == before_odd
     assert latest_verified(run)["step"] == 30
+
+
+# -- one driver per run directory -------------------------------------------------------------
+
+
+def test_a_second_driver_on_a_run_folder_fails_at_once_naming_the_first(tmp_path):
+    """While one driver holds the run folder's lease, another `train` on it ends at once with one
+    line naming the holder (host, pid, since when), and writes nothing there."""
+    from conftest import run_cli
+    from petatrain.storage import join
+    from petatrain.storage.lock import Lease, LeaseHeld
+    from petatrain.train import run_dir
+    from petatrain.train.launch import TrainJob, run
+
+    folder = tmp_path / "run"
+    dataset = _dataset(tmp_path)
+    holder = f"another train pid {os.getpid()} on {socket.gethostname()}, since "
+    run_dir.claim(str(folder))  # as the first driver does, then it takes the lease
+    with Lease(join(str(folder), "_lock"), kind="train"):
+        before = _tree(folder)
+        started = time.monotonic()
+        with pytest.raises(LeaseHeld) as refused:
+            run(
+                TrainJob(
+                    config=config.load(ROOT / "examples" / "tiny.yaml", [f"data.dataset={dataset}"]),
+                    run_url=str(folder),
+                )
+            )
+        assert time.monotonic() - started < 5, "at once, not after starting Ray"
+        assert str(refused.value).startswith(f"--run-dir {folder} is in use by {holder}")
+        assert "\n" not in str(refused.value)
+        assert _tree(folder) == before
+
+        done = run_cli(
+            "train", "examples/tiny.yaml", "--set", f"data.dataset={dataset}", "--run-dir", str(folder), timeout=120
+        )
+        assert done.returncode != 0
+        line = done.stderr.strip()
+        assert line.startswith(f"error: --run-dir {folder} is in use by {holder}") and "\n" not in line, line
+        assert _tree(folder) == before
+
+
+def test_the_run_folder_is_free_again_however_the_driver_ends(tmp_path, monkeypatch):
+    """The lease lasts as long as the run: a driver that fails after taking it lets it go."""
+    from petatrain.data import ingest
+    from petatrain.storage import join
+    from petatrain.storage.lock import Lease
+    from petatrain.train.launch import TrainJob, run
+
+    def no_cluster(*args, **kwargs):
+        raise ConnectionError("no Ray cluster")
+
+    monkeypatch.setattr(ingest, "init_ray", no_cluster)
+    folder = tmp_path / "run"
+    cfg = config.load(ROOT / "examples" / "tiny.yaml", [f"data.dataset={_dataset(tmp_path)}"])
+    with pytest.raises(ConnectionError):
+        run(TrainJob(config=cfg, run_url=str(folder)))
+    assert not (folder / "_lock").exists()
+    with Lease(join(str(folder), "_lock"), kind="train"):
+        pass

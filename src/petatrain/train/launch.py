@@ -145,6 +145,11 @@ def _use_gpu(cfg: JobConfig, gpus: float) -> bool:
 
 def run(job: TrainJob) -> dict[str, Any]:
     """Train to `train.steps`, recovering from faults; returns a summary (also in the ledger)."""
+    with contextlib.ExitStack() as held:  # the run directory's lease, let go however the run ends
+        return _supervise(job, held)
+
+
+def _supervise(job: TrainJob, held: contextlib.ExitStack) -> dict[str, Any]:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -166,7 +171,8 @@ def run(job: TrainJob) -> dict[str, Any]:
     run_url = job.run_url
     if is_local(run_url):
         run_url = os.path.abspath(resolve(run_url)[1])
-    run_dir.claim(run_url, job.options)  # before anything is written there: someone else's folder is refused
+    # Before anything is written there: someone else's folder, or a run another driver holds, is refused.
+    held.enter_context(run_dir.held(run_url, job.options))
     # Faster failure detection than Ray Train's 2 s poll; propagated to the controller and workers.
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")

@@ -1,25 +1,41 @@
-"""The run directory: train writes only into a run of its own, or into a new or empty folder.
+"""The run directory: train writes only into a run of its own, or into a new or empty folder,
+and one driver at a time.
 
 A run carries `RUN/.petatrain-run` (JSON: format "petatrain-run", version, created), written
 when train first claims the folder; a run made before the marker has an `events.jsonl` with
 a `run_start` event. Any other non-empty folder is someone else's: train refuses it rather
 than overwrite its config.yaml, final/ or report.html, or let retention prune its checkpoints/.
+For the run's duration the driver holds a lease on `RUN/_lock` (`petatrain.storage.lock`):
+a second driver on the same run fails at once instead of interleaving its checkpoints.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
+from collections.abc import Iterator
 
 from petatrain.errors import PetatrainError
 from petatrain.observe.ledger import EVENTS_FILE
 from petatrain.storage import StorageOptions, join
 from petatrain.storage.fs import atomic_write, resolve
+from petatrain.storage.lock import Lease
 from petatrain.storage.retry import retrying
 
 MARKER = ".petatrain-run"
 FORMAT = "petatrain-run"
 VERSION = 1
+LOCK = "_lock"
+
+
+@contextlib.contextmanager
+def held(run_url: str, options: StorageOptions | None = None) -> Iterator[Lease]:
+    """Claim `run_url` (`claim`) and hold its lease until the block ends; `LeaseHeld` (one line:
+    host, pid, since when) while another live driver holds it."""
+    claim(run_url, options)  # the marker comes first: a folder holding only a lease is not a run
+    with Lease(join(run_url, LOCK), kind="train", what=f"--run-dir {run_url}", options=options) as lease:
+        yield lease
 
 
 def claim(run_url: str, options: StorageOptions | None = None) -> None:
