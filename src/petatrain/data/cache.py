@@ -1,11 +1,14 @@
 """Node-local shard cache: each shard crosses the network about once per node.
 
-Ranks and DataLoader workers on one node share the cache folder. A shard is fetched
-under an exclusive file lock (so one process downloads it while the others wait),
-verified against its recorded checksum, and published by rename. Least recently used
-shards are evicted to stay under the byte limit; readers hold shards memory-mapped, so
-an evicted file stays readable to them (POSIX unlink semantics) and is never re-read
-half-gone.
+Ranks and DataLoader workers on one node share the cache folder. Entries are named by the
+shard's checksum from the dataset's index, not by its URL, so a dataset replaced at the
+same URL can never be served from the old one's entries. A shard is fetched under an
+exclusive file lock (so one process downloads it while the others wait), verified, and
+published by rename; every open maps the file and verifies it again (the hash faults in
+the pages the reader then uses), and an entry that no longer matches, because its bytes
+were changed on disk, is dropped and fetched again. Least recently used shards are evicted
+to stay under the byte limit; readers hold shards memory-mapped, so an evicted file stays
+readable to them (POSIX unlink semantics) and is never re-read half-gone.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import pyarrow as pa
 
 from petatrain.errors import CorruptDataError, PetatrainError
 from petatrain.storage import StorageOptions, read_bytes
-from petatrain.storage.checksum import checksum_bytes
+from petatrain.storage.checksum import ALGORITHM, checksum_bytes
 from petatrain.storage.fs import is_local, resolve
 
 log = logging.getLogger(__name__)
@@ -44,7 +47,7 @@ class ShardCache:
         self.dir = Path(cache_dir) if cache_dir else None
         self.limit = limit_bytes
         self.options = options
-        self._verified: set[str] = set()
+        self._verified: set[tuple] = set()
         self._lock = threading.Lock()
         if self.dir:
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -57,49 +60,70 @@ class ShardCache:
         under a reader.
         """
         if self.dir is None and is_local(url):
+            # Read in place; hashed again whenever the file is not the one this process verified.
             _, path = resolve(url)
+            try:
+                mapped = pa.memory_map(path)
+                stat = os.stat(path)
+            except FileNotFoundError:
+                raise CorruptDataError(f"shard missing: {url}") from None
+            key = (path, checksum, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
             with self._lock:
-                done = path in self._verified
-            if done:
-                return pa.memory_map(path)
-            mapped = self._verify_local(url, path, checksum)
-            with self._lock:
-                self._verified.add(path)
+                done = key in self._verified
+            if not done:
+                self._verify_local(url, mapped, checksum)
+                with self._lock:
+                    self._verified.add(key)
             return mapped
         if self.dir is None:
             raise PetatrainError(f"{url} is remote: the loader needs a cache_dir")
-        target = self.dir / self._name(url)
+        target = self.dir / self._name(url, checksum)
         with contextlib.suppress(FileNotFoundError):
-            handle = pa.memory_map(str(target))
-            os.utime(target)  # recency for LRU eviction
-            return handle
+            handle = self._cached(target, checksum)
+            if handle is not None:
+                return handle
         with open(self.dir / ".lock", "a+b") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
-                if not target.exists():  # else another process fetched it while we waited
+                handle = self._cached(target, checksum) if target.exists() else None  # fetched while we waited?
+                if handle is None:
                     self._make_room(size)
                     self._fetch(url, checksum, target)
-                os.utime(target)
-                return pa.memory_map(str(target))
+                    os.utime(target)
+                    handle = pa.memory_map(str(target))  # verified by _fetch before it was published
+                return handle
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
     @staticmethod
-    def _name(url: str) -> str:
-        return hashlib.sha256(url.encode()).hexdigest()[:24] + ".parquet"
+    def _name(url: str, checksum: str) -> str:
+        """The entry's file name: the shard's content checksum (checked, since the index names it)."""
+        algorithm, _, digest = checksum.partition(":")
+        if algorithm != ALGORITHM or len(digest) != 32 or digest.strip("0123456789abcdef"):
+            raise CorruptDataError(f"the shard index lists {url} with a malformed checksum {checksum!r}")
+        return f"{digest}.parquet"
 
-    def _verify_local(self, url: str, path: str, checksum: str) -> pa.MemoryMappedFile:
-        """Map the file and hash it in place; the same mapping is handed to the reader, so
-        the pages the hash faulted in are not faulted in again (no read() copy either)."""
-        try:
-            mapped = pa.memory_map(path)
-        except FileNotFoundError:
-            raise CorruptDataError(f"shard missing: {url}") from None
+    def _cached(self, target: Path, checksum: str) -> pa.MemoryMappedFile | None:
+        """The entry, mapped and verified; None (and the entry dropped) if its bytes changed on disk."""
+        mapped = pa.memory_map(str(target))
+        actual = checksum_bytes(memoryview(mapped.read_buffer()))
+        if actual != checksum:
+            log.warning("cached shard %s changed on disk (checksum %s); fetching it again", target, actual)
+            mapped.close()
+            target.unlink(missing_ok=True)
+            return None
+        mapped.seek(0)
+        os.utime(target)  # recency for LRU eviction
+        return mapped
+
+    @staticmethod
+    def _verify_local(url: str, mapped: pa.MemoryMappedFile, checksum: str) -> None:
+        """Hash the mapping in place; the reader gets the same mapping, so the pages the hash
+        faulted in are not faulted in again (no read() copy either)."""
         actual = checksum_bytes(memoryview(mapped.read_buffer()))
         if actual != checksum:
             raise CorruptDataError(f"shard corrupt: {url} (checksum {actual} != recorded {checksum})")
         mapped.seek(0)
-        return mapped
 
     def _fetch(self, url: str, checksum: str, target: Path) -> None:
         started = time.perf_counter()
