@@ -12,21 +12,35 @@ import hashlib
 import json
 import os
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from petatrain.data.buffers import arrow_reader
 from petatrain.errors import CorruptDataError, PetatrainError
-from petatrain.storage import StorageOptions, atomic_write, exists, join, read_bytes
-from petatrain.storage.checksum import ChecksumMismatch, checksum_bytes
+from petatrain.storage import (
+    StorageOptions,
+    atomic_write,
+    exists,
+    join,
+    read_bytes,
+    remove_tree,
+    resolve,
+    retrying,
+)
+from petatrain.storage.checksum import checksum_bytes
 
 FORMAT = "petatrain.dataset"
 VERSION = 1
 MANIFEST = "_index/manifest.json"
 SHARD_INDEX = "_index/shards.parquet"
+CREATED = "_index/created.json"  # written first by a first ingest: the folder is ours before its manifest exists
+LOCK = "_lock"  # the writer's lease (storage.lock)
+_REQUIRED = ("totals", "schema", "lineage")
 
 SHARD_SCHEMA = pa.schema(
     [
@@ -53,8 +67,19 @@ class Dataset:
         return int(self.manifest["totals"]["rows"])
 
     def shard_url(self, path: str) -> str:
-        """Shards petatrain wrote are relative to the dataset; registered ones are absolute."""
-        return path if "://" in path or path.startswith("/") else join(self.url, path)
+        return shard_url(self.url, self.manifest, path)
+
+
+def shard_url(url: str, manifest: dict[str, Any], path: str) -> str:
+    """The URL of a shard the index lists: relative paths stay inside the dataset, and only a
+    registered dataset (files indexed in place) may name absolute ones."""
+    absolute = "://" in path or path.startswith("/")
+    if absolute and manifest.get("registered"):
+        return path
+    parts = path.split("/")
+    if absolute or not path or "\\" in path or any(p in ("", ".", "..") for p in parts):
+        raise CorruptDataError(f"{url}: the shard index names {path!r}, outside the dataset; the index is corrupt")
+    return join(url, path)
 
 
 def read_manifest(url: str, options: StorageOptions | None = None) -> dict[str, Any] | None:
@@ -66,10 +91,15 @@ def read_manifest(url: str, options: StorageOptions | None = None) -> dict[str, 
         manifest = json.loads(read_bytes(target, options))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CorruptDataError(f"{target} is not valid JSON ({exc}); the dataset index is corrupt") from None
+    if not isinstance(manifest, dict):
+        raise CorruptDataError(f"{target} is corrupt: a {type(manifest).__name__}, not a JSON object")
     if manifest.get("format") != FORMAT:
         raise PetatrainError(f"{url} is not a petatrain dataset (manifest format {manifest.get('format')!r})")
     if manifest.get("version", 0) > VERSION:
         raise PetatrainError(f"{url} was written by a newer petatrain (format version {manifest['version']})")
+    missing = [key for key in _REQUIRED if key not in manifest]
+    if missing or not isinstance(manifest.get("totals"), dict):
+        raise CorruptDataError(f"{target} is corrupt: missing {missing[0] if missing else 'totals'!r}")
     return manifest
 
 
@@ -87,6 +117,25 @@ def open_dataset(url: str, options: StorageOptions | None = None, *, cache_dir: 
     return Dataset(url=url, manifest=manifest, shards=shards, options=options)
 
 
+def token_dtype(url: str, manifest: dict[str, Any]) -> np.dtype:
+    """The dtype of the dataset's token ids, checked against its vocabulary and packed width,
+    so that a changed manifest cannot make the loader reinterpret the bytes."""
+    meta = manifest.get("tokenizer") or {}
+    dtype = np.dtype(meta.get("dtype", "uint16"))
+    if not meta:
+        return dtype
+    expected = np.dtype("uint16") if int(meta.get("vocab_size", 0)) <= 65535 else np.dtype("uint32")
+    pack = int((manifest.get("ingest") or {}).get("pack_length") or 0)
+    widths = [c["type"] for c in manifest.get("schema", []) if c.get("name") == "tokens"]
+    if dtype != expected or (pack and widths and widths[0] != f"fixed_size_binary[{pack * dtype.itemsize}]"):
+        raise CorruptDataError(
+            f"{url}: the manifest's token dtype {dtype.name} does not fit its vocabulary of "
+            f"{meta.get('vocab_size')} ids and rows of {pack} tokens ({widths[0] if widths else 'no tokens column'}); "
+            "the manifest is corrupt"
+        )
+    return dtype
+
+
 def read_shard_index(
     url: str, manifest: dict[str, Any], options: StorageOptions | None = None, *, local_copy: str | None = None
 ) -> pa.Table:
@@ -95,12 +144,14 @@ def read_shard_index(
     count = int(manifest["totals"]["shards"])
     if count == 0:
         return SHARD_SCHEMA.empty_table()
-    target = join(url, SHARD_INDEX)
+    recorded = manifest.get("index")  # datasets written before the index was checksummed have none
+    target = join(url, _index_path(url, recorded))
     try:
-        if local_copy and os.path.exists(local_copy):
-            source = pa.memory_map(local_copy)
-        else:
+        source = _cached_index(local_copy, recorded) if local_copy else None
+        if source is None:
             data = read_bytes(target, options)
+            if recorded:
+                _verify_index(data, recorded, target)
             if local_copy:
                 os.makedirs(os.path.dirname(local_copy), exist_ok=True)
                 tmp = f"{local_copy}.{os.getpid()}.tmp"
@@ -117,13 +168,86 @@ def read_shard_index(
         raise CorruptDataError(f"{target} is not readable Parquet ({exc})") from None
     if table.num_rows < count:
         raise CorruptDataError(f"{target} has {table.num_rows} rows; the manifest lists {count} shards")
-    return table.slice(0, count)
+    table = table.slice(0, count)
+    _check_counts(table, int(manifest["totals"]["rows"]), target)
+    return table
 
 
-def write_shard_index(url: str, table: pa.Table, options: StorageOptions | None = None) -> None:
+def _verify_index(data: bytes | memoryview, recorded: dict[str, Any], where: str) -> None:
+    actual = checksum_bytes(data)
+    if actual != recorded.get("checksum"):
+        raise CorruptDataError(
+            f"the shard index {where} does not match its checksum in the manifest "
+            f"({actual} != {recorded.get('checksum')}); the index is corrupt or was changed"
+        )
+
+
+def _cached_index(local_copy: str, recorded: dict[str, Any] | None) -> pa.MemoryMappedFile | None:
+    """The node's copy of the index, verified against the manifest; None (refetch) if absent or stale."""
+    try:
+        mapped = pa.memory_map(local_copy)
+    except FileNotFoundError:
+        return None
+    if recorded:
+        try:
+            _verify_index(memoryview(mapped.read_buffer()), recorded, local_copy)
+        except CorruptDataError:
+            os.unlink(local_copy)
+            return None
+        mapped.seek(0)
+    return mapped
+
+
+def _check_counts(table: pa.Table, total_rows: int, where: str) -> None:
+    """Row counts must be non-negative, `first_row` their running sum, and the sum the manifest's total."""
+    rows = table.column("rows").to_numpy()
+    first = table.column("first_row").to_numpy()
+    if len(rows) == 0:
+        if total_rows != 0:
+            raise CorruptDataError(f"the shard index {where} lists no shards; the manifest counts {total_rows} rows")
+        return
+    if (rows < 0).any() or first[0] != 0 or (first[1:] != first[:-1] + rows[:-1]).any():
+        bad = int(np.flatnonzero((rows < 0) | (first != np.concatenate(([0], np.cumsum(rows)[:-1]))))[0])
+        raise CorruptDataError(
+            f"the shard index {where} is corrupt: shard {bad} has rows={int(rows[bad])}, first_row={int(first[bad])}"
+        )
+    if int(first[-1] + rows[-1]) != total_rows:
+        raise CorruptDataError(
+            f"the shard index {where} counts {int(first[-1] + rows[-1])} rows; the manifest counts {total_rows}"
+        )
+
+
+def _index_path(url: str, recorded: dict[str, Any] | None) -> str:
+    if not recorded:
+        return SHARD_INDEX
+    path = str(recorded.get("path", ""))
+    if not (path.startswith("_index/shards-") and path.endswith(".parquet") and "/" not in path[7:]):
+        raise CorruptDataError(f"{url}: the manifest names {path!r} as its shard index; the manifest is corrupt")
+    return path
+
+
+def write_shard_index(url: str, table: pa.Table, options: StorageOptions | None = None) -> dict[str, Any]:
+    """Write a new index file; returns its `{"path", "checksum", "bytes"}` for the manifest.
+
+    Every commit writes its index under a new name, so a writer that fails before its
+    manifest is published leaves the committed index as it was.
+    """
     sink = pa.BufferOutputStream()
     pq.write_table(table.cast(SHARD_SCHEMA), sink)
-    atomic_write(join(url, SHARD_INDEX), sink.getvalue().to_pybytes(), options)
+    path = f"_index/shards-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:8]}.parquet"
+    checksum, size = atomic_write(join(url, path), sink.getvalue().to_pybytes(), options)
+    return {"path": path, "checksum": checksum, "bytes": size}
+
+
+def remove_old_indexes(url: str, manifest: dict[str, Any], previous: dict[str, Any] | None, options=None) -> None:
+    """After a commit: drop index files neither the new nor the previous manifest names (a
+    reader that read the previous manifest a moment ago may still fetch its index)."""
+    keep = {_index_path(url, m.get("index")).rsplit("/", 1)[-1] for m in (manifest, previous) if m}
+    fs, path = resolve(join(url, "_index"), options)
+    for found in retrying(f"list {url}/_index", lambda: fs.ls(path, detail=False)):
+        name = found.rstrip("/").rsplit("/", 1)[-1]
+        if name.startswith("shards") and name.endswith(".parquet") and name not in keep:
+            remove_tree(join(url, "_index", name), options)
 
 
 def empty_totals() -> dict[str, Any]:
@@ -142,10 +266,11 @@ def empty_totals() -> dict[str, Any]:
 
 def append_shards(
     url: str, manifest: dict[str, Any] | None, shards: list[dict[str, Any]], options: StorageOptions | None = None
-) -> None:
+) -> dict[str, Any]:
     """Write the shard index: the committed rows, then `shards` (path, rows, bytes, checksum).
 
-    Only the index file is written; the new rows count once the manifest says so.
+    Only the index file is written; the new rows count once a manifest carrying the
+    returned `{"checksum", "bytes"}` as its `index` says so.
     """
     old = read_shard_index(url, manifest, options) if manifest else SHARD_SCHEMA.empty_table()
     first_row = int(manifest["totals"]["rows"]) if manifest else 0
@@ -153,7 +278,48 @@ def append_shards(
     for shard in shards:
         rows.append({**{k: shard[k] for k in ("path", "rows", "bytes", "checksum")}, "first_row": first_row})
         first_row += shard["rows"]
-    write_shard_index(url, pa.concat_tables([old, pa.Table.from_pylist(rows, schema=SHARD_SCHEMA)]), options)
+    return write_shard_index(url, pa.concat_tables([old, pa.Table.from_pylist(rows, schema=SHARD_SCHEMA)]), options)
+
+
+def claim_folder(url: str, options: StorageOptions | None = None) -> None:
+    """Refuse to create a dataset in a folder that holds someone else's files; else mark it ours.
+
+    A folder without a manifest is ours if it is empty or absent, or carries the marker a
+    first ingest writes before anything else (a crashed first ingest may be run again).
+    Call it before taking the folder's lease (so a refusal writes nothing), then `mark_created`.
+    """
+    fs, path = resolve(url, options)
+    try:
+        entries = [os.path.basename(e.rstrip("/")) for e in retrying(f"list {url}", lambda: fs.ls(path, detail=False))]
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    if not [e for e in entries if e != LOCK and not e.startswith(f"{LOCK}.")]:
+        return
+    if not exists(join(url, CREATED), options):
+        raise PetatrainError(
+            f"--out {url} is a non-empty folder that is not a petatrain dataset "
+            f"(it holds {', '.join(sorted(entries)[:3])}{', ...' if len(entries) > 3 else ''}); "
+            "choose a new or empty folder"
+        )
+
+
+def mark_created(url: str, options: StorageOptions | None = None) -> None:
+    if not exists(join(url, CREATED), options):
+        atomic_write(join(url, CREATED), json.dumps({"format": FORMAT, "version": VERSION}).encode(), options)
+
+
+def commit_manifest(
+    url: str, manifest: dict[str, Any], previous: dict[str, Any] | None, options: StorageOptions | None = None
+) -> None:
+    """Publish `manifest` if the dataset is still at `previous` (the manifest this writer started
+    from); the fence behind the writer's lease, in case the lease was lost while it worked."""
+    if read_manifest(url, options) != previous:
+        raise PetatrainError(
+            f"{url} changed while this ingest ran (another writer committed); nothing was published. "
+            "Run the ingest again"
+        )
+    generation = int((previous or {}).get("generation", 0)) + 1
+    write_manifest(url, dict(manifest, generation=generation), options)
 
 
 def write_manifest(url: str, manifest: dict[str, Any], options: StorageOptions | None = None) -> None:
@@ -166,18 +332,32 @@ def write_manifest(url: str, manifest: dict[str, Any], options: StorageOptions |
 def verify_shards(dataset: Dataset) -> list[str]:
     """Re-hash every shard; returns one line per missing or corrupt shard."""
     problems = []
-    for path, checksum in zip(
-        dataset.shards.column("path").to_pylist(), dataset.shards.column("checksum").to_pylist(), strict=True
+    shards = dataset.shards
+    for path, checksum, rows in zip(
+        shards.column("path").to_pylist(),
+        shards.column("checksum").to_pylist(),
+        shards.column("rows").to_pylist(),
+        strict=True,
     ):
-        target = dataset.shard_url(path)
+        try:
+            target = dataset.shard_url(path)
+        except CorruptDataError as exc:
+            problems.append(f"corrupt index: {exc}")
+            continue
         try:
             data = read_bytes(target, dataset.options)
         except FileNotFoundError:
             problems.append(f"missing: {target}")
             continue
+        actual = checksum_bytes(data)
+        if actual != checksum:
+            problems.append(f"corrupt: {target} (checksum {actual} != recorded {checksum})")
+            continue
         try:
-            if checksum_bytes(data) != checksum:
-                raise ChecksumMismatch(checksum_bytes(data))
-        except ChecksumMismatch as exc:
-            problems.append(f"corrupt: {target} (checksum {exc} != recorded {checksum})")
+            stored = pq.ParquetFile(arrow_reader(data)).metadata.num_rows
+        except pa.ArrowException as exc:
+            problems.append(f"corrupt: {target} is not readable Parquet ({exc})")
+            continue
+        if stored != rows:
+            problems.append(f"corrupt: {target} holds {stored} rows; the index says {rows}")
     return problems

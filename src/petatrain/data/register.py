@@ -19,6 +19,7 @@ from petatrain.errors import PetatrainError
 from petatrain.storage import read_bytes
 from petatrain.storage.checksum import checksum_bytes
 from petatrain.storage.fs import SourceFile
+from petatrain.storage.lock import Lease
 
 if TYPE_CHECKING:
     from petatrain.data.ingest import IngestJob, IngestSummary
@@ -39,7 +40,9 @@ def _describe(f: SourceFile, options) -> dict:
     }
 
 
-def register(job: IngestJob, files: list[SourceFile], manifest: dict | None, summary: IngestSummary) -> None:
+def register(
+    job: IngestJob, files: list[SourceFile], manifest: dict | None, summary: IngestSummary, lease: Lease
+) -> None:
     with ThreadPoolExecutor(max_workers=8) as pool:
         described = list(pool.map(lambda f: _describe(f, job.options), files))
     schema = described[0]["schema"]
@@ -55,7 +58,7 @@ def register(job: IngestJob, files: list[SourceFile], manifest: dict | None, sum
             f"(columns: {', '.join(schema.names)}); pass --text-field"
         )
 
-    idx.append_shards(job.out, manifest, [{**d, "path": d["url"]} for d in described], job.options)
+    index_meta = idx.append_shards(job.out, manifest, [{**d, "path": d["url"]} for d in described], job.options)
     totals = dict(manifest["totals"]) if manifest else idx.empty_totals()
     summary.files_new = len(files)
     summary.rows_in = summary.rows_out = sum(d["rows"] for d in described)
@@ -72,34 +75,34 @@ def register(job: IngestJob, files: list[SourceFile], manifest: dict | None, sum
     lineage = manifest["lineage"] if manifest else {"sources": [], "batches": [], "next_file_ord": 0}
     batch = len(lineage["batches"]) + 1
     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    idx.write_manifest(
-        job.out,
-        {
-            "created": manifest["created"] if manifest else now,
-            "kind": "registered",
-            "registered": True,
-            "schema": columns,
-            "totals": totals,
-            "ingest": {"text_field": job.config.text_field},
-            "tokenizer": None,
-            "lineage": {
-                "sources": lineage["sources"]
-                + [
-                    {
-                        "url": f.url,
-                        "size": f.size,
-                        "fingerprint": f.fingerprint,
-                        "checksum": d["checksum"],
-                        "batch": batch,
-                    }
-                    for f, d in zip(files, described, strict=True)
-                ],
-                "batches": lineage["batches"]
-                + [{"batch": batch, "time": now, "files": len(files), "rows_out": summary.rows_out}],
-                "next_file_ord": lineage["next_file_ord"] + len(files),
-            },
-            "dedup_state": [],
-            "rejects": [],
+    new_manifest = {
+        "created": manifest["created"] if manifest else now,
+        "index": index_meta,
+        "kind": "registered",
+        "registered": True,
+        "schema": columns,
+        "totals": totals,
+        "ingest": {"text_field": job.config.text_field},
+        "tokenizer": None,
+        "lineage": {
+            "sources": lineage["sources"]
+            + [
+                {
+                    "url": f.url,
+                    "size": f.size,
+                    "fingerprint": f.fingerprint,
+                    "checksum": d["checksum"],
+                    "batch": batch,
+                }
+                for f, d in zip(files, described, strict=True)
+            ],
+            "batches": lineage["batches"]
+            + [{"batch": batch, "time": now, "files": len(files), "rows_out": summary.rows_out}],
+            "next_file_ord": lineage["next_file_ord"] + len(files),
         },
-        job.options,
-    )
+        "dedup_state": [],
+        "rejects": [],
+    }
+    lease.check()
+    idx.commit_manifest(job.out, new_manifest, manifest, job.options)
+    idx.remove_old_indexes(job.out, new_manifest, manifest, job.options)

@@ -33,7 +33,7 @@ from petatrain.data import index as idx
 from petatrain.data.cache import ShardCache, default_cache_dir
 from petatrain.data.order import Deal, SampleOrder
 from petatrain.errors import CorruptDataError, PetatrainError
-from petatrain.storage import StorageOptions, join
+from petatrain.storage import StorageOptions
 from petatrain.storage.fs import is_local
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,7 @@ class StreamingDataset(IterableDataset):
             if unknown:
                 raise PetatrainError(f"no column {unknown[0]!r} in {url} (columns: {', '.join(names)})")
         self.columns = list(columns) if columns is not None else names
-        self.token_dtype = np.dtype((manifest.get("tokenizer") or {}).get("dtype", "uint16"))
+        self.token_dtype = idx.token_dtype(url, manifest)
         mean_rows = float(self._rows.mean()) if len(self._rows) else 1.0
         self.shuffle_window = int(shuffle_window or max(1, math.ceil(_WINDOW_SHARDS * mean_rows)))
         self._start = 0  # global position in this epoch's sequence where iteration resumes
@@ -412,8 +412,7 @@ class _ShardReader:
 
 
 def _shard_url(ds: StreamingDataset, shard: int) -> str:
-    path = ds._paths[shard].as_py()
-    return path if "://" in path or path.startswith("/") else join(ds.url, path)
+    return idx.shard_url(ds.url, ds.manifest, ds._paths[shard].as_py())
 
 
 def _to_python(column: pa.ChunkedArray | pa.Array, token_dtype: np.dtype) -> list[Any]:
