@@ -4,6 +4,8 @@ names the key, and no secret from a config is written anywhere."""
 import itertools
 import json
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -211,3 +213,40 @@ def test_errors_from_ray_data_maps_reach_the_user_as_one_line(ray_local, capsys,
     assert (code, line) == (2, "error: record 7 of a.jsonl has no 'text' field")
     code, line = _cli_error(lambda: ray_local.data.range(1).map(missing_key).take_all(), capsys, monkeypatch)
     assert code == 1 and "KeyError: 'totals' at test_hostile_config.py" in line and "in missing_key" in line, line
+
+
+# --- a local Ray listens on loopback only ---------------------------------------------------
+
+_LISTENERS = """
+import json, os
+from petatrain.data.ingest import init_ray
+import ray
+import psutil  # vendored by Ray (ray/thirdparty_files), importable once ray is
+
+init_ray("", 1)
+
+@ray.remote
+class Pid:
+    def pid(self):
+        return os.getpid()
+
+ray.get(Pid.remote().pid.remote())  # an actor's worker process, with its own gRPC server
+me = psutil.Process()
+listening = []
+for proc in [me, *me.children(recursive=True)]:
+    for conn in proc.net_connections(kind="inet"):
+        if conn.status == psutil.CONN_LISTEN:
+            listening.append([conn.laddr.ip, conn.laddr.port, " ".join(proc.cmdline())[:80]])
+print(json.dumps(listening))
+ray.shutdown()
+"""
+
+
+def test_a_local_ray_listens_on_loopback_only():
+    """Started by `init_ray("")`, in its own process: the tests' session Ray is started otherwise."""
+    done = subprocess.run([sys.executable, "-c", _LISTENERS], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    listening = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(listening) >= 4, listening  # the GCS, the raylet, the driver's and the actor's workers
+    exposed = [entry for entry in listening if entry[0] not in ("127.0.0.1", "::ffff:127.0.0.1", "::1")]
+    assert not exposed, f"listening beyond loopback: {exposed}"

@@ -49,7 +49,6 @@ from petatrain.errors import PetatrainError
 from petatrain.storage import StorageOptions, atomic_write, join, listdir, read_bytes, remove_tree
 from petatrain.storage.checksum import checksum_bytes
 from petatrain.storage.fs import SourceFile, copy, expand_sources, resolve
-from petatrain.storage.lock import Lease
 from petatrain.storage.retry import retrying
 
 log = logging.getLogger(__name__)
@@ -106,23 +105,20 @@ def run(job: IngestJob) -> IngestSummary:
     job = replace(job, options=(job.options or StorageOptions()).for_workers())
     options = job.options
     summary = IngestSummary(dataset=job.out)
+    manifest = idx.read_manifest(job.out, options)
     files = expand_sources(job.sources, options)
-    if idx.read_manifest(job.out, options) is None:
-        idx.claim_folder(job.out, options)
-    # One writer at a time: what it reads from here to its commit cannot change under it.
-    with Lease(join(job.out, idx.LOCK), kind="ingest", what=job.out, options=options) as lease:
-        manifest = idx.read_manifest(job.out, options)
-        new_files = _new_files(files, manifest, job, summary)
-        if not new_files:
-            summary.note = "nothing new to ingest: every source is already in the dataset"
-        elif job.register:
-            from petatrain.data.register import register
+    new_files = _new_files(files, manifest, job, summary)
+    if not new_files:
+        summary.note = "nothing new to ingest: every source is already in the dataset"
+        summary.seconds = round(time.perf_counter() - started, 3)
+        return summary
 
-            register(job, new_files, manifest, summary, lease)
-        else:
-            if manifest is None:
-                idx.mark_created(job.out, options)
-            _ingest(job, new_files, manifest, summary, lease)
+    if job.register:
+        from petatrain.data.register import register
+
+        register(job, new_files, manifest, summary)
+    else:
+        _ingest(job, new_files, manifest, summary)
     summary.seconds = round(time.perf_counter() - started, 3)
     return summary
 
@@ -170,20 +166,31 @@ def _new_files(
 def init_ray(address: str, local_cpus: int = 0) -> None:
     """Connect to `address`, or start a local Ray; reuse one this process already started."""
     import ray
+    from ray._private import ray_constants
 
     if ray.is_initialized():
         return
     kwargs = {"num_cpus": local_cpus} if local_cpus and not address else {}
+    clusters = ray_constants.ENABLE_RAY_CLUSTER
     if not address:
         # A local Ray's log monitor lists its log folder 10 times a second while it holds
         # fewer files than this; at 0 it does so every 0.5 s (new workers' output reaches
         # the driver up to 0.4 s later). Measured: 0.63 -> 0.40% of a core, all of it taken
         # from the training workers when they fill the machine.
         os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
+        # Listen on loopback only. Ray binds the GCS, the raylet, every worker's gRPC server,
+        # the runtime-env and dashboard agents and the autoscaler's metrics to 127.0.0.1 when
+        # that is the node's IP, but ray.init swaps 127.0.0.1 for this machine's address unless
+        # Ray runs local-only, as on macOS (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, read when ray
+        # is imported: hence the constant, set while Ray starts).
+        kwargs["_node_ip_address"] = "127.0.0.1"
+        ray_constants.ENABLE_RAY_CLUSTER = False
     try:
         ray.init(address=address or None, include_dashboard=False, logging_level=logging.WARNING, **kwargs)
     except ConnectionError as exc:
         raise PetatrainError(f"cannot reach the Ray cluster at {address!r}: {exc}") from None
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = clusters
 
 
 def _ingest(job: IngestJob, files: list[SourceFile], manifest: dict | None, summary: IngestSummary) -> None:
@@ -193,7 +200,7 @@ def _ingest(job: IngestJob, files: list[SourceFile], manifest: dict | None, summ
     with _stage("ray_init", summary.stage_seconds):
         init_ray(job.address, job.local_cpus)
     staging = join(job.out, "_staging", uuid.uuid4().hex[:12])
-    remove_tree(join(job.out, "_staging"), options)  # a crashed run's; never committed, and we hold the lease
+    remove_tree(join(job.out, "_staging"), options)  # leftovers of a crashed run are never committed
     batch = len(manifest["lineage"]["batches"]) + 1 if manifest else 1
     first_file = manifest["lineage"]["next_file_ord"] if manifest else 0
     if first_file + len(files) >= 1 << (63 - FILE_BITS):
@@ -267,13 +274,8 @@ def _ingest(job: IngestJob, files: list[SourceFile], manifest: dict | None, summ
 
     # 5. commit
     with _stage("commit", summary.stage_seconds):
-        new_manifest = _commit(
-            job, manifest, files, file_stats, written, staging, batch, first_file, lsh, tokenizer_json, summary
-        )
-        lease.check()
-        idx.commit_manifest(job.out, new_manifest, manifest, options)
-        idx.remove_old_indexes(job.out, new_manifest, manifest, options)
-        remove_tree(staging, options)
+        _commit(job, manifest, files, file_stats, written, staging, batch, first_file, lsh, tokenizer_json, summary)
+        remove_tree(join(job.out, "_staging"), options)
 
 
 @contextlib.contextmanager
@@ -629,9 +631,7 @@ def _commit(
     lsh: LSHParams | None,
     tokenizer_json: str | None,
     summary: IngestSummary,
-) -> dict[str, Any]:
-    """Move this batch's rejects, dedup state and tokenizer into place, extend the shard index,
-    and return the manifest that commits them (the caller publishes it)."""
+) -> None:
     out, options = job.out, job.options
     # Rejects and duplicate records of this batch, then dedup state and tokenizer.
     rejects = [] if manifest is None else list(manifest.get("rejects", []))
@@ -661,7 +661,7 @@ def _commit(
             "dtype": tk.token_dtype(tok).name,
         }
 
-    index_meta = idx.append_shards(out, manifest, written, options)
+    idx.append_shards(out, manifest, written, options)
     schema = _schema_of(out, written, options) if written else (manifest or {}).get("schema", [])
     totals = dict(manifest["totals"]) if manifest else idx.empty_totals()
     summary.rows_out = sum(w["rows"] for w in written)
@@ -712,7 +712,6 @@ def _commit(
         "kind": "packed" if job.config.pack_length else "tokens" if job.config.tokenizer else "text",
         "schema": schema,
         "totals": totals,
-        "index": index_meta,
         "ingest": {
             **asdict(job.config),
             **({"num_perm": lsh.num_perm, "bands": lsh.bands, "rows": lsh.rows, "ngram": lsh.ngram} if lsh else {}),
@@ -724,7 +723,7 @@ def _commit(
         "rejects": rejects,
         "registered": False,
     }
-    return new_manifest
+    idx.write_manifest(out, new_manifest, options)
 
 
 def _schema_of(out: str, written: list[dict], options: StorageOptions | None) -> list[dict[str, str]]:
