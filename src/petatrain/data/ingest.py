@@ -49,6 +49,7 @@ from petatrain.errors import PetatrainError
 from petatrain.storage import StorageOptions, atomic_write, join, listdir, read_bytes, remove_tree
 from petatrain.storage.checksum import checksum_bytes
 from petatrain.storage.fs import SourceFile, copy, expand_sources, resolve
+from petatrain.storage.lock import Lease
 from petatrain.storage.retry import retrying
 
 log = logging.getLogger(__name__)
@@ -105,20 +106,23 @@ def run(job: IngestJob) -> IngestSummary:
     job = replace(job, options=(job.options or StorageOptions()).for_workers())
     options = job.options
     summary = IngestSummary(dataset=job.out)
-    manifest = idx.read_manifest(job.out, options)
     files = expand_sources(job.sources, options)
-    new_files = _new_files(files, manifest, job, summary)
-    if not new_files:
-        summary.note = "nothing new to ingest: every source is already in the dataset"
-        summary.seconds = round(time.perf_counter() - started, 3)
-        return summary
+    if idx.read_manifest(job.out, options) is None:
+        idx.claim_folder(job.out, options)
+    # One writer at a time: what it reads from here to its commit cannot change under it.
+    with Lease(join(job.out, idx.LOCK), kind="ingest", what=job.out, options=options) as lease:
+        manifest = idx.read_manifest(job.out, options)
+        new_files = _new_files(files, manifest, job, summary)
+        if not new_files:
+            summary.note = "nothing new to ingest: every source is already in the dataset"
+        elif job.register:
+            from petatrain.data.register import register
 
-    if job.register:
-        from petatrain.data.register import register
-
-        register(job, new_files, manifest, summary)
-    else:
-        _ingest(job, new_files, manifest, summary)
+            register(job, new_files, manifest, summary, lease)
+        else:
+            if manifest is None:
+                idx.mark_created(job.out, options)
+            _ingest(job, new_files, manifest, summary, lease)
     summary.seconds = round(time.perf_counter() - started, 3)
     return summary
 
@@ -193,14 +197,16 @@ def init_ray(address: str, local_cpus: int = 0) -> None:
         ray_constants.ENABLE_RAY_CLUSTER = clusters
 
 
-def _ingest(job: IngestJob, files: list[SourceFile], manifest: dict | None, summary: IngestSummary) -> None:
+def _ingest(
+    job: IngestJob, files: list[SourceFile], manifest: dict | None, summary: IngestSummary, lease: Lease
+) -> None:
     import ray
 
     cfg, options = job.config, job.options
     with _stage("ray_init", summary.stage_seconds):
         init_ray(job.address, job.local_cpus)
     staging = join(job.out, "_staging", uuid.uuid4().hex[:12])
-    remove_tree(join(job.out, "_staging"), options)  # leftovers of a crashed run are never committed
+    remove_tree(join(job.out, "_staging"), options)  # a crashed run's; never committed, and we hold the lease
     batch = len(manifest["lineage"]["batches"]) + 1 if manifest else 1
     first_file = manifest["lineage"]["next_file_ord"] if manifest else 0
     if first_file + len(files) >= 1 << (63 - FILE_BITS):
@@ -254,7 +260,8 @@ def _ingest(job: IngestJob, files: list[SourceFile], manifest: dict | None, summ
         with _stage("tokenizer", summary.stage_seconds):
             tokenizer_json = _tokenizer(job, manifest, staging, file_stats)
 
-    # 4. shard plan and write
+    # 4. shard plan and write (into the dataset's own folder: only while the lease is ours)
+    lease.check()
     shard_no = manifest["totals"]["shards"] if manifest else 0
     plan_specs = plan_shards(file_stats, drops, parse_size(cfg.shard_size), first_shard=shard_no)
     writer = _ShardWriter(
@@ -274,8 +281,13 @@ def _ingest(job: IngestJob, files: list[SourceFile], manifest: dict | None, summ
 
     # 5. commit
     with _stage("commit", summary.stage_seconds):
-        _commit(job, manifest, files, file_stats, written, staging, batch, first_file, lsh, tokenizer_json, summary)
-        remove_tree(join(job.out, "_staging"), options)
+        new_manifest = _commit(
+            job, manifest, files, file_stats, written, staging, batch, first_file, lsh, tokenizer_json, summary
+        )
+        lease.check()
+        idx.commit_manifest(job.out, new_manifest, manifest, options)
+        idx.remove_old_indexes(job.out, new_manifest, manifest, options)
+        remove_tree(staging, options)
 
 
 @contextlib.contextmanager
@@ -631,7 +643,9 @@ def _commit(
     lsh: LSHParams | None,
     tokenizer_json: str | None,
     summary: IngestSummary,
-) -> None:
+) -> dict[str, Any]:
+    """Move this batch's rejects, dedup state and tokenizer into place, extend the shard index,
+    and return the manifest that commits them (the caller publishes it)."""
     out, options = job.out, job.options
     # Rejects and duplicate records of this batch, then dedup state and tokenizer.
     rejects = [] if manifest is None else list(manifest.get("rejects", []))
@@ -661,7 +675,7 @@ def _commit(
             "dtype": tk.token_dtype(tok).name,
         }
 
-    idx.append_shards(out, manifest, written, options)
+    index_meta = idx.append_shards(out, manifest, written, options)
     schema = _schema_of(out, written, options) if written else (manifest or {}).get("schema", [])
     totals = dict(manifest["totals"]) if manifest else idx.empty_totals()
     summary.rows_out = sum(w["rows"] for w in written)
@@ -712,6 +726,7 @@ def _commit(
         "kind": "packed" if job.config.pack_length else "tokens" if job.config.tokenizer else "text",
         "schema": schema,
         "totals": totals,
+        "index": index_meta,
         "ingest": {
             **asdict(job.config),
             **({"num_perm": lsh.num_perm, "bands": lsh.bands, "rows": lsh.rows, "ngram": lsh.ngram} if lsh else {}),
@@ -723,7 +738,7 @@ def _commit(
         "rejects": rejects,
         "registered": False,
     }
-    idx.write_manifest(out, new_manifest, options)
+    return new_manifest
 
 
 def _schema_of(out: str, written: list[dict], options: StorageOptions | None) -> list[dict[str, str]]:
