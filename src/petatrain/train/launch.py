@@ -172,7 +172,7 @@ def _supervise(job: TrainJob, held: contextlib.ExitStack) -> dict[str, Any]:
     if is_local(run_url):
         run_url = os.path.abspath(resolve(run_url)[1])
     # Before anything is written there: someone else's folder, or a run another driver holds, is refused.
-    held.enter_context(run_dir.held(run_url, job.options))
+    lease = held.enter_context(run_dir.held(run_url, job.options))
     # Faster failure detection than Ray Train's 2 s poll; propagated to the controller and workers.
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
@@ -224,6 +224,7 @@ def _supervise(job: TrainJob, held: contextlib.ExitStack) -> dict[str, Any]:
             resources = ray.cluster_resources()
             world = choose_world(cfg, resources.get("CPU", 0), resources.get("GPU", 0))
             nodes_before = _alive_nodes()
+            lease.check()  # a driver that stalled past its lease must not start writing beside the new holder
             trainer = standby.take(attempt, world)
             warm = trainer is not None
             trainer = trainer or build(attempt, world)
