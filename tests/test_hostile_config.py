@@ -131,8 +131,8 @@ def test_numbers_out_of_range_name_the_field_and_the_range(override, message):
 @pytest.mark.parametrize(
     ("manifest", "key"),
     [
-        ({}, "'totals'"),
-        ({"totals": {}, "schema": [], "lineage": {}}, "'shards'"),
+        ({}, "totals"),
+        ({"totals": {}, "schema": [], "lineage": {}}, "shards"),  # e.g. 'shards' or 'totals.shards'
     ],
 )
 def test_a_manifest_missing_a_key_is_one_line_naming_it(tmp_path, manifest, key):
