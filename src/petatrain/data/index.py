@@ -40,7 +40,7 @@ MANIFEST = "_index/manifest.json"
 SHARD_INDEX = "_index/shards.parquet"
 CREATED = "_index/created.json"  # written first by a first ingest: the folder is ours before its manifest exists
 LOCK = "_lock"  # the writer's lease (storage.lock)
-_REQUIRED = ("totals", "schema", "lineage")
+_REQUIRED = (("totals", dict), ("schema", list), ("lineage", dict))
 
 SHARD_SCHEMA = pa.schema(
     [
@@ -97,10 +97,33 @@ def read_manifest(url: str, options: StorageOptions | None = None) -> dict[str, 
         raise PetatrainError(f"{url} is not a petatrain dataset (manifest format {manifest.get('format')!r})")
     if manifest.get("version", 0) > VERSION:
         raise PetatrainError(f"{url} was written by a newer petatrain (format version {manifest['version']})")
-    missing = [key for key in _REQUIRED if key not in manifest]
-    if missing or not isinstance(manifest.get("totals"), dict):
-        raise CorruptDataError(f"{target} is corrupt: missing {missing[0] if missing else 'totals'!r}")
+    problem = _manifest_problem(manifest)
+    if problem:
+        raise CorruptDataError(f"corrupt manifest {target}: {problem}")
     return manifest
+
+
+def _manifest_problem(manifest: dict[str, Any]) -> str:
+    """What makes `manifest` unusable, or "": the fields every reader relies on, with their types."""
+
+    def count(value: Any) -> bool:
+        return type(value) is int and value >= 0
+
+    for key, kind in _REQUIRED:
+        if not isinstance(manifest.get(key), kind):
+            return f"missing {key!r}" if key not in manifest else f"{key!r} is not a {kind.__name__}"
+    totals, lineage = manifest["totals"], manifest["lineage"]
+    for key in ("shards", "rows", "bytes"):
+        if not count(totals.get(key)):
+            return f"totals.{key} is {totals.get(key)!r}, not a count"
+    if not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in manifest["schema"]):
+        return "schema is not a list of {name, type} columns"
+    if not isinstance(lineage.get("sources", []), list) or not isinstance(lineage.get("batches", []), list):
+        return "lineage.sources and lineage.batches must be lists"
+    tokenizer = manifest.get("tokenizer")
+    if tokenizer is not None and not (isinstance(tokenizer, dict) and count(tokenizer.get("vocab_size"))):
+        return f"tokenizer {str(tokenizer)[:80]} has no vocab_size"
+    return ""
 
 
 def open_dataset(url: str, options: StorageOptions | None = None, *, cache_dir: str | None = None) -> Dataset:
