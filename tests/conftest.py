@@ -21,11 +21,13 @@ os.environ.setdefault("AWS_RESPONSE_CHECKSUM_VALIDATION", "WHEN_REQUIRED")
 
 @pytest.fixture(scope="session")
 def ray_local():
-    """One local Ray (2 CPUs) shared by the in-process tests."""
+    """One local Ray (2 CPUs) shared by the in-process tests, started as petatrain starts one
+    (listening on 127.0.0.1 only)."""
     import ray
 
-    if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    from petatrain.data.ingest import init_ray
+
+    init_ray("", local_cpus=2)
     yield ray
     ray.shutdown()
 
