@@ -19,8 +19,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from petatrain.config import IngestConfig
-from petatrain.data import sources
+from petatrain.data import index, sources
 from petatrain.data.ingest import IngestJob, _StageOne, run
+from petatrain.storage import read_bytes
+from petatrain.storage.fs import expand_sources
 
 
 def _read(data: bytes, fmt: str, name: str = "in") -> sources.FileRecords:
@@ -161,3 +163,69 @@ def test_ingest_stores_a_bounded_raw_for_an_oversized_record(tmp_path, ray_local
     [reject] = rejects
     assert (reject["record"], reject["reason"], reject["raw"]) == (1, "too_long", giant[:4096])
     assert f"{len(giant)} bytes" in reject["detail"]
+
+
+# -- 10. names, keys and quotes are taken as written ---------------------------------------
+def test_a_source_that_names_an_existing_path_is_taken_literally_not_as_a_glob(tmp_path):
+    for name in ("data[1].jsonl", "data1.jsonl", "run[2]/a.jsonl", "run2/b.jsonl"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(json.dumps({"text": name}) + "\n")
+
+    def urls(pattern):
+        return [f.url for f in expand_sources([str(tmp_path / pattern)])]
+
+    assert urls("data[1].jsonl") == [str(tmp_path / "data[1].jsonl")]
+    assert urls("run[2]") == [str(tmp_path / "run[2]" / "a.jsonl")]
+    assert urls("data[0-9].jsonl") == [str(tmp_path / "data1.jsonl")], "a pattern naming no file is still a glob"
+
+
+def test_a_webdataset_key_that_comes_back_after_another_is_a_new_sample():
+    members = [("a.txt", b"a first"), ("b.txt", b"b"), ("a.txt", b"a again"), ("c.txt", b"c"), ("c.txt", b"c again")]
+    records = _read(_tar(members), "webdataset", "shard")
+    assert records.text == ["a first", "b", "a again", "c", "c again"] and not records.rejects
+
+
+def test_a_truncated_webdataset_keeps_the_samples_before_the_cut():
+    data = _tar([(f"s{i}.txt", f"sample {i} ".encode() * 200) for i in range(3)])
+    records = _read(data[: data.index(b"sample 2") + 100], "webdataset", "shard")  # cut inside s2's data
+    assert records.text == ["sample 0 " * 200, "sample 1 " * 200]
+    assert [r.reason for r in records.rejects] == ["unreadable_file"]
+
+
+def test_an_unterminated_csv_quote_rejects_the_rows_it_swallows_and_keeps_the_rows_before():
+    data = b'id,text\n1,"fine, quoted"\n2,"multi\nline"\n3,"never closed\n4,swallowed\n\n5,also swallowed\n'
+    records = _read(data, "csv")
+    assert records.text == ["fine, quoted", "multi\nline"]
+    assert [(r.reason, r.raw) for r in records.rejects] == [
+        ("malformed_csv_row", b'3,"never closed'),
+        ("malformed_csv_row", b"4,swallowed"),
+        ("malformed_csv_row", b"5,also swallowed"),
+    ]
+    assert all("line 5" in r.detail for r in records.rejects)
+    indices = records.index + [r.index for r in records.rejects]
+    assert len(set(indices)) == len(indices), "every record of a file has its own number"
+
+
+def test_an_unterminated_csv_quote_before_the_last_column_is_caught_too():
+    records = _read(b'text,id\nfine,1\n"never closed,2\nswallowed,3\n', "csv")
+    assert records.text == ["fine"]
+    assert [(r.reason, r.raw) for r in records.rejects] == [
+        ("malformed_csv_row", b'"never closed,2'),
+        ("malformed_csv_row", b"swallowed,3"),
+    ]
+
+
+def test_ingest_takes_names_keys_and_quotes_as_written(tmp_path, ray_local):
+    (tmp_path / "data[1].jsonl").write_text(json.dumps({"text": "from data[1]"}) + "\n")
+    (tmp_path / "data1.jsonl").write_text(json.dumps({"text": "from data1"}) + "\n")
+    (tmp_path / "keys.tar").write_bytes(_tar([("a.txt", b"a first"), ("b.txt", b"b"), ("a.txt", b"a again")]))
+    (tmp_path / "rows.csv").write_bytes(b'id,text\n1,kept row\n2,"never closed\n3,swallowed\n')
+    out = tmp_path / "ds"
+    sources_ = [tmp_path / "data[1].jsonl", tmp_path / "keys.tar", tmp_path / "rows.csv"]
+    summary, rejects = _ingest_rejects(sources_, out, dedup="none")
+    ds = index.open_dataset(str(out))
+    shards = [pq.read_table(pa.BufferReader(read_bytes(ds.shard_url(p)))) for p in ds.shards.column("path").to_pylist()]
+    texts = pa.concat_tables(shards).column("text").to_pylist()
+    assert texts == ["from data[1]", "a first", "b", "a again", "kept row"]
+    assert summary.rejected == {"malformed_csv_row": 2}
+    assert sorted(r["raw"] for r in rejects) == [b'2,"never closed', b"3,swallowed"]

@@ -16,6 +16,7 @@ import io
 import itertools
 import json
 import os
+import re
 import tarfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -223,62 +224,113 @@ def _read_parquet(data: bytes, text_field: str, max_bytes: int, out: FileRecords
 
 
 def _read_csv(data: bytes, text_field: str, max_bytes: int, out: FileRecords) -> None:
-    bad: list[tuple[int, str]] = []
+    bad: list[str] = []
 
     def on_invalid(row) -> str:
-        bad.append((row.number or 0, row.text or ""))
+        bad.append(row.text or "")
         return "skip"
 
+    # Arrow lets a quoted field that never closes swallow every row after it, silently:
+    # read only the rows before it, and reject the rows from it to the end.
+    unclosed = _unclosed_quote_row(data)
+    if unclosed == 0:
+        raise ValueError("the header row opens a quoted field that never closes")
     table = pacsv.read_csv(
-        arrow_reader(data),
+        arrow_reader(data if unclosed is None else memoryview(data)[:unclosed]),
         parse_options=pacsv.ParseOptions(invalid_row_handler=on_invalid, newlines_in_values=True),
         convert_options=pacsv.ConvertOptions(column_types={text_field: pa.string()}, strings_can_be_null=False),
     )
-    for number, text in bad:
-        out.reject(number, "malformed_csv_row", "wrong number of fields", text.encode("utf-8", "replace"))
     _column_records(table, text_field, out, 0)
+    # Arrow does not say where a skipped row was: number the rejected rows after the read ones.
+    number = table.num_rows
+    for text in bad:
+        out.reject(number, "malformed_csv_row", "wrong number of fields", text.encode("utf-8", "replace"))
+        number += 1
+    if unclosed is not None:
+        line_number = data.count(b"\n", 0, unclosed) + 1
+        detail = f"the row on line {line_number} opens a quoted field that never closes"
+        for line in data[unclosed:].splitlines():
+            if line:
+                out.reject(number, "malformed_csv_row", detail, line)
+                number += 1
+
+
+# A CSV file as Arrow reads it (its default delimiter and quote, which _read_csv uses),
+# token by token: a quote opens a field only at the field's start, and a quoted field
+# that never closes is where the match stops. Possessive, so it runs in linear time.
+_CSV_TOKENS = re.compile(
+    rb"""(?:
+        [^",\r\n][^,\r\n]*+                  # an unquoted field: a quote inside it is a literal
+      | "[^"]*+(?:""[^"]*+)*+"[^,\r\n]*+     # a quoted field that closes, and what follows it
+      | ,
+      | [\r\n]()                             # a line break: a row starts after it
+    )*+""",
+    re.VERBOSE,
+)
+
+
+def _unclosed_quote_row(data: bytes) -> int | None:
+    """Where the row starts whose quoted field runs to the end of the file, or None."""
+    if b'"' not in data:
+        return None
+    tokens = _CSV_TOKENS.match(data)
+    return None if tokens.end() == len(data) else max(tokens.start(1), 0)
 
 
 def _read_webdataset(data: bytes, text_field: str, max_bytes: int, out: FileRecords) -> None:
-    """Samples are members sharing a key (name up to the first dot); text is the member
-    with extension `text_field` (e.g. txt), else `txt`, else the field of a `.json` member.
-    Only that member is read, and only if it is within `max_bytes`."""
-    samples: dict[str, dict[str, tarfile.TarInfo]] = {}
-    order: list[str] = []
+    """Samples are runs of adjacent members sharing a key (the path up to the name's first
+    dot), as in WebDataset: a key that comes back after another one, or an extension that
+    repeats within a run, starts a new sample, so no member is ever overwritten. Each
+    sample is taken when its run ends, so a tar cut short keeps the samples before the cut."""
+    number, key = -1, None
+    members: dict[str, tarfile.TarInfo] = {}
     with tarfile.open(fileobj=io.BytesIO(data), mode="r:*") as tar:
         for member in tar:
-            if not member.isfile():
-                continue
             base = os.path.basename(member.name)
-            if "." not in base:
+            if not member.isfile() or "." not in base:
                 continue
             stem, ext = base.split(".", 1)
-            key = os.path.join(os.path.dirname(member.name), stem)
-            if key not in samples:
-                samples[key] = {}
-                order.append(key)
-            samples[key][ext.lower()] = member
-        for number, key in enumerate(order):
-            members = samples[key]
-            ext = next((e for e in (text_field, "txt", "json") if e in members), None)
-            if ext is None:
-                out.reject(number, "missing_field", f"sample {key} has no .{text_field}, .txt or .json member")
-                continue
-            member = members[ext]
-            handle = tar.extractfile(member)
-            if member.size > max_bytes:
-                detail = f"{member.name} is {member.size} bytes, over the {max_bytes}-byte cap that max_chars sets"
-                out.reject(number, "too_long", detail, handle.read(RAW_PREFIX_BYTES))
-                continue
-            raw = handle.read()
-            if ext == "json" and text_field != "json":
-                parsed, value = _parse_json(number, raw, out)
-                if parsed:
-                    _take_field(number, value, text_field, raw, out)
-            else:
-                text = _decode(number, raw, out)
-                if text is not None:
-                    out.keep(number, text)
+            ext = ext.lower()
+            member_key = os.path.join(os.path.dirname(member.name), stem)
+            if member_key != key or ext in members:
+                if members:
+                    _take_sample(number, key, members, tar, text_field, max_bytes, out)
+                number, key, members = number + 1, member_key, {}
+            members[ext] = member
+        if members:
+            _take_sample(number, key, members, tar, text_field, max_bytes, out)
+
+
+def _take_sample(
+    number: int,
+    key: str,
+    members: dict[str, tarfile.TarInfo],
+    tar: tarfile.TarFile,
+    text_field: str,
+    max_bytes: int,
+    out: FileRecords,
+) -> None:
+    """The sample's text: member `.text_field`, else `.txt`, else the field of `.json`.
+    Only that member is read, and only if it is within `max_bytes`."""
+    ext = next((e for e in (text_field, "txt", "json") if e in members), None)
+    if ext is None:
+        out.reject(number, "missing_field", f"sample {key} has no .{text_field}, .txt or .json member")
+        return
+    member = members[ext]
+    handle = tar.extractfile(member)
+    if member.size > max_bytes:
+        detail = f"{member.name} is {member.size} bytes, over the {max_bytes}-byte cap that max_chars sets"
+        out.reject(number, "too_long", detail, handle.read(RAW_PREFIX_BYTES))
+        return
+    raw = handle.read()
+    if ext == "json" and text_field != "json":
+        parsed, value = _parse_json(number, raw, out)
+        if parsed:
+            _take_field(number, value, text_field, raw, out)
+    else:
+        text = _decode(number, raw, out)
+        if text is not None:
+            out.keep(number, text)
 
 
 _READERS: dict[str, Callable[[bytes, str, int, FileRecords], None]] = {

@@ -248,21 +248,27 @@ def _fingerprint(info: dict[str, Any]) -> str:
 def expand_sources(patterns: list[str], options: StorageOptions | None = None) -> list[SourceFile]:
     """Expand paths, folders and globs into files, in argument order then sorted by name.
 
-    A pattern that matches nothing is an error naming it: a typo must not ingest nothing.
+    A pattern that names an existing file or folder is taken as written, so `data[1].jsonl`
+    is that file and never `data1.jsonl`. A pattern that matches nothing is an error naming
+    it: a typo must not ingest nothing.
     """
     files: list[SourceFile] = []
     seen: set[str] = set()
     for pattern in patterns:
         fs, path = resolve(pattern, options)
         try:
-            if any(ch in path for ch in "*?["):
-                infos = retrying(f"glob {pattern}", lambda fs=fs, path=path: fs.glob(path, detail=True))
-            else:
+            try:
                 info = retrying(f"stat {pattern}", lambda fs=fs, path=path: fs.info(path))
-                if info["type"] == "directory":
-                    infos = retrying(f"list {pattern}", lambda fs=fs, path=path: fs.find(path, detail=True))
-                else:
-                    infos = {path: info}
+            except Exception:
+                if not any(ch in path for ch in "*?["):
+                    raise
+                info = None  # not a path as written: a glob
+            if info is None:
+                infos = retrying(f"glob {pattern}", lambda fs=fs, path=path: fs.glob(path, detail=True))
+            elif info["type"] == "directory":
+                infos = retrying(f"list {pattern}", lambda fs=fs, path=path: fs.find(path, detail=True))
+            else:
+                infos = {path: info}
         except FileNotFoundError:
             raise PetatrainError(f"source not found: {pattern}") from None
         except PermissionError as exc:
