@@ -250,3 +250,11 @@ def test_a_local_ray_listens_on_loopback_only():
     assert len(listening) >= 4, listening  # the GCS, the raylet, the driver's and the actor's workers
     exposed = [entry for entry in listening if entry[0] not in ("127.0.0.1", "::ffff:127.0.0.1", "::1")]
     assert not exposed, f"listening beyond loopback: {exposed}"
+
+
+def test_storage_options_never_show_their_credentials():
+    from petatrain.storage import StorageOptions
+
+    options = StorageOptions(s3_access_key_id="AKIAEXAMPLE", s3_secret_access_key="s3cr3t", extra={"token": "t0k"})
+    shown = f"{options!r} {options!s} {options.for_workers()!r}"
+    assert "AKIAEXAMPLE" not in shown and "s3cr3t" not in shown and "t0k" not in shown

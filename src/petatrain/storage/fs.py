@@ -23,10 +23,10 @@ class StorageOptions:
 
     s3_endpoint_url: str = ""
     s3_region: str = ""
-    s3_access_key_id: str = ""
-    s3_secret_access_key: str = ""
+    s3_access_key_id: str = field(default="", repr=False)  # never shown: reprs reach logs and errors
+    s3_secret_access_key: str = field(default="", repr=False)
     s3_anonymous: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)  # passed to fsspec as is
+    extra: dict[str, Any] = field(default_factory=dict, repr=False)  # passed to fsspec as is; may hold secrets
 
     def __hash__(self) -> int:  # extra is a dict; options are compared, not mutated
         return hash((self.s3_endpoint_url, self.s3_region, self.s3_access_key_id, self.s3_anonymous))
