@@ -91,3 +91,27 @@ def run_cli(*args: str, env: dict | None = None, timeout: int = 300) -> subproce
         env={**os.environ, **(env or {})},
         cwd=ROOT,
     )
+
+
+@pytest.fixture(scope="session")
+def token_dataset(tmp_path_factory, ray_local):
+    from petatrain import config
+    from petatrain.data import synth
+    from petatrain.data.ingest import IngestJob, run
+
+    root = tmp_path_factory.mktemp("tokens")
+    synth.generate(str(root / "corpus"), documents=500, files=2)
+    cfg = config.IngestConfig(tokenizer="bytes", pack_length=65, shard_size="150KB", dedup="exact")
+    run(IngestJob(sources=[str(root / "corpus")], out=str(root / "ds"), config=cfg))
+    return str(root / "ds")
+
+
+@pytest.fixture(scope="session")
+def baseline(token_dataset, tmp_path_factory):
+    """An uninterrupted run: the reference weights."""
+    from helpers import tiny, train
+
+    run_dir = tmp_path_factory.mktemp("baseline")
+    summary = train(tiny(token_dataset), run_dir)
+    assert summary["attempts"] == 1 and summary["failures"] == []
+    return run_dir

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import glob
+import hashlib
 import os
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from petatrain import config
+from petatrain.chaos.inject import parse
 from petatrain.config import IngestConfig
 from petatrain.data import index
 from petatrain.data.ingest import IngestJob, run
+from petatrain.observe.ledger import read_events
 from petatrain.storage import read_bytes
 
 
@@ -56,3 +61,28 @@ def snapshot(url) -> dict[str, bytes]:
             with open(path, "rb") as handle:
                 out[os.path.relpath(path, str(url))] = handle.read()
     return out
+
+
+# -- training runs, shared by the train test files --------------------------------------
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def tiny(dataset: str, *overrides: str) -> config.JobConfig:
+    return config.load(
+        ROOT / "examples" / "tiny.yaml",
+        [f"data.dataset={dataset}", "train.steps=30", "faults.hang_timeout_s=6", *overrides],
+    )
+
+
+def train(cfg, run_dir, *injections: str) -> dict:
+    from petatrain.train.launch import TrainJob, run
+
+    return run(TrainJob(config=cfg, run_url=str(run_dir), injections=[parse(i) for i in injections]))
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def kinds(run_dir) -> list[str]:
+    return [e["event"] for e in read_events(str(run_dir))]
