@@ -85,4 +85,11 @@ def sha256(path: Path) -> str:
 
 
 def kinds(run_dir) -> list[str]:
-    return [e["event"] for e in read_events(str(run_dir))]
+    """The kinds of a run's events, in order; every line must fit its schema (observe.events)."""
+    from petatrain.observe import events
+
+    lines = read_events(str(run_dir))
+    for line in lines:
+        assert "schema_error" not in line, line
+        events.parse(line)
+    return [e["event"] for e in lines]

@@ -435,3 +435,37 @@ def test_steps_lost_counts_to_the_injected_step_when_other_ranks_events_were_los
 
     (fault,) = account(read_events(str(tmp_path))).faults
     assert fault.step == 25 and fault.steps_lost == 5
+
+
+def test_events_are_written_and_read_through_their_schema():
+    from petatrain.observe import events
+
+    line = events.record("restart", {"attempt": 2, "reason": "kill", "world_size": None})
+    assert line["v"] == events.SCHEMA_VERSION and events.parse(line) == events.Restart(
+        t=line["t"], attempt=2, reason="kill"
+    )
+    with pytest.raises(TypeError, match="typo"):
+        events.record("restart", {"attempt": 2, "reason": "kill", "typo": 1})
+    with pytest.raises(TypeError, match="no event kind"):
+        events.record("restrat", {})
+    with pytest.raises(ValueError, match="schema version"):
+        events.parse({**line, "v": events.SCHEMA_VERSION + 1})
+
+
+def test_an_event_that_does_not_fit_is_kept_and_flagged(tmp_path):
+    from petatrain.observe.ledger import EventLog, read_events
+
+    log = EventLog(str(tmp_path))
+    log.emit("step", attempt=0, step=1, step_s=0.1, data_wait_s=0.0, loss=1.0, surprise=True)
+    log.close()
+    (line,) = read_events(str(tmp_path))
+    assert line["step"] == 1 and "surprise" in line["schema_error"]
+
+
+@pytest.mark.slow
+def test_every_event_of_a_real_run_fits_its_schema(baseline):
+    from helpers import kinds
+
+    assert {"run_start", "attempt_start", "worker_start", "resume", "step", "checkpoint_commit", "end"} <= set(
+        kinds(baseline)
+    )

@@ -1,44 +1,15 @@
 """The run's append-only event ledger, `RUN/events.jsonl`: one JSON object per line.
 
-Every event has `t` (unix seconds, from the process that saw it) and `event` (its kind).
-The kinds and their fields, which `goodput.py` and the report read:
-
-    run_start         run_id, workers ([min, max]), steps, config (the resolved config)
-    attempt_start     attempt, world_size
-    worker_start      attempt, rank, pid, node
-    resume            attempt, step (next step to run), checkpoint (URL or null)
-    step              attempt, step, step_s (end of previous step to end of this one, data
-                      wait included, checkpoint stall excluded), data_wait_s, loss, lr,
-                      tokens, grad_norm
-    checkpoint_snapshot  attempt, step, stall_s (what the training loop paid), live (written
-                         from the training state itself, not a copy); with
-                         checkpoint.asynchronous false the stall is the whole write and
-                         the event comes after the commit's
-    checkpoint_staging   attempt, step, wait_s (a later step waited this long for the write of
-                         a live snapshot to read its tensors before optimizer.step; stall too)
-    checkpoint_commit    attempt, step, write_s, bytes, url
-    checkpoint_skipped   url, reason (torn or corrupt, at resume)
-    checkpoint_drain     attempt, lost (ranks gone), waited_s, done (rank 0 has no write in
-                         flight; null if rank 0 is gone), committed (newest step rank 0
-                         committed, or null): a failed attempt's rank 0 let finish its
-                         checkpoint write before Ray Train kills it; the report counts the
-                         wait as restart, not detection
-    eval              attempt, step, loss
-    nonfinite         attempt, step, action (skip | rollback)
-    fault_injected    attempt, fault, step, rank (written by the chaos injector)
-    failure           attempt, cause (kill | exception | hang | node_lost | preempt | storage |
-                      nonfinite | unknown), detail, rank
-    restart           attempt (the new one), world_size, reason
-    end               status (ok | failed), step, detail, final (URL of the final weights)
-
-A local ledger is appended line by line; a ledger on an object store is kept in a local
-file and uploaded whole on `flush()` (objects cannot be appended to). A reader skips a
-torn last line.
+The event kinds and their fields are the classes of `petatrain.observe.events`; every line
+is written through them. A local ledger is appended line by line; a ledger on an object
+store is kept in a local file and uploaded whole on `flush()` (objects cannot be appended
+to). A reader skips a torn last line.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 import threading
@@ -46,8 +17,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from petatrain.observe import events
 from petatrain.storage import StorageOptions, join
 from petatrain.storage.fs import atomic_write, exists, is_local, read_bytes, resolve
+
+log = logging.getLogger(__name__)
 
 EVENTS_FILE = "events.jsonl"
 
@@ -74,7 +48,11 @@ class EventLog:
         self._file = open(self._path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
 
     def emit(self, event: str, **fields: Any) -> dict[str, Any]:
-        record = {"t": fields.pop("t", None) or time.time(), "event": event, **fields}
+        try:
+            record = events.record(event, fields)
+        except TypeError as exc:  # a bug in an emitter: keep the event (a lost step or heartbeat is worse)
+            log.error("event %s does not fit its schema: %s", event, exc)
+            record = {"t": fields.pop("t", None) or time.time(), "event": event, "schema_error": str(exc), **fields}
         line = json.dumps(record, separators=(",", ":"), default=str) + "\n"
         with self._lock:
             self._file.write(line)

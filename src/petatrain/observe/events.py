@@ -1,0 +1,238 @@
+"""The event kinds of a run's ledger (`RUN/events.jsonl`), one dataclass each: the schema.
+
+Every event is written through `record(kind, fields)`, which builds its class (a field the
+class does not have, or one it needs and is not given, is a bug and raises `TypeError`), and
+read back through `parse`. A line carries `t` (unix seconds, from the process that saw it),
+`event` (the kind) and `v` (`SCHEMA_VERSION`; ledgers written before the version have none
+and read as version 1). A reader of a ledger written by a newer petatrain refuses it.
+
+`goodput.py`, the report and the Prometheus metrics read these fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Event:
+    kind: ClassVar[str] = ""
+    t: float
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class RunStart(Event):
+    kind: ClassVar[str] = "run_start"
+    run_id: str
+    workers: list[int]  # [min, max]
+    steps: int
+    config: dict[str, Any]  # the resolved config, credentials left out
+    metrics: str = ""  # the Prometheus endpoint, "" when off
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class AttemptStart(Event):
+    kind: ClassVar[str] = "attempt_start"
+    attempt: int
+    world_size: int
+    controller: str = "driver"  # where Ray Train's control loop runs: driver | actor
+    warm_controller: bool = False  # an actor controller started while the previous attempt trained
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class WorkerStart(Event):
+    kind: ClassVar[str] = "worker_start"
+    attempt: int
+    rank: int
+    pid: int
+    node: str
+    warm_up: dict[str, Any] | None = None  # a spare's warm-up (started, ready, idle, CPU s); None if none
+    torch_threads: int | None = None
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Resume(Event):
+    kind: ClassVar[str] = "resume"
+    attempt: int
+    step: int  # the next step to run
+    checkpoint: str | None  # URL of the checkpoint loaded, None for a fresh start
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Step(Event):
+    """One training step, from rank 0."""
+
+    kind: ClassVar[str] = "step"
+    attempt: int
+    step: int
+    step_s: float  # end of the previous step to the end of this one: data wait in, checkpoint stall out
+    data_wait_s: float
+    loss: float | None  # None when the loss was not finite
+    lr: float | None = None
+    tokens: int = 0
+    grad_norm: float | None = None
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class CheckpointSnapshot(Event):
+    """What the loop paid to take a checkpoint; with `checkpoint.asynchronous: false` the whole
+    write, and the event comes after the commit's."""
+
+    kind: ClassVar[str] = "checkpoint_snapshot"
+    attempt: int
+    step: int
+    stall_s: float
+    live: bool = False  # written from the training state itself, not a copy
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class CheckpointStaging(Event):
+    """A later step waited for the write of a live snapshot to read its tensors (stall too)."""
+
+    kind: ClassVar[str] = "checkpoint_staging"
+    attempt: int
+    step: int
+    wait_s: float
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class CheckpointCommit(Event):
+    kind: ClassVar[str] = "checkpoint_commit"
+    attempt: int
+    step: int
+    write_s: float
+    bytes: int
+    url: str
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class CheckpointSkipped(Event):
+    """A checkpoint passed over at resume: torn, corrupt, or its record does not check out."""
+
+    kind: ClassVar[str] = "checkpoint_skipped"
+    url: str
+    reason: str
+    attempt: int | None = None
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class CheckpointDrain(Event):
+    """A failed attempt's rank 0 let finish its checkpoint write before Ray Train kills it; the
+    report counts the wait as restart, not detection."""
+
+    kind: ClassVar[str] = "checkpoint_drain"
+    attempt: int
+    lost: list[int]  # ranks gone
+    waited_s: float
+    done: bool | None  # rank 0 has no write in flight; None if rank 0 is gone
+    committed: int | None  # newest step rank 0 committed
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Eval(Event):
+    kind: ClassVar[str] = "eval"
+    attempt: int
+    step: int
+    loss: float
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class NonFinite(Event):
+    kind: ClassVar[str] = "nonfinite"
+    attempt: int
+    step: int
+    action: str  # skip | rollback
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class FaultInjected(Event):
+    """Written by the chaos injector before the fault acts."""
+
+    kind: ClassVar[str] = "fault_injected"
+    attempt: int
+    fault: str
+    step: int | None = None
+    rank: int | None = None
+    key: str = ""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Failure(Event):
+    kind: ClassVar[str] = "failure"
+    attempt: int
+    cause: str  # kill | exception | hang | node_lost | preempt | nonfinite | error | unknown
+    detail: str
+    rank: int | None = None
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Restart(Event):
+    kind: ClassVar[str] = "restart"
+    attempt: int  # the new one
+    reason: str  # the failure's cause
+    world_size: int | None = None
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class End(Event):
+    kind: ClassVar[str] = "end"
+    status: str  # ok | failed
+    step: int | None
+    detail: str = ""
+    final: str | None = None  # URL of the final weights
+
+
+KINDS: dict[str, type[Event]] = {
+    cls.kind: cls
+    for cls in (
+        RunStart,
+        AttemptStart,
+        WorkerStart,
+        Resume,
+        Step,
+        CheckpointSnapshot,
+        CheckpointStaging,
+        CheckpointCommit,
+        CheckpointSkipped,
+        CheckpointDrain,
+        Eval,
+        NonFinite,
+        FaultInjected,
+        Failure,
+        Restart,
+        End,
+    )
+}
+
+
+def record(kind: str, fields: dict[str, Any]) -> dict[str, Any]:
+    """The ledger line for an event of `kind`, checked against its class."""
+    cls = KINDS.get(kind)
+    if cls is None:
+        raise TypeError(f"no event kind {kind!r}; add a class to petatrain.observe.events")
+    fields = dict(fields)
+    t = fields.pop("t", None) or time.time()
+    event = cls(t=t, **fields)  # TypeError names a field that is wrong
+    return {"t": t, "event": kind, "v": SCHEMA_VERSION} | {
+        f.name: getattr(event, f.name) for f in dataclasses.fields(event) if f.name != "t"
+    }
+
+
+def parse(line: dict[str, Any]) -> Event:
+    """The typed event of a ledger line; ValueError for a kind or version this petatrain cannot read."""
+    version = line.get("v", 1)
+    if not isinstance(version, int) or version > SCHEMA_VERSION:
+        raise ValueError(f"event schema version {version!r}; this petatrain reads up to {SCHEMA_VERSION}")
+    cls = KINDS.get(str(line.get("event")))
+    if cls is None:
+        raise ValueError(f"unknown event kind {line.get('event')!r}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    try:
+        return cls(**{k: v for k, v in line.items() if k in names})
+    except TypeError as exc:
+        raise ValueError(f"{cls.kind} event: {exc}") from None
