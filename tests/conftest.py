@@ -25,7 +25,7 @@ def ray_local():
     (listening on 127.0.0.1 only)."""
     import ray
 
-    from petatrain.data.ingest import init_ray
+    from petatrain.runtime.cluster import init_ray
 
     init_ray("", local_cpus=2)
     yield ray

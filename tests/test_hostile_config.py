@@ -219,7 +219,7 @@ def test_errors_from_ray_data_maps_reach_the_user_as_one_line(ray_local, capsys,
 
 _LISTENERS = """
 import json, os
-from petatrain.data.ingest import init_ray
+from petatrain.runtime.cluster import init_ray
 import ray
 import psutil  # vendored by Ray (ray/thirdparty_files), importable once ray is
 

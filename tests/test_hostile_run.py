@@ -415,7 +415,7 @@ def test_a_second_driver_on_a_run_folder_fails_at_once_naming_the_first(tmp_path
 
 def test_the_run_folder_is_free_again_however_the_driver_ends(tmp_path, monkeypatch):
     """The lease lasts as long as the run: a driver that fails after taking it lets it go."""
-    from petatrain.data import ingest
+    from petatrain.runtime import cluster
     from petatrain.storage import join
     from petatrain.storage.lock import Lease
     from petatrain.train.launch import TrainJob, run
@@ -423,7 +423,7 @@ def test_the_run_folder_is_free_again_however_the_driver_ends(tmp_path, monkeypa
     def no_cluster(*args, **kwargs):
         raise ConnectionError("no Ray cluster")
 
-    monkeypatch.setattr(ingest, "init_ray", no_cluster)
+    monkeypatch.setattr(cluster, "init_ray", no_cluster)
     folder = tmp_path / "run"
     cfg = config.load(ROOT / "examples" / "tiny.yaml", [f"data.dataset={_dataset(tmp_path)}"])
     with pytest.raises(ConnectionError):

@@ -46,6 +46,7 @@ from petatrain.data import tokenize as tk
 from petatrain.data.buffers import arrow_reader
 from petatrain.data.minhash import LSHParams, signatures
 from petatrain.errors import PetatrainError
+from petatrain.runtime.cluster import init_ray
 from petatrain.storage import StorageOptions, atomic_write, join, listdir, read_bytes, remove_tree
 from petatrain.storage.checksum import checksum_bytes
 from petatrain.storage.fs import SourceFile, copy, expand_sources, resolve
@@ -165,36 +166,6 @@ def _new_files(
             f"{len(fresh)} new source file(s), or choose another --out"
         )
     return fresh
-
-
-def init_ray(address: str, local_cpus: int = 0) -> None:
-    """Connect to `address`, or start a local Ray; reuse one this process already started."""
-    import ray
-    from ray._private import ray_constants
-
-    if ray.is_initialized():
-        return
-    kwargs = {"num_cpus": local_cpus} if local_cpus and not address else {}
-    clusters = ray_constants.ENABLE_RAY_CLUSTER
-    if not address:
-        # A local Ray's log monitor lists its log folder 10 times a second while it holds
-        # fewer files than this; at 0 it does so every 0.5 s (new workers' output reaches
-        # the driver up to 0.4 s later). Measured: 0.63 -> 0.40% of a core, all of it taken
-        # from the training workers when they fill the machine.
-        os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
-        # Listen on loopback only. Ray binds the GCS, the raylet, every worker's gRPC server,
-        # the runtime-env and dashboard agents and the autoscaler's metrics to 127.0.0.1 when
-        # that is the node's IP, but ray.init swaps 127.0.0.1 for this machine's address unless
-        # Ray runs local-only, as on macOS (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, read when ray
-        # is imported: hence the constant, set while Ray starts).
-        kwargs["_node_ip_address"] = "127.0.0.1"
-        ray_constants.ENABLE_RAY_CLUSTER = False
-    try:
-        ray.init(address=address or None, include_dashboard=False, logging_level=logging.WARNING, **kwargs)
-    except ConnectionError as exc:
-        raise PetatrainError(f"cannot reach the Ray cluster at {address!r}: {exc}") from None
-    finally:
-        ray_constants.ENABLE_RAY_CLUSTER = clusters
 
 
 def _ingest(

@@ -153,7 +153,7 @@ def _supervise(job: TrainJob, held: contextlib.ExitStack) -> dict[str, Any]:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from petatrain.data.ingest import init_ray
+    from petatrain.runtime.cluster import init_ray
     from petatrain.train.hub import RunHub
 
     cfg = job.config

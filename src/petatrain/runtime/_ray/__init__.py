@@ -1,0 +1,46 @@
+"""The one corner of petatrain that touches Ray's private modules (`ray._private`, `ray._raylet`,
+`ray.train.v2._internal`). Every name used here is checked by tests/test_ray_internals.py, which
+fails naming the attribute when a Ray upgrade moves it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+
+@contextlib.contextmanager
+def local_only_cluster() -> Iterator[None]:
+    """While Ray starts: bind everything to loopback.
+
+    Ray binds the GCS, the raylet, every worker's gRPC server, the runtime-env and dashboard agents
+    and the autoscaler's metrics to 127.0.0.1 when that is the node's IP, but ray.init swaps
+    127.0.0.1 for this machine's address unless Ray runs local-only, as on macOS
+    (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, read when ray is imported: hence the constant).
+    """
+    from ray._private import ray_constants
+
+    clusters = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = clusters
+
+
+def replace_sigterm_exit(handler: Callable[..., None]) -> bool:
+    """Make a Ray worker's SIGTERM call `handler` instead of exiting; False outside a Ray worker.
+
+    Ray worker processes install a SIGTERM handler on their main thread that exits the process;
+    the training function runs on another thread, where `signal.signal` is not allowed. The
+    handler calls `ray._private.worker.raise_sys_exit_with_custom_error_message` by global name,
+    so replacing that name turns the exit into whatever `handler` does.
+    """
+    try:
+        import ray._private.worker as ray_worker
+    except ImportError:
+        return False
+    if not hasattr(ray_worker, "raise_sys_exit_with_custom_error_message"):
+        return False
+    ray_worker.raise_sys_exit_with_custom_error_message = handler
+    return True

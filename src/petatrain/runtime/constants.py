@@ -1,0 +1,54 @@
+"""Every Ray tunable and environment variable petatrain sets or reads, in one place.
+
+Set with `os.environ.setdefault` so that a user's own value wins. Names Ray reads are spelled as
+Ray spells them; the values are why petatrain differs from Ray's default.
+"""
+
+from __future__ import annotations
+
+import os
+
+# -- read by petatrain -------------------------------------------------------------------------
+CONTROLLER_ENV = "PETATRAIN_CONTROLLER"  # where Ray Train's controller runs: driver (default) or actor
+CONTROLLER_MODES = ("driver", "actor")
+RAY_ADDRESS_ENV = "RAY_ADDRESS"  # a cluster to join: the run is not local, so the driver's controller is off
+OMP_THREADS_ENV = "OMP_NUM_THREADS"  # the driver's choice, passed to the workers' runtime env
+
+# -- set for Ray before it starts (the driver's environment reaches the controller and workers) --
+# Faster failure detection than Ray Train's 2 s poll.
+HEALTH_CHECK_INTERVAL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
+HEALTH_CHECK_INTERVAL_S = "0.5"
+# Ray Train's print patch routes every print of a rank through the driver; petatrain logs instead.
+PRINT_PATCH_ENV = "RAY_TRAIN_ENABLE_PRINT_PATCH"
+# Preemption notices reach the loop as SIGTERM (runtime.worker.PreemptionNotice); Ray Train's drain
+# watcher is one more actor process per attempt that nothing here reads.
+PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
+# A local Ray's log monitor lists its log folder 10 times a second while it holds fewer files than
+# this; at 0 it does so every 0.5 s (new workers' output reaches the driver a little later). The
+# listing's CPU is taken from the training workers when they fill the machine.
+LOG_MONITOR_THRESHOLD_ENV = "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD"
+# A module path in it is imported and called by every new worker process that has it in its
+# environment (ray._private.ray_constants.WORKER_PROCESS_SETUP_HOOK_ENV_VAR; default_worker.py).
+WORKER_SETUP_HOOK_ENV = "__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR"
+
+
+def set_train_defaults() -> None:
+    """The Ray Train settings a training driver wants, unless the environment already chose."""
+    os.environ.setdefault(HEALTH_CHECK_INTERVAL_ENV, HEALTH_CHECK_INTERVAL_S)
+    os.environ.setdefault(PRINT_PATCH_ENV, "0")
+    os.environ.setdefault(PREEMPTION_WATCHER_ENV, "0")
+
+
+def set_local_cluster_defaults() -> None:
+    """Settings for a Ray this process starts on its own machine."""
+    os.environ.setdefault(LOG_MONITOR_THRESHOLD_ENV, "0")
+
+
+def controller_mode() -> str:
+    """Where Ray Train's controller runs: "driver" (the default) or "actor" (PETATRAIN_CONTROLLER)."""
+    from petatrain.errors import ConfigError
+
+    mode = os.environ.get(CONTROLLER_ENV, "driver")
+    if mode not in CONTROLLER_MODES:
+        raise ConfigError(f"{CONTROLLER_ENV}={mode!r}: driver (the default) or actor")
+    return mode
