@@ -66,9 +66,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ingest import WORK, write_results  # benchmarks/ is not a package
-from loader import _cpu_by_pid, _version
+from _common import WORK, cpu_by_pid, version, write_results  # benchmarks/ is not a package
 
 # GPT shapes (tied embeddings): params ~ 12 * n_layer * d_model^2 + vocab * d_model.
 SIZES = {
@@ -450,7 +448,7 @@ def run_row(row: str, size: str, state_gib: float, args: argparse.Namespace) -> 
     command = [sys.executable, __file__, "--row", row, "--size", size, "--folder", str(folder), "--out", str(out)]
     command += ["--seq-len", str(args.seq_len), "--batch", str(args.batch), "--steps", str(args.steps)]
     command += ["--repeats", str(args.repeats), "--interval", str(args.interval)]
-    started, before = time.perf_counter(), _cpu_by_pid()
+    started, before = time.perf_counter(), cpu_by_pid()
     try:
         result = subprocess.run(command, capture_output=True, text=True, timeout=args.row_timeout, check=False)
         if out.exists():
@@ -463,7 +461,7 @@ def run_row(row: str, size: str, state_gib: float, args: argparse.Namespace) -> 
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     wall = time.perf_counter() - started
-    after = _cpu_by_pid()
+    after = cpu_by_pid()
     foreign = sum(after[pid] - cpu for pid, cpu in before.items() if pid in after and pid != os.getpid())
     share = round(max(0.0, foreign) / (wall * (os.cpu_count() or 1)), 3)
     rows = row_result if row == "ray" and "error" not in row_result else {p: dict(row_result) for p in peers}
@@ -596,7 +594,7 @@ def main() -> None:
             "results": results,
             "seconds": round(total_s, 1),
         },
-        machine_extra={"petatrain": _version("petatrain"), "safetensors": _version("safetensors")},
+        machine_extra={"petatrain": version("petatrain"), "safetensors": version("safetensors")},
     )
 
 

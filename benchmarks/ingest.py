@@ -17,10 +17,8 @@ benchmarks/results/ingest.json with the machine it ran on.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import platform
 import re
 import shutil
 import sys
@@ -32,60 +30,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import xxhash
 
-HERE = Path(__file__).resolve().parent
-WORK = HERE / ".work"
-RESULTS = HERE / "results"
+from _common import WORK, corpus, write_results
+
 _WORD = re.compile(r"\w+")
-
-
-def write_results(name: str, fields: dict, *, machine_extra: dict | None = None) -> Path:
-    """benchmarks/results/NAME.json: the benchmark's name, the UTC date, the machine, then `fields`."""
-    RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / f"{name}.json"
-    record = {
-        "benchmark": name,
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": machine() | (machine_extra or {}),
-    }
-    out.write_text(json.dumps(record | fields, indent=2, default=float) + "\n")
-    print(f"wrote {out}")
-    return out
-
-
-def machine() -> dict:
-    cpu = ""
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as handle:
-        cpu = next((line.split(":", 1)[1].strip() for line in handle if line.startswith("model name")), "")
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    import ray
-    import torch
-
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "memory_gib": round(mem, 1),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "ray": ray.__version__,
-        "pyarrow": pa.__version__,
-        "torch": torch.__version__,
-        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-    }
-
-
-def corpus(mb: int) -> tuple[list[str], int]:
-    from petatrain.data import synth
-
-    folder = WORK / f"corpus-{mb}mb"
-    marker = folder / "DONE"
-    if not marker.exists():
-        shutil.rmtree(folder, ignore_errors=True)
-        docs = int(mb * 1e6 / 1200)  # ~1.1 KB per document with 150 words on average
-        print(f"generating ~{mb} MB corpus in {folder} ...", file=sys.stderr)
-        synth.generate(str(folder), documents=docs, files=max(4, mb // 10), mean_words=150, seed=1)
-        marker.write_text("")
-    files = sorted(str(p) for p in folder.glob("*.jsonl"))
-    return files, sum(os.path.getsize(f) for f in files)
 
 
 def run_petatrain(files: list[str], threshold: float) -> dict:

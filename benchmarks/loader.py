@@ -53,7 +53,6 @@ script imports `streaming.base` without the top-level package instead (`_streami
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.metadata
 import importlib.util
 import json
@@ -73,8 +72,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ingest import WORK, corpus, write_results  # benchmarks/ is not a package
+from _common import WORK, corpus, cpu_by_pid, version, write_results  # benchmarks/ is not a package
 
 CORPUS_MB = 300  # the ingest benchmark's corpus, shared through benchmarks/.work
 PEERS = ["raw", "raw-xxh3", "pyarrow", "petatrain", "mosaic", "ray", "torch"]
@@ -236,13 +234,6 @@ def _streaming() -> types.ModuleType | None:
     import streaming.base
 
     return streaming.base
-
-
-def _version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 # -- the rows (each runs in its own process) ------------------------------------------------------------
@@ -538,7 +529,7 @@ def run_row(peer: str, data: dict, args: argparse.Namespace, resume: tuple[str, 
     ]
     if resume:
         command += ["--resume-state", resume[0], "--resume-rest", resume[1]]
-    started, before = time.perf_counter(), _cpu_by_pid()
+    started, before = time.perf_counter(), cpu_by_pid()
     try:
         result = subprocess.run(command, capture_output=True, text=True, timeout=args.row_timeout, check=False)
     except subprocess.TimeoutExpired:
@@ -550,21 +541,10 @@ def run_row(peer: str, data: dict, args: argparse.Namespace, resume: tuple[str, 
     wall = time.perf_counter() - started
     row["process_s"] = round(wall, 2)
     # CPU that processes older than the row (another job on these cores) used meanwhile: it skews every number.
-    after = _cpu_by_pid()
+    after = cpu_by_pid()
     foreign = sum(after[pid] - cpu for pid, cpu in before.items() if pid in after and pid != os.getpid())
     row["foreign_cpu_share"] = round(max(0.0, foreign) / (wall * (os.cpu_count() or 1)), 3)
     return row
-
-
-def _cpu_by_pid() -> dict[int, float]:
-    """CPU seconds of every process, with the children it reaped (but not init's: it reaps our orphans)."""
-    out = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError), open(f"/proc/{entry}/stat") as handle:
-                ticks = [int(v) for v in handle.read().rsplit(")", 1)[1].split()[11:15]]
-                out[int(entry)] = sum(ticks[:2] if entry == "1" else ticks) / os.sysconf("SC_CLK_TCK")
-    return out
 
 
 def child(args: argparse.Namespace) -> None:
@@ -736,9 +716,9 @@ def main() -> None:
             "seconds": {"prepare": round(prepared_s, 1), "total": round(total_s, 1)},
         },
         machine_extra={
-            "streaming": _version("mosaicml-streaming"),
+            "streaming": version("mosaicml-streaming"),
             "numpy": np.__version__,
-            "petatrain": _version("petatrain"),
+            "petatrain": version("petatrain"),
         },
     )
 

@@ -62,7 +62,7 @@ import threading
 import time
 from pathlib import Path
 
-from ingest import write_results
+from _common import write_results
 from recovery import ROOT, TINY
 from recovery import dataset as token_dataset
 

@@ -44,7 +44,7 @@ import sys
 import time
 from pathlib import Path
 
-from ingest import write_results  # benchmarks/ is not a package
+from _common import write_results  # benchmarks/ is not a package
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent

@@ -29,7 +29,7 @@ ROOT = HERE.parent
 WORK = HERE / ".work"
 sys.path.insert(0, str(HERE))
 
-from ingest import write_results  # noqa: E402
+from _common import write_results  # noqa: E402
 from petatrain.chaos.soak import parse_duration  # noqa: E402
 
 
