@@ -69,8 +69,8 @@ def test_heartbeat_dates_the_last_step_not_the_message(ray_local, tmp_path):
     long ago that was, and the hub dates the beat by it on its own clock."""
     import time
 
+    from petatrain.runtime.worker import Telemetry
     from petatrain.train.hub import RunHub
-    from petatrain.train.loop import Telemetry
 
     sent = []
 

@@ -1,4 +1,4 @@
-"""Spare worker processes (petatrain.train.spares): started while a rank trains, taken by the next ranks."""
+"""Spare worker processes (petatrain.runtime.spares): started while a rank trains, taken by the next ranks."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 import time
 import uuid
 
-from petatrain.train import spares
+from petatrain.runtime import spares
 
 
 def _wait_ready(rank, ray, count: int, timeout_s: float = 120.0) -> list[dict]:

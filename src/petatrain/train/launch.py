@@ -26,9 +26,10 @@ from typing import Any
 from petatrain.chaos.inject import Injection
 from petatrain.config import JobConfig
 from petatrain.errors import ConfigError, PetatrainError
+from petatrain.runtime import spares
 from petatrain.storage import StorageOptions, join
 from petatrain.storage.fs import atomic_write, is_local, resolve
-from petatrain.train import run_dir, spares
+from petatrain.train import run_dir
 
 log = logging.getLogger(__name__)
 
@@ -316,9 +317,11 @@ def _for_workers(options: StorageOptions | None) -> StorageOptions:
 
 
 def _entry(config: dict[str, Any]) -> None:
+    from petatrain.runtime.worker import RankEnv
     from petatrain.train.loop import train_worker
 
-    train_worker(config["payload"])
+    payload = config["payload"]
+    train_worker(payload, RankEnv.from_ray(payload.hub, payload.attempt))
 
 
 def _make_trainer(cfg, payload, world: int, run_id: str, attempt: int, job: TrainJob):

@@ -15,7 +15,6 @@ import logging
 import math
 import os
 import signal
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -28,17 +27,17 @@ from petatrain.chaos import inject
 from petatrain.config import JobConfig
 from petatrain.errors import ConfigError, CorruptDataError, PetatrainError
 from petatrain.models import ModelSpec, build_model
+from petatrain.runtime import failures
+from petatrain.runtime.worker import RankEnv, Telemetry
 from petatrain.storage import StorageOptions, join
 from petatrain.storage.fs import atomic_write
 from petatrain.train import checkpoint as ckpt
-from petatrain.train import spares
 from petatrain.train.parallel import load_into, parallelize, read_for_resume, state_for_save
 
 log = logging.getLogger(__name__)
 
 
-class Preempted(PetatrainError):
-    """Raised after a preemption notice once the checkpoint of the current step is committed."""
+Preempted = failures.Preempted  # raised here; the supervisor knows it by type
 
 
 class NonFiniteLoss(PetatrainError):
@@ -57,100 +56,6 @@ class Payload:
     run_started: float
     injections: list[inject.Injection]
     stop_at: float | None = None  # unix time: stop at the first step boundary after it (soak windows)
-
-
-class PreemptionNotice:
-    """Turns SIGTERM into a flag the loop checks at the step boundary.
-
-    Ray worker processes install a SIGTERM handler on their main thread that exits the
-    process; the training function runs on another thread, where `signal.signal` is not
-    allowed. The handler calls `ray._private.worker.raise_sys_exit_with_custom_error_message`
-    by global name, so replacing that name turns the exit into a flag. Checked by
-    tests/test_train.py (preempt: zero steps lost).
-    """
-
-    def __init__(self) -> None:
-        self.received_at: float | None = None
-        try:
-            import ray._private.worker as ray_worker
-
-            ray_worker.raise_sys_exit_with_custom_error_message = self._on_sigterm
-        except (ImportError, AttributeError):  # outside Ray: a plain handler
-            import signal
-
-            with contextlib.suppress(ValueError):
-                signal.signal(signal.SIGTERM, lambda *_: self._on_sigterm())
-
-    def _on_sigterm(self, *args: Any, **kwargs: Any) -> None:
-        if self.received_at is None:
-            self.received_at = time.time()
-
-    @property
-    def received(self) -> bool:
-        return self.received_at is not None
-
-    def wait(self, timeout_s: float) -> bool:
-        """Until the handler has run (an injected notice: Python runs it on the main thread, which
-        may get the GIL only after this thread's next step has read the flag); True if it has."""
-        deadline = time.monotonic() + timeout_s
-        while not self.received and time.monotonic() < deadline:
-            time.sleep(0.001)
-        return self.received
-
-
-class Telemetry:
-    """Events and heartbeats sent to the run hub at most every `period_s`.
-
-    Rank 0 sends the step events, every rank its heartbeat, once a second. Events keep the
-    time they happened and reach the ledger in the order they were recorded (one channel
-    per rank: the checkpoint writer's commit events go through it too, after the snapshot
-    event). `flush()` is forced before anything that must be in the ledger at once (an
-    injected fault, the end of the loop, a commit: rank 0 may be killed right after it when
-    another rank failed, `CommitDrain`). The heartbeat
-    says how long ago the last step ended, so the watchdog measures a hang from the last
-    step, not from the last message.
-    """
-
-    def __init__(self, hub: Any, attempt: int, rank: int, node_id: str, period_s: float = 1.0):
-        self.hub, self.attempt, self.rank, self.node_id, self.period_s = hub, attempt, rank, node_id, period_s
-        self.pending: list[tuple[str, dict[str, Any]]] = []
-        self.step = -1
-        self.step_at = time.time()
-        self.sent_at = 0.0
-        self._lock = threading.Lock()  # the checkpoint writer's thread records too
-
-    def record(self, event: str, **fields: Any) -> None:
-        with self._lock:
-            self.pending.append((event, {"attempt": self.attempt, "t": time.time(), **fields}))
-
-    def progress(self, step: int, *, now: bool = False) -> None:
-        """Step `step` ended; sent with the next flush (at once if `now`)."""
-        self.step, self.step_at = step, time.time()
-        if now or time.monotonic() - self.sent_at >= self.period_s:
-            self.flush()
-
-    def commit(self, info: dict[str, Any]) -> None:
-        """The checkpoint writer committed (after its snapshot event if asynchronous); sent at once."""
-        self.record("checkpoint_commit", **info)
-        self.flush()
-
-    def alive(self) -> None:
-        """The loop is waiting on this rank's checkpoint write: progress for the watchdog, not a step."""
-        self.step_at = time.time()
-        self.flush()
-
-    def flush(self, wait: bool = False) -> None:
-        """Send what is pending; with `wait`, return once the hub has it (before the process may end).
-        Any thread may call it: batches leave in the order they were taken."""
-        with self._lock:
-            events, self.pending = self.pending, []
-            age = time.time() - self.step_at if self.step >= 0 else 0.0
-            ref = self.hub.telemetry.remote(events, self.attempt, self.rank, self.step, os.getpid(), self.node_id, age)
-            self.sent_at = time.monotonic()
-        if wait:
-            import ray
-
-            ray.get(ref)
 
 
 class TokenBatches:
@@ -316,36 +221,26 @@ class CheckpointSchedule:
         self.write_s = write_s
 
 
-def train_worker(payload: Payload) -> None:
-    """Entry point of one rank, called by Ray Train's TorchTrainer."""
-    import ray
-    import ray.train
-
+def train_worker(payload: Payload, env: RankEnv) -> None:
+    """Entry point of one rank; `env` is what Ray Train gave it (runtime.worker.RankEnv.from_ray)."""
     cfg = config_mod.build(JobConfig, payload.config)
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    next_ranks = spares.Spares(ctx.get_local_rank(), ctx.get_local_world_size(), enabled=spares.wanted(cfg))
-    hub, attempt = payload.hub, payload.attempt
-    preemption = PreemptionNotice()
+    rank, world = env.rank, env.world
+    next_ranks = env.next_ranks(cfg)
+    hub = env.hub
+    preemption = env.preemption_notice()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the watchdog asks for stacks before a kill
-    node_id = ray.get_runtime_context().get_node_id()
-
-    def emit(event: str, sync: bool = False, **fields: Any) -> None:
-        ref = hub.emit.remote(event, {"attempt": attempt, **fields})
-        if sync:
-            ray.get(ref)
-
+    emit = hub.emit
     emit(
         "worker_start",
         rank=rank,
         pid=os.getpid(),
-        node=node_id,
-        warm_up=spares.warmed(),
+        node=env.node_id,
+        warm_up=env.warm_up(),
         torch_threads=torch.get_num_threads(),
     )
-    hub.beat.remote(attempt, rank, -1, os.getpid(), node_id)
+    hub.beat(-1)
 
-    device = ray.train.torch.get_device() if cfg.resources.accelerator != "cpu" else torch.device("cpu")
+    device = env.device(cfg.resources.accelerator)
     if cfg.train.deterministic:
         torch.use_deterministic_algorithms(True)
         if device.type == "cuda":
@@ -368,14 +263,14 @@ def train_worker(payload: Payload) -> None:
     # Events go to the hub once a second (an actor call per step cost ~1.5% of the step rate on
     # two CPU cores). A rank killed with events still buffered leaves up to a second of steps
     # out of the ledger, so around another rank's injected fault every step is sent at once.
-    telemetry = Telemetry(hub, attempt, rank, node_id, period_s=1.0)
+    telemetry = hub.telemetry(period_s=1.0)
     faults = ckpt.StorageFaults()
     buffers = ckpt.HostBuffers()
     writer = ckpt.CheckpointWriter(
         payload.run_url,
         payload.options,
-        report_part=lambda s, r, f: ray.get(hub.report_part.remote(attempt, s, r, f)),
-        wait_parts=lambda s, w, t: ray.get(hub.wait_parts.remote(attempt, s, w, t)),
+        report_part=hub.report_part,
+        wait_parts=hub.wait_parts,
         on_commit=telemetry.commit,
         keep_last=cfg.checkpoint.keep_last,
         keep_every=cfg.checkpoint.keep_every,
@@ -409,7 +304,7 @@ def train_worker(payload: Payload) -> None:
     tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
     # Each injection fires once per run: drop those an earlier attempt fired (a warm standby's
     # payload is built before the fault that ends the attempt it replaces).
-    fired = set(ray.get(hub.fired_keys.remote())) if payload.injections else set()
+    fired = hub.fired_keys() if payload.injections else set()
     injections = [i for i in payload.injections if i.key not in fired]
     pending = [i for i in injections if i.rank == rank]
     others = [i for i in injections if i.rank != rank]
@@ -500,7 +395,7 @@ def train_worker(payload: Payload) -> None:
                     log.warning("%s: rank %d is not on a node the harness can cut; not fired", injection.key, rank)
                     continue
                 fields = {"fault": injection.kind, "step": step, "rank": rank, "key": injection.key}
-                if not ray.get(hub.fire.remote(injection.key, {"attempt": attempt, **fields})):
+                if not hub.fire(injection.key, fields):
                     continue
                 if injection.kind == "storage":
                     faults.arm(injection.count)

@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 # ray._private.ray_constants.WORKER_PROCESS_SETUP_HOOK_ENV_VAR: a module path in it is imported
 # and called by every new worker process that has it in its environment (default_worker.py).
 HOOK_ENV = "__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR"
-HOOK = "petatrain.train.spares.warm_up"
+HOOK = "petatrain.runtime.spares.warm_up"
 # What a rank imports before its first step, heaviest first (torch ~1.0 s, Ray Train ~0.8 s of CPU).
 MODULES = (
     "torch",
