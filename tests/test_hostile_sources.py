@@ -20,7 +20,8 @@ import pytest
 
 from petatrain.config import IngestConfig
 from petatrain.data import index, sources
-from petatrain.data.ingest import IngestJob, _StageOne, run
+from petatrain.data.ingest import IngestJob, run
+from petatrain.data.stages import ReadCleanSign
 from petatrain.storage import read_bytes
 from petatrain.storage.fs import expand_sources
 
@@ -42,7 +43,7 @@ def _tar(members: list[tuple[str, bytes]]) -> bytes:
 def _stage_one_read(path, **cfg) -> sources.FileRecords:
     """What ingest's first stage reads from one source file, in this process (so a test can
     patch a module constant)."""
-    stage = _StageOne(staging=str(path.parent / "staging"), cfg=IngestConfig(**cfg), options=None, lsh=None)
+    stage = ReadCleanSign(staging=str(path.parent / "staging"), cfg=IngestConfig(**cfg), options=None, lsh=None)
     return stage._read(str(path))[0]
 
 

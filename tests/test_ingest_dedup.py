@@ -74,12 +74,13 @@ def test_dedup_decisions_do_not_depend_on_partitioning(corpus, tmp_path):
 
     import pyarrow.parquet as pq
 
+    from petatrain.config import IngestConfig
     from petatrain.data import dedup
-    from petatrain.data.ingest import FILE_BITS, IngestConfig, _StageOne
     from petatrain.data.minhash import LSHParams
+    from petatrain.data.stages import FILE_BITS, ReadCleanSign
 
     lsh = LSHParams.for_threshold(0.8)
-    stage = _StageOne(staging=str(tmp_path / "stg"), cfg=IngestConfig(), options=None, lsh=lsh)
+    stage = ReadCleanSign(staging=str(tmp_path / "stg"), cfg=IngestConfig(), options=None, lsh=lsh)
     for i, path in enumerate(corpus.files):
         stage({"url": path, "file_ord": i, "size": 0})
     sigs = sorted(glob.glob(str(tmp_path / "stg" / "sigs" / "*.parquet")))

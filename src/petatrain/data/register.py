@@ -8,21 +8,18 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from petatrain.data import index as idx
 from petatrain.data.buffers import arrow_reader
+from petatrain.data.job import IngestJob, IngestSummary
 from petatrain.errors import PetatrainError
 from petatrain.storage import read_bytes
 from petatrain.storage.checksum import checksum_bytes
 from petatrain.storage.fs import SourceFile
 from petatrain.storage.lock import Lease
-
-if TYPE_CHECKING:
-    from petatrain.data.ingest import IngestJob, IngestSummary
 
 
 def _describe(f: SourceFile, options) -> dict:

@@ -1,0 +1,53 @@
+"""What an ingest is asked to do (`IngestJob`) and what it did (`IngestSummary`).
+
+Their own module, so that the ingest stages, `--register` and the API share them without
+importing one another.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from petatrain.config import IngestConfig
+from petatrain.storage import StorageOptions
+
+
+@dataclass(kw_only=True)
+class IngestSummary:
+    """What one `petatrain ingest` did; `--json` prints this."""
+
+    dataset: str
+    rows_in: int = 0
+    rows_out: int = 0
+    rejected: dict[str, int] = field(default_factory=dict)
+    exact_duplicates: int = 0
+    near_duplicates: int = 0
+    shards: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    input_bytes: int = 0
+    files_new: int = 0
+    files_already_ingested: int = 0
+    tokens: int = 0
+    tokens_left_over: int = 0
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+    note: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(kw_only=True)
+class IngestJob:
+    sources: list[str]
+    out: str
+    config: IngestConfig = field(default_factory=IngestConfig)
+    append: bool = False
+    register: bool = False
+    address: str = ""
+    local_cpus: int = 0  # CPUs of a local Ray started for this job (0: all)
+    options: StorageOptions | None = None
+    # Called as each stage starts ("start") and ends ("done"), for a console's progress.
+    on_stage: Callable[[str, str], None] | None = None

@@ -1,0 +1,317 @@
+"""The ingest stages that run as Ray Data tasks, and the shard plan between them.
+
+`ReadCleanSign` turns one source file into staged documents, dedup signatures and rejects;
+`plan_shards` cuts the kept documents, in input order, into shards; `ShardWriter` writes
+one shard (tokenised and packed if asked) and the dedup state an `--append` compares
+against. `ingest.py` runs them in order and commits.
+
+A document's id (`ord`) is `file_ord << FILE_BITS | record number`: input order, which
+makes every decision independent of how many workers ran.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import Counter
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import xxhash
+
+from petatrain.config import IngestConfig
+from petatrain.data import clean as cleaning
+from petatrain.data import sources as src
+from petatrain.data import tokenize as tk
+from petatrain.data.buffers import arrow_reader
+from petatrain.data.minhash import LSHParams, signatures
+from petatrain.errors import PetatrainError
+from petatrain.storage import StorageOptions, atomic_write, join, read_bytes
+from petatrain.storage.checksum import checksum_bytes
+from petatrain.storage.fs import resolve
+from petatrain.storage.retry import retrying
+
+FILE_BITS = 36  # records per file < 2^36; files per dataset < 2^27
+_STAGED_ROW_GROUP = 4096
+_SHARD_ROW_GROUP = 4096
+_SIGN_CHUNK = 2048  # documents per MinHash batch (bounds the (perms, shingles) block)
+
+
+class ReadCleanSign:
+    """Ray Data task body: one source file -> staged docs, signatures and rejects."""
+
+    def __init__(self, *, staging: str, cfg: IngestConfig, options: StorageOptions | None, lsh: LSHParams | None):
+        self.staging, self.cfg, self.options, self.lsh = staging, cfg, options, lsh
+
+    def __call__(self, item: dict[str, Any]) -> dict[str, Any]:
+        url, file_ord = item["url"], int(item["file_ord"])
+        records, checksum, size = self._read(url)
+        records = cleaning.clean(records, min_chars=self.cfg.min_chars, max_chars=self.cfg.max_chars)
+        ords = (np.int64(file_ord) << np.int64(FILE_BITS)) | np.asarray(records.index, dtype=np.int64)
+        encoded = [t.encode("utf-8") for t in records.text]
+        nbytes = np.fromiter((len(b) for b in encoded), dtype=np.int64, count=len(encoded))
+        name = f"f-{file_ord:08d}.parquet"
+        docs = pa.table({"ord": ords, "text": pa.array(records.text, pa.large_string())})
+        write_parquet(join(self.staging, "docs", name), docs, self.options, row_group_size=_STAGED_ROW_GROUP)
+        if self.cfg.dedup != "none":
+            digests = [xxhash.xxh3_128_intdigest(b) for b in encoded]
+            columns = {
+                "ord": ords,
+                "nbytes": nbytes,
+                "h_hi": np.fromiter((d >> 64 for d in digests), dtype=np.uint64, count=len(digests)),
+                "h_lo": np.fromiter((d & 0xFFFFFFFFFFFFFFFF for d in digests), dtype=np.uint64, count=len(digests)),
+            }
+            if self.lsh is not None:
+                columns["sig"] = sign(docs.column("text"), self.lsh)
+            write_parquet(
+                join(self.staging, "sigs", name), pa.table(columns), self.options, row_group_size=_STAGED_ROW_GROUP
+            )
+        reasons = Counter(r.reason for r in records.rejects)
+        if records.rejects:
+            rejects = pa.table(
+                {
+                    "source": [url] * len(records.rejects),
+                    "record": [r.index for r in records.rejects],
+                    "reason": [r.reason for r in records.rejects],
+                    "detail": [r.detail for r in records.rejects],
+                    "raw": pa.array([r.raw for r in records.rejects], pa.large_binary()),
+                }
+            )
+            write_parquet(join(self.staging, "rejects", name), rejects, self.options)
+        return {
+            "file_ord": file_ord,
+            "url": url,
+            "checksum": checksum,
+            "size": size,
+            "rows_in": len(records.index) + len(records.rejects),
+            "kept": len(records.index),
+            "kept_bytes": int(nbytes.sum()),
+            "rejects": json.dumps(dict(reasons)),
+        }
+
+    def _read(self, url: str) -> tuple[src.FileRecords, str, int]:
+        try:
+            data = read_bytes(url, self.options)
+        except FileNotFoundError:
+            raise PetatrainError(f"source disappeared during the ingest: {url}") from None
+        except PermissionError as exc:
+            raise PetatrainError(f"source not readable: {url} ({exc})") from None
+        checksum, size = checksum_bytes(data), len(data)
+        try:
+            fmt = self.cfg.format if self.cfg.format != "auto" else src.detect_format(url)
+            data = src.decompress(url, data)
+        except Exception as exc:
+            records = src.FileRecords()
+            records.reject(0, "unreadable_file", f"{type(exc).__name__}: {exc}"[:500])
+            return records, checksum, size
+        records = src.read_file(url, data, fmt, self.cfg.text_field, max_chars=self.cfg.max_chars)
+        return records, checksum, size
+
+
+def sign(texts: pa.ChunkedArray, lsh: LSHParams) -> pa.Array:
+    """MinHash signatures as fixed_size_binary(2 * num_perm), computed in chunks."""
+    flat = texts.combine_chunks()
+    parts = [signatures(flat.slice(i, _SIGN_CHUNK), lsh) for i in range(0, len(flat), _SIGN_CHUNK)]
+    sig = np.concatenate(parts) if parts else np.empty((0, lsh.num_perm), np.uint16)
+    width = sig.itemsize * lsh.num_perm
+    return pa.FixedSizeBinaryArray.from_buffers(
+        pa.binary(width), len(sig), [None, pa.py_buffer(np.ascontiguousarray(sig).tobytes())]
+    )
+
+
+def write_parquet(url: str, table: pa.Table, options: StorageOptions | None, **kwargs) -> tuple[str, int]:
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink, **kwargs)
+    return atomic_write(url, sink.getvalue().to_pybytes(), options)
+
+
+def read_parquet(url: str, options: StorageOptions | None) -> pq.ParquetFile:
+    return pq.ParquetFile(arrow_reader(read_bytes(url, options)))
+
+
+def plan_shards(file_stats: list[dict], drops: dict[int, dict], shard_bytes: int, *, first_shard: int) -> list[dict]:
+    """Cut the documents, in input order, into shards of about `shard_bytes` kept bytes.
+
+    Segments are ranges of staged rows of one file; a file's kept bytes per staged row
+    is its average, so the plan needs per-file counts only.
+    """
+    specs: list[dict] = []
+    segments: list[list[int]] = []
+    budget = float(shard_bytes)
+    for stat in file_stats:
+        staged, kept_bytes = stat["kept"], stat["kept_bytes"]
+        if staged == 0:
+            continue
+        dropped = drops.get(stat["file_ord"], {})
+        kept_bytes -= dropped.get("dropped_bytes", 0)
+        if staged - dropped.get("dropped", 0) == 0:
+            continue
+        per_row = max(kept_bytes / staged, 1e-9)
+        start = 0
+        while start < staged:
+            take = min(staged - start, max(1, math.ceil(budget / per_row)))
+            segments.append([stat["file_ord"], start, start + take])
+            budget -= take * per_row
+            start += take
+            if budget <= 0:
+                specs.append({"shard": first_shard + len(specs), "segments": json.dumps(segments)})
+                segments, budget = [], float(shard_bytes)
+    if segments:
+        specs.append({"shard": first_shard + len(specs), "segments": json.dumps(segments)})
+    return specs
+
+
+class ShardWriter:
+    """Ray Data task body: one shard spec -> a Parquet shard (+ its dedup state)."""
+
+    def __init__(
+        self,
+        *,
+        out: str,
+        staging: str,
+        cfg: IngestConfig,
+        options: StorageOptions | None,
+        num_groups: int,
+        tokenizer_json: str | None,
+        batch: int,
+        keep_state: bool,
+    ):
+        self.out, self.staging, self.cfg, self.options = out, staging, cfg, options
+        self.num_groups, self.tokenizer_json, self.batch, self.keep_state = (
+            num_groups,
+            tokenizer_json,
+            batch,
+            keep_state,
+        )
+        self._tokenizer = None
+        self._byte_table = None
+        self._groups: dict[int, np.ndarray] = {}
+
+    def __call__(self, spec: dict[str, Any]) -> dict[str, Any]:
+        shard = int(spec["shard"])
+        ords, texts, state = [], [], []
+        for file_ord, start, end in json.loads(spec["segments"]):
+            docs = self._rows(file_ord, start, end, "docs")
+            ords_here = docs.column("ord").to_numpy()
+            keep = (
+                ~np.isin(ords_here, self._drops(file_ord))
+                if self.cfg.dedup != "none"
+                else np.ones(len(ords_here), dtype=bool)
+            )
+            ords.append(ords_here[keep])
+            texts.append(docs.column("text").filter(pa.array(keep)))
+            if self.keep_state:  # staged signatures are row-aligned with staged docs
+                state.append(self._rows(file_ord, start, end, "sigs").filter(pa.array(keep)))
+        ord_arr = np.concatenate(ords)
+        text_arr = pa.chunked_array([c for t in texts for c in t.chunks], pa.large_string())
+        table, tokens, left_over = self._table(ord_arr, text_arr)
+        path = f"data/part-{shard:06d}.parquet"
+        checksum, size = write_parquet(join(self.out, path), table, self.options, **shard_layout(table))
+        result = {
+            "shard": shard,
+            "path": path,
+            "rows": table.num_rows,
+            "bytes": size,
+            "checksum": checksum,
+            "docs": len(ord_arr),
+            "tokens": tokens,
+            "left_over": left_over,
+            "state": "",
+            "state_checksum": "",
+        }
+        if self.keep_state and state:
+            state_path = f"_index/dedup/b{self.batch:06d}-part-{shard:06d}.parquet"
+            result["state_checksum"], _ = write_parquet(
+                join(self.staging, "state", os.path.basename(state_path)), pa.concat_tables(state), self.options
+            )
+            result["state"] = state_path
+        return result
+
+    def _rows(self, file_ord: int, start: int, end: int, kind: str) -> pa.Table:
+        """Rows [start, end) of a staged file, reading only the row groups that hold them
+        (a large file is split over several shards; no shard reads all of it)."""
+        url = join(self.staging, kind, f"f-{file_ord:08d}.parquet")
+        fs, path = resolve(url, self.options)
+
+        def read() -> pa.Table:
+            with fs.open(path, "rb") as handle:
+                parquet = pq.ParquetFile(handle)
+                groups, first, offset = [], None, 0
+                for g in range(parquet.num_row_groups):
+                    n = parquet.metadata.row_group(g).num_rows
+                    if offset + n > start and offset < end:
+                        groups.append(g)
+                        first = offset if first is None else first
+                    offset += n
+                return parquet.read_row_groups(groups).slice(start - first, end - start)
+
+        return retrying(f"read {url}", read)
+
+    def _drops(self, file_ord: int) -> np.ndarray:
+        """Ords of this file's documents that dedup dropped (each group file read once)."""
+        group = file_ord % self.num_groups
+        if group not in self._groups:
+            url = join(self.staging, "dups", f"g-{group:05d}.parquet")
+            table = pq.ParquetFile(arrow_reader(read_bytes(url, self.options))).read(columns=["ord"])
+            self._groups[group] = table.column("ord").to_numpy()
+        ords = self._groups[group]
+        return ords[(ords >> FILE_BITS) == file_ord]
+
+    def _table(self, ords: np.ndarray, texts: pa.ChunkedArray) -> tuple[pa.Table, int, int]:
+        if not self.tokenizer_json:
+            return pa.table({"id": ords, "text": texts}), 0, 0
+        if self._tokenizer is None:
+            from tokenizers import Tokenizer
+
+            self._tokenizer = Tokenizer.from_str(self.tokenizer_json)
+            self._byte_table = tk.byte_table(self._tokenizer)
+        tok = self._tokenizer
+        dtype = tk.token_dtype(tok)
+        encoded = tk.encode(tok, texts.to_pylist(), self._byte_table)
+        tokens = int(sum(len(e) for e in encoded))
+        if self.cfg.pack_length:
+            rows, left = tk.pack(encoded, self.cfg.pack_length, tk.eos_id(tok), dtype)
+            width = self.cfg.pack_length * dtype.itemsize
+            column = pa.FixedSizeBinaryArray.from_buffers(
+                pa.binary(width), len(rows), [None, pa.py_buffer(rows.tobytes())]
+            )
+            schema = pa.schema([pa.field("tokens", column.type, nullable=False)])
+            return pa.table([column], schema=schema), tokens, left
+        column = pa.array([e.tobytes() for e in encoded], pa.large_binary())
+        return (
+            pa.table(
+                {
+                    "id": ords,
+                    "text": texts,
+                    "tokens": column,
+                    "num_tokens": pa.array([len(e) for e in encoded], pa.int32()),
+                }
+            ),
+            tokens,
+            0,
+        )
+
+
+def shard_layout(table: pa.Table) -> dict[str, Any]:
+    """Parquet settings for a shard.
+
+    Token columns are stored so that reading them costs what the bytes cost: no
+    compression, no dictionary, no statistics. A packed shard (one required
+    fixed-width `tokens` column) is one row group holding one data page, so its values
+    are a single contiguous run of bytes in the file that a loader can map without
+    decoding (`stream._zero_copy_view`); any Parquet reader still reads it normally.
+    Text is zstd-compressed in row groups of 4096 rows.
+    """
+    layout: dict[str, Any] = {
+        "row_group_size": _SHARD_ROW_GROUP,
+        "compression": {name: ("none" if name == "tokens" else "zstd") for name in table.column_names},
+        "use_dictionary": [name for name in table.column_names if name != "tokens"],
+        "write_statistics": [name for name in table.column_names if name != "tokens"],
+    }
+    if table.column_names == ["tokens"] and pa.types.is_fixed_size_binary(table.schema.field("tokens").type):
+        rows = max(1, table.num_rows)
+        layout.update(row_group_size=rows, data_page_size=(1 << 31) - 1, max_rows_per_page=rows)
+    return layout
