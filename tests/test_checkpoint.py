@@ -212,7 +212,7 @@ def test_reshard_copies_each_ranks_rows_out_of_the_old_files_that_hold_them():
     import torch
 
     from petatrain.errors import CorruptDataError
-    from petatrain.train.parallel import chunk_rows, reshard
+    from petatrain.train.strategies.fsdp import chunk_rows, reshard
 
     for rows in (1, 2, 5, 10):  # FSDP2 splits dim 0 as torch.chunk does, empty chunks at the end
         for world in (1, 2, 3, 4):

@@ -281,12 +281,12 @@ def measure_peak(cfg: JobConfig) -> int:
     """MemTracker's peak over one real training step (after a warm-up step)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from petatrain.plan.profile import make_optimizer
+    from petatrain.train.recipe import build_optimizer
 
     torch.manual_seed(0)
     spec = build_model(cfg.model, cfg.train)
     model = spec.module.train()
-    opt = make_optimizer(model, cfg.train)
+    opt = build_optimizer(model, cfg.train)
     accumulation = cfg.train.global_batch // cfg.train.micro_batch
     tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch, cfg.model.seq_len + 1))
 

@@ -1,7 +1,8 @@
 """`petatrain profile`: run real training steps here, measure them, hold the plan's estimate to them.
 
-One process, the configured model (models.build_model), the configured optimizer and
-precision, the full global batch as gradient-accumulation micro-batches. Measured:
+One process, the configured model (models.build_model) and the step `train` runs
+(train.recipe: its optimizer and parameter groups, learning rate, micro-batching, loss,
+gradient clipping), the full global batch as gradient-accumulation micro-batches. Measured:
 
 - peak memory: on a GPU `torch.cuda.max_memory_allocated`; on the CPU torch's own
   `MemTracker` (torch.distributed._tools) around one extra real step. MemTracker is a
@@ -21,7 +22,6 @@ next `petatrain plan` uses instead of the catalog default for that accelerator.
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
 import logging
 import time
@@ -36,6 +36,7 @@ from petatrain.plan import estimate as est
 from petatrain.plan.calibration import Calibration, load_calibrations, save_calibration
 from petatrain.plan.catalog import load_catalog
 from petatrain.plan.flops import FlopCounter
+from petatrain.train import recipe
 
 log = logging.getLogger(__name__)
 
@@ -62,15 +63,6 @@ def catalog_name(device_name: str) -> str | None:
         if needle.lower() in device_name.lower():
             return name
     return None
-
-
-def make_optimizer(model: torch.nn.Module, train) -> torch.optim.Optimizer:
-    """The optimizer the plan models: AdamW (fp32 m, v) or SGD with momentum (one fp32 buffer)."""
-    if train.optimizer == "adamw":
-        return torch.optim.AdamW(
-            model.parameters(), lr=train.lr, betas=(train.beta1, train.beta2), weight_decay=train.weight_decay
-        )
-    return torch.optim.SGD(model.parameters(), lr=train.lr, momentum=0.9, weight_decay=train.weight_decay)
 
 
 def measure_cpu_matmul_peak(dtype: torch.dtype = torch.float32, n: int = 1024, repeats: int = 5) -> float:
@@ -130,16 +122,14 @@ def profile(cfg: JobConfig, *, steps: int = 5, use_dataset: bool = False, save: 
     torch.manual_seed(tr.seed)
     spec = build_model(cfg.model, tr)
     model = spec.module.to(device).train()
-    optimizer = make_optimizer(model, tr)
-    accumulation = tr.global_batch // tr.micro_batch
+    optimizer = recipe.build_optimizer(model, tr)
+    _, accumulation = recipe.micro_batching(tr, 1)
     batches = _Batches(cfg, device, use_dataset)
-
-    def autocast():
-        if tr.precision == "bf16-mixed":
-            return torch.autocast(device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+    taken = 0
 
     def step(timings: dict[str, float] | None, before_micro_batch=None) -> None:
+        nonlocal taken
+        recipe.set_lr(optimizer, taken, tr)
         for _ in range(accumulation):
             if before_micro_batch is not None:
                 before_micro_batch()
@@ -147,8 +137,7 @@ def profile(cfg: JobConfig, *, steps: int = 5, use_dataset: bool = False, save: 
             tokens = batches.next()
             _sync(device)
             t1 = time.perf_counter()
-            with autocast():
-                loss = spec.loss_fn(model, tokens) / accumulation
+            loss = recipe.micro_batch_loss(spec.loss_fn, model, tokens, accumulation, recipe.autocast(tr, device))
             _sync(device)
             t2 = time.perf_counter()
             loss.backward()
@@ -159,9 +148,11 @@ def profile(cfg: JobConfig, *, steps: int = 5, use_dataset: bool = False, save: 
                 timings["forward"] += t2 - t1
                 timings["backward"] += t3 - t2
         t4 = time.perf_counter()
+        recipe.clip_gradients(model, tr.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         _sync(device)
+        taken += 1
         if timings is not None:
             timings["optimizer"] += time.perf_counter() - t4
 
@@ -186,7 +177,7 @@ def profile(cfg: JobConfig, *, steps: int = 5, use_dataset: bool = False, save: 
         memory_method = "torch.cuda.max_memory_allocated"
 
     # FLOPs of one micro-batch's forward + backward, counted kernel by kernel.
-    with FlopCounter() as counter, autocast():
+    with FlopCounter() as counter, recipe.autocast(tr, device):
         spec.loss_fn(model, batches.next()).backward()
     optimizer.zero_grad(set_to_none=True)
     counted_flops = counter.total * accumulation

@@ -13,15 +13,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from petatrain.config import JobConfig, parse_size
+from petatrain.errors import ConfigError
 from petatrain.plan import estimate as est
 from petatrain.plan.calibration import Calibration, load_calibrations
 from petatrain.plan.catalog import GIB, Accelerator, find, load_catalog
+from petatrain.train import recipe, strategies
+from petatrain.train.strategies import OVERLAP
 
-STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "pipeline")
+STRATEGIES = tuple(strategies.REGISTRY)
 # Achieved collective bus bandwidth over the link's peak (nccl-tests reach ~80% on NVLink and IB).
 LINK_EFFICIENCY = 0.8
-# Share of the backward (DDP, ZeRO) or forward+backward (FSDP) compute that hides communication.
-OVERLAP = 0.8
 
 
 @dataclass(kw_only=True, slots=True)
@@ -160,18 +161,14 @@ def evaluate(
 ) -> Candidate:
     """Estimate one candidate (no recommendation logic)."""
     n = count
-    micro, G, s = w.micro_batch, w.global_batch, w.seq_len
-    feasible_reason = ""
-    if strategy == "pipeline":
-        micro_batches = G // micro
-        accumulation = micro_batches
-        if n < 2 or n > w.n_layer:
-            feasible_reason = f"pipeline needs 2..{w.n_layer} stages (model.n_layer), not {n}"
-    else:
-        accumulation = G // (micro * n) if G % (micro * n) == 0 else 0
-        if not accumulation:
-            feasible_reason = f"train.global_batch {G} is not a multiple of {n} devices x train.micro_batch {micro}"
-        accumulation = max(accumulation, 1)
+    spec = strategies.get(strategy)
+    feasible_reason = spec.infeasible(w, n)
+    try:  # the micro-batch and accumulation `train` runs with
+        micro, accumulation = recipe.micro_batching(w, spec.data_parallel(n))
+        w = w.with_micro_batch(micro)
+    except ConfigError as exc:
+        feasible_reason, accumulation = feasible_reason or str(exc), 1
+    G, s = w.global_batch, w.seq_len
     overhead = acc.overhead_gib * GIB
     memory = est.memory_per_device(
         w, strategy=strategy, count=n, framework_overhead=overhead, accumulation=accumulation
@@ -190,27 +187,7 @@ def evaluate(
     nodes = math.ceil(n / acc.node_devices)
     intra = acc.intra_link_gb_s_per_direction * 1e9
     bandwidth = LINK_EFFICIENCY * (intra if nodes == 1 else min(intra, acc.network_bytes_per_device()))
-    P = w.params
-    grad_bytes = est.GRAD_BYTES[w.precision] * P
-    gather_bytes = (2 if w.precision == "bf16-mixed" else 4) * P
-    bubble = 0.0
-    if strategy in ("ddp", "zero1", "zero2"):
-        # DDP: one all-reduce; ZeRO-1/2: reduce-scatter + all-gather, the same volume.
-        comm = est.ring_allreduce_seconds(grad_bytes, n, bandwidth)
-        exposed = max(0.0, comm - OVERLAP * compute * 2 / 3)
-    elif strategy == "fsdp":
-        # ZeRO-3: all-gather for forward and backward, reduce-scatter of gradients, per micro-batch.
-        comm = accumulation * (
-            2 * est.ring_collective_seconds(gather_bytes, n, bandwidth)
-            + est.ring_collective_seconds(grad_bytes, n, bandwidth)
-        )
-        exposed = max(0.0, comm - OVERLAP * compute)
-    else:
-        # 1F1B: activations forward and their gradients back across each stage boundary, per micro-batch.
-        act_bytes = micro * s * w.d_model * w.activation_bytes_per_element
-        comm = accumulation * 2 * act_bytes / bandwidth if n > 1 else 0.0
-        exposed = comm
-        bubble = compute * est.bubble_overhead(n, accumulation) if n > 1 else 0.0
+    exposed, bubble = spec.communication_s(w, n, compute_s=compute, accumulation=accumulation, bandwidth=bandwidth)
 
     # Data: the loader streams in the background; a step cannot be faster than its bytes.
     token_bytes = 2 if w.vocab_size <= 2**16 else 4
@@ -222,15 +199,15 @@ def evaluate(
     achieved_mfu = model_flops / (step * n * peak)
 
     # Checkpoints: fp32 weights + optimizer states; the loop pays for the host snapshot only.
-    ckpt_bytes = (est.WEIGHT_BYTES[w.precision] + est.OPTIMIZER_BYTES[w.optimizer]) * P
-    per_device_ckpt = ckpt_bytes if strategy == "ddp" else ckpt_bytes / n
-    stall = per_device_ckpt / (acc.pcie_gb_s_per_direction * 1e9)
+    P = w.params
+    ckpt_bytes = (w.weight_width + w.optimizer_width) * P
+    stall = spec.checkpoint_bytes_per_device(ckpt_bytes, n) / (acc.pcie_gb_s_per_direction * 1e9)
     write = ckpt_bytes / (nodes * parse_size(cfg.plan.checkpoint_bandwidth.removesuffix("/s")))
     mtbf = mtbf_hours * 3600 / nodes
-    interval = max(est.young_daly_interval(stall, mtbf), write)
+    interval = recipe.checkpoint_interval_s(stall, mtbf, write)
     goodput = est.expected_goodput(interval, stall, cfg.plan.restart_s, mtbf)
     spot_mtbf = 1 / (1 / mtbf + nodes / (cfg.plan.spot_mtbf_hours * 3600))
-    spot_interval = max(est.young_daly_interval(stall, spot_mtbf), write)
+    spot_interval = recipe.checkpoint_interval_s(stall, spot_mtbf, write)
     goodput_spot = est.expected_goodput(spot_interval, stall, cfg.plan.restart_s, spot_mtbf)
 
     run_time = w.tokens / tokens_per_s / goodput if goodput > 0 else math.inf
@@ -287,15 +264,15 @@ def plan(cfg: JobConfig, request: PlanRequest | None = None) -> Plan:
     catalog = load_catalog(cfg.plan)
     accelerators = [find(request.accelerator, catalog)] if request.accelerator else list(catalog.values())
     calibrations = load_calibrations(cfg.plan.calibration_dir)
-    strategies = request.strategies or STRATEGIES
-    if cfg.parallel.strategy not in strategies:
-        strategies = (*strategies, cfg.parallel.strategy)
+    names = request.strategies or STRATEGIES
+    if cfg.parallel.strategy not in names:
+        names = (*names, cfg.parallel.strategy)
     mtbf_hours = request.mtbf_hours or cfg.faults.mtbf_hours
     candidates = [
         evaluate(w, acc, n, strategy, cfg, calibrations.get(acc.name), mtbf_hours)
         for acc in accelerators
         for n in counts_for(request)
-        for strategy in strategies
+        for strategy in names
     ]
     hours = request.deadline_hours
     budget = request.budget_usd

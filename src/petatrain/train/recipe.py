@@ -1,0 +1,148 @@
+"""The training recipe: optimizer, learning-rate schedule, micro-batching, checkpoint interval.
+
+One definition, used by `train` (train/loop.py), `profile` (plan/profile.py) and `plan`
+(plan/recommend.py, plan/estimate.py), so that the step `profile` measures and `plan`
+models is the step `train` runs (tests/test_recipe.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from typing import TYPE_CHECKING, Any
+
+from petatrain.config import JobConfig, TrainConfig
+from petatrain.errors import ConfigError
+
+if TYPE_CHECKING:  # plan imports this module and must not pay for torch
+    import torch
+
+
+def param_groups(model: torch.nn.Module, train: TrainConfig) -> list[dict[str, Any]]:
+    """Weight decay on matrices only (as GPT-2/nanoGPT): norms, biases and other vectors are not decayed."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    other = [p for p in params if p.dim() < 2]
+    return [{"params": decay, "weight_decay": train.weight_decay}, {"params": other, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: torch.nn.Module, train: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW (betas train.beta1/beta2) or SGD with momentum train.beta1, over `param_groups`."""
+    import torch
+
+    groups = param_groups(model, train)
+    if train.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=train.lr, momentum=train.beta1)
+    # Single-tensor kernels: what plan's CPU memory model counts (two temporaries of the largest tensor).
+    return torch.optim.AdamW(groups, lr=train.lr, betas=(train.beta1, train.beta2), foreach=False)
+
+
+def lr_at(step: int, train: TrainConfig) -> float:
+    """Linear warmup to train.lr, then cosine decay to train.min_lr at train.steps."""
+    if step < train.warmup_steps:
+        return train.lr * (step + 1) / train.warmup_steps
+    progress = (step - train.warmup_steps) / max(1, train.steps - train.warmup_steps)
+    return train.min_lr + 0.5 * (train.lr - train.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def set_lr(optimizer: torch.optim.Optimizer, step: int, train: TrainConfig) -> float:
+    """Set the learning rate of `step` (a function of the step: resume needs no scheduler state)."""
+    lr = lr_at(step, train)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr
+
+
+def micro_batching(train: TrainConfig, data_parallel: int) -> tuple[int, int]:
+    """(micro-batch, accumulation steps) that keep train.global_batch fixed over `data_parallel`
+    replicas: the largest micro-batch up to train.micro_batch that divides each replica's share."""
+    g = train.global_batch
+    if g % data_parallel:
+        raise ConfigError(f"train.global_batch {g} is not divisible by {data_parallel} workers")
+    per_rank = g // data_parallel
+    micro = max(m for m in range(1, min(train.micro_batch, per_rank) + 1) if per_rank % m == 0)
+    return micro, per_rank // micro
+
+
+def autocast(train: TrainConfig, device: torch.device) -> contextlib.AbstractContextManager:
+    """bf16 autocast for train.precision bf16-mixed, else nothing."""
+    import torch
+
+    if train.precision == "bf16-mixed":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def micro_batch_loss(loss_fn, model: torch.nn.Module, tokens: torch.Tensor, accumulation: int, amp) -> torch.Tensor:
+    """One micro-batch's share of the step's loss (its gradient sums to the global batch's mean)."""
+    with amp:
+        return loss_fn(model, tokens) / accumulation
+
+
+def clip_gradients(model: torch.nn.Module, clip: float) -> float:
+    """The global gradient norm (identical on every rank), clipping to `clip` if it is set."""
+    import torch
+
+    if clip:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    else:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+    if hasattr(norm, "full_tensor"):  # FSDP: a DTensor
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+def young_daly_interval(checkpoint_s: float, mtbf_s: float) -> float:
+    """Optimal compute time between checkpoints (Daly 2006, eq. 37; Young 1974 to first order):
+    τ = √(2δM)·[1 + ⅓·√(δ/2M) + (δ/2M)/9] − δ for δ < 2M, else τ = M."""
+    d, m = checkpoint_s, mtbf_s
+    if d <= 0:
+        return 0.0
+    if d >= 2 * m:
+        return m
+    r = d / (2 * m)
+    return math.sqrt(2 * d * m) * (1 + math.sqrt(r) / 3 + r / 9) - d
+
+
+def checkpoint_interval_s(cost_s: float, mtbf_s: float, write_s: float) -> float:
+    """Seconds between checkpoints: Young/Daly for a checkpoint costing `cost_s` of training and
+    a job MTBF of `mtbf_s`, but never faster than a write completes (`write_s`)."""
+    return max(young_daly_interval(cost_s, mtbf_s), write_s)
+
+
+class CheckpointSchedule:
+    """When `train` checkpoints: every N steps, every S seconds, or the Young/Daly interval.
+
+    For `auto` the cost of one checkpoint is what the training loop loses to it: the stall,
+    plus, when the writer's thread competes with the loop for the same cores (training on
+    CPU), the CPU time the background write took; on a GPU the write runs on host cores the
+    loop does not need. The job fails when any of its `world` ranks' nodes does.
+    """
+
+    def __init__(self, cfg: JobConfig, world: int, *, writer_competes: bool = False):
+        self.unit, self.value = cfg.checkpoint.interval()
+        self.mtbf_s = cfg.faults.mtbf_hours * 3600 / max(1, world)
+        self.writer_competes = writer_competes
+        self.last_t = time.time()
+        self.cost_s: float | None = None
+        self.write_s = 0.0
+
+    def due(self, step: int) -> bool:
+        if self.unit == "steps":
+            return step % int(self.value) == 0
+        return time.time() - self.last_t >= self.interval_s()
+
+    def interval_s(self) -> float:
+        if self.unit == "seconds":
+            return self.value
+        if self.cost_s is None:  # auto: take one early checkpoint to measure what it costs
+            return 10.0
+        return checkpoint_interval_s(max(self.cost_s, 1e-4), self.mtbf_s, self.write_s)
+
+    def taken(self, stall_s: float, write_s: float, write_cpu_s: float = 0.0) -> None:
+        """A checkpoint was taken; `write_s`/`write_cpu_s` describe the previous write (the last one finished)."""
+        self.last_t = time.time()
+        cost = stall_s + (write_cpu_s if self.writer_competes else 0.0)
+        self.cost_s = cost if self.cost_s is None else 0.8 * self.cost_s + 0.2 * cost
+        self.write_s = write_s

@@ -1,0 +1,31 @@
+"""Parallelism strategies, by name (torchtitan's TrainSpec shape): each knows how `train` wraps
+the model and lays out, reads and reshards its checkpoint, and how `plan` estimates its memory
+and communication. A new strategy is a new file here and a line in `REGISTRY`.
+
+    ddp       torch DDP                                 train, plan
+    fsdp      FSDP2 fully_shard per block               train, plan
+    zero1/2   ZeRO optimizer (+ gradient) partitioning  plan only
+    pipeline  1F1B over stages                          plan only
+"""
+
+from __future__ import annotations
+
+from petatrain.errors import ConfigError
+from petatrain.train.strategies.base import OVERLAP, StateLayout, Strategy
+from petatrain.train.strategies.ddp import DDP
+from petatrain.train.strategies.fsdp import FSDP
+from petatrain.train.strategies.pipeline import Pipeline
+from petatrain.train.strategies.zero import ZeRO1, ZeRO2
+
+REGISTRY: dict[str, Strategy] = {s.name: s for s in (DDP(), ZeRO1(), ZeRO2(), FSDP(), Pipeline())}
+TRAINABLE: tuple[str, ...] = tuple(name for name, s in REGISTRY.items() if s.trainable)
+
+__all__ = ["OVERLAP", "REGISTRY", "TRAINABLE", "StateLayout", "Strategy", "get"]
+
+
+def get(name: str) -> Strategy:
+    """The strategy called `name`; ConfigError naming the known ones otherwise."""
+    strategy = REGISTRY.get(name)
+    if strategy is None:
+        raise ConfigError(f"parallel.strategy: unknown strategy {name!r} (one of {', '.join(REGISTRY)})")
+    return strategy

@@ -1,0 +1,108 @@
+"""What a parallelism strategy is: how `train` wraps the model and lays out its checkpoint, and
+how `plan` estimates its memory and communication.
+
+A strategy `plan` models but `train` does not run yet (zero1, zero2, pipeline) keeps the
+training methods of this base class, which refuse it in one line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from petatrain.errors import ConfigError
+
+if TYPE_CHECKING:  # plan imports the registry and must not pay for torch
+    import torch
+    from torch import nn
+
+    from petatrain.config import JobConfig
+    from petatrain.models import ModelSpec
+    from petatrain.plan.estimate import Workload
+
+# Share of the backward (DDP, ZeRO) or forward+backward (FSDP) compute that hides communication.
+OVERLAP = 0.8
+
+ReadRankFile = Callable[[int], "dict[str, torch.Tensor]"]  # rank -> its checkpoint file's tensors, verified
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class StateLayout:
+    """One device's share of the model states, and what else lives through forward and backward."""
+
+    weights: float  # bytes
+    gradients: float
+    optimizer: float
+    buffers: float  # gathered blocks, gradient buckets, autocast's weight copies
+    stage_layers: int  # layers this device runs
+    in_flight: int = 1  # micro-batches whose activations it holds at once
+    grad_shards: int = 1  # one block's gradient is split this many ways
+    optimizer_shards: int = 1  # the optimizer's (GPU, foreach) temporary is split this many ways
+
+
+class Strategy:
+    """One way to spread training over `count` devices (a subclass per file, one instance in the registry)."""
+
+    name: ClassVar[str]
+    trainable: ClassVar[bool] = False  # `train` runs it (else `plan` models it only)
+    every_rank_writes: ClassVar[bool] = False  # each rank's checkpoint file holds its own model state
+
+    # --- plan -------------------------------------------------------------------------------
+    def data_parallel(self, count: int) -> int:
+        """Replicas the global batch is split over."""
+        return count
+
+    def infeasible(self, w: Workload, count: int) -> str:
+        """Why `count` devices cannot run this workload ("" if they can), besides the batch not dividing."""
+        return ""
+
+    def state_layout(self, w: Workload, count: int, accumulation: int) -> StateLayout:
+        raise NotImplementedError
+
+    def communication_s(
+        self, w: Workload, count: int, *, compute_s: float, accumulation: int, bandwidth: float
+    ) -> tuple[float, float]:
+        """(exposed communication, pipeline bubble) of one step, in seconds."""
+        raise NotImplementedError
+
+    def checkpoint_bytes_per_device(self, total: float, count: int) -> float:
+        """What one device snapshots of a checkpoint of `total` bytes."""
+        return total / count
+
+    # --- train ------------------------------------------------------------------------------
+    def wrap(self, spec: ModelSpec, cfg: JobConfig, device: torch.device) -> nn.Module:
+        """The model on `device`, wrapped for this strategy (train)."""
+        from petatrain.train.strategies import TRAINABLE
+
+        raise ConfigError(
+            f"parallel.strategy {self.name!r}: train runs {' or '.join(TRAINABLE)} "
+            f"({self.name} is modelled by `plan` only)"
+        )
+
+    def saves_model(self, rank: int) -> bool:
+        """Whether `rank`'s checkpoint file holds model and optimizer tensors."""
+        return True
+
+    def read_for_resume(
+        self, state: Any, read: ReadRankFile, *, model: nn.Module, rank: int, world: int
+    ) -> dict[int, dict[str, torch.Tensor]]:
+        """The tensors `rank` loads from the checkpoint `state`, by rank file."""
+        raise NotImplementedError
+
+    def load_into(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        state: Any,
+        shards: dict[int, dict[str, torch.Tensor]],
+        *,
+        rank: int,
+    ) -> None:
+        """Restore model and optimizer from what `read_for_resume` gave."""
+        raise NotImplementedError
+
+
+def autocast_copies(w: Workload, layers: int) -> float:
+    """bf16 copies of the matmul weights of `layers` layers that autocast keeps for backward."""
+    return 2 * w.matmul_params * (layers / w.n_layer) if w.precision == "bf16-mixed" else 0.0
