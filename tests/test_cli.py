@@ -1,6 +1,7 @@
 """The CLI as a newcomer meets it: help on every verb, the demo end to end."""
 
 import json
+import re
 
 import pytest
 
@@ -69,3 +70,61 @@ def test_training_verbs_fail_with_one_line(args, message):
     result = run_cli(*args)
     assert result.returncode == 2
     assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr[-1000:]
+
+
+# Ray's own log format ("2026-01-01 12:00:00,000\tINFO file.py:12 -- ..."), its forwarded
+# worker output ("(RayTrainWorker pid=12)", "(raylet)") and Python tracebacks.
+_RAY_NOISE = re.compile(r"\t(DEBUG|INFO|WARNING|ERROR) \S+\.py:\d+ --|\(\w+ pid=\d+\)|\(raylet\)|pid=\d+|Traceback")
+
+
+def _noise(text: str) -> list[str]:
+    return [line for line in text.splitlines() if _RAY_NOISE.search(line)]
+
+
+def _row(text: str, name: str) -> int:
+    found = re.search(rf"│ {name}\s*│ (\d+)", text)
+    assert found, f"no '{name}' row in:\n{text}"
+    return int(found.group(1))
+
+
+def test_ingest_shows_its_stages_not_rays_logs_and_flags_override_only_what_they_name(tmp_path):
+    """The console has petatrain's stage lines and table, none of Ray's log lines; the YAML's
+    ingest section holds unless a flag names the setting (before, every flag's default won)."""
+    from petatrain.data import synth
+
+    synth.generate(str(tmp_path / "corpus"), documents=300, files=2)
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text("ingest:\n  dedup: none\n  shard_size: 16KB\n")
+    result = run_cli(
+        "ingest", str(tmp_path / "corpus"), "--out", str(tmp_path / "ds"), "--config", str(cfg), "--dedup", "exact"
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert _noise(result.stdout + result.stderr) == [], result.stdout + result.stderr
+    assert "ingest: committed" in result.stderr
+    assert _row(result.stdout, "exact duplicates") > 0, "--dedup exact overrides the YAML's none"
+    assert _row(result.stdout, "near duplicates") == 0
+    assert _row(result.stdout, "shards written") > 1, "shard_size comes from the YAML: no flag named it"
+
+
+@pytest.mark.slow
+def test_a_training_kill_is_one_line_and_the_recovery_shows(tmp_path, token_dataset):
+    result = run_cli(
+        "train",
+        "examples/tiny.yaml",
+        "--set",
+        f"data.dataset={token_dataset}",
+        "--set",
+        "train.steps=20",
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--inject",
+        "kill@step=12,rank=1",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert _noise(result.stdout + result.stderr) == [], result.stdout + result.stderr
+    kills = [line for line in result.stderr.splitlines() if "kill" in line]
+    assert len(kills) == 1 and "rank 1" in kills[0] and "step 12" in kills[0], result.stderr
+    assert any(line.startswith("recovered") for line in result.stderr.splitlines()), result.stderr
+    assert re.search(r"step +20/20 +loss \d", result.stderr), result.stderr
+    log = tmp_path / "run" / "logs" / "ray-driver.log"
+    assert log.exists(), "Ray's driver log is kept with the run"

@@ -1,0 +1,349 @@
+"""petatrain as a library: what the CLI calls, and what Tune, Serve and scripts call the same way.
+
+Each verb takes typed arguments and returns a typed result; `to_dict()` on a result is what
+`petatrain VERB --json` prints. Nothing here prints: progress reaches the caller through
+callbacks (`on_stage` for ingest, `on_event` for train, every ledger event as it is written).
+
+    ingest()  raw files -> a dataset                      -> IngestSummary
+    inspect() what a dataset holds, --verify its shards   -> DatasetReport
+    check_resume() the loader's exactly-once promise      -> ResumeCheck
+    train()   a run, recovering from faults               -> TrainResult
+    report()  a run's goodput, faults, plots              -> RunReport
+    plan()    accelerators, count, strategy, cost         -> Plan
+    profile() measured steps against the plan's estimate  -> ProfileReport
+    sample()  text from a run's final weights             -> list[str]
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from petatrain.config import IngestConfig, JobConfig
+from petatrain.data.job import IngestJob, IngestSummary
+from petatrain.storage import StorageOptions
+
+if TYPE_CHECKING:
+    from petatrain.plan.recommend import Plan, PlanRequest
+
+__all__ = [
+    "DatasetReport",
+    "FaultRecord",
+    "IngestSummary",
+    "ProfileReport",
+    "ResumeCheck",
+    "RunReport",
+    "TrainResult",
+    "check_resume",
+    "ingest",
+    "inspect",
+    "plan",
+    "profile",
+    "report",
+    "sample",
+    "train",
+]
+
+Event = dict[str, Any]
+
+
+# -- results --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DatasetReport:
+    """What `inspect` found. `problems` names each shard that failed `verify` (empty: none did,
+    or none was checked: `verified` is None)."""
+
+    dataset: str
+    kind: str | None
+    rows: int
+    shards: int
+    verified: bool | None
+    problems: list[str]
+    fields: dict[str, Any] = field(repr=False)  # everything, as `inspect --json` prints it
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DatasetReport:
+        return cls(
+            dataset=d["dataset"],
+            kind=d.get("kind"),
+            rows=d["rows"],
+            shards=d["shards"],
+            verified=d["verified"],
+            problems=list(d["problems"]),
+            fields=d,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.fields)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ResumeCheck:
+    """Stream one epoch with `ranks_before` ranks, stop half-way, resume with `ranks_after`."""
+
+    exactly_once: bool
+    samples_in_epoch: int
+    ranks_before: int
+    ranks_after: int
+    fields: dict[str, Any] = field(repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.fields)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunReport:
+    """A run's goodput report (`RUN/report.json`); `files` names report.html and the plots."""
+
+    run: str
+    status: str
+    goodput: float
+    wall_s: float
+    files: dict[str, str]
+    fields: dict[str, Any] = field(repr=False)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RunReport:
+        return cls(
+            run=d["run"], status=d["status"], goodput=d["goodput"], wall_s=d["wall_s"], files=d["files"], fields=d
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.fields)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FaultRecord:
+    cause: str
+    rank: int | None
+    detail: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainResult:
+    """A finished run: where it is, how far it got, what it recovered from, and its report."""
+
+    run: str
+    final: str
+    steps: int
+    attempts: int
+    failures: list[FaultRecord]
+    wall_s: float
+    report: RunReport
+    ray_log: str | None = None  # the driver's Ray log file, when Ray's output was kept off the console
+    fields: dict[str, Any] = field(repr=False, default_factory=dict)  # the run's own summary
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.fields, "report": self.report.to_dict()}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ProfileReport:
+    """Measured steps compared with the plan's estimate; `calibration_path` when one was saved."""
+
+    device: str
+    steps: int
+    verdict: str
+    calibration_path: str | None
+    fields: dict[str, Any] = field(repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.fields)
+
+
+# -- data -----------------------------------------------------------------------------------
+
+
+def ingest(
+    sources: Sequence[str],
+    out: str,
+    *,
+    config: IngestConfig | None = None,
+    append: bool = False,
+    register: bool = False,
+    address: str = "",
+    local_cpus: int = 0,
+    options: StorageOptions | None = None,
+    on_stage: Callable[[str, str], None] | None = None,
+) -> IngestSummary:
+    """Ingest `sources` into the dataset at `out` (on Ray Data); `on_stage(stage, "start"|"done")`."""
+    from petatrain.data.ingest import run
+
+    job = IngestJob(
+        sources=list(sources),
+        out=out,
+        config=config or IngestConfig(),
+        append=append,
+        register=register,
+        address=address,
+        local_cpus=local_cpus,
+        options=options,
+        on_stage=on_stage,
+    )
+    return run(job)
+
+
+def inspect(dataset: str, *, options: StorageOptions | None = None, verify: bool = False, samples: int = 3):
+    """Schema, counts and sample rows of a dataset; `verify` re-hashes every shard."""
+    from petatrain.data.inspect import describe
+
+    return DatasetReport.from_dict(describe(dataset, options=options, verify=verify, samples=samples))
+
+
+def check_resume(dataset: str) -> ResumeCheck:
+    """The loader's promise on `dataset`: every sample exactly once across a stop and a resume
+    at another world size (simulated ranks in this process)."""
+    from petatrain.data.elastic_demo import elastic_resume
+
+    d = elastic_resume(dataset)
+    return ResumeCheck(
+        exactly_once=d["exactly_once"],
+        samples_in_epoch=d["samples_in_epoch"],
+        ranks_before=d["ranks_before"],
+        ranks_after=d["ranks_after"],
+        fields=d,
+    )
+
+
+# -- training -------------------------------------------------------------------------------
+
+
+def train(
+    config: JobConfig,
+    *,
+    run_dir: str | None = None,
+    address: str = "",
+    injections: Sequence[str] = (),
+    on_event: Callable[[Event], None] | None = None,
+    stop_after_s: float | None = None,
+    options: StorageOptions | None = None,
+) -> TrainResult:
+    """Train `config` in `run_dir` (default `.petatrain/runs/DATE-TIME`), recovering from faults.
+
+    `injections`: faults such as "kill@step=17,rank=1". `on_event` receives every event of
+    the run's ledger as it is written (steps from every rank included), in ledger order.
+    """
+    from petatrain.chaos.inject import parse
+    from petatrain.train.launch import TrainJob
+    from petatrain.train.launch import run as launch
+
+    options = options or config.storage.options()
+    run_url = run_dir or os.path.join(".petatrain", "runs", time.strftime("%Y%m%d-%H%M%S"))
+    job = TrainJob(
+        config=config,
+        run_url=run_url,
+        options=options,
+        address=address,
+        injections=[parse(s) for s in injections],
+        stop_after_s=stop_after_s,
+    )
+    follower = _LedgerFollower(run_url, options, on_event) if on_event else None
+    try:
+        summary = launch(job)
+    finally:
+        if follower:
+            follower.stop()
+    return _train_result(summary, report(_get(summary, "run"), options=options))
+
+
+def _get(summary: Any, key: str) -> Any:
+    """A field of what the launcher returned: a dict today, a typed RunResult later."""
+    return summary[key] if isinstance(summary, dict) else getattr(summary, key)
+
+
+def _train_result(summary: Any, run_report: RunReport) -> TrainResult:
+    fields = summary if isinstance(summary, dict) else summary.to_dict()
+    failures = [
+        FaultRecord(cause=_get(f, "cause"), rank=_get(f, "rank"), detail=_get(f, "detail"))
+        for f in _get(summary, "failures")
+    ]
+    return TrainResult(
+        run=_get(summary, "run"),
+        final=_get(summary, "final"),
+        steps=_get(summary, "steps"),
+        attempts=_get(summary, "attempts"),
+        failures=failures,
+        wall_s=_get(summary, "wall_s"),
+        report=run_report,
+        fields=dict(fields),
+    )
+
+
+class _LedgerFollower:
+    """Reads the run's `events.jsonl` as it grows (a thread, every `every_s`) and hands each new
+    event to `on_event`; what was in the ledger before (an earlier run resumed) is skipped."""
+
+    def __init__(self, run_url: str, options: StorageOptions | None, on_event: Callable[[Event], None], every_s=0.5):
+        self.run_url, self.options, self.on_event, self.every_s = run_url, options, on_event, every_s
+        self._done = threading.Event()
+        self._seen = len(self._events())
+        self._thread = threading.Thread(target=self._follow, name="petatrain-ledger-follower", daemon=True)
+        self._thread.start()
+
+    def _events(self) -> list[Event]:
+        from petatrain.observe.ledger import read_events
+
+        try:
+            return read_events(self.run_url, self.options)
+        except (FileNotFoundError, OSError):
+            return []
+
+    def _poll(self) -> None:
+        events = self._events()
+        for event in events[self._seen :]:
+            self.on_event(event)
+        self._seen = max(self._seen, len(events))
+
+    def _follow(self) -> None:
+        while not self._done.wait(self.every_s):
+            try:
+                self._poll()
+            except Exception:  # progress is best effort; the run's outcome does not depend on it
+                import logging
+
+                logging.getLogger(__name__).debug("ledger follower", exc_info=True)
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join()
+        self._poll()  # the events written since the last poll, the run's end among them
+
+
+def report(run: str, *, options: StorageOptions | None = None) -> RunReport:
+    """Write the run's goodput report (report.json, report.html, plots) and return it."""
+    from petatrain.observe.report import write_report
+
+    return RunReport.from_dict(write_report(run, options))
+
+
+def sample(config: JobConfig, weights: str, prompts: Sequence[str], *, new_tokens: int = 60) -> list[str]:
+    """Continue each prompt with the model in `weights` (a run's final/model.safetensors)."""
+    from petatrain.train.sample import sample_text
+
+    return sample_text(config, weights, prompts=list(prompts), new_tokens=new_tokens)
+
+
+# -- planning -------------------------------------------------------------------------------
+
+
+def plan(config: JobConfig, request: PlanRequest | None = None) -> Plan:
+    """Estimate every accelerator, count and strategy, and recommend one."""
+    from petatrain.plan.recommend import plan as recommend
+
+    return recommend(config, request)
+
+
+def profile(config: JobConfig, *, steps: int = 5, use_dataset: bool = False, save: bool = True) -> ProfileReport:
+    """Run real training steps here, compare them with the plan's estimate, save a calibration."""
+    from petatrain.plan.profile import profile as measure
+
+    d = measure(config, steps=steps, use_dataset=use_dataset, save=save)
+    return ProfileReport(
+        device=d["device"], steps=d["steps"], verdict=d["verdict"], calibration_path=d.get("calibration_path"), fields=d
+    )

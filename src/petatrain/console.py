@@ -1,0 +1,288 @@
+"""A quiet console: Ray's own output goes to log files, the terminal shows petatrain's progress.
+
+Ray prints a lot a user of petatrain did not ask for: Ray Data's progress lines, warnings at
+start-up, every worker's stdout and, when a worker is killed on purpose, the raylet's notice
+and a traceback from each survivor. By default all of that goes to files (`RayLogs`), and
+the console shows what petatrain renders from its own events (`TrainProgress`,
+`IngestProgress`): stages, steps with loss and tokens/s, and one line per fault.
+`PETATRAIN_DEBUG=1` or `petatrain --verbose` brings Ray's output back to the terminal.
+
+This module imports neither Ray nor rich at the top: `runtime.cluster.init_ray` asks it
+whether Ray's output belongs on the console before Ray starts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+from petatrain.errors import PetatrainError
+
+VERBOSE_ENV = "PETATRAIN_VERBOSE"
+DEBUG_ENV = "PETATRAIN_DEBUG"
+# Where Ray keeps the logs of the processes it starts (a documented link to the newest session).
+RAY_SESSION_LOGS = os.path.join(tempfile.gettempdir(), "ray", "session_latest", "logs")
+_BUFFERED = 20_000  # log records kept before a file is chosen (more are dropped, counted)
+
+
+def set_verbose(flag: bool) -> None:
+    """`petatrain --verbose`: Ray's output on the console, for this process and the ones it starts."""
+    if flag:
+        os.environ[VERBOSE_ENV] = "1"
+
+
+def ray_output_to_console() -> bool:
+    """Whether Ray's own logging and its workers' output belong on the console."""
+    return bool(os.environ.get(DEBUG_ENV) or os.environ.get(VERBOSE_ENV))
+
+
+class RayLogs(logging.Handler):
+    """Receives the driver's Ray log records (loggers `ray`, `ray.data`, `ray.train`, ...) in
+    place of Ray's console handlers. Records are kept in memory until `attach` names a file
+    (a run's folder exists only once the run has claimed it), then written there."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        self.path: str | None = None
+        self._file: logging.FileHandler | None = None
+        self._pending: list[logging.LogRecord] = []
+        self.dropped = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self._file is not None:
+            self._file.emit(record)
+        elif len(self._pending) < _BUFFERED:
+            self._pending.append(record)
+        else:
+            self.dropped += 1
+
+    def attach(self, path: str) -> str:
+        """Write what came so far, and everything from now on, to `path` (appending)."""
+        self.acquire()
+        try:
+            if self._file is None:
+                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+                self._file = logging.FileHandler(path, encoding="utf-8")
+                self._file.setFormatter(self.formatter)
+                self.path = path
+                for record in self._pending:
+                    self._file.emit(record)
+                self._pending.clear()
+            return self.path or path
+        finally:
+            self.release()
+
+    def finish(self, default_name: str) -> str:
+        """The file the records went to; with none attached yet, `default_name` (its stem, the
+        time and this process's id) in the temp folder's `petatrain-logs/`."""
+        if self._file is None:
+            stem, ext = os.path.splitext(default_name)
+            name = f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}{ext}"
+            self.attach(os.path.join(tempfile.gettempdir(), "petatrain-logs", name))
+        assert self._file is not None
+        self._file.flush()
+        return self.path or ""
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+        super().close()
+
+
+_ROUTED: RayLogs | None = None
+
+
+def quiet_ray() -> RayLogs | None:
+    """Move the driver's Ray logging off the console into a `RayLogs` (once per process), and
+    turn Ray Data's own progress bars off; None when Ray's output belongs on the console."""
+    global _ROUTED
+    if ray_output_to_console():
+        return None
+    if _ROUTED is not None:
+        return _ROUTED
+    from ray.data import DataContext
+
+    _ROUTED = RayLogs()
+    for name in ("ray", "ray.data", "ray.train", "ray.tune", "ray.serve"):
+        logger = logging.getLogger(name)
+        for handler in list(logger.handlers):
+            if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+                logger.removeHandler(handler)
+        if name in ("ray", "ray.data"):  # the others propagate to `ray`
+            logger.addHandler(_ROUTED)
+    DataContext.get_current().enable_progress_bars = False
+    return _ROUTED
+
+
+# -- one line for an error -----------------------------------------------------------------
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # Ray colours the task tracebacks it forwards
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+_DEBUG_HINT = "PETATRAIN_DEBUG=1 shows the traceback"
+
+
+def explain(exc: Exception) -> tuple[str, int]:
+    """The one line the CLI prints for `exc`, and the exit code: 2 for a PetatrainError, even
+    one raised in a Ray task; 1, naming the exception and where it was raised, for any other."""
+    cause = _cause(exc)
+    if isinstance(cause, PetatrainError):
+        return one_line(str(cause)), 2
+    if cause is not exc and cause.__traceback__ is None:
+        # Raised in a Ray task: the exception came back pickled, its traceback only as text. Ray
+        # Data wraps what a map raised in a UserCodeException, and pickling dropped __cause__,
+        # so the text is all there is of it.
+        found = _task_exception(str(exc))
+        if found:
+            what, where = found
+            qualname, _, message = what.partition(": ")
+            module, _, name = qualname.rpartition(".")
+            raised = getattr(sys.modules.get(module), name, None)
+            if isinstance(raised, type) and issubclass(raised, PetatrainError):
+                return one_line(message), 2
+            return _unexpected(what, where), 1
+    if type(cause).__module__.startswith("ray."):  # a process died, a node was lost...
+        return f"Ray: {type(cause).__name__}: {_first_line(str(cause))} ({_DEBUG_HINT})", 1
+    frames = traceback.extract_tb(cause.__traceback__)
+    where = f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
+    return _unexpected(f"{type(cause).__name__}: {_first_line(str(cause))}", where), 1
+
+
+def _cause(exc: BaseException) -> BaseException:
+    """What to tell the user about `exc`: the first PetatrainError along its chain (through
+    `raise ... from` and Ray's wrappers), else what a Ray task raised, else `exc`."""
+    seen: set[int] = set()
+    shown = None
+    node: BaseException | None = exc
+    while node is not None and id(node) not in seen:
+        seen.add(id(node))
+        inner = getattr(node, "cause", None)
+        if isinstance(inner, BaseException):  # RayTaskError(X) is an X, but prints Ray's traceback
+            node = inner
+            continue
+        if isinstance(node, PetatrainError):
+            return node
+        shown = shown or node
+        node = node.__cause__
+    return shown or exc
+
+
+def _task_exception(text: str) -> tuple[str, str] | None:
+    """("Type: message", "file:line in function") of the innermost exception in the text of a
+    Ray task error, which lists it first: a header, its frames, its line, then any wrappers."""
+    lines = _ANSI.sub("", text[:50_000]).split("\n\n")[0].splitlines()
+    framed = [i for i, line in enumerate(lines) if _FRAME.search(line)]
+    if not framed:
+        return None
+    what = next((line for line in lines[framed[-1] + 1 :] if line and not line[0].isspace()), "")
+    file, line, function = _FRAME.search(lines[framed[-1]]).groups()
+    return what, f"{os.path.basename(file)}:{line} in {function}"
+
+
+def _unexpected(what: str, where: str) -> str:
+    at = f" at {where}" if where else ""
+    return f"unexpected {one_line(what)}{at}: a bug in petatrain, or a file it read is corrupt ({_DEBUG_HINT})"
+
+
+def _first_line(text: str) -> str:
+    return next((line for line in _ANSI.sub("", text[:10_000]).splitlines() if line.strip()), "")
+
+
+def one_line(text: str, limit: int = 1000) -> str:
+    """`text` without colour codes, its lines joined, at most `limit` characters."""
+    line = " ".join(_ANSI.sub("", text[: 4 * limit]).split())
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+# -- progress, rendered from petatrain's own events -----------------------------------------
+
+
+def _fmt(value: float | None, digits: int = 4) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+class TrainProgress:
+    """Renders a run's ledger events as they arrive: a line every `every` steps (loss, tokens/s),
+    one line per fault, one when training resumes after it, and the run's end."""
+
+    def __init__(self, write: Callable[[str], None], *, total_steps: int, every: int = 10):
+        self.write, self.total, self.every = write, total_steps, every
+        self._seen: set[tuple[int, int]] = set()
+        self._injected: dict[int, dict[str, Any]] = {}  # attempt -> the fault injected in it
+        self._resumed: set[int] = set()
+
+    def __call__(self, event: dict[str, Any]) -> None:
+        kind = event.get("event")
+        handler = getattr(self, f"_on_{kind}", None)
+        if handler is not None:
+            handler(event)
+
+    def _on_step(self, e: dict[str, Any]) -> None:
+        key = (e.get("attempt", 0), e["step"])
+        if key in self._seen:
+            return
+        self._seen.add(key)
+        step = e["step"]
+        if step % self.every and step != self.total:
+            return
+        rate = e["tokens"] / e["step_s"] if e.get("tokens") and e.get("step_s") else None
+        speed = f"  {rate:,.0f} tokens/s" if rate else ""
+        self.write(f"step {step:>6}/{self.total}  loss {_fmt(e.get('loss'))}{speed}")
+
+    def _on_fault_injected(self, e: dict[str, Any]) -> None:
+        self._injected[e.get("attempt", 0)] = e
+
+    def _on_failure(self, e: dict[str, Any]) -> None:
+        attempt = e.get("attempt", 0)
+        injected = self._injected.get(attempt)
+        if injected is not None and injected.get("fault") == e.get("cause"):
+            rank = "" if injected.get("rank") is None else f" on rank {injected['rank']}"
+            where = f" at step {injected['step']}" if injected.get("step") is not None else ""
+            self.write(f"[yellow]fault[/yellow] {e['cause']}{rank}{where} (injected); recovering")
+            return
+        rank = "" if e.get("rank") is None else f" on rank {e['rank']}"
+        detail = " ".join(str(e.get("detail") or "").split())[:160]
+        self.write(f"[yellow]fault[/yellow] {e['cause']}{rank}: {detail}")
+
+    def _on_resume(self, e: dict[str, Any]) -> None:
+        attempt = e.get("attempt", 0)
+        if attempt == 0 or attempt in self._resumed:
+            return
+        self._resumed.add(attempt)
+        source = "its latest checkpoint" if e.get("checkpoint") else "the start (no checkpoint yet)"
+        self.write(f"[green]recovered[/green]: attempt {attempt + 1} resumes at step {e['step']} from {source}")
+
+    def _on_end(self, e: dict[str, Any]) -> None:
+        if e.get("status") != "ok":
+            self.write(f"[red]run failed[/red]: {' '.join(str(e.get('detail') or '').split())[:200]}")
+
+
+class IngestProgress:
+    """One line as each ingest stage ends, with its time."""
+
+    NAMES: ClassVar[dict[str, str]] = {
+        "ray_init": "Ray started",
+        "read_clean_sign": "read, cleaned and signed",
+        "dedup": "deduplicated",
+        "tokenizer": "tokenizer ready",
+        "write": "shards written",
+        "commit": "committed",
+    }
+
+    def __init__(self, write: Callable[[str], None]):
+        self.write = write
+        self._started: dict[str, float] = {}
+
+    def __call__(self, stage: str, what: str) -> None:
+        if what == "start":
+            self._started[stage] = time.perf_counter()
+            return
+        took = time.perf_counter() - self._started.pop(stage, time.perf_counter())
+        self.write(f"ingest: {self.NAMES.get(stage, stage)} ({took:.1f} s)")

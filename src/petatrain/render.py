@@ -1,0 +1,228 @@
+"""Rich tables for each verb's result: what `petatrain VERB` prints without --json."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+out = Console()
+
+
+def ingest(s: dict[str, Any]) -> None:
+    table = Table(title=f"ingest → {s['dataset']}", show_header=False)
+    rate = s["input_bytes"] / max(s["seconds"], 1e-9) / 1e6
+    for key, value in (
+        ("records in", s["rows_in"]),
+        ("rows out", s["rows_out"]),
+        ("rejected", sum(s["rejected"].values())),
+        ("exact duplicates", s["exact_duplicates"]),
+        ("near duplicates", s["near_duplicates"]),
+        ("shards written", s["shards"]),
+        ("bytes written", s["bytes"]),
+        ("new files", s["files_new"]),
+        ("already ingested", s["files_already_ingested"]),
+        ("seconds", f"{s['seconds']:.1f} ({rate:.1f} MB/s of input)"),
+    ):
+        table.add_row(key, str(value))
+    for reason, n in sorted(s["rejected"].items()):
+        table.add_row(f"  rejected: {reason}", str(n))
+    if s["tokens"]:
+        table.add_row("tokens", f"{s['tokens']} ({s['tokens_left_over']} left over after packing)")
+    out.print(table)
+    if s["note"]:
+        out.print(s["note"])
+
+
+def inspect(r: dict[str, Any]) -> None:
+    table = Table(title=f"dataset {r['dataset']}", show_header=False)
+    for key in (
+        "kind",
+        "rows",
+        "documents",
+        "shards",
+        "bytes",
+        "rows_in",
+        "exact_duplicates",
+        "near_duplicates",
+        "tokens",
+        "sources",
+        "updated",
+    ):
+        if r.get(key) not in (None, 0, ""):
+            table.add_row(key, str(r[key]))
+    for reason, n in sorted(r["rejected"].items()):
+        table.add_row(f"rejected: {reason}", str(n))
+    table.add_row("schema", ", ".join(f"{c['name']}: {c['type']}" for c in r["schema"]))
+    if r.get("tokenizer"):
+        t = r["tokenizer"]
+        table.add_row("tokenizer", f"{t['spec']} (vocab {t['vocab_size']}, {t['dtype']}, eos {t['eos_id']})")
+    if r["verified"] is not None:
+        table.add_row("verify", "all shards match their checksums" if r["verified"] else "FAILED")
+    out.print(table)
+    for i, row in enumerate(r["samples"]):
+        out.print(f"[bold]sample {i}[/bold] " + json.dumps(row, ensure_ascii=False)[:400], highlight=False)
+
+
+def stream(s: dict[str, Any]) -> None:
+    table = Table(title="stream one epoch, stop half-way, resume with another world size", show_header=False)
+    table.add_row("samples in the epoch", str(s["samples_in_epoch"]))
+    table.add_row(f"consumed by {s['ranks_before']} ranks", str(s["consumed_before"]))
+    table.add_row(f"resumed by {s['ranks_after']} ranks", str(s["consumed_after"]))
+    table.add_row("saved loader state", json.dumps(s["state"]))
+    table.add_row("duplicates / missing", f"{s['duplicates']} / {s['missing']}")
+    verdict = "[green]every sample exactly once[/green]" if s["exactly_once"] else "[red]NOT exactly once[/red]"
+    table.add_row("result", verdict)
+    out.print(table)
+
+
+def report(r: dict[str, Any]) -> None:
+    steps = r["steps"]
+    target = steps["target"] if steps["target"] is not None else "?"
+    out.print(
+        f"[bold]goodput {100 * r['goodput']:.1f}%[/bold]  run {r.get('run_id') or r['run']}  status {r['status']}\n"
+        f"wall {r['wall_s']:.1f} s  steps {steps['kept']}/{target} kept, {steps['recomputed']} recomputed  "
+        f"attempts {r['attempts']}",
+        highlight=False,
+    )
+    wall = r["wall_s"] or 0.0
+    split = Table(title="where the wall time went")
+    split.add_column("part")
+    split.add_column("seconds", justify="right")
+    split.add_column("share", justify="right")
+    for name, seconds in r["time"].items():
+        share = f"{100 * seconds / wall:.1f}%" if wall > 0 else "–"
+        split.add_row(name.removesuffix("_s").replace("_", " "), f"{seconds:.2f}", share)
+    out.print(split)
+    if r["note"]:
+        out.print(f"[yellow]{r['note']}[/yellow]", highlight=False)
+    if r["faults"]:
+        faults = Table(title="faults")
+        for column in ("cause", "rank", "attempt", "step", "detected (s)", "recovered (s)", "steps lost"):
+            faults.add_column(column, justify="left" if column == "cause" else "right")
+        for f in r["faults"]:
+            faults.add_row(
+                f["cause"],
+                _or_dash(f["rank"]),
+                str(f["attempt"]),
+                _or_dash(f["step"]),
+                _or_dash(f["detected_after_s"], "{:.2f}"),
+                _or_dash(f["recovered_after_s"], "{:.2f}"),
+                _or_dash(f["steps_lost"]),
+            )
+        out.print(faults)
+    else:
+        out.print("no faults")
+    files = r["files"]
+    out.print(f"report: {files['html']}\nplots:  {files['loss_png']}, {files['timeline_png']}", highlight=False)
+
+
+def _or_dash(value: Any, fmt: str = "{}") -> str:
+    return "–" if value is None else fmt.format(value)
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:,.1f}"
+
+
+def _duration(seconds: float) -> str:
+    if seconds == float("inf"):
+        return "never"
+    if seconds >= 2 * 86400:
+        return f"{seconds / 86400:,.1f} d"
+    if seconds >= 7200:
+        return f"{seconds / 3600:,.1f} h"
+    return f"{seconds:,.0f} s"
+
+
+def plan(r: dict[str, Any], show: int) -> None:
+    m = r["model"]
+    out.print(
+        f"[bold]model[/bold] {m['params'] / 1e9:,.3f} B parameters "
+        f"({m['params_non_embedding'] / 1e9:,.3f} B non-embedding), {m['tokens'] / 1e9:,.2f} B tokens, "
+        f"{m['model_flops_per_token'] / 1e9:,.2f} GFLOP per token",
+        highlight=False,
+    )
+    cands = r["candidates"]
+    rec = r["recommended"]
+    runnable = sorted(
+        (c for c in cands if c["fits"] and not c["reason"].startswith("infeasible")),
+        key=lambda c: (bool(c["reason"]), c["cost_usd"]),
+    )
+    table = Table(
+        title=f"candidates ({len(cands)} estimated; showing {min(show, len(runnable))} runnable, cheapest first)"
+    )
+    for col in (
+        "accelerator",
+        "n",
+        "strategy",
+        "GiB/dev",
+        "step",
+        "MFU",
+        "goodput",
+        "time",
+        "$ on-demand",
+        "$ spot",
+        "verdict",
+    ):
+        table.add_column(col, justify="left" if col in ("accelerator", "strategy", "verdict") else "right")
+    for c in runnable[:show]:
+        verdict = "[green]recommended[/green]" if rec and _same(c, rec) else (c["reason"].split(":")[0] or "ok")
+        table.add_row(
+            c["accelerator"],
+            str(c["count"]),
+            c["strategy"],
+            _gib(c["memory_bytes"]["total"]),
+            f"{c['step_time_s']:.3g} s",
+            f"{c['mfu']:.1%}",
+            f"{c['goodput']:.1%}",
+            _duration(c["run_time_s"]),
+            f"{c['cost_usd']:,.0f}",
+            f"{c['cost_usd_spot']:,.0f}",
+            verdict,
+        )
+    out.print(table)
+    reasons: dict[str, int] = {}
+    for c in cands:
+        if c["reason"]:
+            key = c["reason"].split(":")[0]
+            reasons[key] = reasons.get(key, 0) + 1
+    if reasons:
+        out.print("rejected: " + ", ".join(f"{n} {k}" for k, n in sorted(reasons.items(), key=lambda kv: -kv[1])))
+    if rec:
+        mem = rec["memory_bytes"]
+        out.print(
+            f"[bold green]recommended[/bold green] ({r['objective']}): {rec['count']} x {rec['accelerator']} with "
+            f"{rec['strategy']}: {_duration(rec['run_time_s'])}, ${rec['cost_usd']:,.0f} on demand "
+            f"(${rec['cost_usd_spot']:,.0f} on spot); {_gib(mem['total'])} GiB per device "
+            f"(weights {_gib(mem['weights'])}, gradients {_gib(mem['gradients'])}, optimizer {_gib(mem['optimizer'])}, "
+            f"activations {_gib(mem['activations'])}, other {_gib(mem['other'])}); step {rec['step_time_s']:.3g} s at "
+            f"{rec['mfu']:.1%} MFU; checkpoint every {_duration(rec['checkpoint']['interval_s'])}",
+            highlight=False,
+        )
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return all(a[k] == b[k] for k in ("accelerator", "count", "strategy"))
+
+
+def profile(r: dict[str, Any]) -> None:
+    table = Table(title=f"profile on {r['device']} ({r['steps']} steps, {r['tokens_per_step']:,} tokens each)")
+    for col in ("figure", "measured", "plan estimate", "error"):
+        table.add_column(col, justify="left" if col == "figure" else "right")
+    for row in r["comparison"]:
+        err = row["error"]
+        table.add_row(row["figure"], row["measured_text"], row["estimate_text"], "" if err is None else f"{err:+.1%}")
+    out.print(table)
+    t = r["measured"]["time_split_s"]
+    out.print(
+        "step split: "
+        + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in t.items())
+        + f"; verdict: [bold]{r['verdict']}[/bold]",
+        highlight=False,
+    )
+    out.print(f"peak memory measured with {r['memory_method']}", highlight=False)
+    if r.get("calibration_path"):
+        out.print(f"calibration saved to {r['calibration_path']} (plan uses it for {r['calibration']['accelerator']})")
