@@ -196,8 +196,8 @@ def account(events: list[dict[str, Any]]) -> Goodput:
 
     start_event = next((e for e in events if e.get("event") == "run_start"), None)
     end_event = next((e for e in reversed(events) if e.get("event") == "end"), None)
-    t0 = as_number(start_event["t"]) if start_event else min(as_number(e["t"]) for e in events)
-    t_end = as_number(end_event["t"]) if end_event else max(as_number(e["t"]) for e in events)
+    t0 = _t(start_event) if start_event else min(_t(e) for e in events)
+    t_end = _t(end_event) if end_event else max(_t(e) for e in events)
     g.wall_s = max(t_end - t0, 0.0)
     if start_event:
         g.run_id = start_event.get("run_id")
@@ -211,14 +211,15 @@ def account(events: list[dict[str, Any]]) -> Goodput:
     # Steps: the last occurrence of each step number is kept, earlier ones were redone.
     occurrences = []
     for i, (e, (attempt, _)) in enumerate(zip(events, attempts, strict=True)):
-        if e.get("event") != "step" or _int(e.get("step")) is None:
+        step = _int(e.get("step"))
+        if e.get("event") != "step" or step is None:
             continue
         occurrences.append(
             _Occurrence(
                 index=i,
-                t=as_number(e["t"]),
+                t=_t(e),
                 attempt=attempt,
-                step=_int(e["step"]),
+                step=step,
                 step_s=max(as_number(e.get("step_s")) or 0.0, 0.0),
                 data_wait_s=max(as_number(e.get("data_wait_s")) or 0.0, 0.0),
                 loss=as_number(e.get("loss")),
@@ -283,23 +284,22 @@ def _checkpoints(
         if kind == "checkpoint_snapshot" and step is not None:
             # After its commit when checkpoints are synchronous (the stall is known only then).
             record = by_key.setdefault((attempt, step), CheckpointRecord(step=step, attempt=attempt, t_s=0, stall_s=0))
-            record.t_s = as_number(e["t"]) - t0
+            record.t_s = _t(e) - t0
             record.stall_s = max(as_number(e.get("stall_s")) or 0.0, 0.0)
-        elif kind == "checkpoint_staging" and (attempt, step) in by_key:
+        elif kind == "checkpoint_staging" and step is not None and (attempt, step) in by_key:
             # The next step waited for the write to read a live snapshot: stall, not training.
             by_key[(attempt, step)].stall_s += max(as_number(e.get("wait_s")) or 0.0, 0.0)
         elif kind == "checkpoint_commit" and step is not None:
-            record = by_key.get((attempt, step))
-            if record is None:  # a commit whose snapshot line was lost: still a checkpoint
-                record = by_key[(attempt, step)] = CheckpointRecord(
-                    step=step, attempt=attempt, t_s=as_number(e["t"]) - t0, stall_s=0.0
-                )
-            record.committed = True
-            record.write_s = as_number(e.get("write_s"))
-            record.bytes = _int(e.get("bytes"))
-            record.url = e.get("url")
+            # A commit whose snapshot line was lost is still a checkpoint.
+            committed = by_key.setdefault(
+                (attempt, step), CheckpointRecord(step=step, attempt=attempt, t_s=_t(e) - t0, stall_s=0.0)
+            )
+            committed.committed = True
+            committed.write_s = as_number(e.get("write_s"))
+            committed.bytes = _int(e.get("bytes"))
+            committed.url = e.get("url")
         elif kind == "checkpoint_skipped":
-            skipped.append({"url": e.get("url"), "reason": e.get("reason"), "t_s": _round(as_number(e["t"]) - t0)})
+            skipped.append({"url": e.get("url"), "reason": e.get("reason"), "t_s": _round(_t(e) - t0)})
     return list(by_key.values()), skipped
 
 
@@ -310,7 +310,7 @@ def _evals(events: list[dict[str, Any]], attempts: list[tuple[int, bool]], t0: f
             continue
         step, loss = _int(e.get("step")), as_number(e.get("loss"))
         if step is not None and loss is not None:
-            latest[step] = {"step": step, "loss": loss, "attempt": attempt, "t_s": _round(as_number(e["t"]) - t0)}
+            latest[step] = {"step": step, "loss": loss, "attempt": attempt, "t_s": _round(_t(e) - t0)}
     return [latest[s] for s in sorted(latest)]
 
 
@@ -333,18 +333,18 @@ def _faults(
         if kind == "fault_injected":
             injections.setdefault(attempt, []).append((i, e))
         elif kind in ("step", "checkpoint_snapshot"):
-            progress.setdefault(attempt, []).append((i, as_number(e["t"])))
+            progress.setdefault(attempt, []).append((i, _t(e)))
         elif kind == "resume":
             resumes.setdefault(attempt, e)
         elif kind == "checkpoint_drain":
-            drains[attempt] = as_number(e["t"]) - (as_number(e.get("waited_s")) or 0.0)
+            drains[attempt] = _t(e) - (as_number(e.get("waited_s")) or 0.0)
         elif kind == "failure":
             failures.append((i, e, attempt))
 
     def failed_at(failure: dict[str, Any], attempt: int) -> float:
         """The failure event's time, or the start of the drain before it: the failure was decided
         then, and letting rank 0 finish its checkpoint write is part of the recovery."""
-        t = as_number(failure["t"])
+        t = _t(failure)
         return min(t, drains[attempt]) if attempt in drains else t
 
     steps_of: dict[int, list[_Occurrence]] = {}
@@ -359,10 +359,10 @@ def _faults(
     previous_failure_t = t0
     for i, failure, attempt in failures:
         t_fail = failed_at(failure, attempt)
-        injected = [e for j, e in injections.get(attempt, []) if j < i and as_number(e["t"]) <= t_fail]
+        injected = [e for j, e in injections.get(attempt, []) if j < i and _t(e) <= t_fail]
         marks = [t for j, t in progress.get(attempt, []) if j < i and t <= t_fail]
         last_step_t = max((o.t for o in steps_of.get(attempt, []) if o.index < i), default=None)
-        fault_t = as_number(injected[-1]["t"]) if injected else last_step_t
+        fault_t = _t(injected[-1]) if injected else last_step_t
         if fault_t is None:
             detect_start.append(None)
         else:
@@ -373,18 +373,18 @@ def _faults(
     for n, (i, failure, attempt) in enumerate(failures):
         t_fail = failed_at(failure, attempt)
         last_reached = max((o.step for o in steps_of.get(attempt, []) if o.index < i), default=None)
-        injected = next((e for j, e in reversed(injections.get(attempt, [])) if j < i), None)
-        step = _int(injected.get("step")) if injected else None
+        injection = next((e for j, e in reversed(injections.get(attempt, [])) if j < i), None)
+        step = _int(injection.get("step")) if injection else None
         if step is None:
             step = last_reached
         elif last_reached is None or step > last_reached:
             last_reached = step  # the injecting rank had finished it; others' events may not have arrived
         rank = _int(failure.get("rank"))
-        if rank is None and injected:
-            rank = _int(injected.get("rank"))
+        if rank is None and injection:
+            rank = _int(injection.get("rank"))
 
         next_attempt = next((a for a in known_attempts if a > attempt), None)
-        next_steps = steps_of.get(next_attempt, [])
+        next_steps = steps_of.get(next_attempt, []) if next_attempt is not None else []
         first = next_steps[0] if next_steps else None
         next_failure = next((k for k, (_, _, a) in enumerate(failures) if a == next_attempt), None)
         last_failure_of_attempt = all(a != attempt for _, _, a in failures[n + 1 :])
@@ -403,10 +403,11 @@ def _faults(
         restart_s = max(restart_end - t_fail, 0.0) if restart_end is not None else 0.0
 
         resumed_from = None  # the last step whose result the next attempt started from
+        resume_step = _int(resumes[next_attempt].get("step")) if next_attempt in resumes else None
         if first is not None:
             resumed_from = first.step - 1
-        elif _int(resumes.get(next_attempt, {}).get("step")) is not None:
-            resumed_from = _int(resumes[next_attempt]["step"]) - 1  # resume.step is the next step to run
+        elif resume_step is not None:
+            resumed_from = resume_step - 1  # resume.step is the next step to run
         steps_lost = None
         if resumed_from is not None:
             steps_lost = max((last_reached if last_reached is not None else resumed_from) - resumed_from, 0)
@@ -418,7 +419,7 @@ def _faults(
                 attempt=attempt,
                 step=step,
                 t_s=t_fail - t0,
-                detected_after_s=None if detect_start[n] is None else t_fail - detect_start[n],
+                detected_after_s=None if (began := detect_start[n]) is None else t_fail - began,
                 recovered_after_s=(first.t - t_fail) if first is not None else None,
                 restart_s=restart_s,
                 steps_lost=steps_lost,
@@ -426,6 +427,11 @@ def _faults(
             )
         )
     return rows
+
+
+def _t(event: dict[str, Any]) -> float:
+    """An event's time; `account` keeps only events that have one."""
+    return as_number(event.get("t")) or 0.0
 
 
 def as_number(value: Any) -> float | None:

@@ -93,8 +93,8 @@ class MetricsServer:
                 self.checkpoint_stall_total.inc(stall)
             elif kind == "checkpoint_commit":
                 self.checkpoints_total.inc()
-            elif kind == "eval" and _num(event.get("loss")) is not None:
-                self.eval_loss.set(_num(event["loss"]))
+            elif kind == "eval" and (loss := _num(event.get("loss"))) is not None:
+                self.eval_loss.set(loss)
             elif kind == "failure":
                 self.failures_total.labels(cause=str(event.get("cause") or "unknown")).inc()
             elif kind == "restart":
@@ -115,8 +115,8 @@ class MetricsServer:
             self.tokens_total.inc(tokens)
             if step_s > 0:
                 self.tokens_per_second.set(tokens / step_s)
-        if _num(event.get("loss")) is not None:
-            self.loss.set(_num(event["loss"]))
+        if (loss := _num(event.get("loss"))) is not None:
+            self.loss.set(loss)
         if step is None or step < 0:
             return
         self.step.set(step)

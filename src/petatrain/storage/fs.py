@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import uuid
 from dataclasses import dataclass, field
@@ -258,15 +259,15 @@ def expand_sources(patterns: list[str], options: StorageOptions | None = None) -
         fs, path = resolve(pattern, options)
         try:
             try:
-                info = retrying(f"stat {pattern}", lambda fs=fs, path=path: fs.info(path))
+                info = retrying(f"stat {pattern}", functools.partial(fs.info, path))
             except Exception:
                 if not any(ch in path for ch in "*?["):
                     raise
                 info = None  # not a path as written: a glob
             if info is None:
-                infos = retrying(f"glob {pattern}", lambda fs=fs, path=path: fs.glob(path, detail=True))
+                infos = retrying(f"glob {pattern}", functools.partial(fs.glob, path, detail=True))
             elif info["type"] == "directory":
-                infos = retrying(f"list {pattern}", lambda fs=fs, path=path: fs.find(path, detail=True))
+                infos = retrying(f"list {pattern}", functools.partial(fs.find, path, detail=True))
             else:
                 infos = {path: info}
         except FileNotFoundError:
