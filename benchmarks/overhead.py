@@ -248,6 +248,50 @@ def run_petatrain(
     }
 
 
+def _summarize(rows: dict[str, list[dict]]) -> dict[str, dict]:
+    """Per row: the median rate and its spread, the ratios to plain DDP (of medians, and paired by rep), CPU."""
+    plain = [r["steps_per_s"] for r in rows[PLAIN]]
+    base = statistics.median(plain)
+    summary = {}
+    for name, r in rows.items():
+        rates = [x["steps_per_s"] for x in r]
+        rate = statistics.median(rates)
+        paired = [x / p for x, p in zip(rates, plain, strict=True)]
+        summary[name] = {
+            "steps_per_s": round(rate, 3),
+            "steps_per_s_min": round(min(rates), 3),
+            "steps_per_s_max": round(max(rates), 3),
+            "median_step_ms": round(statistics.median(x["median_step_s"] for x in r) * 1e3, 1),
+            "vs_plain": round(rate / base, 3),
+            "slower_than_plain_pct": round((1 - rate / base) * 100, 1),
+            "vs_plain_paired": round(statistics.median(paired), 3),
+            "vs_plain_paired_min": round(min(paired), 3),
+            "vs_plain_paired_max": round(max(paired), 3),
+            "control_plane_cores": round(statistics.median(x["cpu"]["control_plane_cores"] for x in r), 4),
+            "steal_cores": round(statistics.median(x["cpu"]["steal_cores"] for x in r), 4),
+            "workers_cpu_ms_per_step": round(statistics.median(x["cpu"]["workers_cpu_ms_per_step"] for x in r), 1),
+        }
+    return summary
+
+
+def _print_table(summary: dict[str, dict], args: argparse.Namespace) -> None:
+    w = args.workers
+    print(
+        f"\nsteady-state steps/s (steps {args.warmup + 1}-{args.steps}), GPT d_model {MODEL['d_model']} x "
+        f"{MODEL['n_layer']} layers, batch 16 (micro 8), seq 64, {w} CPU workers (gloo), {os.cpu_count()} cores "
+        f"shared with other users: median of {args.reps} (min-max)\n"
+    )
+    header = f"{'run':<44} {'steps/s':>20} {'median step ms':>15} {'vs plain':>9} {'paired (min-max)':>22}"
+    print(f"{header} {'control plane, cores':>21} {'workers CPU ms/step':>20}")
+    for name, s in summary.items():
+        spread = f"{s['steps_per_s']:.2f} ({s['steps_per_s_min']:.2f}-{s['steps_per_s_max']:.2f})"
+        paired = f"{s['vs_plain_paired']:.3f}x ({s['vs_plain_paired_min']:.3f}-{s['vs_plain_paired_max']:.3f})"
+        print(
+            f"{name:<44} {spread:>20} {s['median_step_ms']:>15.1f} {s['vs_plain']:>8.3f}x {paired:>22} "
+            f"{s['control_plane_cores']:>21.3f} {s['workers_cpu_ms_per_step']:>20.1f}"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=5)
@@ -291,42 +335,8 @@ def main() -> None:
                 file=sys.stderr,
                 flush=True,
             )
-    plain = [r["steps_per_s"] for r in rows[PLAIN]]
-    base = statistics.median(plain)
-    summary = {}
-    for name, r in rows.items():
-        rates = [x["steps_per_s"] for x in r]
-        rate = statistics.median(rates)
-        paired = [x / p for x, p in zip(rates, plain, strict=True)]
-        summary[name] = {
-            "steps_per_s": round(rate, 3),
-            "steps_per_s_min": round(min(rates), 3),
-            "steps_per_s_max": round(max(rates), 3),
-            "median_step_ms": round(statistics.median(x["median_step_s"] for x in r) * 1e3, 1),
-            "vs_plain": round(rate / base, 3),
-            "slower_than_plain_pct": round((1 - rate / base) * 100, 1),
-            "vs_plain_paired": round(statistics.median(paired), 3),
-            "vs_plain_paired_min": round(min(paired), 3),
-            "vs_plain_paired_max": round(max(paired), 3),
-            "control_plane_cores": round(statistics.median(x["cpu"]["control_plane_cores"] for x in r), 4),
-            "steal_cores": round(statistics.median(x["cpu"]["steal_cores"] for x in r), 4),
-            "workers_cpu_ms_per_step": round(statistics.median(x["cpu"]["workers_cpu_ms_per_step"] for x in r), 1),
-        }
-
-    print(
-        f"\nsteady-state steps/s (steps {args.warmup + 1}-{args.steps}), GPT d_model {MODEL['d_model']} x "
-        f"{MODEL['n_layer']} layers, batch 16 (micro 8), seq 64, {w} CPU workers (gloo), {os.cpu_count()} cores "
-        f"shared with other users: median of {args.reps} (min-max)\n"
-    )
-    header = f"{'run':<44} {'steps/s':>20} {'median step ms':>15} {'vs plain':>9} {'paired (min-max)':>22}"
-    print(f"{header} {'control plane, cores':>21} {'workers CPU ms/step':>20}")
-    for name, s in summary.items():
-        spread = f"{s['steps_per_s']:.2f} ({s['steps_per_s_min']:.2f}-{s['steps_per_s_max']:.2f})"
-        paired = f"{s['vs_plain_paired']:.3f}x ({s['vs_plain_paired_min']:.3f}-{s['vs_plain_paired_max']:.3f})"
-        print(
-            f"{name:<44} {spread:>20} {s['median_step_ms']:>15.1f} {s['vs_plain']:>8.3f}x {paired:>22} "
-            f"{s['control_plane_cores']:>21.3f} {s['workers_cpu_ms_per_step']:>20.1f}"
-        )
+    summary = _summarize(rows)
+    _print_table(summary, args)
     ours = summary[OURS]
     target = min(ours["vs_plain"], ours["vs_plain_paired"]) >= 1 - TARGET
     verdict = "met" if target else "NOT met"
