@@ -19,15 +19,16 @@ def test_placement_group_of_a_dead_controller_is_removed_between_attempts(ray_lo
     what a failed attempt left reserved, or the next attempt's workers could never start."""
     from ray.util.placement_group import placement_group, placement_group_table
 
-    from petatrain.train.launch import _remove_leftover_placement_groups, _trainer_class
+    from petatrain.runtime.cluster import remove_leftover_placement_groups
+    from petatrain.runtime.trainer import trainer_class
 
     free = ray_local.available_resources().get("CPU", 0)
     group = placement_group([{"CPU": 1}])
     ray_local.get(group.ready(), timeout=30)
     assert ray_local.available_resources().get("CPU", 0) == free - 1
-    _remove_leftover_placement_groups()
+    remove_leftover_placement_groups()
     assert placement_group_table(group)["state"] == "REMOVED"
-    assert _trainer_class().__name__ == "LeanTorchTrainer"  # Ray's internals still where we expect them
+    assert trainer_class().__name__ == "LeanTorchTrainer"  # Ray's internals still where we expect them
 
 
 def test_local_attempts_send_no_autoscaler_requests(monkeypatch):
@@ -36,7 +37,7 @@ def test_local_attempts_send_no_autoscaler_requests(monkeypatch):
     from ray.train import ScalingConfig
     from ray.train.v2._internal.execution.scaling_policy import FixedScalingPolicy
 
-    from petatrain.train.launch import _trainer_class
+    from petatrain.runtime.trainer import trainer_class as lean_trainer_class
 
     class Started(Exception):
         pass
@@ -49,7 +50,7 @@ def test_local_attempts_send_no_autoscaler_requests(monkeypatch):
 
     scaling = ScalingConfig(num_workers=2)
     for local in (True, False):
-        trainer_class = _trainer_class(local=local)
+        trainer_class = lean_trainer_class(local=local)
         monkeypatch.setattr(trainer_class, "_start_controller", staticmethod(start))
         trainer = trainer_class(lambda: None, scaling_config=scaling)
         with pytest.raises(Started):
@@ -69,8 +70,8 @@ def test_heartbeat_dates_the_last_step_not_the_message(ray_local, tmp_path):
     long ago that was, and the hub dates the beat by it on its own clock."""
     import time
 
+    from petatrain.runtime.hub import RunHub
     from petatrain.runtime.worker import Telemetry
-    from petatrain.train.hub import RunHub
 
     sent = []
 
@@ -142,7 +143,7 @@ def test_waiting_on_its_own_checkpoint_write_keeps_a_rank_alive_but_waiting_for_
 def test_watchdog_long_poll_answers_when_there_is_something_to_act_on(ray_local, tmp_path):
     """RunHub.watch holds the watchdog's call until the first step (unless announced), a hang
     is due, a new attempt starts, or its wait ends; a heartbeat moves the hang deadline."""
-    from petatrain.train.hub import RunHub
+    from petatrain.runtime.hub import RunHub
 
     hub = RunHub.remote(str(tmp_path), None)
     ray_local.get(hub.new_attempt.remote(0))
@@ -271,13 +272,13 @@ def test_a_run_started_from_a_coroutine_runs_the_controller_on_a_thread(token_da
 
 
 def test_controller_place_is_driver_or_actor(monkeypatch):
-    from petatrain.train.launch import _controller_mode
+    from petatrain.runtime.constants import controller_mode
 
     monkeypatch.setenv("PETATRAIN_CONTROLLER", "Driver")
     with pytest.raises(ConfigError, match=r"driver \(the default\) or actor"):
-        _controller_mode()
+        controller_mode()
     monkeypatch.delenv("PETATRAIN_CONTROLLER")
-    assert _controller_mode() == "driver"
+    assert controller_mode() == "driver"
 
 
 def test_workers_of_a_driver_controller_get_a_stand_in_for_its_handle(ray_local):
@@ -285,7 +286,7 @@ def test_workers_of_a_driver_controller_get_a_stand_in_for_its_handle(ray_local)
     loop does not make); a driver has none, so the workers get one that says why."""
     from ray.train.v2._internal.execution.worker_group import worker_group
 
-    from petatrain.train import controller
+    from petatrain.runtime._ray import controller
 
     with pytest.raises(RuntimeError):
         ray_local.get_runtime_context().current_actor  # noqa: B018 (what Ray Train would call in the driver)
@@ -298,7 +299,7 @@ def test_workers_of_a_driver_controller_get_a_stand_in_for_its_handle(ray_local)
 
 
 def test_standby_is_used_only_for_the_attempt_and_world_it_was_built_for():
-    from petatrain.train.launch import _Standby
+    from petatrain.runtime.trainer import Standby
 
     built, discarded = [], []
 
@@ -314,7 +315,7 @@ def test_standby_is_used_only_for_the_attempt_and_world_it_was_built_for():
         def discard(self):
             discarded.append(self.key)
 
-    standby = _Standby(Trainer)
+    standby = Standby(Trainer)
     standby.prepare(0, 2)  # attempt 0 on 2 workers trains: attempt 1's controller starts
     assert built == [(1, 2)]
     trainer = standby.take(1, 2)
@@ -326,7 +327,7 @@ def test_standby_is_used_only_for_the_attempt_and_world_it_was_built_for():
     standby.discard()  # the run ended: the waiting controller goes
     assert discarded == [(2, 2), (3, 1)]
 
-    off = _Standby(Trainer, enabled=False)  # faults.standby: false
+    off = Standby(Trainer, enabled=False)  # faults.standby: false
     off.prepare(0, 2)
     assert off.take(1, 2) is None and built[-1] == (3, 1), "nothing started"
 
@@ -337,7 +338,7 @@ def test_synchronization_actor_starts_only_when_called(ray_local):
     from ray.train.v2._internal.execution.checkpoint.sync_actor import SynchronizationActor
     from ray.train.v2._internal.execution.worker_group import state, worker_group
 
-    from petatrain.train import controller
+    from petatrain.runtime._ray import controller
 
     stock = worker_group.SynchronizationActor  # as it is: a run's controller in this driver already replaced it
     stock_shutdown = state._shutdown_sync_actor

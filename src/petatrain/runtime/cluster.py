@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import signal
+import time
 
 from petatrain.errors import PetatrainError
 from petatrain.runtime import constants
@@ -27,6 +30,102 @@ def init_ray(address: str, local_cpus: int = 0) -> None:
         local = local_only_cluster()
     try:
         with local:
-            ray.init(address=address or None, include_dashboard=False, logging_level=logging.WARNING, **kwargs)
+            from petatrain.console import ray_output_to_console
+
+            to_console = ray_output_to_console()  # --verbose, PETATRAIN_DEBUG=1; else it stays in Ray's logs
+            ray.init(
+                address=address or None,
+                include_dashboard=False,
+                logging_level=logging.WARNING,
+                log_to_driver=to_console,
+                **kwargs,
+            )
+        if not to_console:  # the raylet's notices (a worker killed on purpose) print apart from log_to_driver
+            ray._private.worker._worker_logs_enabled = False
     except ConnectionError as exc:
         raise PetatrainError(f"cannot reach the Ray cluster at {address!r}: {exc}") from None
+
+
+class RayCluster:
+    """The supervisor's view of the cluster (runtime.supervisor.Cluster)."""
+
+    def resources(self) -> tuple[float, float]:
+        """Totals of the alive nodes' CPUs and GPUs."""
+        import ray
+
+        totals = ray.cluster_resources()
+        return totals.get("CPU", 0), totals.get("GPU", 0)
+
+    def alive_nodes(self) -> set[str]:
+        return alive_nodes()
+
+
+def alive_nodes() -> set[str]:
+    import ray
+
+    return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+
+
+def this_node() -> str:
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
+
+
+def remove_leftover_placement_groups() -> None:
+    """Remove this job's placement groups a failed attempt left behind (its controller died
+    before releasing them), so the next attempt's workers can be scheduled."""
+    import ray
+    from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
+
+    job = ray.get_runtime_context().get_job_id()
+    for pg_id, info in placement_group_table().items():
+        if pg_id.endswith(job) and info.get("state") in ("CREATED", "PENDING", "RESCHEDULING"):
+            log.warning("removing placement group %s left by the failed attempt", pg_id)
+            with contextlib.suppress(Exception):
+                remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
+
+
+def kill_pids(where: list[tuple[str, int]], timeout_s: float = 10.0) -> None:
+    """Kill each (node id, pid), through a task on its node; returns once done or after `timeout_s`."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    refs = [
+        ray.remote(num_cpus=0)(kill_pid)
+        .options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
+        .remote(pid)
+        for node, pid in where
+    ]
+    ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+
+
+def kill_pid(pid: int) -> None:
+    """Dump the stuck worker's stacks to its log (faulthandler on SIGUSR1), then kill it."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGUSR1)
+        time.sleep(0.1)  # faulthandler writes from its C signal handler, at once (a stopped process: on SIGKILL, never)
+        os.kill(pid, signal.SIGKILL)
+
+
+def died_on_its_own(where: dict[tuple[int, str], int], wait_s: float = 2.0) -> int | None:
+    """Of the ranks at (pid, node id), the one whose actor died of its process's exit (a system
+    error), not of a `ray.kill`; GCS may learn of the death a moment later, hence `wait_s`."""
+    import ray
+
+    from petatrain.runtime._ray import dead_actors
+
+    job = ray.get_runtime_context().get_job_id()
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            dead = dead_actors(job)
+        except Exception:  # without GCS's answer the error's own cause stands
+            return None
+        for actor in dead:
+            rank = where.get((actor.get("Pid"), actor.get("Address", {}).get("NodeID")))
+            if rank is not None and "worker process has died" in str(actor.get("DeathCause", "")):
+                return rank
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.2)

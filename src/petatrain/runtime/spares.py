@@ -44,13 +44,13 @@ import threading
 import time
 from typing import Any
 
+from petatrain.runtime import constants
+
 log = logging.getLogger(__name__)
 
-# ray._private.ray_constants.WORKER_PROCESS_SETUP_HOOK_ENV_VAR: a module path in it is imported
-# and called by every new worker process that has it in its environment (default_worker.py).
-HOOK_ENV = "__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR"
+HOOK_ENV = constants.WORKER_SETUP_HOOK_ENV  # a module path in it: imported and called by every new worker process
 HOOK = "petatrain.runtime.spares.warm_up"
-# What a rank imports before its first step, heaviest first (torch ~1.0 s, Ray Train ~0.8 s of CPU).
+# What a rank imports before its first step, heaviest first.
 MODULES = (
     "torch",
     "torch.distributed",
@@ -59,6 +59,7 @@ MODULES = (
     "ray.train.v2._internal.execution.worker_group.worker",
     "petatrain.train.loop",
     "ray._private.grpc_utils",  # top_up's: its call then takes milliseconds on the step's path
+    "petatrain.runtime._ray",
     "ray.core.generated.node_manager_pb2_grpc",
 )
 KEEP_ALIVE_S = 3600  # the raylet keeps an idle spare at least this long (Spares.TOP_UP_EVERY_S replaces it after)
@@ -183,9 +184,8 @@ def top_up(count: int, keep_alive_s: int = KEEP_ALIVE_S) -> int:
     """Ask this node's raylet for spares until `count` of this group live here; returns how many it asked for."""
     try:
         import ray
-        import ray._private.worker as ray_worker
-        from ray._private.grpc_utils import init_grpc_channel
-        from ray.core.generated import common_pb2, node_manager_pb2, node_manager_pb2_grpc
+
+        from petatrain.runtime._ray import prestart_workers
 
         runtime_env = ray.get_runtime_context().get_runtime_env_string()
         if HOOK_ENV not in runtime_env:
@@ -193,19 +193,7 @@ def top_up(count: int, keep_alive_s: int = KEEP_ALIVE_S) -> int:
         want = count - live_spares()
         if want <= 0:
             return 0
-        node = ray_worker.global_worker.node
-        request = node_manager_pb2.PrestartWorkersRequest(
-            language=common_pb2.PYTHON,
-            job_id=bytes.fromhex(ray.get_runtime_context().get_job_id()),
-            num_workers=want,
-            keep_alive_duration_secs=keep_alive_s,
-        )
-        request.runtime_env_info.serialized_runtime_env = runtime_env
-        channel = init_grpc_channel(f"{node.node_ip_address}:{node.node_manager_port}")
-        try:
-            node_manager_pb2_grpc.NodeManagerServiceStub(channel).PrestartWorkers(request, timeout=10)
-        finally:
-            channel.close()
+        prestart_workers(want, runtime_env, keep_alive_s)
         return want
     except Exception as exc:  # ranks start cold, as without spares
         log.warning("could not start spare worker processes (%s); the next attempt's ranks start cold", exc)
@@ -321,9 +309,9 @@ def _can_leave_idle() -> bool:
 
 
 def _session_dir() -> str:
-    import ray._private.worker as ray_worker
+    from petatrain.runtime._ray import session_dir
 
-    return ray_worker.global_worker.node.get_session_dir_path()
+    return session_dir()
 
 
 def _registry_dir() -> str:

@@ -44,3 +44,41 @@ def replace_sigterm_exit(handler: Callable[..., None]) -> bool:
         return False
     ray_worker.raise_sys_exit_with_custom_error_message = handler
     return True
+
+
+def dead_actors(job_id_hex: str) -> list[dict]:
+    """GCS's table of this job's dead actors (Pid, Address.NodeID, DeathCause)."""
+    import ray
+    import ray._private.state as ray_state
+
+    job = ray.JobID.from_hex(job_id_hex)
+    return list(ray_state.actors(job_id=job, actor_state_name="DEAD").values())
+
+
+def session_dir() -> str:
+    """This node's Ray session folder (/tmp/ray/session_...)."""
+    import ray._private.worker as ray_worker
+
+    return ray_worker.global_worker.node.get_session_dir_path()
+
+
+def prestart_workers(count: int, runtime_env: str, keep_alive_s: int) -> None:
+    """Ask this node's raylet to start `count` idle worker processes of this job and runtime environment."""
+    import ray
+    import ray._private.worker as ray_worker
+    from ray._private.grpc_utils import init_grpc_channel
+    from ray.core.generated import common_pb2, node_manager_pb2, node_manager_pb2_grpc
+
+    node = ray_worker.global_worker.node
+    request = node_manager_pb2.PrestartWorkersRequest(
+        language=common_pb2.PYTHON,
+        job_id=bytes.fromhex(ray.get_runtime_context().get_job_id()),
+        num_workers=count,
+        keep_alive_duration_secs=keep_alive_s,
+    )
+    request.runtime_env_info.serialized_runtime_env = runtime_env
+    channel = init_grpc_channel(f"{node.node_ip_address}:{node.node_manager_port}")
+    try:
+        node_manager_pb2_grpc.NodeManagerServiceStub(channel).PrestartWorkers(request, timeout=10)
+    finally:
+        channel.close()

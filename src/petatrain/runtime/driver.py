@@ -1,0 +1,253 @@
+"""`run(TrainJob) -> RunResult`: a training run on Ray, recovering from every fault.
+
+The driver prepares the run (config checks, the run directory's lease, Ray, the run hub),
+then hands the attempts to the `Supervisor` (runtime/supervisor.py): each attempt runs the
+worker loop on N workers with Ray Train's TorchTrainer (N chosen from `parallel.workers` and
+what the cluster has alive, so a lost node shrinks the next attempt), a watchdog thread reads
+the step heartbeats and kills a hung worker group after `faults.hang_timeout_s`, and every
+failure is classified, written to the ledger and answered by the restart policy: retry from
+the newest verified checkpoint, or give up after `faults.max_restarts`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from petatrain.chaos.inject import Injection
+from petatrain.config import JobConfig
+from petatrain.errors import ConfigError, PetatrainError
+from petatrain.runtime import cluster, constants
+from petatrain.runtime.failures import CAUSES, AttemptFailed, Failure, FailureCause
+from petatrain.runtime.supervisor import AttemptOutcome, RestartPolicy, Supervisor, WorldSizePolicy
+from petatrain.runtime.trainer import Standby, fit, make_trainer
+from petatrain.runtime.watchdog import Watchdog
+from petatrain.storage import StorageOptions, join
+from petatrain.storage.fs import atomic_write, is_local, resolve
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainJob:
+    config: JobConfig
+    run_url: str
+    options: StorageOptions | None = None
+    address: str = ""
+    injections: list[Injection] = field(default_factory=list)
+    on_event: Callable[[dict[str, Any]], None] | None = None  # progress for the CLI
+    local_cpus: int = 0
+    stop_after_s: float | None = None  # end the run (checkpointed, final weights) this long after it started
+
+
+@dataclass(kw_only=True, slots=True)
+class RunResult:
+    """How a run ended (also in its ledger): the run, its final weights, the step reached, the faults."""
+
+    run: str
+    final: str
+    steps: int
+    attempts: int
+    failures: list[Failure]
+    wall_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "run": self.run,
+            "final": self.final,
+            "steps": self.steps,
+            "attempts": self.attempts,
+            "failures": [f.to_dict() for f in self.failures],
+            "wall_s": self.wall_s,
+        }
+
+    def __getitem__(self, key: str) -> Any:
+        """`result["steps"]`, for callers written when run() returned the dict."""
+        return self.to_dict()[key]
+
+
+def run(job: TrainJob) -> RunResult:
+    """Train to `train.steps`, recovering from faults; returns a summary (also in the ledger)."""
+    with contextlib.ExitStack() as held:  # the run directory's lease, let go however the run ends
+        return _drive(job, held)
+
+
+def _drive(job: TrainJob, held: contextlib.ExitStack) -> RunResult:
+    from petatrain.train import run_dir
+
+    cfg = _checked(job.config, job.options)
+    run_url = job.run_url
+    if is_local(run_url):
+        run_url = os.path.abspath(resolve(run_url)[1])
+    # Before anything is written there: someone else's folder, or a run another driver holds, is refused.
+    lease = held.enter_context(run_dir.held(run_url, job.options))
+    constants.set_train_defaults()  # propagated to the controller and workers
+    cluster.init_ray(job.address or cfg.resources.address, job.local_cpus)
+    atomic_write(join(run_url, "config.yaml"), cfg.to_yaml().encode(), job.options)
+    run_id = uuid.uuid4().hex[:8]
+    hub = _start_hub(run_url, run_id, cfg, job.options)
+    attempts = RayAttempts(job, cfg, run_url, run_id, hub)
+    try:
+        started = attempts.started
+        lo, hi = cfg.parallel.worker_range()
+        metrics = hub.call("metrics_url")
+        if metrics:
+            log.info("metrics: %s", metrics)
+        attempts.emit(
+            "run_start", run_id=run_id, workers=[lo, hi], steps=cfg.train.steps, metrics=metrics,
+            config=cfg.to_dict(), t=started,
+        )  # fmt: skip
+        supervisor = Supervisor(
+            attempts=attempts,
+            cluster=cluster.RayCluster(),
+            restart=RestartPolicy(cfg.faults.max_restarts),
+            world_size=WorldSizePolicy(cfg),
+            emit=attempts.emit,
+            # A driver that stalled past its lease must not start writing beside the new holder.
+            before_attempt=lease.check,
+        )
+        failures = supervisor.run()
+        final = join(run_url, "final", "model.safetensors")
+        reached = max((b["step"] for b in hub.call("heartbeats").values()), default=cfg.train.steps)
+        detail = "" if reached >= cfg.train.steps else f"stopped at step {reached}: the time limit was reached"
+        attempts.emit("end", status="ok", step=reached, detail=detail, final=final)
+        wall = time.time() - started
+        return RunResult(
+            run=run_url, final=final, steps=reached, attempts=supervisor.attempt + 1, failures=failures, wall_s=wall
+        )
+    finally:
+        attempts.close()
+        hub.close()
+
+
+def _checked(cfg: JobConfig, options: StorageOptions | None) -> JobConfig:
+    """The config as the workers get it; what would fail only after Ray started fails here."""
+    from petatrain.storage.fs import exists
+
+    if cfg.parallel.strategy not in ("ddp", "fsdp"):
+        raise ConfigError(
+            f"parallel.strategy {cfg.parallel.strategy!r}: train runs ddp or fsdp "
+            f"({cfg.parallel.strategy} is modelled by `petatrain plan` only)"
+        )
+    if is_local(cfg.data.dataset):  # Ray workers do not share the driver's working directory
+        dataset = os.path.abspath(resolve(cfg.data.dataset)[1])
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, dataset=dataset))
+    if not exists(join(cfg.data.dataset, "_index", "manifest.json"), options):
+        raise PetatrainError(
+            f"no dataset at {cfg.data.dataset} (data.dataset); `petatrain demo` builds the demo dataset, "
+            "`petatrain ingest SOURCES --out URL --tokenizer bytes --pack-length N` builds yours"
+        )
+    constants.controller_mode()  # a bad PETATRAIN_CONTROLLER fails here, before anything starts
+    return cfg
+
+
+class HubHandle:
+    """The driver's side of the run hub actor."""
+
+    def __init__(self, actor: Any):
+        self.actor = actor
+
+    def call(self, method: str, *args: Any, timeout: float | None = None) -> Any:
+        import ray
+
+        return ray.get(getattr(self.actor, method).remote(*args), timeout=timeout)
+
+    def close(self) -> None:
+        import ray
+
+        try:
+            self.call("close")
+            ray.kill(self.actor)
+        except Exception:  # the ledger was flushed on every event; closing is best effort
+            log.debug("hub close failed", exc_info=True)
+
+
+def _start_hub(run_url: str, run_id: str, cfg: JobConfig, options: StorageOptions | None) -> HubHandle:
+    """The run hub, on the driver's node: its metrics endpoint is on this machine's 127.0.0.1."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from petatrain.runtime.hub import RunHub
+
+    actor = RunHub.options(
+        name=f"petatrain-hub-{run_id}",
+        scheduling_strategy=NodeAffinitySchedulingStrategy(cluster.this_node(), soft=False),
+    ).remote(run_url, _for_workers(options), cfg.observe.metrics_host, cfg.observe.metrics_port)
+    return HubHandle(actor)
+
+
+def _for_workers(options: StorageOptions | None) -> StorageOptions:
+    """Options for Ray processes: they may have started before the driver's AWS_* variables were set."""
+    return (options or StorageOptions()).for_workers()
+
+
+class RayAttempts:
+    """The supervisor's attempts on Ray (runtime.supervisor.Attempts): standby, watchdog, TorchTrainer."""
+
+    def __init__(self, job: TrainJob, cfg: JobConfig, run_url: str, run_id: str, hub: HubHandle):
+        self.job, self.cfg, self.run_url, self.run_id, self.hub = job, cfg, run_url, run_id, hub
+        self.started = time.time()
+        self.local = not (job.address or cfg.resources.address or os.environ.get(constants.RAY_ADDRESS_ENV))
+        self.standby = Standby(self.build, enabled=cfg.faults.standby)
+        self.watch = Watchdog(hub.actor, cfg.faults.hang_timeout_s, on_training=self.standby.prepare)
+        from petatrain.train.loop import NonFiniteLoss
+
+        self.causes = {**CAUSES, NonFiniteLoss: FailureCause.NONFINITE}
+
+    def emit(self, event: str, **fields: Any) -> dict[str, Any]:
+        record = self.hub.call("emit", event, fields)
+        if self.job.on_event:
+            self.job.on_event(record)
+        return record
+
+    def build(self, attempt: int, world: int) -> Any:
+        return make_trainer(self.cfg, self._payload(attempt), world, self.run_id, attempt, local=self.local)
+
+    def run(self, attempt: int, world: int) -> AttemptOutcome:
+        from petatrain.runtime._ray.errors import attempt_failed
+
+        trainer = self.standby.take(attempt, world)
+        warm = trainer is not None
+        trainer = trainer or self.build(attempt, world)
+        self.hub.call("new_attempt", attempt)
+        in_driver = getattr(trainer, "controller_in_driver", False)
+        self.emit(
+            "attempt_start", attempt=attempt, world_size=world, controller="driver" if in_driver else "actor",
+            warm_controller=warm,
+        )  # fmt: skip
+        error = fit(trainer, attempt, world, self.watch)
+        if error is None:
+            return AttemptOutcome()
+        return AttemptOutcome(error=attempt_failed(error, self.causes), hang=self.watch.verdict)
+
+    def rank_died(self, error: AttemptFailed) -> int | None:
+        try:
+            beats = self.hub.call("heartbeats", timeout=5)
+        except Exception:  # a hub that does not answer: the error's own cause stands
+            return None
+        return cluster.died_on_its_own({(b["pid"], b["node_id"]): rank for rank, b in beats.items()})
+
+    def close(self) -> None:
+        self.watch.stop()
+        self.standby.discard()
+
+    def _payload(self, attempt: int) -> Any:
+        from petatrain.train.loop import Payload
+
+        job = self.job
+        return Payload(
+            config=self.cfg.to_dict(),
+            run_url=self.run_url,
+            options=_for_workers(job.options),
+            hub=self.hub.actor,
+            attempt=attempt,
+            run_started=self.started,
+            injections=list(job.injections),  # the workers leave out those that fired already
+            stop_at=self.started + job.stop_after_s if job.stop_after_s else None,
+        )
