@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Any, Literal, Self
 
 from petatrain.errors import PetatrainError
+from petatrain.runtime import constants
 
 logger = logging.getLogger(__name__)
 
@@ -66,12 +67,7 @@ NETNS_DIR = Path("/run/netns")
 WORKER_RESOURCE = "netns_worker"  # custom resource that places actors on the second node
 
 # Ray marks a node dead after `threshold` missed checks: ~6 s instead of the default ~63 s.
-FAST_HEALTH_CHECK = {
-    "health_check_period_ms": 1000,
-    "health_check_timeout_ms": 1000,
-    "health_check_initial_delay_ms": 1000,
-    "health_check_failure_threshold": 3,
-}
+FAST_HEALTH_CHECK = constants.FAST_HEALTH_CHECK
 _HEAD_PORT = 6379
 # Must lie outside Ray's worker port range 10002-19999; free inside our namespaces.
 _METRICS_EXPORT_PORT = 20001
@@ -230,9 +226,9 @@ class TwoNodeCluster:
         # Addresses never leave the namespaces, so the token only guards against other local users.
         token = secrets.token_hex(16)
         self.env = {
-            "RAY_ADDRESS": self.address,
-            "RAY_AUTH_MODE": "token",
-            "RAY_AUTH_TOKEN": token,
+            constants.RAY_ADDRESS_ENV: self.address,
+            constants.RAY_AUTH_MODE_ENV: "token",
+            constants.RAY_AUTH_TOKEN_ENV: token,
             "GLOO_SOCKET_IFNAME": LINK_IF,  # Ray workers inherit the raylet's environment
             "NCCL_SOCKET_IFNAME": LINK_IF,
         }
@@ -350,7 +346,7 @@ class TwoNodeCluster:
             f"--metrics-export-port={_METRICS_EXPORT_PORT}",
             "--disable-usage-stats",
         ]  # fmt: skip
-        env = {"RAY_USAGE_STATS_ENABLED": "0"}
+        env = {constants.RAY_USAGE_STATS_ENV: "0"}
         done = self.run(argv, node=node, env=env, capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             raise ClusterStartError(

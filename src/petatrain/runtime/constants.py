@@ -14,6 +14,19 @@ CONTROLLER_MODES = ("driver", "actor")
 RAY_ADDRESS_ENV = "RAY_ADDRESS"  # a cluster to join: the run is not local, so the driver's controller is off
 OMP_THREADS_ENV = "OMP_NUM_THREADS"  # the driver's choice, passed to the workers' runtime env
 
+# -- set for the processes of a Ray cluster petatrain starts itself (chaos/netns.py) -------------
+RAY_AUTH_MODE_ENV = "RAY_AUTH_MODE"
+RAY_AUTH_TOKEN_ENV = "RAY_AUTH_TOKEN"
+RAY_USAGE_STATS_ENV = "RAY_USAGE_STATS_ENABLED"
+# GCS's node health check (Ray `_system_config`): a lost node is marked dead after 3 missed
+# 1 s checks instead of Ray's minute, so a partition test sees the loss while it still matters.
+FAST_HEALTH_CHECK = {
+    "health_check_period_ms": 1000,
+    "health_check_timeout_ms": 1000,
+    "health_check_initial_delay_ms": 1000,
+    "health_check_failure_threshold": 3,
+}
+
 # -- set for Ray before it starts (the driver's environment reaches the controller and workers) --
 # Faster failure detection than Ray Train's 2 s poll.
 HEALTH_CHECK_INTERVAL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
