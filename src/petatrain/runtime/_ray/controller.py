@@ -3,8 +3,8 @@ and the controller itself run by the driver instead of as an actor of its own.
 
 Ray Train starts a `SynchronizationActor` for every worker group: the barrier behind
 `ray.train.report` and `ray.train.collective`. petatrain's loop calls neither, and the actor
-is one more Python process importing Ray Train, ~1.4 s of CPU on every restart's path on
-2 cores, and ~0.8% of a core for as long as it idles (Ray's 10 ms signal-check loop).
+is one more Python process importing Ray Train on every restart's path, then idling (Ray's
+signal-check loop) on the cores the ranks train on.
 In the controller's process, the worker group gets an `OnDemandSyncActor` instead: the
 first method call on it (from a user's `ray.train.report`, say) starts the real actor under
 a name unique to the worker group, so the controller and every rank reach the same one.
@@ -13,12 +13,12 @@ controller), so it ends with that rank; a rank's failure ends the worker group a
 
 `DriverController` is the same controller as an object of the driver process, its control
 loop run on the driver's thread: Ray Train makes it an actor, one more process that imports
-Ray Train and torch before any worker can start (~2 s of CPU on every restart's path on 2
-cores) and then idles at ~0.011 cores for the whole run (Ray's 10 ms signal check, its gRPC
-threads), all of it taken from training where the workers fill the machine.
+Ray Train and torch before any worker can start, and then idles for the whole run, taking
+CPU from training where the workers fill the machine (benchmarks/recovery.py measures both).
 
 Imported by the controller's process (the actor class is pickled by reference) and, on
-the driver, only once Ray Train is.
+the driver, only once Ray Train is. Every private name used here is checked by
+tests/test_ray_internals.py.
 """
 
 from __future__ import annotations
