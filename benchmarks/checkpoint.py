@@ -258,7 +258,7 @@ def restore_petatrain(model, optimizer, folder: Path, cfg) -> tuple[float, int]:
 
     shards = read_for_resume(state, read, model=model, rank=0, world=1, cfg=cfg)
     load_into(model, optimizer, state, shards, rank=0, cfg=cfg)
-    return time.perf_counter() - started, state["step"]
+    return time.perf_counter() - started, state.step
 
 
 def row_ray(size: str, args: argparse.Namespace, folder: Path) -> dict:

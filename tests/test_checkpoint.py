@@ -12,6 +12,12 @@ from petatrain import config
 from petatrain.errors import ConfigError
 
 
+def _meta(position: int) -> dict:
+    """What the training loop puts in every checkpoint record besides the files."""
+    groups = [{"lr": 0.001, "weight_decay": 0.1, "params": ["w"]}]
+    return {"loader": {"position": position}, "strategy": "ddp", "param_groups": groups, "config_digest": "0123abcd"}
+
+
 def _write_checkpoint(run: str, step: int, value: float, keep_last: int = 10, keep_every: int = 0) -> None:
     import torch
 
@@ -28,7 +34,7 @@ def _write_checkpoint(run: str, step: int, value: float, keep_last: int = 10, ke
         keep_every=keep_every,
     )
     tensors = {"model/w": torch.full((4, 4), value)}
-    writer.submit(Snapshot(step=step, rank=0, world_size=1, tensors=tensors, meta={"loader": {"position": step}}))
+    writer.submit(Snapshot(step=step, rank=0, world_size=1, tensors=tensors, meta=_meta(step)))
     writer.close()
     assert writer.error is None
 
@@ -57,7 +63,7 @@ def test_torn_truncated_and_corrupt_checkpoints_are_never_loaded(tmp_path):
 
     skipped = []
     state = latest_verified(run, on_skip=lambda url, why: skipped.append((url, why)))
-    assert state["step"] == 30
+    assert state.step == 30
     assert [url.rsplit("/", 1)[-1] for url, _ in skipped] == ["step-00000040"]
     assert "rank-00000.safetensors has" in skipped[0][1] and "does not verify" in skipped[0][1]
     with pytest.raises(CorruptDataError, match=r"step-00000030 does not verify: rank-00000.safetensors: checksum"):
@@ -66,7 +72,7 @@ def test_torn_truncated_and_corrupt_checkpoints_are_never_loaded(tmp_path):
     with pytest.raises(CorruptDataError, match=r"step-00000020 does not verify: rank-00000.safetensors: header length"):
         read_rank_tensors(run, state, 0)
     state = latest_verified(run, below=20)
-    assert state["step"] == 10 and state["loader"] == {"position": 10}
+    assert state.step == 10 and state.loader == {"position": 10}
     assert float(read_rank_tensors(run, state, 0)["model/w"][0, 0]) == 10.0
 
 
@@ -76,7 +82,7 @@ def test_rank_files_load_as_safetensors_writes_them(tmp_path):
     from safetensors.torch import save_file
 
     from petatrain.storage.checksum import checksum_file
-    from petatrain.train.checkpoint import read_rank_tensors, step_dir
+    from petatrain.train.checkpoint import CheckpointState, read_rank_tensors, step_dir
 
     saved = {
         "model/w": torch.randn(3, 5),
@@ -92,7 +98,10 @@ def test_rank_files_load_as_safetensors_writes_them(tmp_path):
     path.parent.mkdir(parents=True)
     save_file(saved, str(path), metadata={"step": "1"})
     info = {"checksum": checksum_file(str(path)), "bytes": path.stat().st_size}
-    loaded = read_rank_tensors(str(tmp_path), {"step": 1, "files": {path.name: info}}, 0)
+    state = CheckpointState(
+        step=1, world_size=1, strategy="ddp", files={path.name: info}, loader={}, param_groups=[], time=0.0
+    )
+    loaded = read_rank_tensors(str(tmp_path), state, 0)
     assert loaded.keys() == saved.keys()
     for name, tensor in saved.items():
         assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor), name
@@ -132,6 +141,7 @@ def test_live_snapshot_is_written_as_taken_and_refused_if_it_changed(tmp_path):
         assert tensors["model/w"].data_ptr() == weight.data_ptr(), "referenced, not copied"
         assert tensors["model/tied"].data_ptr() != weight.data_ptr(), "a storage saved twice is copied"
         versions = [t._version for t in live]
+        meta = {**_meta(step), **meta}
         return Snapshot(step=step, rank=0, world_size=1, tensors=tensors, meta=meta, live=live, versions=versions)
 
     writer.submit(snapshot(1))
@@ -168,7 +178,7 @@ import os, socket, sys, torch, torch.distributed as dist
 from petatrain import config
 from petatrain.models import build_model
 from petatrain.train import checkpoint as ckpt
-from petatrain.train.loop import build_optimizer
+from petatrain.train.recipe import build_optimizer
 from petatrain.train.parallel import parallelize, state_for_save
 
 with socket.socket() as s:
@@ -273,7 +283,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from petatrain import config
 from petatrain.models import build_model
 from petatrain.train import checkpoint as ckpt
-from petatrain.train.loop import build_optimizer
+from petatrain.train.recipe import build_optimizer
 from petatrain.train.parallel import load_into, parallelize, read_for_resume, state_for_save
 
 phase, folder, rank, world, old_world = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:])
@@ -299,7 +309,9 @@ else:
         read.append(k)
         return load_file(f"{folder}/rank-{k}.safetensors")
     groups = json.load(open(f"{folder}/groups.json"))
-    state = {"step": 1, "strategy": "fsdp", "world_size": old_world, "param_groups": groups}
+    state = ckpt.CheckpointState(
+        step=1, strategy="fsdp", world_size=old_world, param_groups=groups, files={}, loader={}, time=0.0
+    )
     shards = read_for_resume(state, load, model=model, rank=rank, world=world, cfg=cfg)
     load_into(model, optimizer, state, shards, rank=rank, cfg=cfg)
     print("read", json.dumps(read))
@@ -397,20 +409,21 @@ def test_user_model_factory_and_bad_factories():
 
 
 def test_auto_checkpoint_interval_is_young_daly():
-    from petatrain.train.loop import CheckpointSchedule
+    from petatrain.train.recipe import CheckpointSchedule, young_daly_interval
 
     cfg = config.load(None, ["checkpoint.every=auto", "faults.mtbf_hours=2"])
     schedule = CheckpointSchedule(cfg, world=2)  # job MTBF: 1 hour over 2 nodes
     assert schedule.interval_s() == 10.0  # one early checkpoint measures the cost
     schedule.taken(stall_s=0.5, write_s=3.0)
-    assert schedule.interval_s() == pytest.approx((2 * 0.5 * 3600) ** 0.5)  # sqrt(2 * stall * MTBF) = 60 s
+    assert schedule.interval_s() == pytest.approx(young_daly_interval(0.5, 3600))  # ~sqrt(2 * stall * MTBF) = 60 s
+    assert schedule.interval_s() == pytest.approx((2 * 0.5 * 3600) ** 0.5, rel=0.01)
     schedule.taken(stall_s=0.5, write_s=100.0)
     assert schedule.interval_s() == 100.0, "never faster than a write completes"
 
     # Training on CPU, the background write takes its CPU time from the loop: it is part of the cost.
     cpu = CheckpointSchedule(cfg, world=2, writer_competes=True)
     cpu.taken(stall_s=0.5, write_s=3.0, write_cpu_s=1.5)
-    assert cpu.interval_s() == pytest.approx((2 * 2.0 * 3600) ** 0.5)  # 120 s
+    assert cpu.interval_s() == pytest.approx(young_daly_interval(2.0, 3600))  # ~120 s
     gpu = CheckpointSchedule(cfg, world=2, writer_competes=False)
     gpu.taken(stall_s=0.5, write_s=3.0, write_cpu_s=1.5)
-    assert gpu.interval_s() == pytest.approx(60.0)
+    assert gpu.interval_s() == pytest.approx(young_daly_interval(0.5, 3600))

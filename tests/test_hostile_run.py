@@ -169,6 +169,11 @@ HOSTILE_EDITS = {
     "loader epoch as text": _loader(epoch="0"),
     "loader world size 0": _loader(world_size=0),
     "strategy not a string": _set("strategy", 1),
+    "strategy train does not run": _set("strategy", "pipeline"),
+    "strategy missing": _drop("strategy"),
+    "loader missing": _drop("loader"),
+    "param groups missing": _drop("param_groups"),
+    "time missing": _drop("time"),
     "param groups not a list": _set("param_groups", {"lr": 0.1}),
     "param group not an object": _set("param_groups", [0.1]),
     "param group params not names": _set("param_groups", [{"lr": 0.1, "params": [0]}]),
@@ -185,7 +190,7 @@ def test_a_forged_state_json_is_skipped_for_the_previous_checkpoint(tmp_path, ed
     _edit(run, 20, edit)
     skipped: list[tuple[str, str]] = []
     state = latest_verified(run, on_skip=lambda url, why: skipped.append((url, why)))
-    assert state is not None and state["step"] == 10, "the previous checkpoint, not a fresh start"
+    assert state is not None and state.step == 10, "the previous checkpoint, not a fresh start"
     assert [url for url, _ in skipped] == [step_dir(run, 20)]
     assert "step-00000020 does not verify" in skipped[0][1]
     with contextlib.suppress(CorruptDataError):  # the other ranks read state.json too: never a crash
@@ -208,7 +213,7 @@ def test_a_state_json_that_is_not_a_record_is_skipped(tmp_path, raw):
     _checkpoint(run, 20)
     _rewrite(run, 20, raw)
     skipped: list[str] = []
-    assert latest_verified(run, on_skip=lambda url, why: skipped.append(url))["step"] == 10
+    assert latest_verified(run, on_skip=lambda url, why: skipped.append(url)).step == 10
     assert skipped == [step_dir(run, 20)]
     with pytest.raises(CorruptDataError, match="step-00000020 does not verify"):
         read_state(run, 20)
@@ -220,7 +225,7 @@ def test_a_garbled_committed_marker_is_skipped(tmp_path, marker):
     _checkpoint(run, 10)
     _checkpoint(run, 20)
     (Path(step_dir(run, 20)) / COMMITTED).write_bytes(marker)
-    assert latest_verified(run)["step"] == 10
+    assert latest_verified(run).step == 10
     with pytest.raises(CorruptDataError, match="step-00000020 does not verify"):
         read_state(run, 20)
 
@@ -231,13 +236,13 @@ def test_a_forged_record_of_a_missing_rank_file_falls_back(tmp_path):
     run = str(tmp_path)
     _checkpoint(run, 10, world=2, strategy="fsdp")
     _checkpoint(run, 20, world=2, strategy="fsdp")
-    assert latest_verified(run)["step"] == 20
+    assert latest_verified(run).step == 20
     (Path(step_dir(run, 20)) / "rank-00001.safetensors").unlink()
-    assert latest_verified(run)["step"] == 10
+    assert latest_verified(run).step == 10
     _edit(run, 20, _without_file("rank-00001.safetensors"))
-    assert latest_verified(run)["step"] == 10
+    assert latest_verified(run).step == 10
     _edit(run, 20, _set("world_size", 10**9))  # at once: the ranks are not counted one by one
-    assert latest_verified(run)["step"] == 10
+    assert latest_verified(run).step == 10
 
 
 def test_a_sound_record_is_returned_as_written(tmp_path):
@@ -246,9 +251,9 @@ def test_a_sound_record_is_returned_as_written(tmp_path):
         run = str(tmp_path / str(step))
         _checkpoint(run, step, world=world, strategy=strategy)
         state = latest_verified(run)
-        assert state["step"] == step and state["world_size"] == world and state["strategy"] == strategy
+        assert state.step == step and state.world_size == world and state.strategy == strategy
         assert state == read_state(run, step)
-        assert sorted(state["files"]) == [f"rank-{r:05d}.safetensors" for r in range(world)]
+        assert sorted(state.files) == [f"rank-{r:05d}.safetensors" for r in range(world)]
 
 
 # -- the run directory: petatrain writes only into its own runs -------------------------------
@@ -370,7 +375,7 @@ def test_retention_deletes_only_the_files_petatrain_wrote(tmp_path):
     assert folders == ["step-00000005", "step-00000010", "step-00000030", "step-7"]
     assert _tree(Path(step_dir(run, 10))) == {"notes.txt": b"the user's"}
     assert _tree(alien) == before_alien and _tree(odd) == before_odd
-    assert latest_verified(run)["step"] == 30
+    assert latest_verified(run).step == 30
 
 
 # -- one driver per run directory -------------------------------------------------------------

@@ -11,16 +11,21 @@ Kinds, one per fault the training loop must survive:
 
 Each injection fires once per run: the run hub records it, and a resumed attempt does not
 fire it again. A step spec fires at the boundary after step N; a time spec at the first
-step boundary at least SECONDS after the run started.
+step boundary at least SECONDS after the run started. The training loop fires them through
+`RankFaults.at_step`.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from petatrain.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 KINDS = ("kill", "raise", "hang", "partition", "preempt", "storage", "nan")
 
@@ -89,3 +94,72 @@ def act(injection: Injection) -> None:
         from petatrain.chaos.netns import cut_own_link
 
         cut_own_link()
+
+
+class RankFaults:
+    """The injections one rank fires, at step boundaries; the training loop calls `at_step` once a step.
+
+    `claim(key, fields)` records the fault in the run's ledger and says whether it is still to
+    fire (each fires once per run, whichever attempt gets there first); `arm_storage(count)`
+    makes the next `count` checkpoint writes fail; `await_notice()` waits until this
+    process's own SIGTERM handler has run (a `preempt` is noticed at the boundary it was sent).
+    Injections for other ranks are watched too, so the ledger holds every step up to them.
+    """
+
+    def __init__(
+        self,
+        injections: list[Injection],
+        *,
+        rank: int,
+        fired: set[str],
+        claim: Callable[[str, dict], bool],
+        arm_storage: Callable[[int], None],
+        await_notice: Callable[[], object],
+        before_firing: Callable[[], None] = lambda: None,
+    ):
+        live = [i for i in injections if i.key not in fired]  # an earlier attempt fired the others
+        self.mine = [i for i in live if i.rank == rank]
+        self.others = [i for i in live if i.rank != rank]
+        self.rank = rank
+        self._claim, self._arm_storage, self._await_notice = claim, arm_storage, await_notice
+        self._before_firing = before_firing
+        self.poison_next = False  # a `nan` fired: the next step's loss is NaN
+
+    def imminent_elsewhere(self, step: int, elapsed_s: float, margin_s: float) -> bool:
+        """Another rank's fault fires within `margin_s`: its steps must reach the ledger at once."""
+        if not any(i.due(step, elapsed_s + margin_s) for i in self.others):
+            return False
+        self.others = [i for i in self.others if not _passed(i, step, elapsed_s, margin_s)]
+        return True
+
+    def at_step(self, step: int, elapsed_s: float) -> None:
+        """Fire this rank's injections due at the boundary after `step`."""
+        for injection in [i for i in self.mine if i.due(step, elapsed_s)]:
+            self.mine.remove(injection)
+            self._before_firing()  # the steps before the fault are in the ledger before it
+            if injection.kind == "partition" and not _partitionable():
+                log.warning("%s: rank %d is not on a node the harness can cut; not fired", injection.key, self.rank)
+                continue
+            fields = {"fault": injection.kind, "step": step, "rank": self.rank, "key": injection.key}
+            if not self._claim(injection.key, fields):
+                continue
+            if injection.kind == "storage":
+                self._arm_storage(injection.count)
+            elif injection.kind == "nan":
+                self.poison_next = True
+            else:
+                act(injection)
+                if injection.kind == "preempt":
+                    self._await_notice()
+
+
+def _passed(injection: Injection, step: int, elapsed_s: float, margin_s: float) -> bool:
+    if injection.step is not None:
+        return step >= injection.step
+    return injection.at_s is not None and elapsed_s >= injection.at_s + margin_s
+
+
+def _partitionable() -> bool:
+    from petatrain.chaos.netns import on_cuttable_node
+
+    return on_cuttable_node()

@@ -112,35 +112,39 @@ class _Batches:
         return tokens.to(self.device, non_blocking=True)
 
 
-def profile(cfg: JobConfig, *, steps: int = 5, use_dataset: bool = False, save: bool = True) -> dict[str, Any]:
-    """Measure `steps` training steps and compare every figure with the plan's estimate."""
-    w = est.Workload.from_config(cfg)
-    tr = cfg.train
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    cpu = device.type == "cpu"
-    torch.set_flush_denormal(tr.flush_denormal)  # the arithmetic `train` runs, or CPU calibration reads low
-    torch.manual_seed(tr.seed)
-    spec = build_model(cfg.model, tr)
-    model = spec.module.to(device).train()
-    optimizer = recipe.build_optimizer(model, tr)
-    _, accumulation = recipe.micro_batching(tr, 1)
-    batches = _Batches(cfg, device, use_dataset)
-    taken = 0
+class TrainStep:
+    """The step `train` runs (train.recipe: optimizer and parameter groups, learning rate,
+    micro-batching, loss, clipping), in one process, timed phase by phase."""
 
-    def step(timings: dict[str, float] | None, before_micro_batch=None) -> None:
-        nonlocal taken
-        recipe.set_lr(optimizer, taken, tr)
-        for _ in range(accumulation):
+    def __init__(self, cfg: JobConfig, device: torch.device, batches: Any):
+        tr = cfg.train
+        torch.manual_seed(tr.seed)
+        self.spec = build_model(cfg.model, tr)
+        self.model = self.spec.module.to(device).train()
+        self.optimizer = recipe.build_optimizer(self.model, tr)
+        _, self.accumulation = recipe.micro_batching(tr, 1)
+        self.cfg, self.device, self.batches = cfg, device, batches
+        self.taken = 0
+
+    def run(self, timings: dict[str, float] | None = None, before_micro_batch=None) -> torch.Tensor:
+        """One optimizer step over the global batch; adds its phases' seconds to `timings`; the loss."""
+        tr, device = self.cfg.train, self.device
+        recipe.set_lr(self.optimizer, self.taken, tr)
+        loss_sum = torch.zeros((), device=device)
+        for _ in range(self.accumulation):
             if before_micro_batch is not None:
                 before_micro_batch()
             t0 = time.perf_counter()
-            tokens = batches.next()
+            tokens = self.batches.next()
             _sync(device)
             t1 = time.perf_counter()
-            loss = recipe.micro_batch_loss(spec.loss_fn, model, tokens, accumulation, recipe.autocast(tr, device))
+            loss = recipe.micro_batch_loss(
+                self.spec.loss_fn, self.model, tokens, self.accumulation, recipe.autocast(tr, device)
+            )
             _sync(device)
             t2 = time.perf_counter()
             loss.backward()
+            loss_sum += loss.detach().float()
             _sync(device)
             t3 = time.perf_counter()
             if timings is not None:
@@ -148,71 +152,35 @@ def profile(cfg: JobConfig, *, steps: int = 5, use_dataset: bool = False, save: 
                 timings["forward"] += t2 - t1
                 timings["backward"] += t3 - t2
         t4 = time.perf_counter()
-        recipe.clip_gradients(model, tr.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        recipe.apply_gradients(self.model, self.optimizer, tr)
         _sync(device)
-        taken += 1
+        self.taken += 1
         if timings is not None:
             timings["optimizer"] += time.perf_counter() - t4
+        return loss_sum
 
-    step(None)  # warm-up: allocates optimizer states, picks kernels
 
-    # Peak memory.
-    if cpu:
-        from torch.distributed._tools.mem_tracker import MemTracker
-
-        tracker = MemTracker()
-        tracker.track_external(model, optimizer)
-        with tracker:
-            # MemTracker keeps per-module stats for one call; its device peak spans the whole step.
-            step(None, before_micro_batch=tracker.reset_mod_stats)
-        snapshot = tracker.get_tracker_snapshot("peak")
-        peak_memory = max(dev["Total"] for dev in snapshot.values())
-        memory_method = "torch.distributed._tools.mem_tracker.MemTracker (live tensor storages, one real step)"
-    else:
-        torch.cuda.reset_peak_memory_stats(device)
-        step(None)
-        peak_memory = torch.cuda.max_memory_allocated(device)
-        memory_method = "torch.cuda.max_memory_allocated"
+def profile(cfg: JobConfig, *, steps: int = 5, use_dataset: bool = False, save: bool = True) -> dict[str, Any]:
+    """Measure `steps` training steps and compare every figure with the plan's estimate."""
+    w = est.Workload.from_config(cfg)
+    tr = cfg.train
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cpu = device.type == "cpu"
+    torch.set_flush_denormal(tr.flush_denormal)  # the arithmetic `train` runs, or CPU calibration reads low
+    stepper = TrainStep(cfg, device, _Batches(cfg, device, use_dataset))
+    accumulation = stepper.accumulation
+    stepper.run()  # warm-up: allocates optimizer states, picks kernels
+    peak_memory, memory_method = _peak_memory(stepper, cpu)
 
     # FLOPs of one micro-batch's forward + backward, counted kernel by kernel.
     with FlopCounter() as counter, recipe.autocast(tr, device):
-        spec.loss_fn(model, batches.next()).backward()
-    optimizer.zero_grad(set_to_none=True)
+        stepper.spec.loss_fn(stepper.model, stepper.batches.next()).backward()
+    stepper.optimizer.zero_grad(set_to_none=True)
     counted_flops = counter.total * accumulation
+    step_time, split = _median_step(stepper, steps)
 
-    # Timed steps; the median step (by wall time) speaks for the run, so that one step
-    # slowed by another process on a shared machine does not skew the calibration.
-    records = []
-    for _ in range(steps):
-        timings = {"data_wait": 0.0, "forward": 0.0, "backward": 0.0, "optimizer": 0.0}
-        t0 = time.perf_counter()
-        step(timings)
-        records.append((time.perf_counter() - t0, timings))
-    records.sort(key=lambda r: r[0])
-    step_time, split = records[len(records) // 2]
-    split["communication"] = 0.0  # one process: no collectives to wait for
-
-    # The accelerator and its peak.
-    if cpu:
-        accelerator = "cpu"
-        peak = measure_cpu_matmul_peak(torch.bfloat16 if tr.precision == "bf16-mixed" else torch.float32)
-        default_efficiency = CPU_DEFAULT_EFFICIENCY
-        device_name = f"CPU ({torch.get_num_threads()} threads)"
-        overhead = 0.0
-    else:
-        device_name = torch.cuda.get_device_name(device)
-        accelerator = catalog_name(device_name) or device_name
-        catalog = load_catalog(cfg.plan)
-        acc = catalog.get(accelerator)
-        if acc is None:
-            raise ConfigError(f"profile: {device_name!r} is not in the accelerator catalog; cannot compare with plan")
-        peak = acc.peak_flops(tr.precision)
-        default_efficiency = acc.efficiency
-        overhead = acc.overhead_gib * 2**30
-    calibrations = load_calibrations(cfg.plan.calibration_dir)
-    prior = calibrations.get(accelerator)
+    device_name, accelerator, peak, default_efficiency, overhead = _accelerator(cfg, device)
+    prior = load_calibrations(cfg.plan.calibration_dir).get(accelerator)
     efficiency_used = prior.efficiency if prior else default_efficiency
 
     # The plan's estimates for this exact run.
@@ -226,42 +194,12 @@ def profile(cfg: JobConfig, *, steps: int = 5, use_dataset: bool = False, save: 
     efficiency = counted_flops / (busy * peak)
     tokens = tr.global_batch * w.seq_len
 
-    fractions = {k: v / step_time for k, v in split.items()}
-    if fractions["data_wait"] >= 0.2:
-        verdict = "data-bound"
-    elif fractions["communication"] >= 0.3:
-        verdict = "communication-bound"
-    elif fractions["optimizer"] >= 0.3 or efficiency < 0.25:
-        verdict = "memory-bound"
-    else:
-        verdict = "compute-bound"
-
-    def row(figure: str, measured: float, estimate: float | None, fmt) -> dict[str, Any]:
-        error = None if estimate is None or measured == 0 else (estimate - measured) / measured
-        return {
-            "figure": figure,
-            "measured": measured,
-            "estimate": estimate,
-            "error": error,
-            "measured_text": fmt(measured),
-            "estimate_text": "" if estimate is None else fmt(estimate),
-        }
-
-    def mib(x):
-        return f"{x / 2**20:,.2f} MiB"
-
-    def secs(x):
-        return f"{x * 1e3:,.1f} ms"
-
-    def gflop(x):
-        return f"{x / 1e9:,.2f} GFLOP"
-
     comparison = [
-        row("peak memory (tensors)", peak_memory, estimated_peak, mib),
-        row("step time", step_time, estimated_step, secs),
-        row("executed FLOPs per step", counted_flops, executed, gflop),
-        row("tokens per second", tokens / step_time, tokens / estimated_step, lambda x: f"{x:,.0f}"),
-        row("achieved FLOP/s", achieved, executed / estimated_step, lambda x: f"{x / 1e9:,.2f} GFLOP/s"),
+        _row("peak memory (tensors)", peak_memory, estimated_peak, _mib),
+        _row("step time", step_time, estimated_step, _ms),
+        _row("executed FLOPs per step", counted_flops, executed, _gflop),
+        _row("tokens per second", tokens / step_time, tokens / estimated_step, lambda x: f"{x:,.0f}"),
+        _row("achieved FLOP/s", achieved, executed / estimated_step, lambda x: f"{x / 1e9:,.2f} GFLOP/s"),
     ]
     measured = {
         "peak_memory_bytes": int(peak_memory),
@@ -295,7 +233,7 @@ def profile(cfg: JobConfig, *, steps: int = 5, use_dataset: bool = False, save: 
             "model_flops_per_step": model_flops,
         },
         "comparison": comparison,
-        "verdict": verdict,
+        "verdict": _verdict(split, step_time, efficiency),
         "calibration_path": None,
     }
     calibration = Calibration(
@@ -312,3 +250,85 @@ def profile(cfg: JobConfig, *, steps: int = 5, use_dataset: bool = False, save: 
     if save:
         report["calibration_path"] = str(save_calibration(calibration, cfg.plan.calibration_dir))
     return report
+
+
+def _peak_memory(stepper: TrainStep, cpu: bool) -> tuple[int, str]:
+    """Peak tensor bytes over one real step, and how they were measured."""
+    if cpu:
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        tracker = MemTracker()
+        tracker.track_external(stepper.model, stepper.optimizer)
+        with tracker:
+            # MemTracker keeps per-module stats for one call; its device peak spans the whole step.
+            stepper.run(before_micro_batch=tracker.reset_mod_stats)
+        snapshot = tracker.get_tracker_snapshot("peak")
+        peak = max(dev["Total"] for dev in snapshot.values())
+        return peak, "torch.distributed._tools.mem_tracker.MemTracker (live tensor storages, one real step)"
+    torch.cuda.reset_peak_memory_stats(stepper.device)
+    stepper.run()
+    return torch.cuda.max_memory_allocated(stepper.device), "torch.cuda.max_memory_allocated"
+
+
+def _median_step(stepper: TrainStep, steps: int) -> tuple[float, dict[str, float]]:
+    """The median of `steps` timed steps (by wall time, so that one step slowed by another
+    process on a shared machine does not skew the calibration), and its split by phase."""
+    records = []
+    for _ in range(steps):
+        timings = {"data_wait": 0.0, "forward": 0.0, "backward": 0.0, "optimizer": 0.0}
+        t0 = time.perf_counter()
+        stepper.run(timings)
+        records.append((time.perf_counter() - t0, timings))
+    records.sort(key=lambda r: r[0])
+    step_time, split = records[len(records) // 2]
+    split["communication"] = 0.0  # one process: no collectives to wait for
+    return step_time, split
+
+
+def _accelerator(cfg: JobConfig, device: torch.device) -> tuple[str, str, float, float, float]:
+    """(device name, catalog name, peak FLOP/s, default efficiency, framework overhead bytes)."""
+    tr = cfg.train
+    if device.type == "cpu":
+        peak = measure_cpu_matmul_peak(torch.bfloat16 if tr.precision == "bf16-mixed" else torch.float32)
+        return f"CPU ({torch.get_num_threads()} threads)", "cpu", peak, CPU_DEFAULT_EFFICIENCY, 0.0
+    device_name = torch.cuda.get_device_name(device)
+    accelerator = catalog_name(device_name) or device_name
+    acc = load_catalog(cfg.plan).get(accelerator)
+    if acc is None:
+        raise ConfigError(f"profile: {device_name!r} is not in the accelerator catalog; cannot compare with plan")
+    return device_name, accelerator, acc.peak_flops(tr.precision), acc.efficiency, acc.overhead_gib * 2**30
+
+
+def _verdict(split: dict[str, float], step_time: float, efficiency: float) -> str:
+    fractions = {k: v / step_time for k, v in split.items()}
+    if fractions["data_wait"] >= 0.2:
+        return "data-bound"
+    if fractions["communication"] >= 0.3:
+        return "communication-bound"
+    if fractions["optimizer"] >= 0.3 or efficiency < 0.25:
+        return "memory-bound"
+    return "compute-bound"
+
+
+def _row(figure: str, measured: float, estimate: float | None, fmt) -> dict[str, Any]:
+    error = None if estimate is None or measured == 0 else (estimate - measured) / measured
+    return {
+        "figure": figure,
+        "measured": measured,
+        "estimate": estimate,
+        "error": error,
+        "measured_text": fmt(measured),
+        "estimate_text": "" if estimate is None else fmt(estimate),
+    }
+
+
+def _mib(x: float) -> str:
+    return f"{x / 2**20:,.2f} MiB"
+
+
+def _ms(x: float) -> str:
+    return f"{x * 1e3:,.1f} ms"
+
+
+def _gflop(x: float) -> str:
+    return f"{x / 1e9:,.2f} GFLOP"

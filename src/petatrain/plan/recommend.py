@@ -169,19 +169,16 @@ def evaluate(
     except ConfigError as exc:
         feasible_reason, accumulation = feasible_reason or str(exc), 1
     G, s = w.global_batch, w.seq_len
-    overhead = acc.overhead_gib * GIB
     memory = est.memory_per_device(
-        w, strategy=strategy, count=n, framework_overhead=overhead, accumulation=accumulation
+        w, strategy=strategy, count=n, accumulation=accumulation, framework_overhead=acc.overhead_gib * GIB
     )
     capacity = acc.memory_bytes
     fits = memory.total <= capacity
 
     peak = acc.peak_flops(w.precision)
     efficiency = calibration.efficiency if calibration else acc.efficiency
-    model_flops = w.model_flops(G)
-    executed = w.executed_flops(G)
-    per_device_flops = executed / n
-    compute = per_device_flops / (peak * efficiency)
+    model_flops, executed = w.model_flops(G), w.executed_flops(G)
+    compute = executed / n / (peak * efficiency)
 
     # Communication over the slowest link the collective crosses.
     nodes = math.ceil(n / acc.node_devices)
@@ -198,18 +195,8 @@ def evaluate(
     tokens_per_s = G * s / step
     achieved_mfu = model_flops / (step * n * peak)
 
-    # Checkpoints: fp32 weights + optimizer states; the loop pays for the host snapshot only.
-    P = w.params
-    ckpt_bytes = (w.weight_width + w.optimizer_width) * P
-    stall = spec.checkpoint_bytes_per_device(ckpt_bytes, n) / (acc.pcie_gb_s_per_direction * 1e9)
-    write = ckpt_bytes / (nodes * parse_size(cfg.plan.checkpoint_bandwidth.removesuffix("/s")))
-    mtbf = mtbf_hours * 3600 / nodes
-    interval = recipe.checkpoint_interval_s(stall, mtbf, write)
-    goodput = est.expected_goodput(interval, stall, cfg.plan.restart_s, mtbf)
-    spot_mtbf = 1 / (1 / mtbf + nodes / (cfg.plan.spot_mtbf_hours * 3600))
-    spot_interval = recipe.checkpoint_interval_s(stall, spot_mtbf, write)
-    goodput_spot = est.expected_goodput(spot_interval, stall, cfg.plan.restart_s, spot_mtbf)
-
+    ckpt = _checkpoints(w, spec, acc, n, cfg, mtbf_hours)
+    goodput, goodput_spot = ckpt["goodput"], ckpt["goodput_spot"]
     run_time = w.tokens / tokens_per_s / goodput if goodput > 0 else math.inf
     run_time_spot = w.tokens / tokens_per_s / goodput_spot if goodput_spot > 0 else math.inf
     cand = Candidate(
@@ -230,12 +217,7 @@ def evaluate(
         efficiency=efficiency,
         calibrated=calibration is not None,
         tokens_per_s=tokens_per_s,
-        checkpoint_bytes=ckpt_bytes,
-        checkpoint_stall_s=stall,
-        checkpoint_write_s=write,
-        checkpoint_interval_s=interval,
-        goodput=goodput,
-        goodput_spot=goodput_spot,
+        **ckpt,
         run_time_s=run_time,
         run_time_spot_s=run_time_spot,
         cost_usd=run_time / 3600 * n * acc.usd_per_hour,
@@ -249,12 +231,35 @@ def evaluate(
             f"out of memory: needs {memory.total / GIB:.1f} GiB per device, {acc.name} has {capacity / GIB:.1f} GiB"
         )
     elif data > busy:
-        need = G * (s + 1) * token_bytes / max(1, nodes) / busy
+        need = data / busy * storage_bw  # bytes per second per node that would keep up
         cand.reason = (
             f"data-bound: needs {need / 1e9:.2f} GB/s per node from storage, plan.storage_bandwidth is "
             f"{cfg.plan.storage_bandwidth}"
         )
     return cand
+
+
+def _checkpoints(
+    w: est.Workload, spec: strategies.Strategy, acc: Accelerator, n: int, cfg: JobConfig, mtbf_hours: float
+) -> dict[str, float]:
+    """Checkpoint size, the loop's snapshot stall, the write, the Young/Daly interval (the
+    recipe's, as `train` takes it) and the expected goodput on demand and on spot."""
+    nodes = math.ceil(n / acc.node_devices)
+    total = (w.weight_width + w.optimizer_width) * w.params  # fp32 weights + optimizer states
+    stall = spec.checkpoint_bytes_per_device(total, n) / (acc.pcie_gb_s_per_direction * 1e9)
+    write = total / (nodes * parse_size(cfg.plan.checkpoint_bandwidth.removesuffix("/s")))
+    mtbf = mtbf_hours * 3600 / nodes
+    interval = recipe.checkpoint_interval_s(stall, mtbf, write)
+    spot_mtbf = 1 / (1 / mtbf + nodes / (cfg.plan.spot_mtbf_hours * 3600))
+    spot_interval = recipe.checkpoint_interval_s(stall, spot_mtbf, write)
+    return {
+        "checkpoint_bytes": total,
+        "checkpoint_stall_s": stall,
+        "checkpoint_write_s": write,
+        "checkpoint_interval_s": interval,
+        "goodput": est.expected_goodput(interval, stall, cfg.plan.restart_s, mtbf),
+        "goodput_spot": est.expected_goodput(spot_interval, stall, cfg.plan.restart_s, spot_mtbf),
+    }
 
 
 def plan(cfg: JobConfig, request: PlanRequest | None = None) -> Plan:

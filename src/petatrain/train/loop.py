@@ -1,9 +1,12 @@
-"""The worker loop that Ray Train runs on every rank.
+"""The worker loop that Ray Train runs on every rank (Ray itself stays in runtime/worker.py).
 
-Reads top down: set up (device, determinism, model, parallelism, optimizer, data), resume
-from the newest verified checkpoint, then steps: gradient accumulation over micro-batches,
-one all-reduce of the step's flags (loss, non-finite, preemption, checkpoint due), clip,
-optimizer step, heartbeat, injected faults, asynchronous checkpoint, evaluation.
+Reads top down: `train_worker` sets up (arithmetic, model and strategy, optimizer, data, the
+checkpoint writer), resumes from the newest verified checkpoint and runs `_train`, the step
+loop: gradient accumulation over micro-batches, one all-reduce of the step's decisions (loss,
+preemption, checkpoint due, halt), clip, optimizer step, telemetry, injected faults
+(`chaos.inject.RankFaults`), asynchronous checkpoint, evaluation. The recipe (optimizer,
+schedule, micro-batching, checkpoint interval) is `train.recipe`'s; the parallelism is the
+strategy's (`train.strategies`, through `train.parallel`).
 """
 
 from __future__ import annotations
@@ -21,17 +24,20 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from petatrain import config as config_mod
 from petatrain.chaos import inject
 from petatrain.config import JobConfig
-from petatrain.errors import ConfigError, CorruptDataError, PetatrainError
+from petatrain.errors import CorruptDataError, PetatrainError
 from petatrain.models import ModelSpec, build_model
 from petatrain.runtime import failures
-from petatrain.runtime.worker import RankEnv, Telemetry
+from petatrain.runtime.worker import PreemptionNotice, RankEnv, Telemetry
 from petatrain.storage import StorageOptions, join
 from petatrain.storage.fs import atomic_write
 from petatrain.train import checkpoint as ckpt
+from petatrain.train import recipe
+from petatrain.train.batches import TokenBatches
 from petatrain.train.parallel import load_into, parallelize, read_for_resume, state_for_save
 
 log = logging.getLogger(__name__)
@@ -58,181 +64,37 @@ class Payload:
     stop_at: float | None = None  # unix time: stop at the first step boundary after it (soak windows)
 
 
-class TokenBatches:
-    """Micro-batches of token sequences from the petatrain loader, rolling over epochs.
+@dataclass(slots=True)
+class Rank:
+    """One rank's training state: what the steps of the loop share."""
 
-    The held-out split is the dataset's last `data.eval_shards` shards; training reads
-    the others. The state is the loader's JSON state.
-    """
-
-    def __init__(self, cfg: JobConfig, *, rank: int, world: int, micro: int, options: StorageOptions | None):
-        from petatrain.data import index as idx
-        from petatrain.data.stream import StreamingDataset
-
-        url = cfg.data.dataset
-        n_shards = idx.open_dataset(url, options).manifest["totals"]["shards"]
-        held = cfg.data.eval_shards if n_shards > cfg.data.eval_shards else 0
-        self.cfg, self.micro, self.seq = cfg, micro, cfg.model.seq_len + 1
-        common = {"columns": ["tokens"], "options": options}
-        self.train = StreamingDataset(
-            url,
-            seed=cfg.data.seed,
-            rank=rank,
-            world_size=world,
-            batch_size=micro,
-            drop_last=True,
-            shards=(0, n_shards - held),
-            **common,
-        )
-        self.eval = (
-            StreamingDataset(
-                url,
-                shuffle=False,
-                rank=rank,
-                world_size=world,
-                batch_size=micro,
-                shards=(n_shards - held, n_shards),
-                **common,
-            )
-            if held
-            else None
-        )
-        manifest = self.train.manifest
-        width = self._width(manifest)
-        if width < self.seq:
-            raise ConfigError(
-                f"model.seq_len {cfg.model.seq_len} needs rows of >= {self.seq} tokens; {url} has {width} "
-                f"(ingest with --pack-length {self.seq})"
-            )
-        vocab = (manifest.get("tokenizer") or {}).get("vocab_size")
-        if vocab and vocab > cfg.model.vocab_size:
-            raise ConfigError(f"model.vocab_size {cfg.model.vocab_size} is below the dataset's vocabulary ({vocab})")
-        if len(self.train) < micro:
-            raise ConfigError(f"{url}: fewer than train.micro_batch samples per rank in the training split")
-        self.consumed = 0
-        self.wait_s = 0.0
-        self._it = None
-
-    def _width(self, manifest: dict[str, Any]) -> int:
-        """Tokens per row: packed token rows are fixed_size_binary[bytes]."""
-        for col in manifest.get("schema", []):
-            if col["name"] == "tokens" and str(col["type"]).startswith("fixed_size_binary["):
-                return int(str(col["type"])[len("fixed_size_binary[") : -1]) // self.train.token_dtype.itemsize
-        raise ConfigError(
-            f"{self.cfg.data.dataset} has no packed tokens column (ingest with --tokenizer and --pack-length)"
-        )
-
-    def next(self) -> torch.Tensor:
-        t0 = time.perf_counter()
-        while True:
-            if self._it is None:
-                self._it = self.train.iter_batches()
-            batch = next(self._it, None)
-            if batch is not None:
-                break
-            self.train.set_epoch(self.train.epoch + 1)
-            self.consumed, self._it = 0, None
-        self.consumed += len(batch["index"])
-        self.wait_s += time.perf_counter() - t0
-        return torch.as_tensor(batch["tokens"])[:, : self.seq].to(torch.long)  # (B, T+1)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.train.state_dict(consumed=self.consumed)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.train.load_state_dict(state)
-        self.consumed, self._it = 0, None
-
-    def eval_batches(self, n: int):
-        if self.eval is None:
-            return
-        for i, batch in enumerate(self.eval.iter_batches()):
-            if i >= n:
-                return
-            yield torch.as_tensor(batch["tokens"])[:, : self.seq].to(torch.long)
-
-
-def lr_at(step: int, cfg: config_mod.TrainConfig) -> float:
-    """Linear warmup to train.lr, then cosine decay to train.min_lr at train.steps."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
-
-
-def build_optimizer(model: torch.nn.Module, cfg: config_mod.TrainConfig) -> torch.optim.Optimizer:
-    """AdamW (decay on matrices only, as in GPT-2/nanoGPT) or SGD with momentum."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    other = [p for p in params if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": other, "weight_decay": 0.0}]
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.beta1)
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), foreach=False)
-
-
-def micro_batching(cfg: JobConfig, world: int) -> tuple[int, int]:
-    """(micro-batch, accumulation steps) that keep train.global_batch fixed on `world` ranks."""
-    g = cfg.train.global_batch
-    if g % world:
-        raise ConfigError(f"train.global_batch {g} is not divisible by {world} workers")
-    per_rank = g // world
-    micro = max(m for m in range(1, min(cfg.train.micro_batch, per_rank) + 1) if per_rank % m == 0)
-    return micro, per_rank // micro
-
-
-class CheckpointSchedule:
-    """When to checkpoint: every N steps, every S seconds, or the Young/Daly interval.
-
-    For `auto` the cost of one checkpoint is what the training loop loses to it: the stall,
-    plus, when the writer's thread competes with the loop for the same cores (training on
-    CPU), the CPU time the background write took; on a GPU the write runs on host cores the
-    loop does not need.
-    """
-
-    def __init__(self, cfg: JobConfig, world: int, *, writer_competes: bool = False):
-        self.unit, self.value = cfg.checkpoint.interval()
-        self.mtbf_s = cfg.faults.mtbf_hours * 3600 / max(1, world)  # job MTBF: any of the nodes fails
-        self.writer_competes = writer_competes
-        self.last_t = time.time()
-        self.cost_s: float | None = None
-        self.write_s = 0.0
-
-    def due(self, step: int) -> bool:
-        if self.unit == "steps":
-            return step % int(self.value) == 0
-        elapsed = time.time() - self.last_t
-        return elapsed >= self.interval_s()
-
-    def interval_s(self) -> float:
-        if self.unit == "seconds":
-            return self.value
-        if self.cost_s is None:  # auto: take one early checkpoint to measure what it costs
-            return 10.0
-        # Young/Daly: sqrt(2 * cost * MTBF); checkpoints cannot usefully come faster than
-        # they are written.
-        return max(math.sqrt(2 * max(self.cost_s, 1e-4) * self.mtbf_s), self.write_s)
-
-    def taken(self, stall_s: float, write_s: float, write_cpu_s: float = 0.0) -> None:
-        """A checkpoint was taken; `write_s`/`write_cpu_s` describe the previous write (the last one finished)."""
-        self.last_t = time.time()
-        cost = stall_s + (write_cpu_s if self.writer_competes else 0.0)
-        self.cost_s = cost if self.cost_s is None else 0.8 * self.cost_s + 0.2 * cost
-        self.write_s = write_s
+    cfg: JobConfig
+    payload: Payload
+    rank: int
+    world: int
+    device: torch.device
+    spec: ModelSpec
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    data: TokenBatches
+    accumulation: int
+    amp: Any  # the forward's autocast context (or none)
+    telemetry: Telemetry
+    writer: ckpt.CheckpointWriter
+    buffers: ckpt.HostBuffers
+    digest: str  # of the resolved config, in every checkpoint
 
 
 def train_worker(payload: Payload, env: RankEnv) -> None:
     """Entry point of one rank; `env` is what Ray Train gave it (runtime.worker.RankEnv.from_ray)."""
     cfg = config_mod.build(JobConfig, payload.config)
-    rank, world = env.rank, env.world
-    next_ranks = env.next_ranks(cfg)
     hub = env.hub
+    next_ranks = env.next_ranks(cfg)
     preemption = env.preemption_notice()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the watchdog asks for stacks before a kill
-    emit = hub.emit
-    emit(
+    hub.emit(
         "worker_start",
-        rank=rank,
+        rank=env.rank,
         pid=os.getpid(),
         node=env.node_id,
         warm_up=env.warm_up(),
@@ -240,37 +102,50 @@ def train_worker(payload: Payload, env: RankEnv) -> None:
     )
     hub.beat(-1)
 
-    device = env.device(cfg.resources.accelerator)
-    if cfg.train.deterministic:
-        torch.use_deterministic_algorithms(True)
-        if device.type == "cuda":
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-            torch.backends.cudnn.benchmark = False
-    torch.set_flush_denormal(cfg.train.flush_denormal)  # CPU arithmetic; the same on every rank and attempt
-    torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
-    spec: ModelSpec = build_model(cfg.model, cfg.train)
-    model = parallelize(spec, cfg, device)
-    optimizer = build_optimizer(model, cfg.train)
-    torch.manual_seed(cfg.train.seed * 1000 + rank + 1)  # per-rank stream (dropout)
-    micro, accum = micro_batching(cfg, world)
-    data = TokenBatches(cfg, rank=rank, world=world, micro=micro, options=payload.options)
-    amp = (
-        torch.autocast(device.type, dtype=torch.bfloat16)
-        if cfg.train.precision == "bf16-mixed"
-        else contextlib.nullcontext()
+    faults = ckpt.StorageFaults()  # armed by injected `storage` faults
+    r = _set_up(cfg, payload, env, faults)
+    start = _resume(r, hub.emit)
+    chaos = inject.RankFaults(
+        payload.injections,
+        rank=env.rank,
+        fired=hub.fired_keys() if payload.injections else set(),
+        claim=hub.fire,
+        arm_storage=faults.arm,
+        await_notice=lambda: preemption.wait(timeout_s=2.0),
+        before_firing=r.telemetry.flush,
     )
+    try:
+        step = _train(r, start, preemption, chaos, next_ranks)
+        r.writer.wait()
+        r.writer.raise_if_broken()
+        _evaluate(r.model, r.spec, r.data, cfg, r.device, r.amp, step, r.rank, r.world, r.telemetry.record)
+        r.telemetry.flush(wait=True)
+        _save_final(r.model, payload, r.rank)
+    finally:
+        r.writer.close()
+        r.telemetry.flush()  # the commit of a write that finished while the attempt failed
 
-    # Events go to the hub once a second (an actor call per step cost ~1.5% of the step rate on
-    # two CPU cores). A rank killed with events still buffered leaves up to a second of steps
-    # out of the ledger, so around another rank's injected fault every step is sent at once.
-    telemetry = hub.telemetry(period_s=1.0)
-    faults = ckpt.StorageFaults()
-    buffers = ckpt.HostBuffers()
+
+def _set_up(cfg: JobConfig, payload: Payload, env: RankEnv, faults: ckpt.StorageFaults) -> Rank:
+    """Arithmetic, model wrapped by its strategy, optimizer, data, telemetry and checkpoint writer."""
+    device = env.device(cfg.resources.accelerator)
+    _set_arithmetic(cfg, device)
+    torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
+    spec = build_model(cfg.model, cfg.train)
+    model = parallelize(spec, cfg, device)
+    optimizer = recipe.build_optimizer(model, cfg.train)
+    torch.manual_seed(cfg.train.seed * 1000 + env.rank + 1)  # per-rank stream (dropout)
+    micro, accumulation = recipe.micro_batching(cfg.train, env.world)
+    data = TokenBatches(cfg, rank=env.rank, world=env.world, micro=micro, options=payload.options)
+    # Events go to the hub once a second (an actor call per step costs a measurable share of the
+    # step rate on a few CPU cores). A rank killed with events still buffered leaves up to a second
+    # of steps out of the ledger, so around another rank's injected fault every step is sent at once.
+    telemetry = env.hub.telemetry(period_s=1.0)
     writer = ckpt.CheckpointWriter(
         payload.run_url,
         payload.options,
-        report_part=hub.report_part,
-        wait_parts=hub.wait_parts,
+        report_part=env.hub.report_part,
+        wait_parts=env.hub.wait_parts,
         on_commit=telemetry.commit,
         keep_last=cfg.checkpoint.keep_last,
         keep_every=cfg.checkpoint.keep_every,
@@ -278,167 +153,171 @@ def train_worker(payload: Payload, env: RankEnv) -> None:
         keepalive=telemetry.alive,
         keepalive_s=telemetry.period_s,
     )
+    return Rank(
+        cfg=cfg,
+        payload=payload,
+        rank=env.rank,
+        world=env.world,
+        device=device,
+        spec=spec,
+        model=model,
+        optimizer=optimizer,
+        data=data,
+        accumulation=accumulation,
+        amp=recipe.autocast(cfg.train, device),
+        telemetry=telemetry,
+        writer=writer,
+        buffers=ckpt.HostBuffers(),
+        digest=_digest(cfg),
+    )
 
-    # -- resume ---------------------------------------------------------------------------------
+
+def _set_arithmetic(cfg: JobConfig, device: torch.device) -> None:
+    """Deterministic kernels and denormal handling: the same on every rank and attempt."""
+    if cfg.train.deterministic:
+        torch.use_deterministic_algorithms(True)
+        if device.type == "cuda":
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.backends.cudnn.benchmark = False
+    torch.set_flush_denormal(cfg.train.flush_denormal)  # CPU arithmetic
+
+
+def _resume(r: Rank, emit) -> int:
+    """Load the newest checkpoint every rank verified (model, optimizer, loader, RNG); the step to start from."""
+    state, shards = _restore_point(r.payload, r.model, r.rank, r.world, r.cfg, emit)
     start = 0
-    state, shards = _restore_point(payload, model, rank, world, cfg, emit)
     if state is not None:
-        load_into(model, optimizer, state, shards, rank=rank, cfg=cfg)
-        data.load_state_dict(state["loader"])
-        rng = shards.get(rank, {}).get("rng/cpu")
-        if rng is not None and state["world_size"] == world:
+        load_into(r.model, r.optimizer, state, shards, rank=r.rank, cfg=r.cfg)
+        r.data.load_state_dict(state.loader)
+        rng = shards.get(r.rank, {}).get("rng/cpu")
+        if rng is not None and state.world_size == r.world:
             torch.set_rng_state(rng)
-        start = state["step"]
-    if rank == 0:
-        emit("resume", step=start, checkpoint=ckpt.step_dir(payload.run_url, start) if state else None)
+        start = state.step
+    if r.rank == 0:
+        emit("resume", step=start, checkpoint=ckpt.step_dir(r.payload.run_url, start) if state else None)
+    return start
 
+
+def _train(r: Rank, start: int, preemption: PreemptionNotice, chaos: inject.RankFaults, next_ranks: Any) -> int:
+    """The step loop from `start` to train.steps (or a halt); returns the last step. Raises
+    Preempted once a preemption's checkpoint is settled, NonFiniteLoss for a rollback."""
+    cfg, telemetry, writer = r.cfg, r.telemetry, r.writer
     # A synchronous write is all stall already; an asynchronous one on CPU also takes cores from the steps.
-    schedule = CheckpointSchedule(cfg, world, writer_competes=device.type == "cpu" and cfg.checkpoint.asynchronous)
+    schedule = recipe.CheckpointSchedule(
+        cfg, r.world, writer_competes=r.device.type == "cpu" and cfg.checkpoint.asynchronous
+    )
     # Live snapshots: forward/backward must not write the weights (the built-in models), or the user says so.
     staging = StagingChoice(
         cfg.checkpoint.staging,
-        available=device.type == "cpu" and (spec.weights_fixed_in_forward or cfg.checkpoint.staging == "live"),
+        available=r.device.type == "cpu" and (r.spec.weights_fixed_in_forward or cfg.checkpoint.staging == "live"),
     )
     live_stall: float | None = None  # a live snapshot's stall, until the wait before optimizer.step adds to it
-    digest = _digest(cfg)
-    tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
-    # Each injection fires once per run: drop those an earlier attempt fired (a warm standby's
-    # payload is built before the fault that ends the attempt it replaces).
-    fired = hub.fired_keys() if payload.injections else set()
-    injections = [i for i in payload.injections if i.key not in fired]
-    pending = [i for i in injections if i.rank == rank]
-    others = [i for i in injections if i.rank != rank]
-    nan_next = False
-    last_end = time.perf_counter()
-    wait_mark = data.wait_s
+    last_end, wait_mark = time.perf_counter(), r.data.wait_s
     step = last_checkpoint = start
-    try:
-        while step < cfg.train.steps:
-            lr = lr_at(step, cfg.train)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            loss_sum = torch.zeros((), device=device)
-            for m in range(accum):
-                tokens = data.next().to(device, non_blocking=True)
-                sync = m == accum - 1 or not hasattr(model, "no_sync")
-                with contextlib.nullcontext() if sync else model.no_sync(), amp:
-                    loss = spec.loss_fn(model, tokens) / accum
-                if nan_next:
-                    loss = loss * float("nan")
-                loss.backward()
-                loss_sum += loss.detach().float()
-            nan_next = False
-            step += 1
-            # One all-reduce per step carries the loss and every decision all ranks must share;
-            # it runs while the optimizer steps. Whether to skip the update is decided from the
-            # global gradient norm, which every rank already holds after the gradient reduction.
-            due = 1.0 if rank == 0 and schedule.due(step) else 0.0
-            halt = 1.0 if rank == 0 and payload.stop_at is not None and time.time() >= payload.stop_at else 0.0
-            flags = torch.stack(
-                [
-                    loss_sum,
-                    torch.tensor(float(preemption.received), device=device),
-                    torch.tensor(due, device=device),
-                    torch.tensor(halt, device=device),
-                ]
+    while step < cfg.train.steps:
+        lr = recipe.set_lr(r.optimizer, step, cfg.train)
+        loss_sum = _forward_backward(r, poison=chaos.poison_next)
+        chaos.poison_next = False
+        step += 1
+        # One all-reduce per step carries the loss and every decision all ranks must share;
+        # it runs while the optimizer steps. Whether to skip the update is decided from the
+        # global gradient norm, which every rank already holds after the gradient reduction.
+        due = r.rank == 0 and schedule.due(step)
+        halt = r.rank == 0 and r.payload.stop_at is not None and time.time() >= r.payload.stop_at
+        decisions = (preemption.received, due, halt)
+        flags = torch.stack([loss_sum, *(torch.tensor(float(d), device=r.device) for d in decisions)])
+        shared = dist.all_reduce(flags, async_op=True)
+        # A live snapshot's tensors are read before the update changes them.
+        grad_norm, staging_wait = recipe.apply_gradients(
+            r.model, r.optimizer, cfg.train, before_step=writer.wait_for_staging
+        )
+        nonfinite = not math.isfinite(grad_norm)
+        if live_stall is not None and not nonfinite:
+            staging.observed(True, live_stall + staging_wait)
+            live_stall = None
+        shared.wait()
+        preempt, checkpoint_due, stop = flags[1].item() > 0, flags[2].item() > 0, flags[3].item() > 0
+        loss_value = flags[0].item() / r.world
+        if nonfinite:
+            grad_norm = _on_nonfinite(r, step)
+        if r.rank == 0:
+            if staging_wait > 0.0:  # checkpoint stall, not training
+                telemetry.record("checkpoint_staging", step=last_checkpoint, wait_s=staging_wait)
+            telemetry.record(
+                "step",
+                step=step,
+                step_s=time.perf_counter() - last_end - staging_wait,
+                data_wait_s=r.data.wait_s - wait_mark,
+                loss=loss_value if not nonfinite and math.isfinite(loss_value) else None,
+                lr=lr,
+                tokens=cfg.train.global_batch * cfg.model.seq_len,
+                grad_norm=grad_norm,
             )
-            shared = dist.all_reduce(flags, async_op=True)
-            grad_norm = _grad_norm(model, cfg.train.grad_clip)
-            nonfinite = not math.isfinite(grad_norm)
-            staging_wait = 0.0
-            if nonfinite:
-                optimizer.zero_grad(set_to_none=True)
-            else:
-                staging_wait = writer.wait_for_staging()  # a live snapshot's tensors are read before they change
-                if live_stall is not None:
-                    staging.observed(True, live_stall + staging_wait)
-                    live_stall = None
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            shared.wait()
-            preempt, checkpoint_due, stop = flags[1].item() > 0, flags[2].item() > 0, flags[3].item() > 0
-            loss_value = flags[0].item() / world
-            if nonfinite:
-                if rank == 0:
-                    telemetry.record("nonfinite", step=step, action=cfg.faults.nonfinite)
-                if cfg.faults.nonfinite == "rollback":
-                    _leave_together(writer, telemetry, device)
-                    raise NonFiniteLoss(f"non-finite loss at step {step}; rolling back to the last checkpoint")
-                grad_norm = 0.0
-            now = time.perf_counter()
-            if rank == 0:
-                if staging_wait > 0.0:  # checkpoint stall, not training
-                    telemetry.record("checkpoint_staging", step=last_checkpoint, wait_s=staging_wait)
-                telemetry.record(
-                    "step",
-                    step=step,
-                    step_s=now - last_end - staging_wait,
-                    data_wait_s=data.wait_s - wait_mark,
-                    loss=loss_value if not nonfinite and math.isfinite(loss_value) else None,
-                    lr=lr,
-                    tokens=tokens_per_step,
-                    grad_norm=grad_norm,
-                )
-            elapsed = time.time() - payload.run_started
-            if others and any(i.due(step, elapsed + telemetry.period_s) for i in others):
-                # Another rank's fault is imminent: the ledger holds every step up to it.
-                telemetry.progress(step, now=True)
-                others = [i for i in others if not _passed(i, step, elapsed, telemetry.period_s)]
-            else:
-                telemetry.progress(step)
-            next_ranks.trained()  # the next attempt's processes start while this one trains
+        elapsed = time.time() - r.payload.run_started
+        # Another rank's fault is imminent: the ledger holds every step up to it.
+        telemetry.progress(step, now=chaos.imminent_elsewhere(step, elapsed, telemetry.period_s))
+        next_ranks.trained()  # the next attempt's processes start while this one trains
+        chaos.at_step(step, elapsed)
 
-            for injection in [i for i in pending if i.due(step, elapsed)]:
-                pending.remove(injection)
-                telemetry.flush()  # the steps before the fault are in the ledger before it
-                if injection.kind == "partition" and not _partitionable():
-                    log.warning("%s: rank %d is not on a node the harness can cut; not fired", injection.key, rank)
-                    continue
-                fields = {"fault": injection.kind, "step": step, "rank": rank, "key": injection.key}
-                if not hub.fire(injection.key, fields):
-                    continue
-                if injection.kind == "storage":
-                    faults.arm(injection.count)
-                elif injection.kind == "nan":
-                    nan_next = True
-                else:
-                    inject.act(injection)
-                    if injection.kind == "preempt":  # noticed at this step's boundary, as it was sent
-                        preemption.wait(timeout_s=2.0)
+        if checkpoint_due or preempt or stop or step == cfg.train.steps:
+            live = staging.live(refused=writer.live_refused)
+            stall = _checkpoint(r, step, schedule, live=live)
+            if live:
+                live_stall = stall
+            else:
+                staging.observed(False, stall)
+            last_checkpoint = step
+        if preempt:
+            if _leave_together(writer, telemetry, r.device) == step:
+                raise Preempted(f"preemption notice: checkpoint of step {step} committed, exiting")
+            raise Preempted(f"preemption notice: checkpoint of step {step} failed, resuming from an earlier one")
+        if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
+            _evaluate(r.model, r.spec, r.data, cfg, r.device, r.amp, step, r.rank, r.world, telemetry.record)
+        last_end, wait_mark = time.perf_counter(), r.data.wait_s
+        if stop:
+            break
+    return step
 
-            if checkpoint_due or preempt or stop or step == cfg.train.steps:
-                live = staging.live(refused=writer.live_refused)
-                snapshot, stall = _snapshot(
-                    model, optimizer, data, writer, buffers, step, rank, world, cfg, digest, live=live
-                )
-                last_checkpoint = step
-                writer.submit(snapshot)
-                if not cfg.checkpoint.asynchronous:  # the loop waits for the commit: all of it is stall
-                    stall += writer.wait()
-                if live:
-                    live_stall = stall
-                else:
-                    staging.observed(False, stall)
-                if rank == 0:
-                    telemetry.record("checkpoint_snapshot", step=step, stall_s=stall, live=live)
-                schedule.taken(stall, writer.last_write_s, writer.last_write_cpu_s)
-            if preempt:
-                if _leave_together(writer, telemetry, device) == step:
-                    raise Preempted(f"preemption notice: checkpoint of step {step} committed, exiting")
-                raise Preempted(f"preemption notice: checkpoint of step {step} failed, resuming from an earlier one")
-            if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
-                _evaluate(model, spec, data, cfg, device, amp, step, rank, world, telemetry.record)
-            last_end = time.perf_counter()
-            wait_mark = data.wait_s
-            if stop:
-                break
-        writer.wait()
-        _evaluate(model, spec, data, cfg, device, amp, step, rank, world, telemetry.record)
-        telemetry.flush(wait=True)
-        _save_final(model, payload, rank)
-    finally:
-        writer.close()
-        telemetry.flush()  # the commit of a write that finished while the attempt failed
+
+def _forward_backward(r: Rank, *, poison: bool) -> torch.Tensor:
+    """Gradients of the step's micro-batches, accumulated (DDP reduces on the last one only);
+    the step's loss on this rank. `poison`: an injected `nan` makes it NaN."""
+    loss_sum = torch.zeros((), device=r.device)
+    for m in range(r.accumulation):
+        tokens = r.data.next().to(r.device, non_blocking=True)
+        sync = m == r.accumulation - 1 or not hasattr(r.model, "no_sync")
+        with contextlib.nullcontext() if sync else r.model.no_sync():
+            loss = recipe.micro_batch_loss(r.spec.loss_fn, r.model, tokens, r.accumulation, r.amp)
+        if poison:
+            loss = loss * float("nan")
+        loss.backward()
+        loss_sum += loss.detach().float()
+    return loss_sum
+
+
+def _on_nonfinite(r: Rank, step: int) -> float:
+    """The step's update was dropped: record it; roll back (raise) if faults.nonfinite says so; its grad norm."""
+    if r.rank == 0:
+        r.telemetry.record("nonfinite", step=step, action=r.cfg.faults.nonfinite)
+    if r.cfg.faults.nonfinite == "rollback":
+        _leave_together(r.writer, r.telemetry, r.device)
+        raise NonFiniteLoss(f"non-finite loss at step {step}; rolling back to the last checkpoint")
+    return 0.0
+
+
+def _checkpoint(r: Rank, step: int, schedule: recipe.CheckpointSchedule, *, live: bool) -> float:
+    """Hand this step's snapshot to the writer (the live tensors, or host copies); returns the stall."""
+    snapshot, stall = _snapshot(
+        r.model, r.optimizer, r.data, r.writer, r.buffers, step, r.rank, r.world, r.cfg, r.digest, live=live
+    )
+    r.writer.raise_if_broken()  # the previous write has finished: a bug in it ends the attempt here
+    r.writer.submit(snapshot)
+    if not r.cfg.checkpoint.asynchronous:  # the loop waits for the commit: all of it is stall
+        stall += r.writer.wait()
+    if r.rank == 0:
+        r.telemetry.record("checkpoint_snapshot", step=step, stall_s=stall, live=live)
+    schedule.taken(stall, r.writer.last_write_s, r.writer.last_write_cpu_s)
+    return stall
 
 
 def _leave_together(writer: ckpt.CheckpointWriter, telemetry: Telemetry, device: torch.device) -> int:
@@ -454,29 +333,6 @@ def _leave_together(writer: ckpt.CheckpointWriter, telemetry: Telemetry, device:
     dist.broadcast(committed, src=0)
     telemetry.flush(wait=True)
     return int(committed.item())
-
-
-def _passed(injection: inject.Injection, step: int, elapsed_s: float, margin_s: float) -> bool:
-    if injection.step is not None:
-        return step >= injection.step
-    return injection.at_s is not None and elapsed_s >= injection.at_s + margin_s
-
-
-def _grad_norm(model: torch.nn.Module, clip: float) -> float:
-    """The global gradient norm (identical on every rank), clipping to `clip` if it is set."""
-    if clip:
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-    else:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
-    if hasattr(norm, "full_tensor"):  # FSDP: a DTensor
-        norm = norm.full_tensor()
-    return float(norm)
-
-
-def _partitionable() -> bool:
-    from petatrain.chaos.netns import on_cuttable_node
-
-    return on_cuttable_node()
 
 
 def _restore_point(payload: Payload, model: torch.nn.Module, rank: int, world: int, cfg: JobConfig, emit):
@@ -498,7 +354,7 @@ def _restore_point(payload: Payload, model: torch.nn.Module, rank: int, world: i
                 on_skip=lambda url, why: emit("checkpoint_skipped", url=url, reason=why),
                 below=below,
             )
-        chosen = torch.tensor([state["step"] if state else -1], dtype=torch.long)
+        chosen = torch.tensor([state.step if state else -1], dtype=torch.long)
         dist.broadcast(chosen, src=0)
         step = int(chosen.item())
         if step < 0:
@@ -557,7 +413,7 @@ class StagingChoice:
     `checkpoint.staging: copy` always copies, `live` always writes the live tensors; but never
     on GPU (its tensors need a device-to-host copy anyway) and never after a live snapshot
     was seen to change under the writer. `auto` measures both and keeps the cheaper: a copy
-    costs its snapshot (0.34 s for a 500M model's 5.9 GB here); a live snapshot costs almost
+    costs its snapshot (a copy of every weight and optimizer state); a live snapshot costs almost
     nothing unless the next step's `optimizer.step()` has to wait for the write to finish
     reading, as it does when writing takes longer than a forward and backward. The first
     checkpoint copies, the second tries live; from then on the cheaper of the last of each,

@@ -8,8 +8,6 @@ strategy's.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -55,19 +53,27 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def read_for_resume(
-    state: Any, read: ReadRankFile, *, model: nn.Module, rank: int, world: int, cfg: JobConfig
+    state: ckpt.CheckpointState, read: ReadRankFile, *, model: nn.Module, rank: int, world: int, cfg: JobConfig
 ) -> dict[int, dict[str, torch.Tensor]]:
     """The tensors this rank loads from the checkpoint `state`, by rank file; `read(r)` reads
     (and verifies) rank r's file. Only the files this rank needs are read (`Strategy.read_for_resume`)."""
-    if state.get("strategy") != cfg.parallel.strategy:
+    if state.strategy != cfg.parallel.strategy:
         raise PetatrainError(
-            f"checkpoint step {state['step']} was written with parallel.strategy={state.get('strategy')}; "
+            f"checkpoint step {state.step} was written with parallel.strategy={state.strategy}; "
             f"this run uses {cfg.parallel.strategy}"
         )
     return strategies.get(cfg.parallel.strategy).read_for_resume(state, read, model=model, rank=rank, world=world)
 
 
-def load_into(model, optimizer, state: Any, shards: dict[int, dict[str, torch.Tensor]], *, rank: int, cfg: JobConfig):
+def load_into(
+    model,
+    optimizer,
+    state: ckpt.CheckpointState,
+    shards: dict[int, dict[str, torch.Tensor]],
+    *,
+    rank: int,
+    cfg: JobConfig,
+):
     """Restore model and optimizer from the tensors `read_for_resume` gave (rank -> tensors)."""
     strategies.get(cfg.parallel.strategy).load_into(model, optimizer, state, shards, rank=rank)
 

@@ -93,6 +93,22 @@ def clip_gradients(model: torch.nn.Module, clip: float) -> float:
     return float(norm)
 
 
+def apply_gradients(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, train: TrainConfig, *, before_step=lambda: 0.0
+) -> tuple[float, float]:
+    """Clip the accumulated gradients and step the optimizer, unless their global norm is not
+    finite: then the update is dropped (`faults.nonfinite` decides what follows). Returns the
+    norm and what `before_step()` returned (called just before the update: the loop waits there
+    for a live checkpoint snapshot to be read, and gets the seconds it waited)."""
+    grad_norm = clip_gradients(model, train.grad_clip)
+    waited = 0.0
+    if math.isfinite(grad_norm):
+        waited = before_step()
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm, waited
+
+
 def young_daly_interval(checkpoint_s: float, mtbf_s: float) -> float:
     """Optimal compute time between checkpoints (Daly 2006, eq. 37; Young 1974 to first order):
     τ = √(2δM)·[1 + ⅓·√(δ/2M) + (δ/2M)/9] − δ for δ < 2M, else τ = M."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from petatrain.errors import ConfigError
 
@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # plan imports the registry and must not pay for torch
     from petatrain.config import JobConfig
     from petatrain.models import ModelSpec
     from petatrain.plan.estimate import Workload
+    from petatrain.train.checkpoint import CheckpointState
 
 # Share of the backward (DDP, ZeRO) or forward+backward (FSDP) compute that hides communication.
 OVERLAP = 0.8
@@ -71,21 +72,27 @@ class Strategy:
         return total / count
 
     # --- train ------------------------------------------------------------------------------
+    def require_trainable(self) -> None:
+        """One-line ConfigError unless `train` runs this strategy (the driver checks before starting workers)."""
+        if not self.trainable:
+            from petatrain.train.strategies import TRAINABLE
+
+            raise ConfigError(
+                f"parallel.strategy {self.name!r}: train runs {' or '.join(TRAINABLE)} "
+                f"({self.name} is modelled by `petatrain plan` only)"
+            )
+
     def wrap(self, spec: ModelSpec, cfg: JobConfig, device: torch.device) -> nn.Module:
         """The model on `device`, wrapped for this strategy (train)."""
-        from petatrain.train.strategies import TRAINABLE
-
-        raise ConfigError(
-            f"parallel.strategy {self.name!r}: train runs {' or '.join(TRAINABLE)} "
-            f"({self.name} is modelled by `plan` only)"
-        )
+        self.require_trainable()
+        raise NotImplementedError
 
     def saves_model(self, rank: int) -> bool:
         """Whether `rank`'s checkpoint file holds model and optimizer tensors."""
         return True
 
     def read_for_resume(
-        self, state: Any, read: ReadRankFile, *, model: nn.Module, rank: int, world: int
+        self, state: CheckpointState, read: ReadRankFile, *, model: nn.Module, rank: int, world: int
     ) -> dict[int, dict[str, torch.Tensor]]:
         """The tensors `rank` loads from the checkpoint `state`, by rank file."""
         raise NotImplementedError
@@ -94,7 +101,7 @@ class Strategy:
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
-        state: Any,
+        state: CheckpointState,
         shards: dict[int, dict[str, torch.Tensor]],
         *,
         rank: int,

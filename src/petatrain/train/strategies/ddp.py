@@ -7,7 +7,7 @@ size, its own for the RNG).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from petatrain.plan import formulas
 from petatrain.train.strategies.base import OVERLAP, ReadRankFile, StateLayout, Strategy, autocast_copies
@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from petatrain.config import JobConfig
     from petatrain.models import ModelSpec
     from petatrain.plan.estimate import Workload
+    from petatrain.train.checkpoint import CheckpointState
 
 BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb
 
@@ -67,9 +68,9 @@ class DDP(Strategy):
         return rank == 0
 
     def read_for_resume(
-        self, state: Any, read: ReadRankFile, *, model: nn.Module, rank: int, world: int
+        self, state: CheckpointState, read: ReadRankFile, *, model: nn.Module, rank: int, world: int
     ) -> dict[int, dict[str, torch.Tensor]]:
-        return {r: read(r) for r in sorted({0, rank} if state["world_size"] == world else {0})}
+        return {r: read(r) for r in sorted({0, rank} if state.world_size == world else {0})}
 
     def load_into(self, model, optimizer, state, shards, *, rank: int) -> None:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
@@ -78,4 +79,4 @@ class DDP(Strategy):
 
         model_sd, optim_state = unflatten_state(shards[0])
         set_model_state_dict(model, model_sd)
-        set_optimizer_state_dict(model, optimizer, {"state": optim_state, "param_groups": state["param_groups"]})
+        set_optimizer_state_dict(model, optimizer, {"state": optim_state, "param_groups": state.param_groups})

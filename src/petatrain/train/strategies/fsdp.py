@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from petatrain.config import JobConfig
     from petatrain.models import ModelSpec
     from petatrain.plan.estimate import Workload
+    from petatrain.train.checkpoint import CheckpointState
 
 
 class FSDP(Strategy):
@@ -70,11 +71,11 @@ class FSDP(Strategy):
         return model
 
     def read_for_resume(
-        self, state: Any, read: ReadRankFile, *, model: nn.Module, rank: int, world: int
+        self, state: CheckpointState, read: ReadRankFile, *, model: nn.Module, rank: int, world: int
     ) -> dict[int, dict[str, torch.Tensor]]:
-        if state["world_size"] == world:
+        if state.world_size == world:
             return {rank: read(rank)}
-        return {rank: reshard(read, fsdp_rows(model, rank, world), state["world_size"])}
+        return {rank: reshard(read, fsdp_rows(model, rank, world), state.world_size)}
 
     def load_into(self, model, optimizer, state, shards, *, rank: int) -> None:
         from torch.distributed.checkpoint.state_dict import (
@@ -94,7 +95,7 @@ class FSDP(Strategy):
             fqn: {k: _like(current_optim[fqn][k], v) if k in current_optim.get(fqn, {}) else v for k, v in s.items()}
             for fqn, s in optim_state.items()
         }
-        set_optimizer_state_dict(model, optimizer, {"state": optim_state, "param_groups": state["param_groups"]})
+        set_optimizer_state_dict(model, optimizer, {"state": optim_state, "param_groups": state.param_groups})
 
 
 def _like(current: Any, saved: torch.Tensor) -> Any:

@@ -1,0 +1,107 @@
+"""The training loop's data: micro-batches of token sequences from the petatrain loader, and
+the held-out split it evaluates on."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from petatrain.config import JobConfig
+from petatrain.errors import ConfigError
+from petatrain.storage import StorageOptions
+
+
+class TokenBatches:
+    """Micro-batches of token sequences from the petatrain loader, rolling over epochs.
+
+    The held-out split is the dataset's last `data.eval_shards` shards; training reads
+    the others. The state is the loader's JSON state.
+    """
+
+    def __init__(self, cfg: JobConfig, *, rank: int, world: int, micro: int, options: StorageOptions | None):
+        from petatrain.data import index as idx
+        from petatrain.data.stream import StreamingDataset
+
+        url = cfg.data.dataset
+        n_shards = idx.open_dataset(url, options).manifest["totals"]["shards"]
+        held = cfg.data.eval_shards if n_shards > cfg.data.eval_shards else 0
+        self.cfg, self.micro, self.seq = cfg, micro, cfg.model.seq_len + 1
+        common = {"columns": ["tokens"], "options": options}
+        self.train = StreamingDataset(
+            url,
+            seed=cfg.data.seed,
+            rank=rank,
+            world_size=world,
+            batch_size=micro,
+            drop_last=True,
+            shards=(0, n_shards - held),
+            **common,
+        )
+        self.eval = (
+            StreamingDataset(
+                url,
+                shuffle=False,
+                rank=rank,
+                world_size=world,
+                batch_size=micro,
+                shards=(n_shards - held, n_shards),
+                **common,
+            )
+            if held
+            else None
+        )
+        manifest = self.train.manifest
+        width = self._width(manifest)
+        if width < self.seq:
+            raise ConfigError(
+                f"model.seq_len {cfg.model.seq_len} needs rows of >= {self.seq} tokens; {url} has {width} "
+                f"(ingest with --pack-length {self.seq})"
+            )
+        vocab = (manifest.get("tokenizer") or {}).get("vocab_size")
+        if vocab and vocab > cfg.model.vocab_size:
+            raise ConfigError(f"model.vocab_size {cfg.model.vocab_size} is below the dataset's vocabulary ({vocab})")
+        if len(self.train) < micro:
+            raise ConfigError(f"{url}: fewer than train.micro_batch samples per rank in the training split")
+        self.consumed = 0
+        self.wait_s = 0.0
+        self._it = None
+
+    def _width(self, manifest: dict[str, Any]) -> int:
+        """Tokens per row: packed token rows are fixed_size_binary[bytes]."""
+        for col in manifest.get("schema", []):
+            if col["name"] == "tokens" and str(col["type"]).startswith("fixed_size_binary["):
+                return int(str(col["type"])[len("fixed_size_binary[") : -1]) // self.train.token_dtype.itemsize
+        raise ConfigError(
+            f"{self.cfg.data.dataset} has no packed tokens column (ingest with --tokenizer and --pack-length)"
+        )
+
+    def next(self) -> torch.Tensor:
+        t0 = time.perf_counter()
+        while True:
+            if self._it is None:
+                self._it = self.train.iter_batches()
+            batch = next(self._it, None)
+            if batch is not None:
+                break
+            self.train.set_epoch(self.train.epoch + 1)
+            self.consumed, self._it = 0, None
+        self.consumed += len(batch["index"])
+        self.wait_s += time.perf_counter() - t0
+        return torch.as_tensor(batch["tokens"])[:, : self.seq].to(torch.long)  # (B, T+1)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.train.state_dict(consumed=self.consumed)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.train.load_state_dict(state)
+        self.consumed, self._it = 0, None
+
+    def eval_batches(self, n: int):
+        if self.eval is None:
+            return
+        for i, batch in enumerate(self.eval.iter_batches()):
+            if i >= n:
+                return
+            yield torch.as_tensor(batch["tokens"])[:, : self.seq].to(torch.long)

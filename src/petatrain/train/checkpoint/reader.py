@@ -1,0 +1,241 @@
+"""Finding, verifying and reading committed checkpoints; deleting one (retention).
+
+A checkpoint without COMMITTED, whose checksums do not verify, or whose state.json is not a
+record resume can rely on (`check_state`), is skipped in favour of the previous one. A rank
+file is read in one streamed pass that fills the tensors and checks the checksum on the way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from petatrain.errors import CorruptDataError
+from petatrain.storage import StorageOptions, join
+from petatrain.storage.checksum import new_digest, verify, verify_digest
+from petatrain.storage.fs import exists, is_local, read_bytes, resolve
+from petatrain.storage.retry import retrying
+from petatrain.train.checkpoint.state import COMMITTED, STATE, CheckpointState, rank_file, step_dir
+
+log = logging.getLogger(__name__)
+
+
+def committed_steps(run_url: str, options: StorageOptions | None = None) -> list[int]:
+    """Steps that have a COMMITTED marker, oldest first (not yet verified)."""
+    root = join(run_url, "checkpoints")
+    if not exists(root, options):
+        return []
+    fs, path = resolve(root, options)
+    fs.invalidate_cache(path)
+    steps = []
+    for child in fs.ls(path, detail=False):
+        name = child.rstrip("/").rsplit("/", 1)[-1]
+        # Only the names `step_dir` gives: "step-7" or "step-٠٧" is not a checkpoint of step 7.
+        if not re.fullmatch(r"step-[0-9]{8,}", name) or name != f"step-{int(name[5:]):08d}":
+            continue
+        if fs.exists(f"{child.rstrip('/')}/{COMMITTED}"):
+            steps.append(int(name[5:]))
+    return sorted(steps)
+
+
+def read_state(run_url: str, step: int, options: StorageOptions | None = None) -> CheckpointState:
+    """state.json of a committed checkpoint, checked against COMMITTED and for every field resume
+    relies on (`check_state`); CorruptDataError otherwise.
+
+    The rank files are checked by whoever reads them (`read_rank_tensors`)."""
+    folder = step_dir(run_url, step)
+    try:
+        marker = json.loads(read_bytes(join(folder, COMMITTED), options))
+        if not isinstance(marker, dict) or not isinstance(marker.get("state_checksum"), str):
+            raise ValueError(f"{COMMITTED} holds no state checksum")
+        raw = read_bytes(join(folder, STATE), options)
+        verify(raw, marker["state_checksum"], join(folder, STATE))
+        return CheckpointState.from_json(json.loads(raw), step)
+    except (OSError, ValueError, RecursionError) as exc:  # RecursionError: JSON nested too deep to parse
+        raise CorruptDataError(f"checkpoint {folder} does not verify: {exc}") from None
+
+
+def verify_checkpoint(run_url: str, step: int, options: StorageOptions | None = None) -> CheckpointState:
+    """state.json of a committed checkpoint whose every file is present at its recorded size;
+    CorruptDataError otherwise.
+
+    The files' contents are checked against their checksums by whoever reads them
+    (`read_rank_tensors`), in the same pass that loads them: verifying here would read the
+    whole checkpoint once more, on one rank."""
+    state = read_state(run_url, step, options)
+    folder = step_dir(run_url, step)
+    for name, info in state.files.items():
+        url = join(folder, name)
+        fs, path = resolve(url, options)
+        try:
+            size = retrying(f"stat {url}", lambda fs=fs, path=path: fs.size(path))
+        except FileNotFoundError:
+            raise CorruptDataError(f"checkpoint {folder} does not verify: {name} is missing") from None
+        if size != info["bytes"]:
+            raise CorruptDataError(
+                f"checkpoint {folder} does not verify: {name} has {size} bytes, {info['bytes']} recorded"
+            )
+    return state
+
+
+def latest_verified(
+    run_url: str,
+    options: StorageOptions | None = None,
+    on_skip: Callable[[str, str], None] | None = None,
+    *,
+    below: int | None = None,
+) -> CheckpointState | None:
+    """The newest checkpoint (older than step `below`, if given) that verifies, skipping torn
+    or corrupt ones; its state.json."""
+    for step in reversed(committed_steps(run_url, options)):
+        if below is not None and step >= below:
+            continue
+        try:
+            return verify_checkpoint(run_url, step, options)
+        except CorruptDataError as exc:
+            log.warning("skipping checkpoint: %s", exc)
+            if on_skip:
+                on_skip(step_dir(run_url, step), str(exc))
+    return None
+
+
+def read_rank_tensors(
+    run_url: str, state: CheckpointState, rank: int, options: StorageOptions | None = None
+) -> dict[str, torch.Tensor]:
+    """The tensors rank `rank` saved in a committed checkpoint; CorruptDataError unless the file
+    matches the size and checksum state.json recorded.
+
+    One streamed pass: the bytes are read straight into the tensors and checksummed on the
+    way, so a multi-GB rank file is never held in memory besides the tensors it holds."""
+    name = rank_file(rank)
+    info = state.files.get(name)
+    if info is None:
+        return {}
+    folder = step_dir(run_url, state.step)
+    url = join(folder, name)
+    fs, path = resolve(url, options)
+
+    def attempt() -> dict[str, torch.Tensor]:
+        with fs.open(path, "rb") as handle:
+            return _read_safetensors(handle, info)
+
+    try:
+        return retrying(f"read {url}", attempt)
+    except (OSError, ValueError) as exc:
+        raise CorruptDataError(f"checkpoint {folder} does not verify: {name}: {exc}") from None
+
+
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U64": torch.uint64,
+    "U32": torch.uint32,
+    "U16": torch.uint16,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+_MAX_HEADER = 100 << 20
+_CHUNK = 64 << 20
+
+
+def _read_safetensors(handle: Any, info: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Parse a safetensors file from `handle` into new CPU tensors, checking its size and checksum.
+
+    The header is validated before anything is allocated: the tensors must tile the data
+    section exactly (as the format requires), which must end where the recorded size does."""
+    digest = new_digest()
+    size = int(info["bytes"])
+    head = _read_exact(handle, bytearray(8), digest)
+    header_len = int.from_bytes(head, "little")
+    if not 2 <= header_len <= min(_MAX_HEADER, size - 8):
+        raise ValueError(f"header length {header_len} does not fit a {size}-byte file")
+    header = json.loads(_read_exact(handle, bytearray(header_len), digest))
+    if not isinstance(header, dict):
+        raise ValueError("header is not a JSON object")
+    header.pop("__metadata__", None)
+    entries = []
+    for name, entry in header.items():
+        try:
+            dtype, shape = _DTYPES[entry["dtype"]], [int(d) for d in entry["shape"]]
+            start, end = (int(o) for o in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"tensor {name!r}: unreadable header entry {entry!r}") from None
+        if min(shape, default=0) < 0 or end - start != math.prod(shape) * dtype.itemsize:
+            raise ValueError(f"tensor {name!r}: offsets {start}..{end} do not fit shape {shape} of {dtype}")
+        entries.append((start, end, name, dtype, shape))
+    entries.sort(key=lambda e: e[0])
+    position = 0
+    for start, end, name, _, _ in entries:
+        if start != position:
+            raise ValueError(f"tensor {name!r} starts at byte {start} of the data, not {position}")
+        position = end
+    if 8 + header_len + position != size:
+        raise ValueError(f"header describes {8 + header_len + position} bytes, {size} recorded")
+    tensors: dict[str, torch.Tensor] = {}
+    for _, _, name, dtype, shape in entries:
+        tensor = torch.empty(shape, dtype=dtype)
+        if tensor.numel():
+            _read_exact(handle, tensor.reshape(-1).view(torch.uint8).numpy(), digest)
+        tensors[name] = tensor
+    if handle.read(1):
+        raise ValueError(f"longer than the {size} bytes recorded")
+    verify_digest(digest, info["checksum"])
+    return tensors
+
+
+def _read_exact(handle: Any, buffer: Any, digest: Any) -> Any:
+    """Fill the writable `buffer` from `handle`, hashing the bytes as they arrive; returns it."""
+    view = memoryview(buffer).cast("B")
+    filled = 0
+    while filled < len(view):
+        n = handle.readinto(view[filled : filled + _CHUNK])
+        if not n:
+            raise ValueError(f"truncated: {len(view) - filled} bytes missing")
+        digest.update(view[filled : filled + n])
+        filled += n
+    return buffer
+
+
+# The files petatrain writes in a checkpoint's folder (a `.tmp-` sibling: a write cut short).
+_OWN_FILE = re.compile(r"(COMMITTED|state\.json|rank-\d{5,}\.safetensors)(\.tmp-[0-9a-f]{12})?")
+
+
+def remove_checkpoint(run_url: str, step: int, options: StorageOptions | None = None) -> bool:
+    """Delete the files petatrain wrote in the folder of a committed checkpoint, COMMITTED first
+    (a deletion cut short leaves a torn checkpoint, never a committed one missing files); False,
+    with nothing deleted, if its record does not check out (it may not be petatrain's).
+
+    Files petatrain does not write stay, and so does their folder."""
+    folder = step_dir(run_url, step)
+    try:
+        read_state(run_url, step, options)
+    except CorruptDataError:
+        return False
+    fs, path = resolve(folder, options)
+    fs.invalidate_cache(path)
+    entries = retrying(f"list {folder}", lambda: fs.ls(path, detail=True))
+    names = [e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e["type"] == "file"]
+    ours = sorted((n for n in names if _OWN_FILE.fullmatch(n)), key=lambda n: n != COMMITTED)
+    for name in ours:
+        with contextlib.suppress(FileNotFoundError):
+            retrying(f"remove {folder}/{name}", lambda p=f"{path.rstrip('/')}/{name}": fs.rm_file(p))
+    if is_local(folder) and len(ours) == len(entries):
+        with contextlib.suppress(OSError):  # a file written there meanwhile: the folder stays
+            os.rmdir(path)
+    return True

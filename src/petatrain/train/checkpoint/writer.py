@@ -1,0 +1,280 @@
+"""The background checkpoint writer: serialises, uploads and commits while the loop trains.
+
+Every rank writes its own file and reports its checksum to the run hub; rank 0 waits for
+all parts, then writes state.json (`CheckpointState`) and COMMITTED last, then applies
+retention.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from safetensors.torch import save_file as st_save_file
+
+from petatrain.errors import PetatrainError
+from petatrain.storage import StorageOptions, join
+from petatrain.storage.fs import atomic_write, local_staging_path, publish_file
+from petatrain.storage.retry import retrying
+from petatrain.train.checkpoint.reader import committed_steps, remove_checkpoint
+from petatrain.train.checkpoint.state import COMMITTED, FORMAT_VERSION, STATE, rank_file, step_dir
+from petatrain.train.checkpoint.tensors import Snapshot
+
+log = logging.getLogger(__name__)
+
+# The writers of this process, for `finish_writes` (a rank's peer failed: its commit in flight is let finish).
+_writers: weakref.WeakSet[CheckpointWriter] = weakref.WeakSet()
+
+
+class StorageFaults:
+    """Injected object-store failures: the next `count` writes raise a transient error."""
+
+    def __init__(self) -> None:
+        self._left = 0
+        self._lock = threading.Lock()
+        self.raised = 0
+
+    def arm(self, count: int) -> None:
+        with self._lock:
+            self._left += count
+
+    def check(self, url: str) -> None:
+        with self._lock:
+            if self._left <= 0:
+                return
+            self._left -= 1
+            self.raised += 1
+        raise ConnectionError(f"injected storage fault writing {url}")
+
+
+class CheckpointWriter:
+    """Writes snapshots on a background thread; one write in flight at a time.
+
+    `submit()` returns at once unless the previous write is still running, in which case
+    it waits for it; that wait is returned so the loop can count it as stall. A snapshot
+    with `live` tensors is serialised from the training state itself: the loop calls
+    `wait_for_staging()` before it next changes them (before `optimizer.step()`), and the
+    writer checks their version counters once it has read them, so a snapshot that changed
+    under it is never committed.
+    `parts` is how this rank reports its file and how rank 0 learns the others':
+    `report(step, rank, files)` and `wait_parts(step, world_size, timeout) -> files`.
+    `keepalive`, called every `keepalive_s` while the loop waits on this rank's own writing:
+    such a rank is not hung (the watchdog would otherwise count a long synchronous write, or
+    rank 0's commit of a preemption's checkpoint, against `faults.hang_timeout_s`).
+    A write that fails for storage (after retries) or because its live snapshot changed is
+    logged and left in `error`: training goes on and the next checkpoint tries again. Any
+    other failure is a bug and is raised on the loop's thread by `raise_if_broken()`.
+    """
+
+    def __init__(
+        self,
+        run_url: str,
+        options: StorageOptions | None,
+        *,
+        report_part: Callable[[int, int, dict], None],
+        wait_parts: Callable[[int, int, float], dict | None],
+        on_commit: Callable[[dict[str, Any]], None],
+        keep_last: int = 3,
+        keep_every: int = 0,
+        faults: StorageFaults | None = None,
+        parts_timeout_s: float = 120.0,
+        keepalive: Callable[[], None] | None = None,
+        keepalive_s: float = 1.0,
+    ):
+        self.run_url, self.options = run_url, options
+        self._report_part, self._wait_parts, self._on_commit = report_part, wait_parts, on_commit
+        self.keep_last, self.keep_every = keep_last, keep_every
+        self.faults = faults or StorageFaults()
+        self.parts_timeout_s = parts_timeout_s
+        self._keepalive, self._keepalive_s = keepalive, keepalive_s
+        self._writing = False  # this rank's files or its commit are being written (not waiting on peers)
+        self._jobs: queue.Queue[Snapshot | None] = queue.Queue(maxsize=1)
+        self._idle = threading.Event()
+        self._idle.set()
+        self._staged = threading.Event()  # the current write no longer reads the snapshot's tensors
+        self._staged.set()
+        self.error: BaseException | None = None  # the last write's failure, None after a success
+        self._broken: BaseException | None = None  # a failure that is not storage's, for the loop to raise
+        self.live_refused = False  # a live snapshot changed while being written: copy from now on
+        self.last_staging_s: float | None = None  # serialising the last snapshot (reading its tensors)
+        self.last_write_s = 0.0
+        self.last_write_cpu_s = 0.0  # CPU time of this thread for the last write (it competes with training on CPU)
+        self.committed_step: int | None = None  # rank 0: the newest step this writer committed
+        self._left_alone: set[int] = set()  # old checkpoints retention found not to be petatrain's
+        self._thread = threading.Thread(target=self._run, name="petatrain-ckpt", daemon=True)
+        self._thread.start()
+        _writers.add(self)
+
+    def submit(self, snap: Snapshot) -> float:
+        """Queue a snapshot; returns the seconds spent waiting for the previous write."""
+        t0 = time.perf_counter()
+        self._await(self._idle)
+        waited = time.perf_counter() - t0
+        self._idle.clear()
+        if snap.live:
+            self._staged.clear()
+        self._jobs.put(snap)
+        return waited
+
+    def wait_for_staging(self) -> float:
+        """Block until the write in flight has read its live tensors; returns the seconds waited."""
+        if self._staged.is_set():
+            return 0.0
+        t0 = time.perf_counter()
+        self._await(self._staged)
+        return time.perf_counter() - t0
+
+    def wait(self) -> float:
+        t0 = time.perf_counter()
+        self._await(self._idle)
+        return time.perf_counter() - t0
+
+    def idle(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for the write in flight (none: at once); True once none is."""
+        return self._idle.wait(timeout_s)
+
+    def _await(self, event: threading.Event) -> None:
+        if self._keepalive is None:
+            event.wait()
+            return
+        while not event.wait(self._keepalive_s):
+            if self._writing:  # not while rank 0 waits for the others' parts: a hung peer is a hang
+                self._keepalive()
+
+    def raise_if_broken(self) -> None:
+        """Raise, on the caller's thread, a write failure that was a bug rather than storage's."""
+        broken, self._broken = self._broken, None
+        if broken is not None:
+            raise broken
+
+    def close(self) -> None:
+        self.wait()
+        self._jobs.put(None)
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        while (snap := self._jobs.get()) is not None:
+            try:
+                self._writing = True
+                self._write(snap)
+                self.error = None
+            except (OSError, PetatrainError) as exc:  # training continues; the next checkpoint tries again
+                self.error = exc
+                log.error("checkpoint of step %d on rank %d failed: %s", snap.step, snap.rank, exc)
+            except Exception as exc:
+                self.error = self._broken = exc
+                log.exception("checkpoint of step %d on rank %d failed", snap.step, snap.rank)
+            finally:
+                self._writing = False
+                self._staged.set()
+                self._idle.set()
+
+    def _put(self, url: str, data: bytes) -> tuple[str, int]:
+        def attempt() -> tuple[str, int]:
+            self.faults.check(url)
+            return atomic_write(url, data, self.options)
+
+        return retrying(f"checkpoint write {url}", attempt)
+
+    def _put_tensors(self, url: str, snap: Snapshot, metadata: dict[str, str]) -> tuple[str, int]:
+        """Serialise once straight to a staged file (no in-memory copy of the bytes), then publish,
+        retrying the publication."""
+        staged = local_staging_path(url)
+        try:
+            t0 = time.perf_counter()
+            try:
+                st_save_file(snap.tensors, staged, metadata=metadata)
+            finally:
+                changed = [t._version for t in snap.live] != snap.versions
+                self._staged.set()  # the loop may change the tensors again
+            self.last_staging_s = time.perf_counter() - t0
+            if changed:
+                self.live_refused = True
+                raise PetatrainError(
+                    f"checkpoint step {snap.step}: the weights changed while they were written (the model "
+                    "writes them outside optimizer.step); not committed, later snapshots are copied"
+                )
+
+            def attempt() -> tuple[str, int]:
+                self.faults.check(url)
+                return publish_file(url, staged, self.options, consume=False)
+
+            return retrying(f"checkpoint write {url}", attempt)
+        finally:
+            if os.path.exists(staged):
+                os.unlink(staged)
+
+    def _write(self, snap: Snapshot) -> None:
+        t0, cpu0 = time.perf_counter(), time.thread_time()
+        folder = step_dir(self.run_url, snap.step)
+        files: dict[str, dict[str, Any]] = {}
+        try:
+            if snap.tensors or snap.rank == 0:
+                metadata = {"step": str(snap.step), "rank": str(snap.rank)}
+                checksum, size = self._put_tensors(join(folder, rank_file(snap.rank)), snap, metadata)
+                files[rank_file(snap.rank)] = {"checksum": checksum, "bytes": size}
+        except Exception:
+            self._report_part(snap.step, snap.rank, None)  # rank 0 stops waiting: no commit of this step
+            raise
+        self._report_part(snap.step, snap.rank, files)
+        if snap.rank != 0:
+            self.last_write_s, self.last_write_cpu_s = time.perf_counter() - t0, time.thread_time() - cpu0
+            return
+        self._writing = False
+        parts = self._wait_parts(snap.step, snap.world_size, self.parts_timeout_s)
+        self._writing = True
+        if parts is None:
+            raise PetatrainError(f"checkpoint step {snap.step}: not every rank wrote its part; not committed")
+        # The fields of `CheckpointState`: the snapshot's meta holds the loop's (loader, strategy,
+        # param_groups, config_digest); a record without them is written but never resumed from.
+        state = {
+            "format": FORMAT_VERSION,
+            "step": snap.step,
+            "world_size": snap.world_size,
+            "time": time.time(),
+            "files": parts,
+            **snap.meta,
+        }
+        state_bytes = json.dumps(state, indent=1, sort_keys=True).encode()
+        state_sum, _ = self._put(join(folder, STATE), state_bytes)
+        self._put(join(folder, COMMITTED), json.dumps({"state_checksum": state_sum}).encode())
+        self.last_write_s, self.last_write_cpu_s = time.perf_counter() - t0, time.thread_time() - cpu0
+        nbytes = sum(f["bytes"] for f in parts.values()) + len(state_bytes)
+        self.committed_step = snap.step
+        self._on_commit({"step": snap.step, "write_s": self.last_write_s, "bytes": nbytes, "url": folder})
+        self._retain()
+
+    def _retain(self) -> None:
+        steps = committed_steps(self.run_url, self.options)
+        keep = set(steps[-self.keep_last :])
+        if self.keep_every:
+            keep |= {s for s in steps if s % self.keep_every == 0}
+        for s in steps:
+            if s in keep or s in self._left_alone:
+                continue
+            if not remove_checkpoint(self.run_url, s, self.options):
+                self._left_alone.add(s)  # warned once
+                log.warning("retention leaves %s: not a petatrain checkpoint that verifies", step_dir(self.run_url, s))
+
+
+def finish_writes(timeout_s: float) -> dict[str, Any]:
+    """Let this process's checkpoint writes in flight finish, for up to `timeout_s`.
+
+    Run on rank 0 of an attempt that failed elsewhere, before Ray Train kills its workers:
+    the failed rank's part of the checkpoint is already written, and rank 0's own file and
+    commit would otherwise be cut short, resuming the run from the checkpoint before
+    (a whole checkpoint interval recomputed). Returns {"done": no write left in flight,
+    "committed": the newest step committed here, or None}.
+    """
+    deadline = time.monotonic() + timeout_s
+    writers = list(_writers)
+    done = all([w.idle(max(0.0, deadline - time.monotonic())) for w in writers])
+    steps = [w.committed_step for w in writers if w.committed_step is not None]
+    return {"done": done, "committed": max(steps, default=None)}

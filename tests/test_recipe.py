@@ -1,0 +1,116 @@
+"""`profile` runs exactly the step `train` runs, and `plan` models the micro-batching `train` uses.
+
+Both are built from one config: `train`'s side as the worker loop builds it (the strategy's
+wrapper, the recipe's optimizer and micro-batching) and steps it (`loop._forward_backward`,
+`recipe.apply_gradients`); `profile`'s side is `plan.profile.TrainStep`. Same optimizer class
+and parameter groups, same accumulation, same loss, and after a step the same weights, bit for bit.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from petatrain import config
+from petatrain.plan import estimate as est
+from petatrain.plan.profile import TrainStep
+from petatrain.plan.recommend import PlanRequest, plan
+from petatrain.train import loop, recipe
+from petatrain.train.parallel import parallelize
+
+
+class FixedTokens:
+    """The same micro-batches, in the same order, for both sides."""
+
+    def __init__(self, batches: list[torch.Tensor]):
+        self.batches, self.i, self.wait_s = batches, 0, 0.0
+
+    def next(self) -> torch.Tensor:
+        tokens = self.batches[self.i % len(self.batches)]
+        self.i += 1
+        return tokens
+
+
+def _groups(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> list[dict]:
+    """param_groups with parameters by name (a DDP wrapper's `module.` prefix dropped)."""
+    names = {id(p): n.removeprefix("module.") for n, p in model.named_parameters()}
+    return [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": sorted(names[id(p)] for p in g["params"])}
+        for g in optimizer.param_groups
+    ]
+
+
+@pytest.fixture
+def process_group(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_profile_runs_the_step_train_runs(process_group, optimizer):
+    cfg = config.load(
+        None,
+        [
+            "model.n_layer=2",
+            "model.d_model=32",
+            "model.n_head=2",
+            "model.seq_len=16",
+            "model.vocab_size=64",
+            "train.global_batch=8",
+            "train.micro_batch=4",
+            "train.grad_clip=0.05",  # clipping acts on this step
+            f"train.optimizer={optimizer}",
+        ],
+    )
+    device = torch.device("cpu")
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 64, (4, 17), generator=gen) for _ in range(2)]
+
+    # train: as the worker loop builds and steps it, on one rank
+    torch.manual_seed(cfg.train.seed)
+    spec = loop.build_model(cfg.model, cfg.train)
+    model = parallelize(spec, cfg, device)
+    train_opt = recipe.build_optimizer(model, cfg.train)
+    _, accumulation = recipe.micro_batching(cfg.train, 1)
+    rank = types.SimpleNamespace(
+        device=device,
+        accumulation=accumulation,
+        data=FixedTokens(batches),
+        model=model,
+        spec=spec,
+        amp=recipe.autocast(cfg.train, device),
+    )
+    recipe.set_lr(train_opt, 0, cfg.train)
+    train_loss = loop._forward_backward(rank, poison=False)
+    grad_norm, _ = recipe.apply_gradients(model, train_opt, cfg.train)
+
+    # profile
+    profiled = TrainStep(cfg, device, FixedTokens(batches))
+    profile_loss = profiled.run()
+
+    assert type(profiled.optimizer) is type(train_opt)
+    assert _groups(profiled.optimizer, profiled.model) == _groups(train_opt, model)
+    assert [g["weight_decay"] for g in train_opt.param_groups] == [0.1, 0.0], "matrices decay, vectors do not"
+    assert profiled.accumulation == accumulation == 2
+    assert grad_norm > cfg.train.grad_clip
+    assert torch.equal(profile_loss, train_loss)
+    trained = {n.removeprefix("module."): p for n, p in model.named_parameters()}
+    for name, weight in profiled.model.named_parameters():
+        assert torch.equal(weight, trained[name]), name
+
+
+def test_plan_takes_the_micro_batch_train_runs():
+    """256 sequences over 64 devices is 4 per device: train runs micro-batches of 4 (not the
+    configured 8), and so does the plan's estimate; 3 devices cannot split it at all."""
+    cfg = config.load(None, ["train.global_batch=256", "train.micro_batch=8"])
+    assert recipe.micro_batching(cfg.train, 64) == (4, 1)
+    (c,) = plan(cfg, PlanRequest(accelerator="H100-SXM", count=64, strategies=("ddp",))).candidates
+    assert c.feasible
+    w = est.Workload.from_config(cfg).with_micro_batch(4)
+    assert c.memory.activations == est.memory_per_device(w, strategy="ddp", count=64, accumulation=1).activations
+    (odd,) = plan(cfg, PlanRequest(accelerator="H100-SXM", count=3, strategies=("ddp",))).candidates
+    assert not odd.feasible and "not divisible by 3" in odd.reason
