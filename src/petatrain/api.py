@@ -189,7 +189,9 @@ def ingest(
     return run(job)
 
 
-def inspect(dataset: str, *, options: StorageOptions | None = None, verify: bool = False, samples: int = 3):
+def inspect(
+    dataset: str, *, options: StorageOptions | None = None, verify: bool = False, samples: int = 3
+) -> DatasetReport:
     """Schema, counts and sample rows of a dataset; `verify` re-hashes every shard."""
     from petatrain.data.inspect import describe
 

@@ -299,7 +299,9 @@ def _render_training(result: api.TrainResult) -> None:
         out.print(f"  recovered from {f.cause}{rank}", highlight=False)
     render.report(result.report.to_dict())
     if result.failures and result.ray_log:
-        out.print(f"Ray's own logs: {result.ray_log}; workers': {quiet.RAY_SESSION_LOGS}", highlight=False)
+        out.print(
+            f"Ray's own logs: {result.ray_log}; workers': {quiet.RAY_SESSION_LOGS}", highlight=False, soft_wrap=True
+        )
 
 
 @app.command("config")

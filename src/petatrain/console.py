@@ -182,7 +182,9 @@ def _task_exception(text: str) -> tuple[str, str] | None:
     if not framed:
         return None
     what = next((line for line in lines[framed[-1] + 1 :] if line and not line[0].isspace()), "")
-    file, line, function = _FRAME.search(lines[framed[-1]]).groups()
+    frame = _FRAME.search(lines[framed[-1]])
+    assert frame is not None  # framed lists the lines it matches
+    file, line, function = frame.groups()
     return what, f"{os.path.basename(file)}:{line} in {function}"
 
 

@@ -333,7 +333,7 @@ def _commit(
     totals["exact_duplicates"] += summary.exact_duplicates
     totals["near_duplicates"] += summary.near_duplicates
     totals["tokens"] += summary.tokens
-    merged = Counter(totals["rejected"])
+    merged: Counter[str] = Counter(totals["rejected"])
     merged.update(summary.rejected)
     totals["rejected"] = dict(merged)
 
@@ -399,7 +399,7 @@ def _lineage(
 ) -> dict[str, Any]:
     """The manifest's lineage with this batch's sources and the batch itself added."""
     stats = {s["file_ord"]: s for s in file_stats}
-    lineage = manifest["lineage"] if manifest else {"sources": [], "batches": [], "next_file_ord": 0}
+    lineage: dict[str, Any] = manifest["lineage"] if manifest else {"sources": [], "batches": [], "next_file_ord": 0}
     return {
         "sources": lineage["sources"]
         + [

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -69,7 +70,7 @@ def register(
         ("rows_in", summary.rows_in),
     ):
         totals[key] += value
-    lineage = manifest["lineage"] if manifest else {"sources": [], "batches": [], "next_file_ord": 0}
+    lineage: dict[str, Any] = manifest["lineage"] if manifest else {"sources": [], "batches": [], "next_file_ord": 0}
     batch = len(lineage["batches"]) + 1
     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     new_manifest = {

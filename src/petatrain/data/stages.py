@@ -186,8 +186,8 @@ class ShardWriter:
             batch,
             keep_state,
         )
-        self._tokenizer = None
-        self._byte_table = None
+        self._tokenizer: Any = None  # built on first use, in the Ray worker
+        self._byte_table: Any = None
         self._groups: dict[int, np.ndarray] = {}
 
     def __call__(self, spec: dict[str, Any]) -> dict[str, Any]:
@@ -239,12 +239,15 @@ class ShardWriter:
         def read() -> pa.Table:
             with fs.open(path, "rb") as handle:
                 parquet = pq.ParquetFile(handle)
-                groups, first, offset = [], None, 0
+                groups: list[int] = []
+                first, offset = 0, 0
+                found = False
                 for g in range(parquet.num_row_groups):
                     n = parquet.metadata.row_group(g).num_rows
                     if offset + n > start and offset < end:
                         groups.append(g)
-                        first = offset if first is None else first
+                        first = first if found else offset
+                        found = True
                     offset += n
                 return parquet.read_row_groups(groups).slice(start - first, end - start)
 
