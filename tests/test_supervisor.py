@@ -185,3 +185,30 @@ def test_world_size_is_the_largest_that_fits_and_divides_the_batch():
     assert policy.choose(cpus=1, gpus=0) == 1
     with pytest.raises(PetatrainError, match="can host 0 worker"):
         policy.choose(cpus=0, gpus=0)
+
+
+def test_a_hub_that_stops_answering_is_logged_once_not_swallowed(caplog):
+    """The watchdog's hub calls failing would silently turn hang detection off: it says so, once per outage."""
+    import logging
+    import time
+
+    from petatrain.runtime.watchdog import Watchdog
+
+    class DeadHub:
+        class watch:  # stands in for the actor method
+            @staticmethod
+            def remote(*args):
+                raise ConnectionError("the run hub's actor died")
+
+    caplog.set_level(logging.DEBUG, logger="petatrain.runtime.watchdog")
+    watch = Watchdog(DeadHub, timeout_s=1.0)
+    watch.RETRY_S = 0.01
+    watch.start(0, 2)
+    deadline = time.monotonic() + 2
+    while watch.failed_calls < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    watch.stop()
+    assert watch.failed_calls >= 3 and watch.verdict is None
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "hangs go undetected" in warnings[0].getMessage(), warnings
+    assert "the run hub's actor died" in warnings[0].getMessage()
