@@ -77,10 +77,10 @@ def worker_runtime_env(cpus_per_worker: float) -> dict:
     It also fixes OMP_NUM_THREADS from the start, to what Ray would set it to when the rank's
     actor starts (the floor of its CPUs, at least 1) unless the driver's environment sets it.
     Ray sets it only then, and torch, imported earlier by `warm_up`, would have sized its
-    thread pool by the node's cores: two ranks of two threads on two cores stepped 3x slower.
+    thread pool by the node's cores: the ranks of a node would oversubscribe its cores.
     """
-    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, math.floor(cpus_per_worker)))
-    return {"env_vars": {HOOK_ENV: HOOK, "OMP_NUM_THREADS": threads}}
+    threads = os.environ.get(constants.OMP_THREADS_ENV) or str(max(1, math.floor(cpus_per_worker)))
+    return {"env_vars": {HOOK_ENV: HOOK, constants.OMP_THREADS_ENV: threads}}
 
 
 def wanted(cfg: Any) -> bool:
