@@ -232,8 +232,8 @@ def train(
     the run's ledger as it is written (steps from every rank included), in ledger order.
     """
     from petatrain.chaos.inject import parse
-    from petatrain.train.launch import TrainJob
-    from petatrain.train.launch import run as launch
+    from petatrain.runtime.driver import TrainJob
+    from petatrain.runtime.driver import run as launch
 
     options = options or config.storage.options()
     run_url = run_dir or os.path.join(".petatrain", "runs", time.strftime("%Y%m%d-%H%M%S"))
@@ -247,33 +247,20 @@ def train(
     )
     follower = _LedgerFollower(run_url, options, on_event) if on_event else None
     try:
-        summary = launch(job)
+        launched = launch(job)
     finally:
         if follower:
             follower.stop()
-    return _train_result(summary, report(_get(summary, "run"), options=options))
-
-
-def _get(summary: Any, key: str) -> Any:
-    """A field of what the launcher returned: a dict today, a typed RunResult later."""
-    return summary[key] if isinstance(summary, dict) else getattr(summary, key)
-
-
-def _train_result(summary: Any, run_report: RunReport) -> TrainResult:
-    fields = summary if isinstance(summary, dict) else summary.to_dict()
-    failures = [
-        FaultRecord(cause=_get(f, "cause"), rank=_get(f, "rank"), detail=_get(f, "detail"))
-        for f in _get(summary, "failures")
-    ]
+    fields = launched.to_dict()  # runtime.driver.RunResult
     return TrainResult(
-        run=_get(summary, "run"),
-        final=_get(summary, "final"),
-        steps=_get(summary, "steps"),
-        attempts=_get(summary, "attempts"),
-        failures=failures,
-        wall_s=_get(summary, "wall_s"),
-        report=run_report,
-        fields=dict(fields),
+        run=fields["run"],
+        final=fields["final"],
+        steps=fields["steps"],
+        attempts=fields["attempts"],
+        failures=[FaultRecord(cause=str(f["cause"]), rank=f["rank"], detail=f["detail"]) for f in fields["failures"]],
+        wall_s=fields["wall_s"],
+        report=report(fields["run"], options=options),
+        fields=fields,
     )
 
 
