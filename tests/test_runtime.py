@@ -183,7 +183,7 @@ def test_restart_runs_the_controller_started_while_the_attempt_trained(token_dat
     process then."""
     monkeypatch.setenv("PETATRAIN_CONTROLLER", "actor")
     summary = train(tiny(token_dataset, "train.steps=320"), tmp_path, "kill@step=300,rank=1")
-    assert [f["cause"] for f in summary["failures"]] == ["kill"]
+    assert [f.cause for f in summary.failures] == ["kill"]
     starts = [e for e in read_events(str(tmp_path)) if e["event"] == "attempt_start"]
     assert [(e["controller"], e["warm_controller"]) for e in starts] == [("actor", False), ("actor", True)]
 
@@ -208,7 +208,7 @@ def test_controller_runs_in_the_driver_and_an_interrupt_ends_its_workers(token_d
     import threading
 
     done = train(tiny(token_dataset, "train.steps=12"), tmp_path / "ok", "kill@step=6,rank=1")
-    assert [f["cause"] for f in done["failures"]] == ["kill"] and done["steps"] == 12
+    assert [f.cause for f in done.failures] == ["kill"] and done.steps == 12
     starts = [e for e in read_events(str(tmp_path / "ok")) if e["event"] == "attempt_start"]
     assert [(e["controller"], e["warm_controller"]) for e in starts] == [("driver", False), ("driver", False)]
 
@@ -255,7 +255,7 @@ def test_a_run_started_from_a_coroutine_runs_the_controller_on_a_thread(token_da
             names.update(t.name for t in threading.enumerate())
             time.sleep(0.05)
 
-    async def cell() -> dict:
+    async def cell():
         return train(tiny(token_dataset, "train.steps=10"), tmp_path, "raise@step=4,rank=0")
 
     watcher = threading.Thread(target=watch, daemon=True)
@@ -265,7 +265,7 @@ def test_a_run_started_from_a_coroutine_runs_the_controller_on_a_thread(token_da
     finally:
         watching.set()
         watcher.join()
-    assert done["steps"] == 10 and [f["cause"] for f in done["failures"]] == ["exception"]
+    assert done.steps == 10 and [f.cause for f in done.failures] == ["exception"]
     assert any(n.startswith("petatrain-controller") for n in names), sorted(names)
     starts = [e for e in read_events(str(tmp_path)) if e["event"] == "attempt_start"]
     assert [e["controller"] for e in starts] == ["driver", "driver"]

@@ -212,3 +212,23 @@ def test_a_hub_that_stops_answering_is_logged_once_not_swallowed(caplog):
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "hangs go undetected" in warnings[0].getMessage(), warnings
     assert "the run hub's actor died" in warnings[0].getMessage()
+
+
+def test_run_result_is_typed_and_still_reads_as_the_old_summary():
+    from petatrain.runtime.driver import RunResult
+
+    result = RunResult(
+        run="/r", final="/r/final/model.safetensors", steps=40, attempts=2,
+        failures=[Failure(FailureCause.KILL, "worker process died", 1)], wall_s=12.5,
+    )  # fmt: skip
+    assert result.failures[0].cause is FailureCause.KILL
+    summary = result.to_dict()
+    assert summary == {
+        "run": "/r",
+        "final": "/r/final/model.safetensors",
+        "steps": 40,
+        "attempts": 2,
+        "failures": [{"cause": "kill", "detail": "worker process died", "rank": 1}],
+        "wall_s": 12.5,
+    }
+    assert result["failures"] == summary["failures"] and result["steps"] == 40
