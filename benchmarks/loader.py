@@ -305,6 +305,30 @@ def report(data: dict, rows: list[dict]) -> list[dict]:
     return rows
 
 
+def _prepare(args: argparse.Namespace) -> list[dict]:
+    """Both datasets ingested from the shared corpus, converted to MDS if Mosaic runs, read once (warm)."""
+    WORK.mkdir(parents=True, exist_ok=True)
+    # Byte tokens are 2 bytes per input byte; ~10% of the JSONL is markup, duplicates and bad records.
+    needed = max(args.tokens_mb / 2 * 1.1, args.text_mb)
+    files, _ = corpus(max(CORPUS_MB, math.ceil(needed)))
+    tokens_files = leading_files(files, args.tokens_mb / 2 * 1.1)
+    text_files = leading_files(files, args.text_mb)
+    datasets = [
+        describe(
+            f"tokens-{args.tokens_mb}mb",
+            ingest(f"tokens-{args.tokens_mb}mb", tokens_files, ["--tokenizer", "bytes", "--pack-length", "512"]),
+            ["tokens"],
+        ),
+        describe(f"text-{args.text_mb}mb", ingest(f"text-{args.text_mb}mb", text_files, []), ["id", "text"]),
+    ]
+    for data in datasets:
+        window = math.ceil(4 * data["rows"] / len(data["files"]))  # petatrain's default shuffle window
+        data["shuffle_rows"] = min(data["rows"], args.ray_shuffle_rows or window)
+        data["mds"] = convert_to_mds(data) if "mosaic" in args.peers else None
+        warm(data["files"] + ([str(p) for p in Path(data["mds"]).iterdir()] if data["mds"] else []))
+    return datasets
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens-mb", type=int, default=400, help="MB of token data in the tokens dataset (about)")
@@ -338,25 +362,7 @@ def main() -> None:
         parser.error(f"unknown peer {unknown[0]!r}; choose from {','.join(PEERS)}")
 
     started = time.perf_counter()
-    WORK.mkdir(parents=True, exist_ok=True)
-    # Byte tokens are 2 bytes per input byte; ~10% of the JSONL is markup, duplicates and bad records.
-    needed = max(args.tokens_mb / 2 * 1.1, args.text_mb)
-    files, _ = corpus(max(CORPUS_MB, math.ceil(needed)))
-    tokens_files = leading_files(files, args.tokens_mb / 2 * 1.1)
-    text_files = leading_files(files, args.text_mb)
-    datasets = [
-        describe(
-            f"tokens-{args.tokens_mb}mb",
-            ingest(f"tokens-{args.tokens_mb}mb", tokens_files, ["--tokenizer", "bytes", "--pack-length", "512"]),
-            ["tokens"],
-        ),
-        describe(f"text-{args.text_mb}mb", ingest(f"text-{args.text_mb}mb", text_files, []), ["id", "text"]),
-    ]
-    for data in datasets:
-        window = math.ceil(4 * data["rows"] / len(data["files"]))  # petatrain's default shuffle window
-        data["shuffle_rows"] = min(data["rows"], args.ray_shuffle_rows or window)
-        data["mds"] = convert_to_mds(data) if "mosaic" in args.peers else None
-        warm(data["files"] + ([str(p) for p in Path(data["mds"]).iterdir()] if data["mds"] else []))
+    datasets = _prepare(args)
     prepared_s = time.perf_counter() - started
 
     results = {}
