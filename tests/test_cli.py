@@ -128,3 +128,30 @@ def test_a_training_kill_is_one_line_and_the_recovery_shows(tmp_path, token_data
     assert re.search(r"step +20/20 +loss \d", result.stderr), result.stderr
     log = tmp_path / "run" / "logs" / "ray-driver.log"
     assert log.exists(), "Ray's driver log is kept with the run"
+
+
+def test_training_progress_is_a_line_per_ten_steps_one_per_fault_and_one_on_recovery():
+    """Rendered from the ledger's events: every rank's step events, a failure whose detail is a
+    long traceback, each rank's resume; the console gets four lines."""
+    from petatrain.console import TrainProgress
+
+    lines: list[str] = []
+    progress = TrainProgress(lines.append, total_steps=20)
+    step = {"event": "step", "step_s": 0.1, "tokens": 1024, "loss": 2.5}
+    for n in range(1, 13):
+        for rank in (0, 1):
+            progress({**step, "attempt": 0, "step": n, "rank": rank})
+    progress({"event": "fault_injected", "attempt": 0, "fault": "kill", "step": 12, "rank": 1})
+    traceback = "Traceback (most recent call last):\n" + "  File 'x.py', line 1\n" * 30 + "ActorDiedError"
+    progress({"event": "failure", "attempt": 0, "cause": "kill", "rank": None, "detail": traceback})
+    progress({"event": "restart", "attempt": 1, "reason": "kill"})
+    for rank in (0, 1):
+        progress({"event": "resume", "attempt": 1, "rank": rank, "step": 10, "checkpoint": "run/ckpt/step-10"})
+    for n in range(11, 21):
+        progress({**step, "attempt": 1, "step": n})
+    progress({"event": "end", "status": "ok", "step": 20})
+    assert len(lines) == 4, lines
+    assert lines[0].startswith("step     10/20  loss 2.5000  10,240 tokens/s")
+    assert "kill on rank 1 at step 12 (injected)" in lines[1] and "Traceback" not in lines[1]
+    assert "recovered" in lines[2] and "resumes at step 10" in lines[2]
+    assert lines[3].startswith("step     20/20")
