@@ -124,3 +124,46 @@ def test_the_lean_trainer_is_in_use():
     from petatrain.runtime.trainer import trainer_class
 
     assert trainer_class().__name__ == "LeanTorchTrainer"
+
+
+def test_ray_trains_errors_become_typed_rank_errors():
+    """fit()'s WorkerGroupError -> one RankError per failing rank, its cause from the exception's type."""
+    import pickle
+
+    from ray.exceptions import ActorDiedError
+    from ray.train import WorkerGroupError
+    from ray.train.v2._internal.exceptions import WorkerHealthCheckFailedError, WorkerHealthCheckTimeoutError
+
+    from petatrain.errors import ConfigError
+    from petatrain.runtime._ray.errors import attempt_failed
+    from petatrain.runtime.failures import FailureCause, Preempted, RankErrorKind, classify
+
+    died = WorkerHealthCheckFailedError("A worker health check failed.\nWorker info: rank 1", ActorDiedError())
+    error = WorkerGroupError(
+        "[Rank 0 Error Snippet]: ...",
+        {
+            2: WorkerHealthCheckTimeoutError("A worker health check has been hanging"),
+            1: died,
+            0: Preempted("preemption notice: checkpoint of step 7 committed, exiting"),
+            3: ConfigError("model.seq_len too long"),
+        },
+    )
+    failed = pickle.loads(pickle.dumps(attempt_failed(error)))
+    assert [(e.rank, e.kind) for e in failed.errors] == [
+        (0, RankErrorKind.RAISED),
+        (1, RankErrorKind.DIED),
+        (2, RankErrorKind.UNRESPONSIVE),
+        (3, RankErrorKind.RAISED),
+    ]
+    assert [e.cause for e in failed.errors] == [FailureCause.PREEMPT, None, None, FailureCause.ERROR]
+    assert failed.errors[0].summary == (
+        "petatrain.runtime.failures.Preempted: preemption notice: checkpoint of step 7 committed, exiting"
+    )
+    assert classify(failed, hang=None, nodes_lost=False).cause is FailureCause.PREEMPT
+    killed = attempt_failed(WorkerGroupError("...", {1: died}))
+    failure = classify(killed, hang=None, nodes_lost=False)
+    assert (failure.cause, failure.rank, failure.detail) == (
+        "kill",
+        1,
+        "worker process died: A worker health check failed.",
+    )

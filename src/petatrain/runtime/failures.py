@@ -51,9 +51,13 @@ class RankError:
     cause: FailureCause | None = None  # what the exception's type says, where it says something
 
     @property
+    def first_line(self) -> str:
+        return next((line for line in self.message.splitlines() if line.strip()), "")
+
+    @property
     def summary(self) -> str:
-        first = next((line for line in self.message.splitlines() if line.strip()), "")
-        return f"{self.type_name}: {first}"[:300] if first else self.type_name[:300]
+        """`Type: first line of the message`, as a traceback's last line reads."""
+        return f"{self.type_name}: {self.first_line}"[:300] if self.first_line else self.type_name[:300]
 
 
 @dataclass(eq=False)
@@ -141,7 +145,7 @@ def classify(error: AttemptFailed, *, hang: Failure | None, nodes_lost: bool, di
         return Failure(FailureCause.NODE_LOST, detail, rank)
     dead = next((e for e in errors if e.kind is RankErrorKind.DIED), None)
     if dead is not None:
-        return Failure(FailureCause.KILL, "worker process died: " + dead.summary, dead.rank)
+        return Failure(FailureCause.KILL, f"worker process died: {dead.first_line or dead.summary}"[:300], dead.rank)
     if died is not None:
         return Failure(FailureCause.KILL, f"worker process of rank {died} died: {detail}", died)
     named = by(FailureCause.ERROR)
