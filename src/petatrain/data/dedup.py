@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -78,10 +79,10 @@ def _split(rows: Parts, key: np.ndarray, n: int) -> list[Parts]:
 
 
 def _concat(parts: tuple[Parts, ...]) -> Parts:
-    parts = [p for p in parts if p and len(next(iter(p.values())))]
-    if not parts:
+    full = [p for p in parts if p and len(next(iter(p.values())))]
+    if not full:
         return {}
-    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+    return {k: np.concatenate([p[k] for p in full]) for k in full[0]}
 
 
 def _map(url: str, options: StorageOptions | None, plan: DedupPlan) -> list[Parts]:
@@ -91,11 +92,13 @@ def _map(url: str, options: StorageOptions | None, plan: DedupPlan) -> list[Part
     exact = _split({k: rows[k] for k in ("ord", "nbytes", "h_hi", "h_lo")}, rows["h_lo"], p)
     if plan.mode != "near":
         return exact + [{}] * (2 * p)
-    keys = band_keys(rows["sig"], plan.params)  # (n, bands)
+    params = plan.params
+    assert params is not None, "near dedup has LSH parameters"
+    keys = band_keys(rows["sig"], params)  # (n, bands)
     bands = {
         "key": keys.reshape(-1),
-        "ord": np.repeat(rows["ord"], plan.params.bands),
-        "h_lo": np.repeat(rows["h_lo"], plan.params.bands),
+        "ord": np.repeat(rows["ord"], params.bands),
+        "h_lo": np.repeat(rows["h_lo"], params.bands),
     }
     band_parts = _split(bands, bands["key"], p)
     sig_parts = _split({k: rows[k] for k in ("ord", "nbytes", "sig")}, rows["ord"].astype(np.uint64), p)
@@ -123,7 +126,7 @@ def _reduce_exact(first_new: int, *parts: Parts) -> Parts:
 def _reduce_bands(first_new: int, partitions: int, *parts: Parts) -> list[Parts]:
     """Band bucket members -> candidate (later, earlier) pairs, split by earlier's ord."""
     rows = _concat(parts)
-    empty = [{}] * partitions
+    empty: list[Parts] = [{}] * partitions
     if not rows:
         return empty
     # Almost every bucket holds one document: drop those with a hash-based pass (O(n))
@@ -252,19 +255,21 @@ def find_duplicates(
     attach_task, verify_task = task(_attach_earlier).options(num_returns=p), task(_verify)
     split_task, write_task = task(_split_drops).options(num_returns=num_groups), task(_write_group)
 
-    mapped = [map_task.remote(url, options, plan) for url in signature_urls]
+    # With num_returns > 1 a call returns a list of refs, one per output.
+    mapped: list[Any] = [map_task.remote(url, options, plan) for url in signature_urls]
     if not mapped:
         return {}
     drop_refs = [exact_task.remote(plan.first_new, *[m[i] for m in mapped]) for i in range(p)]
     if plan.mode == "near":
+        assert plan.params is not None, "near dedup has LSH parameters"
+        threshold = plan.params.threshold
         sigs = [[m[2 * p + i] for m in mapped] for i in range(p)]
-        bands = [bands_task.remote(plan.first_new, p, *[m[p + i] for m in mapped]) for i in range(p)]
-        attached = [attach_task.remote(p, len(sigs[i]), *sigs[i], *[b[i] for b in bands]) for i in range(p)]
+        bands: list[Any] = [bands_task.remote(plan.first_new, p, *[m[p + i] for m in mapped]) for i in range(p)]
+        attached: list[Any] = [attach_task.remote(p, len(sigs[i]), *sigs[i], *[b[i] for b in bands]) for i in range(p)]
         drop_refs += [
-            verify_task.remote(plan.params.threshold, len(sigs[i]), *sigs[i], *[a[i] for a in attached])
-            for i in range(p)
+            verify_task.remote(threshold, len(sigs[i]), *sigs[i], *[a[i] for a in attached]) for i in range(p)
         ]
-    by_group = [split_task.remote(ref, num_groups, file_bits) for ref in drop_refs]
+    by_group: list[Any] = [split_task.remote(ref, num_groups, file_bits) for ref in drop_refs]
     writes = [
         write_task.remote(f"{groups_url}/g-{g:05d}.parquet", options, file_bits, *[b[g] for b in by_group])
         for g in range(num_groups)

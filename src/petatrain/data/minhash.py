@@ -49,6 +49,7 @@ class LSHParams:
             cost = 0.05 * fp + 0.95 * fn
             if best is None or cost < best[0]:
                 best = (cost, bands, rows)
+        assert best is not None  # num_perm >= 1
         _, bands, rows = best
         return cls(threshold=threshold, num_perm=num_perm, bands=bands, rows=rows, ngram=ngram)
 

@@ -70,6 +70,7 @@ def eos_id(tok: Tokenizer) -> int:
     if eos is None:
         tok.add_special_tokens([EOS])
         eos = tok.token_to_id(EOS)
+    assert eos is not None, "a token just added has an id"
     return eos
 
 
