@@ -155,3 +155,22 @@ def test_training_progress_is_a_line_per_ten_steps_one_per_fault_and_one_on_reco
     assert "kill on rank 1 at step 12 (injected)" in lines[1] and "Traceback" not in lines[1]
     assert "recovered" in lines[2] and "resumes at step 10" in lines[2]
     assert lines[3].startswith("step     20/20")
+
+
+def test_the_ledger_follower_hands_on_each_new_event_once_and_skips_an_earlier_runs(tmp_path):
+    import time
+
+    from petatrain.api import _LedgerFollower
+
+    ledger = tmp_path / "events.jsonl"
+    ledger.write_text(json.dumps({"event": "end", "status": "ok"}) + "\n")  # a finished run, resumed
+    seen: list[dict] = []
+    follower = _LedgerFollower(str(tmp_path), None, seen.append)
+    with ledger.open("a") as handle:
+        handle.write(json.dumps({"event": "run_start"}) + "\n" + '{"event": "st')  # a line half written
+        handle.flush()
+        time.sleep(1.2)
+        assert [e["event"] for e in seen] == ["run_start"]
+        handle.write('ep", "step": 1}\n' + json.dumps({"event": "end", "status": "ok"}) + "\n")
+    follower.stop()
+    assert [e["event"] for e in seen] == ["run_start", "step", "end"]

@@ -16,6 +16,8 @@ callbacks (`on_stage` for ingest, `on_event` for train, every ledger event as it
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import threading
 import time
@@ -49,6 +51,7 @@ __all__ = [
 ]
 
 Event = dict[str, Any]
+log = logging.getLogger(__name__)
 
 
 # -- results --------------------------------------------------------------------------------
@@ -265,17 +268,27 @@ def train(
 
 
 class _LedgerFollower:
-    """Reads the run's `events.jsonl` as it grows (a thread, every `every_s`) and hands each new
-    event to `on_event`; what was in the ledger before (an earlier run resumed) is skipped."""
+    """Reads the run's `events.jsonl` as it grows (a thread) and hands each new event to
+    `on_event`; what was in the ledger before (an earlier run resumed) is skipped.
 
-    def __init__(self, run_url: str, options: StorageOptions | None, on_event: Callable[[Event], None], every_s=0.5):
-        self.run_url, self.options, self.on_event, self.every_s = run_url, options, on_event, every_s
+    A local ledger is read from where the last read ended, every half second. One on an object
+    store is uploaded whole by the hub every few seconds, so it is read whole as often."""
+
+    def __init__(self, run_url: str, options: StorageOptions | None, on_event: Callable[[Event], None]):
+        from petatrain.observe.ledger import EVENTS_FILE
+        from petatrain.storage import join
+        from petatrain.storage.fs import is_local, resolve
+
+        self.run_url, self.options, self.on_event = run_url, options, on_event
+        self._path = resolve(join(run_url, EVENTS_FILE), options)[1] if is_local(run_url) else None
+        self.every_s = 0.5 if self._path else 5.0
+        self._offset = os.path.getsize(self._path) if self._path and os.path.exists(self._path) else 0
+        self._seen = 0 if self._path else len(self._remote_events())
         self._done = threading.Event()
-        self._seen = len(self._events())
         self._thread = threading.Thread(target=self._follow, name="petatrain-ledger-follower", daemon=True)
         self._thread.start()
 
-    def _events(self) -> list[Event]:
+    def _remote_events(self) -> list[Event]:
         from petatrain.observe.ledger import read_events
 
         try:
@@ -283,20 +296,37 @@ class _LedgerFollower:
         except (FileNotFoundError, OSError):
             return []
 
+    def _new_events(self) -> list[Event]:
+        if self._path is None:
+            events = self._remote_events()
+            fresh, self._seen = events[self._seen :], max(self._seen, len(events))
+            return fresh
+        try:
+            with open(self._path, "rb") as handle:
+                handle.seek(self._offset)
+                data = handle.read()
+        except FileNotFoundError:
+            return []
+        complete = data[: data.rfind(b"\n") + 1]  # a line still being written waits for the next read
+        self._offset += len(complete)
+        fresh = []
+        for line in complete.splitlines():
+            try:
+                fresh.append(json.loads(line))
+            except ValueError:
+                continue
+        return fresh
+
     def _poll(self) -> None:
-        events = self._events()
-        for event in events[self._seen :]:
-            self.on_event(event)
-        self._seen = max(self._seen, len(events))
+        try:
+            for event in self._new_events():
+                self.on_event(event)
+        except Exception:  # progress is best effort; the run's outcome does not depend on it
+            log.debug("ledger follower", exc_info=True)
 
     def _follow(self) -> None:
         while not self._done.wait(self.every_s):
-            try:
-                self._poll()
-            except Exception:  # progress is best effort; the run's outcome does not depend on it
-                import logging
-
-                logging.getLogger(__name__).debug("ledger follower", exc_info=True)
+            self._poll()
 
     def stop(self) -> None:
         self._done.set()
