@@ -363,6 +363,7 @@ def _restore_point(payload: Payload, model: torch.nn.Module, rank: int, world: i
         try:
             if rank != 0:
                 state = ckpt.read_state(payload.run_url, step, payload.options)
+            assert state is not None  # rank 0 chose it, the others read it
             shards = read_for_resume(
                 state,
                 functools.partial(ckpt.read_rank_tensors, payload.run_url, state, options=payload.options),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from petatrain.config import JobConfig, TrainConfig
 from petatrain.errors import ConfigError
@@ -54,7 +54,17 @@ def set_lr(optimizer: torch.optim.Optimizer, step: int, train: TrainConfig) -> f
     return lr
 
 
-def micro_batching(train: TrainConfig, data_parallel: int) -> tuple[int, int]:
+class BatchSizes(Protocol):
+    """train.global_batch and train.micro_batch (a TrainConfig, or plan's Workload)."""
+
+    @property
+    def global_batch(self) -> int: ...
+
+    @property
+    def micro_batch(self) -> int: ...
+
+
+def micro_batching(train: BatchSizes, data_parallel: int) -> tuple[int, int]:
     """(micro-batch, accumulation steps) that keep train.global_batch fixed over `data_parallel`
     replicas: the largest micro-batch up to train.micro_batch that divides each replica's share."""
     g = train.global_batch

@@ -85,7 +85,7 @@ def check_state(state: Any, step: int) -> None:
     if not _count(state.get("step")) or state["step"] != step:
         raise ValueError(f"step {state.get('step')!r} recorded in the folder of step {step}")
     world = state.get("world_size")
-    if not _count(world) or world < 1:
+    if type(world) is not int or world < 1:
         raise ValueError(f"world_size {world!r} is not a positive integer")
     strategy = state.get("strategy")
     if not isinstance(strategy, str) or strategy not in strategies.TRAINABLE:

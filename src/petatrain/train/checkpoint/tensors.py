@@ -28,7 +28,7 @@ class HostBuffers:
     """Host-memory snapshot buffers, allocated once and reused by every checkpoint.
 
     Allocating fresh host memory per checkpoint made the snapshot pay for page faults on
-    every byte (about 2x the copy itself); reused buffers pay only for the copy. On CUDA
+    every byte (more than the copy itself); reused buffers pay only for the copy. On CUDA
     they are pinned, so the device-to-host copies run at full bandwidth. The next
     snapshot must not start before the writer has finished reading them (the loop waits).
     """

@@ -78,7 +78,7 @@ class CheckpointWriter:
         run_url: str,
         options: StorageOptions | None,
         *,
-        report_part: Callable[[int, int, dict], None],
+        report_part: Callable[[int, int, dict | None], None],
         wait_parts: Callable[[int, int, float], dict | None],
         on_commit: Callable[[dict[str, Any]], None],
         keep_last: int = 3,
