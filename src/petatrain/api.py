@@ -30,7 +30,8 @@ from petatrain.data.job import IngestJob, IngestSummary
 from petatrain.storage import StorageOptions
 
 if TYPE_CHECKING:
-    from petatrain.plan.recommend import Plan, PlanRequest
+    from petatrain.data.synth import Corpus
+    from petatrain.plan.recommend import Plan
 
 __all__ = [
     "DatasetReport",
@@ -41,12 +42,16 @@ __all__ = [
     "RunReport",
     "TrainResult",
     "check_resume",
+    "driver_log_path",
     "ingest",
     "inspect",
     "plan",
     "profile",
+    "remove_run",
     "report",
     "sample",
+    "soak_schedule",
+    "synthetic_corpus",
     "train",
 ]
 
@@ -216,7 +221,39 @@ def check_resume(dataset: str) -> ResumeCheck:
     )
 
 
+def synthetic_corpus(folder: str, *, documents: int, files: int = 4) -> Corpus:
+    """A JSONL corpus with planted exact and near duplicates and bad records (the demo's)."""
+    from petatrain.data import synth
+
+    return synth.generate(folder, documents=documents, files=files)
+
+
 # -- training -------------------------------------------------------------------------------
+
+
+def soak_schedule(config: JobConfig, *, every: str, duration: str, seed: int = 0) -> tuple[list[str], float]:
+    """A random fault (kind and rank from `seed`) every `every` ("120s") for `duration` ("20m"):
+    the injection specs for `train`, and its `stop_after_s`."""
+    from petatrain.chaos.soak import parse_duration, soak_injections
+
+    specs = soak_injections(every, duration, seed=seed, workers=config.parallel.worker_range()[0])
+    return specs, parse_duration(duration, "--for")
+
+
+def driver_log_path(run_dir: str, options: StorageOptions | None = None) -> str | None:
+    """Where a run keeps its driver's Ray log, `RUN/logs/ray-driver.log`, when the run is on a local disk."""
+    from petatrain.storage.fs import is_local, resolve
+
+    if not is_local(run_dir):
+        return None
+    return os.path.join(os.path.abspath(resolve(run_dir, options)[1]), "logs", "ray-driver.log")
+
+
+def remove_run(run_dir: str, options: StorageOptions | None = None) -> None:
+    """Delete a run directory and everything in it (the demo starts afresh each time)."""
+    from petatrain.storage.fs import remove_tree
+
+    remove_tree(run_dir, options)
 
 
 def train(
@@ -351,10 +388,30 @@ def sample(config: JobConfig, weights: str, prompts: Sequence[str], *, new_token
 # -- planning -------------------------------------------------------------------------------
 
 
-def plan(config: JobConfig, request: PlanRequest | None = None) -> Plan:
-    """Estimate every accelerator, count and strategy, and recommend one."""
+def plan(
+    config: JobConfig,
+    *,
+    accelerator: str = "",
+    count: int = 0,
+    max_count: int = 1024,
+    budget_usd: float = 0.0,
+    deadline_hours: float = 0.0,
+    mtbf_hours: float = 0.0,
+) -> Plan:
+    """Estimate every accelerator (or `accelerator`), count (or `count`, else powers of two up to
+    `max_count`) and strategy, and recommend one: the cheapest that meets `deadline_hours`, the
+    fastest within `budget_usd`, else the cheapest. 0 means no limit; `mtbf_hours` 0: faults.mtbf_hours."""
+    from petatrain.plan.recommend import PlanRequest
     from petatrain.plan.recommend import plan as recommend
 
+    request = PlanRequest(
+        accelerator=accelerator,
+        count=count,
+        max_count=max_count,
+        budget_usd=budget_usd,
+        deadline_hours=deadline_hours,
+        mtbf_hours=mtbf_hours,
+    )
     return recommend(config, request)
 
 

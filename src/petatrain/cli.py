@@ -207,14 +207,12 @@ def demo(
     resuming half-way with 3, then train a small GPT on 2 workers through a worker kill."""
 
     def go():
-        from petatrain.data import synth
-
         _claim_stdout(as_json)
         corpus_dir = os.path.join(root, "demo-corpus")
         dataset = os.path.join(root, "datasets", "demo")
         if not os.path.isdir(corpus_dir):
             _say(f"generating a synthetic corpus in {corpus_dir}")
-            synth.generate(corpus_dir, documents=documents, files=4)
+            api.synthetic_corpus(corpus_dir, documents=documents, files=4)
         # Byte tokens packed into rows of 65 (64 inputs + 1 target), in shards small enough
         # that the last one can be held out for evaluation.
         ingest_cfg = config_mod.IngestConfig(tokenizer="bytes", pack_length=65, shard_size="1MB")
@@ -243,12 +241,10 @@ def demo(
 
 
 def _demo_train(root: str, dataset: str, as_json: bool, logs: quiet.RayLogs | None) -> dict[str, Any]:
-    from petatrain.storage.fs import remove_tree
-
     example = Path(__file__).resolve().parents[2] / "examples" / "tiny.yaml"
     cfg = config_mod.load(example if example.exists() else None, [f"data.dataset={dataset}"])
     run_dir = os.path.join(root, "runs", "demo")
-    remove_tree(run_dir)  # a fresh run each time: resuming a finished run would train nothing
+    api.remove_run(run_dir)  # a fresh run each time: resuming a finished run would train nothing
     if not as_json:
         out.print(f"\n[bold]training[/bold] a {cfg.model.n_layer}-layer GPT on 2 workers; rank 1 is killed at step 17")
     result = _run_training(cfg, run_dir, "", ["kill@step=17,rank=1"], as_json, logs)
@@ -270,13 +266,12 @@ def _run_training(
     stop_after_s: float | None = None,
 ) -> api.TrainResult:
     """api.train with progress on the console, and Ray's driver log in RUN/logs once the run exists."""
-    from petatrain.storage.fs import is_local, resolve
-
     progress = quiet.TrainProgress(_say, total_steps=cfg.train.steps)
+    log_path = api.driver_log_path(run_dir, cfg.storage.options())
 
     def on_event(event: dict[str, Any]) -> None:
-        if logs and event.get("event") == "run_start" and is_local(run_dir):
-            logs.attach(os.path.join(os.path.abspath(resolve(run_dir)[1]), "logs", "ray-driver.log"))
+        if logs and log_path and event.get("event") == "run_start":  # the run has claimed its folder
+            logs.attach(log_path)
         if not as_json:
             progress(event)
 
@@ -356,13 +351,11 @@ def chaos(
     """Train with injected faults (--inject ... or a random soak), then print the goodput report."""
 
     def go():
-        specs = list(inject or [])
+        specs, stop_after = list(inject or []), None
         if every or duration:
-            from petatrain.chaos.soak import parse_duration, soak_injections
-
             cfg = config_mod.load(config, list(set_ or []))
-            specs += soak_injections(every, duration, seed=seed, workers=cfg.parallel.worker_range()[0])
-        stop_after = parse_duration(duration, "--for") if duration else None
+            soak, stop_after = api.soak_schedule(cfg, every=every, duration=duration, seed=seed)
+            specs += soak
         _train(config, list(set_ or []), run_dir, address, specs, as_json, stop_after_s=stop_after)
 
     _guarded(go)
@@ -371,11 +364,7 @@ def chaos(
 def _train(config, overrides, run_dir, address, specs, as_json, stop_after_s: float | None = None) -> None:
     import time
 
-    from petatrain.chaos.inject import parse
-
     cfg = config_mod.load(config, overrides)
-    for spec in specs:  # a bad --inject fails before Ray starts
-        parse(spec)
     run_url = run_dir or os.path.join(DEMO_ROOT, "runs", time.strftime("%Y%m%d-%H%M%S"))
     _claim_stdout(as_json)
     logs = quiet.quiet_ray()
@@ -430,20 +419,18 @@ def plan_cmd(
     strategy; recommend one and say why each other candidate lost."""
 
     def go():
-        from petatrain.plan.recommend import PlanRequest
-
         if count < 0 or max_count < 1 or budget < 0 or deadline < 0 or mtbf_hours < 0:
             _fail("--count, --budget, --deadline and --mtbf-hours must be >= 0 and --max-count >= 1")
         cfg = config_mod.load(config, list(set_ or []))
-        request = PlanRequest(
+        result = api.plan(
+            cfg,
             accelerator=accelerator,
             count=count,
             max_count=max_count,
             budget_usd=budget,
             deadline_hours=deadline,
             mtbf_hours=mtbf_hours,
-        )
-        result = api.plan(cfg, request).to_dict()
+        ).to_dict()
         if as_json:
             _print_json(result)
         else:
