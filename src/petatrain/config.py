@@ -390,7 +390,7 @@ def build(cls: type, values: dict[str, Any], prefix: str = "") -> Any:
 
 
 def _coerce(hint: Any, value: Any, key: str) -> Any:
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return build(hint, value, key + ".")
     origin = typing.get_origin(hint)
     if origin is Literal:

@@ -140,7 +140,7 @@ class ShardCache:
         log.debug("fetched %s (%d bytes) in %.2fs", url, len(data), time.perf_counter() - started)
 
     def _make_room(self, size: int) -> None:
-        if self.limit is None:
+        if self.limit is None or self.dir is None:
             return
         files = [(p.stat().st_mtime, p.stat().st_size, p) for p in self.dir.glob("*.parquet")]
         total = sum(s for _, s, _ in files)
