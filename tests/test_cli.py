@@ -167,6 +167,7 @@ def test_the_ledger_follower_hands_on_each_new_event_once_and_skips_an_earlier_r
     seen: list[dict] = []
     follower = _LedgerFollower(str(tmp_path), None, seen.append)
     with ledger.open("a") as handle:
+        handle.write(json.dumps({"event": "step", "step": 9}) + "\n")  # another driver's, before ours starts
         handle.write(json.dumps({"event": "run_start"}) + "\n" + '{"event": "st')  # a line half written
         handle.flush()
         time.sleep(1.2)

@@ -306,7 +306,9 @@ def train(
 
 class _LedgerFollower:
     """Reads the run's `events.jsonl` as it grows (a thread) and hands each new event to
-    `on_event`; what was in the ledger before (an earlier run resumed) is skipped.
+    `on_event`, from this run's `run_start` on: what was in the ledger before (an earlier run
+    resumed) is skipped, and so is what a driver that still holds the folder writes before
+    this one is refused.
 
     A local ledger is read from where the last read ended, every half second. One on an object
     store is uploaded whole by the hub every few seconds, so it is read whole as often."""
@@ -321,6 +323,7 @@ class _LedgerFollower:
         self.every_s = 0.5 if self._path else 5.0
         self._offset = os.path.getsize(self._path) if self._path and os.path.exists(self._path) else 0
         self._seen = 0 if self._path else len(self._remote_events())
+        self._started = False
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._follow, name="petatrain-ledger-follower", daemon=True)
         self._thread.start()
@@ -357,7 +360,9 @@ class _LedgerFollower:
     def _poll(self) -> None:
         try:
             for event in self._new_events():
-                self.on_event(event)
+                self._started = self._started or event.get("event") == "run_start"
+                if self._started:
+                    self.on_event(event)
         except Exception:  # progress is best effort; the run's outcome does not depend on it
             log.debug("ledger follower", exc_info=True)
 
