@@ -175,3 +175,25 @@ def test_the_ledger_follower_hands_on_each_new_event_once_and_skips_an_earlier_r
         handle.write('ep", "step": 1}\n' + json.dumps({"event": "end", "status": "ok"}) + "\n")
     follower.stop()
     assert [e["event"] for e in seen] == ["run_start", "step", "end"]
+
+
+def test_rays_records_are_kept_until_the_run_folder_exists_then_written_there(tmp_path):
+    import logging
+
+    from petatrain.console import RayLogs
+
+    assert RayLogs().finish("unused.log") == "", "no records, no file"
+    logs = RayLogs()
+    logger = logging.getLogger("ray.petatrain-test")
+    logger.addHandler(logs)
+    logger.propagate = False
+    try:
+        logger.warning("before the run folder exists")
+        path = logs.attach(str(tmp_path / "run" / "logs" / "ray-driver.log"))
+        logger.warning("after")
+        assert logs.finish("unused.log") == path
+    finally:
+        logger.removeHandler(logs)
+        logs.close()
+    lines = (tmp_path / "run" / "logs" / "ray-driver.log").read_text().splitlines()
+    assert [line.split(": ", 1)[1] for line in lines] == ["before the run folder exists", "after"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -279,12 +280,8 @@ def _run_training(
         cfg, run_dir=run_dir, address=address, injections=specs, on_event=on_event, stop_after_s=stop_after_s
     )
     if logs:
-        result = api.TrainResult(**{**_fields(result), "ray_log": logs.finish("petatrain-driver.log")})
+        result = dataclasses.replace(result, ray_log=logs.finish("petatrain-driver.log"))
     return result
-
-
-def _fields(result: api.TrainResult) -> dict[str, Any]:
-    return {name: getattr(result, name) for name in api.TrainResult.__dataclass_fields__}
 
 
 def _render_training(result: api.TrainResult) -> None:

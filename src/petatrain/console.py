@@ -13,6 +13,7 @@ whether Ray's output belongs on the console before Ray starts.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import re
@@ -82,7 +83,9 @@ class RayLogs(logging.Handler):
 
     def finish(self, default_name: str) -> str:
         """The file the records went to; with none attached yet, `default_name` (its stem, the
-        time and this process's id) in the temp folder's `petatrain-logs/`."""
+        time and this process's id) in the temp folder's `petatrain-logs/`; "" if none came."""
+        if self._file is None and not self._pending:
+            return ""
         if self._file is None:
             stem, ext = os.path.splitext(default_name)
             name = f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}{ext}"
@@ -111,6 +114,7 @@ def quiet_ray() -> RayLogs | None:
     from ray.data import DataContext
 
     _ROUTED = RayLogs()
+    atexit.register(_ROUTED.finish, "petatrain.log")  # a command that failed keeps Ray's records too
     for name in ("ray", "ray.data", "ray.train", "ray.tune", "ray.serve"):
         logger = logging.getLogger(name)
         for handler in list(logger.handlers):
