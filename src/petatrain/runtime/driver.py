@@ -23,7 +23,7 @@ from typing import Any
 
 from petatrain.chaos.inject import Injection
 from petatrain.config import JobConfig
-from petatrain.errors import ConfigError, PetatrainError
+from petatrain.errors import PetatrainError
 from petatrain.runtime import cluster, constants
 from petatrain.runtime.failures import CAUSES, AttemptFailed, Failure, FailureCause
 from petatrain.runtime.supervisor import AttemptOutcome, RestartPolicy, Supervisor, WorldSizePolicy
@@ -130,12 +130,9 @@ def _drive(job: TrainJob, held: contextlib.ExitStack) -> RunResult:
 def _checked(cfg: JobConfig, options: StorageOptions | None) -> JobConfig:
     """The config as the workers get it; what would fail only after Ray started fails here."""
     from petatrain.storage.fs import exists
+    from petatrain.train import strategies
 
-    if cfg.parallel.strategy not in ("ddp", "fsdp"):
-        raise ConfigError(
-            f"parallel.strategy {cfg.parallel.strategy!r}: train runs ddp or fsdp "
-            f"({cfg.parallel.strategy} is modelled by `petatrain plan` only)"
-        )
+    strategies.get(cfg.parallel.strategy).require_trainable()
     if is_local(cfg.data.dataset):  # Ray workers do not share the driver's working directory
         dataset = os.path.abspath(resolve(cfg.data.dataset)[1])
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, dataset=dataset))
