@@ -130,7 +130,8 @@ def test_waiting_on_its_own_checkpoint_write_keeps_a_rank_alive_but_waiting_for_
         keepalive=lambda: beats.append(time.monotonic()),
         keepalive_s=0.05,
     )
-    writer.submit(Snapshot(step=1, rank=0, world_size=2, tensors={"model/w": torch.ones(4)}))
+    meta = {"loader": {"position": 1}, "strategy": "ddp", "param_groups": [{"lr": 0.1, "params": ["w"]}]}
+    writer.submit(Snapshot(step=1, rank=0, world_size=2, tensors={"model/w": torch.ones(4)}, meta=meta))
     writer.wait()
     writer.close()
     assert writer.error is None and writer.committed_step == 1 and faults.raised == 2

@@ -24,7 +24,7 @@ from petatrain.storage import StorageOptions, join
 from petatrain.storage.fs import atomic_write, local_staging_path, publish_file
 from petatrain.storage.retry import retrying
 from petatrain.train.checkpoint.reader import committed_steps, remove_checkpoint
-from petatrain.train.checkpoint.state import COMMITTED, FORMAT_VERSION, STATE, rank_file, step_dir
+from petatrain.train.checkpoint.state import COMMITTED, STATE, CheckpointState, rank_file, step_dir
 from petatrain.train.checkpoint.tensors import Snapshot
 
 log = logging.getLogger(__name__)
@@ -232,17 +232,9 @@ class CheckpointWriter:
         self._writing = True
         if parts is None:
             raise PetatrainError(f"checkpoint step {snap.step}: not every rank wrote its part; not committed")
-        # The fields of `CheckpointState`: the snapshot's meta holds the loop's (loader, strategy,
-        # param_groups, config_digest); a record without them is written but never resumed from.
-        state = {
-            "format": FORMAT_VERSION,
-            "step": snap.step,
-            "world_size": snap.world_size,
-            "time": time.time(),
-            "files": parts,
-            **snap.meta,
-        }
-        state_bytes = json.dumps(state, indent=1, sort_keys=True).encode()
+        # The snapshot's meta holds the loop's fields (loader, strategy, param_groups, config_digest).
+        state = CheckpointState(step=snap.step, world_size=snap.world_size, time=time.time(), files=parts, **snap.meta)
+        state_bytes = json.dumps(state.to_json(), indent=1, sort_keys=True).encode()
         state_sum, _ = self._put(join(folder, STATE), state_bytes)
         self._put(join(folder, COMMITTED), json.dumps({"state_checksum": state_sum}).encode())
         self.last_write_s, self.last_write_cpu_s = time.perf_counter() - t0, time.thread_time() - cpu0
