@@ -20,6 +20,7 @@ PRIVATE = [
     ("ray._private.ray_constants", "WORKER_PROCESS_SETUP_HOOK_ENV_VAR"),
     ("ray._private.worker", "raise_sys_exit_with_custom_error_message"),
     ("ray._private.worker", "global_worker"),
+    ("ray._private.worker", "_worker_logs_enabled"),
     ("ray._private.node", "Node.get_session_dir_path"),
     ("ray._private.node", "Node.node_ip_address"),
     ("ray._private.node", "Node.node_manager_port"),

@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import time
+from typing import Any
 
 from petatrain.errors import PetatrainError
 from petatrain.runtime import constants
@@ -18,12 +19,12 @@ def init_ray(address: str, local_cpus: int = 0) -> None:
     """Connect to `address`, or start a local Ray; reuse one this process already started."""
     import ray
 
-    from petatrain.runtime._ray import local_only_cluster
+    from petatrain.runtime._ray import local_only_cluster, silence_worker_logs
 
     if ray.is_initialized():
         return
-    kwargs = {"num_cpus": local_cpus} if local_cpus and not address else {}
-    local = contextlib.nullcontext()
+    kwargs: dict[str, Any] = {"num_cpus": local_cpus} if local_cpus and not address else {}
+    local: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
     if not address:
         constants.set_local_cluster_defaults()
         kwargs["_node_ip_address"] = "127.0.0.1"  # listen on loopback only (see local_only_cluster)
@@ -40,8 +41,8 @@ def init_ray(address: str, local_cpus: int = 0) -> None:
                 log_to_driver=to_console,
                 **kwargs,
             )
-        if not to_console:  # the raylet's notices (a worker killed on purpose) print apart from log_to_driver
-            ray._private.worker._worker_logs_enabled = False
+        if not to_console:
+            silence_worker_logs()
     except ConnectionError as exc:
         raise PetatrainError(f"cannot reach the Ray cluster at {address!r}: {exc}") from None
 
@@ -123,7 +124,8 @@ def died_on_its_own(where: dict[tuple[int, str], int], wait_s: float = 2.0) -> i
         except Exception:  # without GCS's answer the error's own cause stands
             return None
         for actor in dead:
-            rank = where.get((actor.get("Pid"), actor.get("Address", {}).get("NodeID")))
+            pid, node = actor.get("Pid"), actor.get("Address", {}).get("NodeID")
+            rank = where.get((pid, node)) if pid is not None and node is not None else None
             if rank is not None and "worker process has died" in str(actor.get("DeathCause", "")):
                 return rank
         if time.monotonic() >= deadline:

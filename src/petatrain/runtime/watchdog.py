@@ -69,6 +69,7 @@ class Watchdog:
                 self._declare_hang(seen)
             elif seen["stepped"] and not self._announced:
                 self._announced = True
+                assert self.on_training is not None  # without one, start() leaves the attempt announced
                 try:
                     self.on_training(self._attempt, self._world)
                 except Exception:  # a standby is an optimisation: the next attempt starts cold
@@ -82,6 +83,8 @@ class Watchdog:
             call = self.hub.watch.remote(attempt, self.timeout_s, announced, self.WAIT_S)
             seen = ray.get(call, timeout=self.WAIT_S + 5)
         except Exception as exc:
+            if self._stop.is_set():  # the run is ending and its hub is closed: nothing is missed
+                return None
             self.failed_calls += 1
             if self.failed_calls == 1:  # once per outage, not every half second
                 log.warning("hang watchdog: the run hub did not answer (%s); hangs go undetected until it does", exc)

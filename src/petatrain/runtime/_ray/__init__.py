@@ -55,6 +55,14 @@ def dead_actors(job_id_hex: str) -> list[dict]:
     return list(ray_state.actors(job_id=job, actor_state_name="DEAD").values())
 
 
+def silence_worker_logs() -> None:
+    """Keep the raylet's notices (a worker killed on purpose) off the driver's console; they
+    print apart from `log_to_driver` and stay in the session's log files."""
+    import ray._private.worker as ray_worker
+
+    ray_worker._worker_logs_enabled = False
+
+
 def session_dir() -> str:
     """This node's Ray session folder (/tmp/ray/session_...)."""
     import ray._private.worker as ray_worker
