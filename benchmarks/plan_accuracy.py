@@ -33,7 +33,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(HERE))
 
-from ingest import write_results  # noqa: E402
+from _common import write_results  # noqa: E402
 from petatrain import config as config_mod  # noqa: E402
 from petatrain.config import JobConfig, ModelConfig, TrainConfig  # noqa: E402
 from petatrain.models import build_model  # noqa: E402

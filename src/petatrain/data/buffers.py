@@ -5,7 +5,7 @@ from __future__ import annotations
 import pyarrow as pa
 
 
-def arrow_reader(data: bytes) -> pa.BufferReader:
+def arrow_reader(data: bytes | memoryview) -> pa.BufferReader:
     """A reader over a copy of `data` that Arrow owns.
 
     A `pa.BufferReader(bytes)` wraps the Python object, and Arrow's pool threads may drop

@@ -274,6 +274,7 @@ def _unclosed_quote_row(data: bytes) -> int | None:
     if b'"' not in data:
         return None
     tokens = _CSV_TOKENS.match(data)
+    assert tokens is not None  # the pattern matches the empty string, so it matches every file
     return None if tokens.end() == len(data) else max(tokens.start(1), 0)
 
 
@@ -282,7 +283,7 @@ def _read_webdataset(data: bytes, text_field: str, max_bytes: int, out: FileReco
     dot), as in WebDataset: a key that comes back after another one, or an extension that
     repeats within a run, starts a new sample, so no member is ever overwritten. Each
     sample is taken when its run ends, so a tar cut short keeps the samples before the cut."""
-    number, key = -1, None
+    number, key = -1, ""
     members: dict[str, tarfile.TarInfo] = {}
     with tarfile.open(fileobj=io.BytesIO(data), mode="r:*") as tar:
         for member in tar:
@@ -318,6 +319,7 @@ def _take_sample(
         return
     member = members[ext]
     handle = tar.extractfile(member)
+    assert handle is not None  # members are regular files (`member.isfile()`)
     if member.size > max_bytes:
         detail = f"{member.name} is {member.size} bytes, over the {max_bytes}-byte cap that max_chars sets"
         out.reject(number, "too_long", detail, handle.read(RAW_PREFIX_BYTES))

@@ -98,13 +98,13 @@ class StreamingDataset(IterableDataset):
         self.cache_dir = cache_dir or (default_cache_dir(url) if remote else None)
         self.cache_limit = cache_limit
         dataset = idx.open_dataset(url, options, cache_dir=self.cache_dir)
-        manifest, shards = dataset.manifest, dataset.shards
+        manifest, listed = dataset.manifest, dataset.shards
         self.manifest = manifest
-        self._paths = shards.column("path").combine_chunks()
-        self._checksums = shards.column("checksum").combine_chunks()
-        self._rows = _int64s(shards.column("rows"))
-        self._bytes = _int64s(shards.column("bytes"))
-        self._first_row = _int64s(shards.column("first_row"))
+        self._paths = listed.column("path").combine_chunks()
+        self._checksums = listed.column("checksum").combine_chunks()
+        self._rows = _int64s(listed.column("rows"))
+        self._bytes = _int64s(listed.column("bytes"))
+        self._first_row = _int64s(listed.column("first_row"))
         if self.shard_range is not None:  # a split: shards [start, stop) only, global row indexes kept
             lo, hi = self.shard_range
             if not 0 <= lo < hi <= len(self._rows):
@@ -271,7 +271,9 @@ class _Shard:
     def __init__(self, table: pa.Table | None, token_dtype: np.dtype, arrays: dict[str, np.ndarray] | None = None):
         self.table = table
         self.arrays: dict[str, np.ndarray] = dict(arrays or {})
-        for name in table.column_names if table is not None else []:
+        if table is None:
+            return
+        for name in table.column_names:
             array = table.column(name).combine_chunks()
             kind = array.type
             if pa.types.is_fixed_size_binary(kind):
@@ -403,6 +405,7 @@ class _ShardReader:
             else:
                 values: list[Any] = [None] * len(rows)
                 for shard, pick in zip(loaded, picks or [np.arange(len(rows))], strict=True):
+                    assert shard.table is not None  # a column without a numpy view is in the table
                     taken = _to_python(shard.table.column(name).take(pa.array(rows[pick])), ds.token_dtype)
                     for i, v in zip(pick.tolist(), taken, strict=True):
                         values[i] = v
