@@ -10,13 +10,14 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from petatrain.config import ModelConfig, TrainConfig
 from petatrain.errors import ConfigError
 from petatrain.models.gpt import GPT, TokenMLP, next_token_loss
 
-LossFn = Callable[[nn.Module, "torch.Tensor"], "torch.Tensor"]  # noqa: F821
+LossFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 
 
 @dataclass(slots=True)

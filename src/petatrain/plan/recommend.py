@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 from petatrain.config import JobConfig, parse_size
 from petatrain.errors import ConfigError
@@ -239,9 +239,18 @@ def evaluate(
     return cand
 
 
+class _CheckpointCosts(TypedDict):
+    checkpoint_bytes: float
+    checkpoint_stall_s: float
+    checkpoint_write_s: float
+    checkpoint_interval_s: float
+    goodput: float
+    goodput_spot: float
+
+
 def _checkpoints(
     w: est.Workload, spec: strategies.Strategy, acc: Accelerator, n: int, cfg: JobConfig, mtbf_hours: float
-) -> dict[str, float]:
+) -> _CheckpointCosts:
     """Checkpoint size, the loop's snapshot stall, the write, the Young/Daly interval (the
     recipe's, as `train` takes it) and the expected goodput on demand and on spot."""
     nodes = math.ceil(n / acc.node_devices)

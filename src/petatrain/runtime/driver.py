@@ -172,7 +172,8 @@ def _start_hub(run_url: str, run_id: str, cfg: JobConfig, options: StorageOption
 
     from petatrain.runtime.hub import RunHub
 
-    actor = RunHub.options(
+    # mypy keeps a decorated class's own type: it cannot see that @ray.remote made RunHub an actor class.
+    actor = RunHub.options(  # type: ignore[attr-defined]
         name=f"petatrain-hub-{run_id}",
         scheduling_strategy=NodeAffinitySchedulingStrategy(cluster.this_node(), soft=False),
     ).remote(run_url, _for_workers(options), cfg.observe.metrics_host, cfg.observe.metrics_port)

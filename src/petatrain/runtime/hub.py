@@ -34,7 +34,7 @@ class RunHub:
         self.beats: dict[int, dict[str, Any]] = {}
         self.lost: set[int] = set()  # ranks of the ending attempt that are gone (attempt_failed)
         self.draining = False  # the attempt failed and its survivors finish their checkpoint writes
-        self.parts: dict[tuple[int, int], dict[int, dict]] = {}  # (attempt, step) -> rank -> files
+        self.parts: dict[tuple[int, int], dict[int, dict | None]] = {}  # (attempt, step) -> rank -> files
         self.fired: set[str] = set()
         self.last_flush = time.time()
 
@@ -134,9 +134,9 @@ class RunHub:
                 if beats and not self.draining:
                     last = max(b["t"] for b in beats.values())
                     due = min(end, last + (timeout_s if stepped else 3 * timeout_s))
-                hung = last is not None and now >= due and due < end
-                if attempt != self.attempt or (stepped and not announced) or hung or now >= end:
-                    return {"beats": dict(beats), "stepped": stepped, "stale_s": now - last if hung else None}
+                stale_s = now - last if last is not None and now >= due and due < end else None  # None unless hung
+                if attempt != self.attempt or (stepped and not announced) or stale_s is not None or now >= end:
+                    return {"beats": dict(beats), "stepped": stepped, "stale_s": stale_s}
                 self._lock.wait(due - now)
 
     # -- checkpoint parts ----------------------------------------------------------------------
@@ -165,9 +165,10 @@ class RunHub:
                     return None
                 self._lock.wait(left)
             got = self.parts.pop(key)
-        if any(files is None for files in got.values()):
-            return None
-        return {name: info for files in got.values() for name, info in files.items()}
+        written = [files for files in got.values() if files is not None]
+        if len(written) < len(got):
+            return None  # a rank's write failed
+        return {name: info for files in written for name, info in files.items()}
 
     # -- fault injection -----------------------------------------------------------------------
     @ray.method(concurrency_group="ledger")

@@ -4,6 +4,7 @@ the held-out split it evaluates on."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -28,7 +29,6 @@ class TokenBatches:
         n_shards = idx.open_dataset(url, options).manifest["totals"]["shards"]
         held = cfg.data.eval_shards if n_shards > cfg.data.eval_shards else 0
         self.cfg, self.micro, self.seq = cfg, micro, cfg.model.seq_len + 1
-        common = {"columns": ["tokens"], "options": options}
         self.train = StreamingDataset(
             url,
             seed=cfg.data.seed,
@@ -37,7 +37,8 @@ class TokenBatches:
             batch_size=micro,
             drop_last=True,
             shards=(0, n_shards - held),
-            **common,
+            columns=["tokens"],
+            options=options,
         )
         self.eval = (
             StreamingDataset(
@@ -47,7 +48,8 @@ class TokenBatches:
                 world_size=world,
                 batch_size=micro,
                 shards=(n_shards - held, n_shards),
-                **common,
+                columns=["tokens"],
+                options=options,
             )
             if held
             else None
@@ -66,7 +68,7 @@ class TokenBatches:
             raise ConfigError(f"{url}: fewer than train.micro_batch samples per rank in the training split")
         self.consumed = 0
         self.wait_s = 0.0
-        self._it = None
+        self._it: Iterator[dict[str, Any]] | None = None
 
     def _width(self, manifest: dict[str, Any]) -> int:
         """Tokens per row: packed token rows are fixed_size_binary[bytes]."""

@@ -285,8 +285,8 @@ def _forward_backward(r: Rank, *, poison: bool) -> torch.Tensor:
     loss_sum = torch.zeros((), device=r.device)
     for m in range(r.accumulation):
         tokens = r.data.next().to(r.device, non_blocking=True)
-        sync = m == r.accumulation - 1 or not hasattr(r.model, "no_sync")
-        with contextlib.nullcontext() if sync else r.model.no_sync():
+        no_sync = getattr(r.model, "no_sync", None)  # DDP's: gradients all-reduced on the last micro-batch only
+        with contextlib.nullcontext() if m == r.accumulation - 1 or no_sync is None else no_sync():
             loss = recipe.micro_batch_loss(r.spec.loss_fn, r.model, tokens, r.accumulation, r.amp)
         if poison:
             loss = loss * float("nan")

@@ -8,6 +8,8 @@ strategy's.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -81,7 +83,8 @@ def load_into(
 def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """Full, unsharded weights on rank 0 (a collective for FSDP); separate CPU tensors."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    sd = get_model_state_dict(model, options=options)
+    # A model's state dict holds only tensors (full, here); DCP types its values as any state.
+    sd = cast("dict[str, torch.Tensor]", get_model_state_dict(model, options=options))
     if dist.is_initialized() and dist.get_rank() != 0:
         return {}
     return {k: v.detach().to("cpu").clone().contiguous() for k, v in sd.items()}

@@ -8,6 +8,7 @@ file is read in one streamed pass that fills the tensors and checks the checksum
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -76,7 +77,7 @@ def verify_checkpoint(run_url: str, step: int, options: StorageOptions | None = 
         url = join(folder, name)
         fs, path = resolve(url, options)
         try:
-            size = retrying(f"stat {url}", lambda fs=fs, path=path: fs.size(path))
+            size = retrying(f"stat {url}", functools.partial(fs.size, path))
         except FileNotFoundError:
             raise CorruptDataError(f"checkpoint {folder} does not verify: {name} is missing") from None
         if size != info["bytes"]:
@@ -234,7 +235,7 @@ def remove_checkpoint(run_url: str, step: int, options: StorageOptions | None = 
     ours = sorted((n for n in names if _OWN_FILE.fullmatch(n)), key=lambda n: n != COMMITTED)
     for name in ours:
         with contextlib.suppress(FileNotFoundError):
-            retrying(f"remove {folder}/{name}", lambda p=f"{path.rstrip('/')}/{name}": fs.rm_file(p))
+            retrying(f"remove {folder}/{name}", functools.partial(fs.rm_file, f"{path.rstrip('/')}/{name}"))
     if is_local(folder) and len(ours) == len(entries):
         with contextlib.suppress(OSError):  # a file written there meanwhile: the folder stays
             os.rmdir(path)

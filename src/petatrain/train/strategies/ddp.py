@@ -7,7 +7,7 @@ size, its own for the RNG).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from petatrain.plan import formulas
 from petatrain.train.strategies.base import OVERLAP, ReadRankFile, StateLayout, Strategy, autocast_copies
@@ -15,6 +15,7 @@ from petatrain.train.strategies.base import OVERLAP, ReadRankFile, StateLayout, 
 if TYPE_CHECKING:
     import torch
     from torch import nn
+    from torch.distributed.checkpoint.state_dict import DictValueType, OptimizerStateType, ValueType
 
     from petatrain.config import JobConfig
     from petatrain.models import ModelSpec
@@ -72,11 +73,22 @@ class DDP(Strategy):
     ) -> dict[int, dict[str, torch.Tensor]]:
         return {r: read(r) for r in sorted({0, rank} if state.world_size == world else {0})}
 
-    def load_into(self, model, optimizer, state, shards, *, rank: int) -> None:
+    def load_into(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        state: CheckpointState,
+        shards: dict[int, dict[str, torch.Tensor]],
+        *,
+        rank: int,
+    ) -> None:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
         from petatrain.train.checkpoint import unflatten_state
 
         model_sd, optim_state = unflatten_state(shards[0])
-        set_model_state_dict(model, model_sd)
-        set_optimizer_state_dict(model, optimizer, {"state": optim_state, "param_groups": state.param_groups})
+        # DCP types state dicts as dict[str, ValueType] (a union, in an invariant dict), which a
+        # dict of tensors is at run time but not to a type checker.
+        set_model_state_dict(model, cast("dict[str, ValueType]", model_sd))
+        optim_sd: OptimizerStateType = {"state": cast("DictValueType", optim_state), "param_groups": state.param_groups}
+        set_optimizer_state_dict(model, optimizer, optim_sd)

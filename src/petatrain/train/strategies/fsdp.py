@@ -8,7 +8,7 @@ the old ranks' files that hold them, one file in memory at a time (`reshard`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from petatrain.errors import ConfigError, CorruptDataError, PetatrainError
 from petatrain.plan import formulas
@@ -17,6 +17,7 @@ from petatrain.train.strategies.base import OVERLAP, ReadRankFile, StateLayout, 
 if TYPE_CHECKING:
     import torch
     from torch import nn
+    from torch.distributed.checkpoint.state_dict import DictValueType, OptimizerStateType
 
     from petatrain.config import JobConfig
     from petatrain.models import ModelSpec
@@ -77,7 +78,15 @@ class FSDP(Strategy):
             return {rank: read(rank)}
         return {rank: reshard(read, fsdp_rows(model, rank, world), state.world_size)}
 
-    def load_into(self, model, optimizer, state, shards, *, rank: int) -> None:
+    def load_into(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        state: CheckpointState,
+        shards: dict[int, dict[str, torch.Tensor]],
+        *,
+        rank: int,
+    ) -> None:
         from torch.distributed.checkpoint.state_dict import (
             get_model_state_dict,
             get_optimizer_state_dict,
@@ -90,12 +99,14 @@ class FSDP(Strategy):
         model_sd, optim_state = unflatten_state(shards[rank])  # this rank's shards, in this world
         current = get_model_state_dict(model)
         set_model_state_dict(model, {k: _like(current[k], v) for k, v in model_sd.items()})
-        current_optim = get_optimizer_state_dict(model, optimizer)["state"]
-        optim_state = {
+        # DCP types both entries of an optimizer state dict alike; "state" is FQN -> name -> value.
+        current_optim = cast("dict[str, DictValueType]", get_optimizer_state_dict(model, optimizer)["state"])
+        resumed: DictValueType = {
             fqn: {k: _like(current_optim[fqn][k], v) if k in current_optim.get(fqn, {}) else v for k, v in s.items()}
             for fqn, s in optim_state.items()
         }
-        set_optimizer_state_dict(model, optimizer, {"state": optim_state, "param_groups": state.param_groups})
+        optim_sd: OptimizerStateType = {"state": resumed, "param_groups": state.param_groups}
+        set_optimizer_state_dict(model, optimizer, optim_sd)
 
 
 def _like(current: Any, saved: torch.Tensor) -> Any:
@@ -122,11 +133,11 @@ def fsdp_rows(model: nn.Module, rank: int, world: int) -> dict[str, tuple[int, i
     """parameter FQN -> (rows of the full tensor, first row this rank holds, end row), for every
     sharded parameter of an FSDP2 model (buffers are replicated and not listed)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
-    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import DTensor, Shard
 
     out = {}
     for fqn, value in get_model_state_dict(model).items():
-        if not hasattr(value, "to_local"):
+        if not isinstance(value, DTensor):  # a buffer
             continue
         if tuple(value.placements) != (Shard(0),):
             raise ConfigError(f"{fqn}: placements {value.placements}; only dim-0 FSDP shards can be re-sharded")
