@@ -9,6 +9,7 @@ recomputes only the attention core (Korthikanti et al.).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -139,9 +140,8 @@ def next_token_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 def generate(model: nn.Module, prompt: torch.Tensor, new_tokens: int, *, temperature: float = 0.8, seed: int = 0):
     """Sample `new_tokens` after `prompt` (1-D); deterministic for a seed."""
     gen = torch.Generator().manual_seed(seed)
-    cfg = model.cfg
-    assert isinstance(cfg, ModelConfig), "generate samples the built-in models, which keep their ModelConfig"
-    seq_len = cfg.seq_len
+    cfg: Any = model.cfg  # a ModelConfig for the built-in models; any object with seq_len for a user's
+    seq_len = int(cfg.seq_len)
     out = prompt.clone()
     for _ in range(new_tokens):
         logits = model(out[-seq_len:].unsqueeze(0))[0, -1].float() / temperature
