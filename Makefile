@@ -51,6 +51,7 @@ soak: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/mypy
 
 format: $(STAMP)
 	$(BIN)/ruff format src tests benchmarks
