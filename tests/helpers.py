@@ -75,7 +75,7 @@ def tiny(dataset: str, *overrides: str) -> config.JobConfig:
 
 
 def train(cfg, run_dir, *injections: str) -> dict:
-    from petatrain.train.launch import TrainJob, run
+    from petatrain.runtime.driver import TrainJob, run
 
     return run(TrainJob(config=cfg, run_url=str(run_dir), injections=[parse(i) for i in injections]))
 

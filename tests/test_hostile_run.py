@@ -285,7 +285,7 @@ def _refusal(folder: Path) -> str:
 
 
 def test_train_refuses_a_folder_that_is_not_a_run_before_writing_anything(tmp_path):
-    from petatrain.train.launch import TrainJob, run
+    from petatrain.runtime.driver import TrainJob, run
 
     folder = _users_folder(tmp_path)
     before = _tree(folder)
@@ -388,7 +388,7 @@ def test_a_second_driver_on_a_run_folder_fails_at_once_naming_the_first(tmp_path
     from petatrain.storage import join
     from petatrain.storage.lock import Lease, LeaseHeld
     from petatrain.train import run_dir
-    from petatrain.train.launch import TrainJob, run
+    from petatrain.runtime.driver import TrainJob, run
 
     folder = tmp_path / "run"
     dataset = _dataset(tmp_path)
@@ -423,7 +423,7 @@ def test_the_run_folder_is_free_again_however_the_driver_ends(tmp_path, monkeypa
     from petatrain.runtime import cluster
     from petatrain.storage import join
     from petatrain.storage.lock import Lease
-    from petatrain.train.launch import TrainJob, run
+    from petatrain.runtime.driver import TrainJob, run
 
     def no_cluster(*args, **kwargs):
         raise ConnectionError("no Ray cluster")

@@ -128,7 +128,7 @@ def test_training_with_data_and_run_on_s3_recovers_from_a_kill(s3_bucket, ray_lo
     run_url = storage.join(s3_bucket, "runs", "r1")
     cfg = tiny(data, "train.steps=24")
     from petatrain.chaos.inject import parse
-    from petatrain.train.launch import TrainJob, run
+    from petatrain.runtime.driver import TrainJob, run
 
     # The kill comes after step 21. Step 20's snapshot waited for step 10's write, so step 10 was
     # committed by then. Step 20's write may or may not have finished: a SIGKILL loses a write

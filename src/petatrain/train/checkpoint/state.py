@@ -14,20 +14,8 @@ import re
 from dataclasses import dataclass, fields
 from typing import Any
 
-from petatrain.storage import join
 from petatrain.train import strategies
-
-FORMAT_VERSION = 1
-COMMITTED = "COMMITTED"
-STATE = "state.json"
-
-
-def step_dir(run_url: str, step: int) -> str:
-    return join(run_url, "checkpoints", f"step-{step:08d}")
-
-
-def rank_file(rank: int) -> str:
-    return f"rank-{rank:05d}.safetensors"
+from petatrain.train.checkpoint.layout import COMMITTED, FORMAT_VERSION, STATE, rank_file, step_dir  # noqa: F401
 
 
 @dataclass(kw_only=True, slots=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from petatrain.errors import ConfigError
 
@@ -19,13 +19,22 @@ if TYPE_CHECKING:  # plan imports the registry and must not pay for torch
 
     from petatrain.config import JobConfig
     from petatrain.models import ModelSpec
-    from petatrain.plan.estimate import Workload
-    from petatrain.train.checkpoint import CheckpointState
+    from petatrain.plan.workload import Workload
 
 # Share of the backward (DDP, ZeRO) or forward+backward (FSDP) compute that hides communication.
 OVERLAP = 0.8
 
 ReadRankFile = Callable[[int], "dict[str, torch.Tensor]"]  # rank -> its checkpoint file's tensors, verified
+
+
+class SavedState(Protocol):
+    """What a strategy reads of a checkpoint's record (`train.checkpoint.CheckpointState`)."""
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]: ...
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -92,7 +101,7 @@ class Strategy:
         return True
 
     def read_for_resume(
-        self, state: CheckpointState, read: ReadRankFile, *, model: nn.Module, rank: int, world: int
+        self, state: SavedState, read: ReadRankFile, *, model: nn.Module, rank: int, world: int
     ) -> dict[int, dict[str, torch.Tensor]]:
         """The tensors `rank` loads from the checkpoint `state`, by rank file."""
         raise NotImplementedError
@@ -101,7 +110,7 @@ class Strategy:
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
-        state: CheckpointState,
+        state: SavedState,
         shards: dict[int, dict[str, torch.Tensor]],
         *,
         rank: int,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, cast
 
 from petatrain.plan import formulas
-from petatrain.train.strategies.base import OVERLAP, ReadRankFile, StateLayout, Strategy, autocast_copies
+from petatrain.train.strategies.base import OVERLAP, ReadRankFile, SavedState, StateLayout, Strategy, autocast_copies
 
 if TYPE_CHECKING:
     import torch
@@ -19,8 +19,7 @@ if TYPE_CHECKING:
 
     from petatrain.config import JobConfig
     from petatrain.models import ModelSpec
-    from petatrain.plan.estimate import Workload
-    from petatrain.train.checkpoint import CheckpointState
+    from petatrain.plan.workload import Workload
 
 BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb
 
@@ -69,7 +68,7 @@ class DDP(Strategy):
         return rank == 0
 
     def read_for_resume(
-        self, state: CheckpointState, read: ReadRankFile, *, model: nn.Module, rank: int, world: int
+        self, state: SavedState, read: ReadRankFile, *, model: nn.Module, rank: int, world: int
     ) -> dict[int, dict[str, torch.Tensor]]:
         return {r: read(r) for r in sorted({0, rank} if state.world_size == world else {0})}
 
@@ -77,14 +76,14 @@ class DDP(Strategy):
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
-        state: CheckpointState,
+        state: SavedState,
         shards: dict[int, dict[str, torch.Tensor]],
         *,
         rank: int,
     ) -> None:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-        from petatrain.train.checkpoint import unflatten_state
+        from petatrain.train.checkpoint.tensors import unflatten_state
 
         model_sd, optim_state = unflatten_state(shards[0])
         # DCP types state dicts as dict[str, ValueType] (a union, in an invariant dict), which a

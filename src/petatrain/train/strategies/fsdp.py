@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from petatrain.errors import ConfigError, CorruptDataError, PetatrainError
 from petatrain.plan import formulas
-from petatrain.train.strategies.base import OVERLAP, ReadRankFile, StateLayout, Strategy
+from petatrain.train.strategies.base import OVERLAP, ReadRankFile, SavedState, StateLayout, Strategy
 
 if TYPE_CHECKING:
     import torch
@@ -21,8 +21,7 @@ if TYPE_CHECKING:
 
     from petatrain.config import JobConfig
     from petatrain.models import ModelSpec
-    from petatrain.plan.estimate import Workload
-    from petatrain.train.checkpoint import CheckpointState
+    from petatrain.plan.workload import Workload
 
 
 class FSDP(Strategy):
@@ -72,7 +71,7 @@ class FSDP(Strategy):
         return model
 
     def read_for_resume(
-        self, state: CheckpointState, read: ReadRankFile, *, model: nn.Module, rank: int, world: int
+        self, state: SavedState, read: ReadRankFile, *, model: nn.Module, rank: int, world: int
     ) -> dict[int, dict[str, torch.Tensor]]:
         if state.world_size == world:
             return {rank: read(rank)}
@@ -82,7 +81,7 @@ class FSDP(Strategy):
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
-        state: CheckpointState,
+        state: SavedState,
         shards: dict[int, dict[str, torch.Tensor]],
         *,
         rank: int,
@@ -94,7 +93,7 @@ class FSDP(Strategy):
             set_optimizer_state_dict,
         )
 
-        from petatrain.train.checkpoint import unflatten_state
+        from petatrain.train.checkpoint.tensors import unflatten_state
 
         model_sd, optim_state = unflatten_state(shards[rank])  # this rank's shards, in this world
         current = get_model_state_dict(model)
@@ -156,7 +155,8 @@ def reshard(read: ReadRankFile, rows: dict[str, tuple[int, int, int]], old_world
     for each sharded tensor (of a parameter in `rows`, as `fsdp_rows` gives them) the rows this
     rank holds, gathered from the old ranks' files that hold any of them; replicated tensors
     (buffers, step counts) from the first file read. Reads only those files, one at a time."""
-    from petatrain.train.checkpoint import rank_file, split_name
+    from petatrain.train.checkpoint.layout import rank_file
+    from petatrain.train.checkpoint.tensors import split_name
 
     wanted = {
         k

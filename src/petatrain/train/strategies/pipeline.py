@@ -10,7 +10,7 @@ from petatrain.plan import formulas
 from petatrain.train.strategies.base import StateLayout, Strategy, autocast_copies
 
 if TYPE_CHECKING:
-    from petatrain.plan.estimate import Workload
+    from petatrain.plan.workload import Workload
 
 
 class Pipeline(Strategy):
