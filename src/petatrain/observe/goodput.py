@@ -314,6 +314,64 @@ def _evals(events: list[dict[str, Any]], attempts: list[tuple[int, bool]], t0: f
     return [latest[s] for s in sorted(latest)]
 
 
+@dataclass(slots=True)
+class _Marks:
+    """Per attempt, in ledger order: injections, progress marks (steps, snapshots), the first
+    resume, the drain before a failure; and the failures themselves."""
+
+    injections: dict[int, list[tuple[int, dict[str, Any]]]] = field(default_factory=dict)
+    progress: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
+    resumes: dict[int, dict[str, Any]] = field(default_factory=dict)
+    drains: dict[int, float] = field(default_factory=dict)  # when Ray Train's shutdown began waiting for rank 0
+    failures: list[tuple[int, dict[str, Any], int]] = field(default_factory=list)  # (index, event, attempt)
+    steps_of: dict[int, list[_Occurrence]] = field(default_factory=dict)
+
+    def failed_at(self, failure: dict[str, Any], attempt: int) -> float:
+        """The failure event's time, or the start of the drain before it: the failure was decided
+        then, and letting rank 0 finish its checkpoint write is part of the recovery."""
+        t = _t(failure)
+        return min(t, self.drains[attempt]) if attempt in self.drains else t
+
+
+def _marks(events: list[dict[str, Any]], attempts: list[tuple[int, bool]], occurrences: list[_Occurrence]) -> _Marks:
+    m = _Marks()
+    for i, (e, (attempt, _)) in enumerate(zip(events, attempts, strict=True)):
+        kind = e.get("event")
+        if kind == "fault_injected":
+            m.injections.setdefault(attempt, []).append((i, e))
+        elif kind in ("step", "checkpoint_snapshot"):
+            m.progress.setdefault(attempt, []).append((i, _t(e)))
+        elif kind == "resume":
+            m.resumes.setdefault(attempt, e)
+        elif kind == "checkpoint_drain":
+            m.drains[attempt] = _t(e) - (as_number(e.get("waited_s")) or 0.0)
+        elif kind == "failure":
+            m.failures.append((i, e, attempt))
+    for o in occurrences:
+        m.steps_of.setdefault(o.attempt, []).append(o)
+    return m
+
+
+def _detect_starts(m: _Marks, t0: float) -> list[float | None]:
+    """When each fault started to cost time: its injection (else the attempt's last step),
+    moved later past any progress made after it and past the previous failure, so that
+    no second is counted twice."""
+    detect_start: list[float | None] = []
+    previous_failure_t = t0
+    for i, failure, attempt in m.failures:
+        t_fail = m.failed_at(failure, attempt)
+        injected = [e for j, e in m.injections.get(attempt, []) if j < i and _t(e) <= t_fail]
+        marks = [t for j, t in m.progress.get(attempt, []) if j < i and t <= t_fail]
+        last_step_t = max((o.t for o in m.steps_of.get(attempt, []) if o.index < i), default=None)
+        fault_t = _t(injected[-1]) if injected else last_step_t
+        if fault_t is None:
+            detect_start.append(None)
+        else:
+            detect_start.append(min(max(fault_t, *marks, previous_failure_t), t_fail))
+        previous_failure_t = t_fail
+    return detect_start
+
+
 def _faults(
     events: list[dict[str, Any]],
     attempts: list[tuple[int, bool]],
@@ -322,52 +380,11 @@ def _faults(
     t_end: float,
 ) -> list[FaultRecord]:
     """One row per failure event; detection and restart windows never overlap each other or steps."""
-    # Per attempt, in ledger order: injections and progress marks (steps, snapshots), first resume.
-    injections: dict[int, list[tuple[int, dict[str, Any]]]] = {}
-    progress: dict[int, list[tuple[int, float]]] = {}
-    resumes: dict[int, dict[str, Any]] = {}
-    drains: dict[int, float] = {}  # attempt -> when Ray Train's shutdown began waiting for rank 0's write
-    failures = []
-    for i, (e, (attempt, _)) in enumerate(zip(events, attempts, strict=True)):
-        kind = e.get("event")
-        if kind == "fault_injected":
-            injections.setdefault(attempt, []).append((i, e))
-        elif kind in ("step", "checkpoint_snapshot"):
-            progress.setdefault(attempt, []).append((i, _t(e)))
-        elif kind == "resume":
-            resumes.setdefault(attempt, e)
-        elif kind == "checkpoint_drain":
-            drains[attempt] = _t(e) - (as_number(e.get("waited_s")) or 0.0)
-        elif kind == "failure":
-            failures.append((i, e, attempt))
-
-    def failed_at(failure: dict[str, Any], attempt: int) -> float:
-        """The failure event's time, or the start of the drain before it: the failure was decided
-        then, and letting rank 0 finish its checkpoint write is part of the recovery."""
-        t = _t(failure)
-        return min(t, drains[attempt]) if attempt in drains else t
-
-    steps_of: dict[int, list[_Occurrence]] = {}
-    for o in occurrences:
-        steps_of.setdefault(o.attempt, []).append(o)
+    m = _marks(events, attempts, occurrences)
+    failures, steps_of, failed_at = m.failures, m.steps_of, m.failed_at
+    injections, resumes = m.injections, m.resumes
     known_attempts = sorted({a for a, _ in attempts})
-
-    # When each fault started to cost time: its injection (else the attempt's last step),
-    # moved later past any progress made after it and past the previous failure, so that
-    # no second is counted twice.
-    detect_start: list[float | None] = []
-    previous_failure_t = t0
-    for i, failure, attempt in failures:
-        t_fail = failed_at(failure, attempt)
-        injected = [e for j, e in injections.get(attempt, []) if j < i and _t(e) <= t_fail]
-        marks = [t for j, t in progress.get(attempt, []) if j < i and t <= t_fail]
-        last_step_t = max((o.t for o in steps_of.get(attempt, []) if o.index < i), default=None)
-        fault_t = _t(injected[-1]) if injected else last_step_t
-        if fault_t is None:
-            detect_start.append(None)
-        else:
-            detect_start.append(min(max(fault_t, *marks, previous_failure_t), t_fail))
-        previous_failure_t = t_fail
+    detect_start = _detect_starts(m, t0)
 
     rows = []
     for n, (i, failure, attempt) in enumerate(failures):
