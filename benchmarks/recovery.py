@@ -56,7 +56,7 @@ MICRO, GLOBAL, LR, CKPT_EVERY = 8, 16, 3e-3, 10
 
 
 def dataset() -> str:
-    """A packed byte-token dataset like tests/test_train.py's (rows of 65 tokens)."""
+    """A packed byte-token dataset like tests/conftest.py's token_dataset's (rows of 65 tokens)."""
     from petatrain import config
     from petatrain.data import synth
     from petatrain.data.ingest import IngestJob, run

@@ -385,10 +385,10 @@ def test_a_second_driver_on_a_run_folder_fails_at_once_naming_the_first(tmp_path
     """While one driver holds the run folder's lease, another `train` on it ends at once with one
     line naming the holder (host, pid, since when), and writes nothing there."""
     from conftest import run_cli
+    from petatrain.runtime.driver import TrainJob, run
     from petatrain.storage import join
     from petatrain.storage.lock import Lease, LeaseHeld
     from petatrain.train import run_dir
-    from petatrain.runtime.driver import TrainJob, run
 
     folder = tmp_path / "run"
     dataset = _dataset(tmp_path)
@@ -421,9 +421,9 @@ def test_a_second_driver_on_a_run_folder_fails_at_once_naming_the_first(tmp_path
 def test_the_run_folder_is_free_again_however_the_driver_ends(tmp_path, monkeypatch):
     """The lease lasts as long as the run: a driver that fails after taking it lets it go."""
     from petatrain.runtime import cluster
+    from petatrain.runtime.driver import TrainJob, run
     from petatrain.storage import join
     from petatrain.storage.lock import Lease
-    from petatrain.runtime.driver import TrainJob, run
 
     def no_cluster(*args, **kwargs):
         raise ConnectionError("no Ray cluster")

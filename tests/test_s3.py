@@ -116,11 +116,11 @@ def test_stream_cache_limit_is_honoured(s3_token_ds, tmp_path):
 @pytest.mark.slow
 def test_training_with_data_and_run_on_s3_recovers_from_a_kill(s3_bucket, ray_local, tmp_path):
     """Dataset, checkpoints, ledger and final weights on the object store; a kill resumes from S3."""
+    from helpers import tiny
     from petatrain.data import synth
     from petatrain.observe.ledger import read_events
     from petatrain.storage import StorageOptions
     from petatrain.train.checkpoint import committed_steps
-    from test_train import tiny
 
     corpus = synth.generate(str(tmp_path / "raw"), documents=300, files=2, bad_records=False, seed=5)
     data = storage.join(s3_bucket, "tokens65")
