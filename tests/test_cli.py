@@ -14,6 +14,7 @@ def test_every_verb_has_help(verb):
     assert result.returncode == 0 and "Usage" in result.stdout
 
 
+@pytest.mark.slow  # end to end: a CLI process starting its own Ray
 def test_demo_ingests_streams_and_resumes_exactly_once(tmp_path):
     result = run_cli("demo", "--root", str(tmp_path), "--documents", "400", "--json")
     assert result.returncode == 0, result.stderr[-2000:]
@@ -87,6 +88,7 @@ def _row(text: str, name: str) -> int:
     return int(found.group(1))
 
 
+@pytest.mark.slow  # end to end: a CLI process starting its own Ray
 def test_ingest_shows_its_stages_not_rays_logs_and_flags_override_only_what_they_name(tmp_path):
     """The console has petatrain's stage lines and table, none of Ray's log lines; the YAML's
     ingest section holds unless a flag names the setting (before, every flag's default won)."""

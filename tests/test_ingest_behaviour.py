@@ -231,6 +231,7 @@ def test_inspect_verify_names_a_flipped_byte(tmp_path):
     assert f"corrupt: {victim}" in bad.stderr and "1 of" in bad.stderr
 
 
+@pytest.mark.slow  # end to end: the same ingest on Ray twice
 def test_same_output_with_one_and_with_several_workers(corpus, tmp_path):
     outs = []
     for cpus in ("1", "2"):

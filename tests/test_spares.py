@@ -6,6 +6,8 @@ import os
 import time
 import uuid
 
+import pytest
+
 from petatrain.runtime import spares
 
 
@@ -30,6 +32,7 @@ def _until(condition, what: str, timeout_s: float = 20.0) -> None:
         time.sleep(0.1)
 
 
+@pytest.mark.slow  # end to end: starts Ray worker processes and a training attempt
 def test_spares_start_warm_and_the_next_ranks_start_in_them(ray_local):
     ray = ray_local
     env = spares.worker_runtime_env(cpus_per_worker=1)
