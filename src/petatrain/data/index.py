@@ -26,6 +26,7 @@ from petatrain.storage import (
     StorageOptions,
     atomic_write,
     exists,
+    folder,
     join,
     read_bytes,
     remove_tree,
@@ -305,30 +306,9 @@ def append_shards(
 
 
 def claim_folder(url: str, options: StorageOptions | None = None) -> None:
-    """Refuse to create a dataset in a folder that holds someone else's files; else mark it ours.
-
-    A folder without a manifest is ours if it is empty or absent, or carries the marker a
-    first ingest writes before anything else (a crashed first ingest may be run again).
-    Call it before taking the folder's lease (so a refusal writes nothing), then `mark_created`.
-    """
-    fs, path = resolve(url, options)
-    try:
-        entries = [os.path.basename(e.rstrip("/")) for e in retrying(f"list {url}", lambda: fs.ls(path, detail=False))]
-    except (FileNotFoundError, NotADirectoryError):
-        return
-    if not [e for e in entries if e != LOCK and not e.startswith(f"{LOCK}.")]:
-        return
-    if not exists(join(url, CREATED), options):
-        raise PetatrainError(
-            f"--out {url} is a non-empty folder that is not a petatrain dataset "
-            f"(it holds {', '.join(sorted(entries)[:3])}{', ...' if len(entries) > 3 else ''}); "
-            "choose a new or empty folder"
-        )
-
-
-def mark_created(url: str, options: StorageOptions | None = None) -> None:
-    if not exists(join(url, CREATED), options):
-        atomic_write(join(url, CREATED), json.dumps({"format": FORMAT, "version": VERSION}).encode(), options)
+    """Make `url` a dataset in the making (new, empty, or a first ingest that crashed before its
+    manifest): write its marker; someone else's non-empty folder is refused, untouched."""
+    folder.claim(url, CREATED, kind=FORMAT, noun="petatrain dataset", what=f"--out {url}", options=options)
 
 
 def commit_manifest(

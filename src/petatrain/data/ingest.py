@@ -73,8 +73,6 @@ def run(job: IngestJob) -> IngestSummary:
         elif job.register:
             register(job, new_files, manifest, summary, lease)
         else:
-            if manifest is None:
-                idx.mark_created(job.out, options)
             _ingest(job, new_files, manifest, summary, lease)
     summary.seconds = round(time.perf_counter() - started, 3)
     return summary

@@ -13,15 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import time
 from collections.abc import Iterator
 
-from petatrain.errors import PetatrainError
 from petatrain.observe.ledger import EVENTS_FILE
-from petatrain.storage import StorageOptions, join
-from petatrain.storage.fs import atomic_write, resolve
+from petatrain.storage import StorageOptions, folder, join
+from petatrain.storage.fs import resolve
 from petatrain.storage.lock import Lease
-from petatrain.storage.retry import retrying
 
 MARKER = ".petatrain-run"
 FORMAT = "petatrain-run"
@@ -41,43 +38,15 @@ def held(run_url: str, options: StorageOptions | None = None) -> Iterator[Lease]
 def claim(run_url: str, options: StorageOptions | None = None) -> None:
     """Make `run_url` a petatrain run (new, empty, or one already): write its marker; a file or
     a non-empty folder that is not a run is refused with a one-line PetatrainError."""
-    fs, path = resolve(run_url, options)
-    fs.invalidate_cache(path)
-    if retrying(f"stat {run_url}", lambda: fs.isfile(path)):
-        raise PetatrainError(f"--run-dir {run_url} is a file, not a folder")
-    marker = _read(run_url, MARKER, options)
-    if marker is not None and _is_marker(marker):
-        return
-    if marker is not None or (_entries(run_url, options) and not _has_run_start(run_url, options)):
-        raise PetatrainError(
-            f"--run-dir {run_url} is a non-empty folder that is not a petatrain run; choose a new or empty folder"
-        )
-    record = {"format": FORMAT, "version": VERSION, "created": time.time()}
-    atomic_write(join(run_url, MARKER), json.dumps(record).encode(), options)
-
-
-def _is_marker(raw: bytes) -> bool:
-    try:
-        record = json.loads(raw)
-    except ValueError:
-        return False
-    return isinstance(record, dict) and record.get("format") == FORMAT and type(record.get("version")) is int
-
-
-def _read(run_url: str, name: str, options: StorageOptions | None) -> bytes | None:
-    fs, path = resolve(join(run_url, name), options)
-    try:
-        return retrying(f"read {run_url}/{name}", lambda: fs.cat_file(path))
-    except (FileNotFoundError, IsADirectoryError):
-        return None
-
-
-def _entries(run_url: str, options: StorageOptions | None) -> list[str]:
-    fs, path = resolve(run_url, options)
-    try:
-        return retrying(f"list {run_url}", lambda: fs.ls(path, detail=False))
-    except FileNotFoundError:
-        return []
+    folder.claim(
+        run_url,
+        MARKER,
+        kind=FORMAT,
+        noun="petatrain run",
+        what=f"--run-dir {run_url}",
+        options=options,
+        ours_before_marker=lambda: _has_run_start(run_url, options),
+    )
 
 
 def _has_run_start(run_url: str, options: StorageOptions | None) -> bool:
