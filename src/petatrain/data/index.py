@@ -40,7 +40,6 @@ VERSION = 1
 MANIFEST = "_index/manifest.json"
 SHARD_INDEX = "_index/shards.parquet"
 CREATED = "_index/created.json"  # written first by a first ingest: the folder is ours before its manifest exists
-LOCK = "_lock"  # the writer's lease (storage.lock)
 _REQUIRED = (("totals", dict), ("schema", list), ("lineage", dict))
 
 SHARD_SCHEMA = pa.schema(
@@ -305,10 +304,15 @@ def append_shards(
     return write_shard_index(url, pa.concat_tables([old, pa.Table.from_pylist(rows, schema=SHARD_SCHEMA)]), options)
 
 
-def claim_folder(url: str, options: StorageOptions | None = None) -> None:
-    """Make `url` a dataset in the making (new, empty, or a first ingest that crashed before its
-    manifest): write its marker; someone else's non-empty folder is refused, untouched."""
-    folder.claim(url, CREATED, kind=FORMAT, noun="petatrain dataset", what=f"--out {url}", options=options)
+def check_folder(url: str, options: StorageOptions | None = None) -> None:
+    """Refuse someone else's non-empty folder as `--out`, before anything is written (a first
+    ingest that crashed before its manifest left the marker: that folder is ours)."""
+    folder.check(url, CREATED, kind=FORMAT, noun="petatrain dataset", what=f"--out {url}", options=options)
+
+
+def mark_folder(url: str, options: StorageOptions | None = None) -> None:
+    """Mark `url` a dataset in the making (holding its lease, before any other write)."""
+    folder.mark(url, CREATED, kind=FORMAT, options=options)
 
 
 def commit_manifest(

@@ -46,7 +46,7 @@ from petatrain.runtime.cluster import init_ray
 from petatrain.storage import StorageOptions, atomic_write, join, listdir, read_verified, remove_tree
 from petatrain.storage.checksum import ChecksumMismatch
 from petatrain.storage.fs import SourceFile, copy, expand_sources, resolve
-from petatrain.storage.lock import Lease
+from petatrain.storage.lock import LEASE_FILE, Lease
 
 log = logging.getLogger(__name__)
 
@@ -63,10 +63,12 @@ def run(job: IngestJob) -> IngestSummary:
     summary = IngestSummary(dataset=job.out)
     files = expand_sources(job.sources, options)
     if idx.read_manifest(job.out, options) is None:
-        idx.claim_folder(job.out, options)
+        idx.check_folder(job.out, options)
     # One writer at a time: what it reads from here to its commit cannot change under it.
-    with Lease(join(job.out, idx.LOCK), kind="ingest", what=job.out, options=options) as lease:
+    with Lease(join(job.out, LEASE_FILE), kind="ingest", what=job.out, options=options) as lease:
         manifest = idx.read_manifest(job.out, options)
+        if manifest is None:
+            idx.mark_folder(job.out, options)
         new_files = _new_files(files, manifest, job, summary)
         if not new_files:
             summary.note = "nothing new to ingest: every source is already in the dataset"

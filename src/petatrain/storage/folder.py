@@ -1,6 +1,7 @@
-"""A folder petatrain owns: it writes into a new or empty folder, or one carrying its marker,
-and refuses anyone else's non-empty folder before writing anything (a dataset's `--out`, a
-run's `--run-dir`)."""
+"""A folder petatrain owns: it writes into a new or empty folder, or one carrying its marker
+or a petatrain writer's lease, and refuses anyone else's non-empty folder before writing
+anything (a dataset's `--out`, a run's `--run-dir`). `check` before taking the lease, `mark`
+holding it: a first writer's marker can then never be half-written when a second one looks."""
 
 from __future__ import annotations
 
@@ -11,12 +12,11 @@ from collections.abc import Callable
 
 from petatrain.errors import PetatrainError
 from petatrain.storage.fs import StorageOptions, atomic_write, join, resolve
+from petatrain.storage.lock import LEASE_FILE
 from petatrain.storage.retry import retrying
 
-_LEASE = "_lock"  # a lease (storage.lock) alone does not make a folder someone else's
 
-
-def claim(
+def check(
     url: str,
     marker: str,
     *,
@@ -25,22 +25,32 @@ def claim(
     what: str,
     options: StorageOptions | None = None,
     ours_before_marker: Callable[[], bool] | None = None,
-) -> None:
-    """Write `url/marker` (`{"format": kind, "version": 1, "created": ...}`) unless it is there;
-    a file, or a non-empty folder without the marker, is refused in one line naming `what`
-    (e.g. "--out DIR") and `noun` ("petatrain dataset"). `ours_before_marker` recognises a
-    folder petatrain made before it wrote markers."""
+) -> bool:
+    """Whether `url` is ours already (True: its marker is there); False for a new or empty
+    folder, or one a petatrain writer holds a lease on (the lease decides between writers).
+    A file, or someone else's non-empty folder, is refused in one line naming `what` (e.g.
+    "--out DIR") and `noun` ("petatrain dataset"), before anything is written.
+    `ours_before_marker` recognises a folder petatrain made before it wrote markers."""
     fs, path = resolve(url, options)
     fs.invalidate_cache(path)
     if retrying(f"stat {url}", lambda: fs.isfile(path)):
         raise PetatrainError(f"{what} is a file, not a folder")
     raw = _read(join(url, marker), options)
     if raw is not None and _is_marker(raw, kind):
-        return
-    if raw is not None or (_entries(url, options) and not (ours_before_marker and ours_before_marker())):
-        raise PetatrainError(f"{what} is a non-empty folder that is not a {noun}; choose a new or empty folder")
-    record = {"format": kind, "version": 1, "created": time.time()}
-    atomic_write(join(url, marker), json.dumps(record).encode(), options)
+        return True
+    entries = _entries(url, options)
+    leased = any(e == LEASE_FILE or e.startswith(f"{LEASE_FILE}.") for e in entries)  # or being taken
+    if raw is None and (not entries or leased or (ours_before_marker and ours_before_marker())):
+        return False
+    raise PetatrainError(f"{what} is a non-empty folder that is not a {noun}; choose a new or empty folder")
+
+
+def mark(url: str, marker: str, *, kind: str, options: StorageOptions | None = None) -> None:
+    """Write the marker `check` looks for (call it holding the folder's lease)."""
+    raw = _read(join(url, marker), options)
+    if raw is None or not _is_marker(raw, kind):
+        record = {"format": kind, "version": 1, "created": time.time()}
+        atomic_write(join(url, marker), json.dumps(record).encode(), options)
 
 
 def _is_marker(raw: bytes, kind: str) -> bool:
@@ -65,5 +75,4 @@ def _entries(url: str, options: StorageOptions | None) -> list[str]:
         found = retrying(f"list {url}", lambda: fs.ls(path, detail=False))
     except (FileNotFoundError, NotADirectoryError):
         return []
-    names = [os.path.basename(str(e).rstrip("/")) for e in found]
-    return [n for n in names if n != _LEASE and not n.startswith(f"{_LEASE}.")]
+    return [os.path.basename(str(e).rstrip("/")) for e in found]

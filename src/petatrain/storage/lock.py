@@ -33,6 +33,7 @@ from petatrain.storage.retry import retrying
 log = logging.getLogger(__name__)
 
 DEFAULT_TTL_S = 60.0
+LEASE_FILE = "_lock"  # the name a folder's lease has in it (a dataset, a run)
 
 
 class LeaseHeld(PetatrainError):

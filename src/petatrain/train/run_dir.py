@@ -18,27 +18,32 @@ from collections.abc import Iterator
 from petatrain.observe.ledger import EVENTS_FILE
 from petatrain.storage import StorageOptions, folder, join
 from petatrain.storage.fs import resolve
-from petatrain.storage.lock import Lease
+from petatrain.storage.lock import LEASE_FILE, Lease
 
 MARKER = ".petatrain-run"
 FORMAT = "petatrain-run"
 VERSION = 1
-LOCK = "_lock"
 
 
 @contextlib.contextmanager
 def held(run_url: str, options: StorageOptions | None = None) -> Iterator[Lease]:
-    """Claim `run_url` (`claim`) and hold its lease until the block ends; `LeaseHeld` (one line:
-    host, pid, since when) while another live driver holds it."""
-    claim(run_url, options)  # the marker comes first: a folder holding only a lease is not a run
-    with Lease(join(run_url, LOCK), kind="train", what=f"--run-dir {run_url}", options=options) as lease:
+    """Refuse someone else's folder, then hold the run's lease (marking the folder a run) until
+    the block ends; `LeaseHeld` (one line: host, pid, since when) while another driver holds it."""
+    _check(run_url, options)
+    with Lease(join(run_url, LEASE_FILE), kind="train", what=f"--run-dir {run_url}", options=options) as lease:
+        folder.mark(run_url, MARKER, kind=FORMAT, options=options)
         yield lease
 
 
 def claim(run_url: str, options: StorageOptions | None = None) -> None:
     """Make `run_url` a petatrain run (new, empty, or one already): write its marker; a file or
     a non-empty folder that is not a run is refused with a one-line PetatrainError."""
-    folder.claim(
+    if not _check(run_url, options):
+        folder.mark(run_url, MARKER, kind=FORMAT, options=options)
+
+
+def _check(run_url: str, options: StorageOptions | None) -> bool:
+    return folder.check(
         run_url,
         MARKER,
         kind=FORMAT,
