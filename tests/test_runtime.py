@@ -273,7 +273,7 @@ def test_a_run_started_from_a_coroutine_runs_the_controller_on_a_thread(token_da
 
 
 def test_controller_place_is_driver_or_actor(monkeypatch):
-    from petatrain.runtime.constants import controller_mode
+    from petatrain.constants import controller_mode
 
     monkeypatch.setenv("PETATRAIN_CONTROLLER", "Driver")
     with pytest.raises(ConfigError, match=r"driver \(the default\) or actor"):

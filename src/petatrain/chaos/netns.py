@@ -55,8 +55,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, Self
 
+from petatrain import constants
 from petatrain.errors import PetatrainError
-from petatrain.runtime import constants
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from petatrain.plan.formulas import (  # noqa: F401  (re-exported: the formulas plan cites)
+from petatrain.cost.formulas import (  # noqa: F401  (re-exported: the formulas plan cites)
     bubble_fraction,
     bubble_overhead,
     expected_goodput,
@@ -30,7 +30,7 @@ from petatrain.plan.formulas import (  # noqa: F401  (re-exported: the formulas 
     ring_collective_seconds,
     zero_model_state_bytes,
 )
-from petatrain.plan.workload import GRAD_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES, Workload  # noqa: F401
+from petatrain.cost.workload import GRAD_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES, Workload  # noqa: F401
 from petatrain.train import recipe, strategies
 from petatrain.train.recipe import young_daly_interval  # noqa: F401
 

@@ -9,8 +9,8 @@ import signal
 import time
 from typing import Any
 
+from petatrain import constants
 from petatrain.errors import PetatrainError
-from petatrain.runtime import constants
 
 log = logging.getLogger(__name__)
 

@@ -21,10 +21,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from petatrain import constants
 from petatrain.chaos.inject import Injection
 from petatrain.config import JobConfig
 from petatrain.errors import PetatrainError
-from petatrain.runtime import cluster, constants
+from petatrain.runtime import cluster
 from petatrain.runtime.failures import CAUSES, AttemptFailed, Failure, FailureCause
 from petatrain.runtime.supervisor import AttemptOutcome, RestartPolicy, Supervisor, WorldSizePolicy
 from petatrain.runtime.trainer import Standby, fit, make_trainer

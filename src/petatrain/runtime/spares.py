@@ -44,7 +44,7 @@ import threading
 import time
 from typing import Any
 
-from petatrain.runtime import constants
+from petatrain import constants
 
 log = logging.getLogger(__name__)
 

@@ -9,8 +9,9 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from petatrain import constants
 from petatrain.config import JobConfig
-from petatrain.runtime import cluster, constants, spares
+from petatrain.runtime import cluster, spares
 from petatrain.runtime.supervisor import use_gpu
 from petatrain.runtime.watchdog import Watchdog
 

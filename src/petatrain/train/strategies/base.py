@@ -18,8 +18,8 @@ if TYPE_CHECKING:  # plan imports the registry and must not pay for torch
     from torch import nn
 
     from petatrain.config import JobConfig
+    from petatrain.cost.workload import Workload
     from petatrain.models import ModelSpec
-    from petatrain.plan.workload import Workload
 
 # Share of the backward (DDP, ZeRO) or forward+backward (FSDP) compute that hides communication.
 OVERLAP = 0.8

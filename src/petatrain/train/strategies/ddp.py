@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, cast
 
-from petatrain.plan import formulas
+from petatrain.cost import formulas
 from petatrain.train.strategies.base import OVERLAP, ReadRankFile, SavedState, StateLayout, Strategy, autocast_copies
 
 if TYPE_CHECKING:
@@ -18,8 +18,8 @@ if TYPE_CHECKING:
     from torch.distributed.checkpoint.state_dict import DictValueType, OptimizerStateType, ValueType
 
     from petatrain.config import JobConfig
+    from petatrain.cost.workload import Workload
     from petatrain.models import ModelSpec
-    from petatrain.plan.workload import Workload
 
 BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb
 

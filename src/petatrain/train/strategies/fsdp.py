@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, cast
 
+from petatrain.cost import formulas
 from petatrain.errors import ConfigError, CorruptDataError, PetatrainError
-from petatrain.plan import formulas
 from petatrain.train.strategies.base import OVERLAP, ReadRankFile, SavedState, StateLayout, Strategy
 
 if TYPE_CHECKING:
@@ -20,8 +20,8 @@ if TYPE_CHECKING:
     from torch.distributed.checkpoint.state_dict import DictValueType, OptimizerStateType
 
     from petatrain.config import JobConfig
+    from petatrain.cost.workload import Workload
     from petatrain.models import ModelSpec
-    from petatrain.plan.workload import Workload
 
 
 class FSDP(Strategy):

@@ -6,11 +6,11 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from petatrain.plan import formulas
+from petatrain.cost import formulas
 from petatrain.train.strategies.base import StateLayout, Strategy, autocast_copies
 
 if TYPE_CHECKING:
-    from petatrain.plan.workload import Workload
+    from petatrain.cost.workload import Workload
 
 
 class Pipeline(Strategy):

@@ -9,7 +9,7 @@ from petatrain.train.strategies.base import StateLayout, Strategy, autocast_copi
 from petatrain.train.strategies.ddp import allreduce_exposed_s, bucket_bytes
 
 if TYPE_CHECKING:
-    from petatrain.plan.workload import Workload
+    from petatrain.cost.workload import Workload
 
 
 class ZeRO(Strategy):

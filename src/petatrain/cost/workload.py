@@ -7,8 +7,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from petatrain.config import JobConfig
+from petatrain.cost.formulas import layer_activation_bytes
 from petatrain.errors import ConfigError
-from petatrain.plan.formulas import layer_activation_bytes
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
