@@ -68,6 +68,7 @@ import pyarrow.parquet as pq
 
 from _common import WORK, corpus, cpu_by_pid, version, write_results  # benchmarks/ is not a package
 from loader_rows import ROWS, _streaming, _tokens
+from petatrain.data.index import open_dataset
 
 CORPUS_MB = 300  # the ingest benchmark's corpus, shared through benchmarks/.work
 PEERS = ["raw", "raw-xxh3", "pyarrow", "petatrain", "mosaic", "ray", "torch"]
@@ -108,8 +109,8 @@ def ingest(name: str, files: list[str], extra: list[str]) -> Path:
 
 def describe(name: str, url: Path, columns: list[str]) -> dict:
     """What every row needs to know about a dataset: shard files, rows, bytes, token dtype."""
-    manifest = json.loads((url / "_index" / "manifest.json").read_text())
-    shards = pq.read_table(url / "_index" / "shards.parquet").slice(0, int(manifest["totals"]["shards"]))
+    dataset = open_dataset(str(url))
+    manifest, shards = dataset.manifest, dataset.shards
     paths = [p if p.startswith("/") else str(url / p) for p in shards.column("path").to_pylist()]
     return {
         "name": name,
@@ -118,7 +119,7 @@ def describe(name: str, url: Path, columns: list[str]) -> dict:
         "columns": columns,
         "rows": int(sum(shards.column("rows").to_pylist())),
         "bytes": sum(os.path.getsize(p) for p in paths),
-        "token_dtype": (manifest.get("tokenizer") or {}).get("dtype", "uint16"),
+        "token_dtype": manifest.tokenizer.dtype if manifest.tokenizer else "uint16",
         "ingest": json.loads((WORK / f"loader-{name}.json").read_text()),
     }
 

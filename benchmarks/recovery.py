@@ -57,16 +57,15 @@ MICRO, GLOBAL, LR, CKPT_EVERY = 8, 16, 3e-3, 10
 
 def dataset() -> str:
     """A packed byte-token dataset like tests/conftest.py's token_dataset's (rows of 65 tokens)."""
-    from petatrain import config
+    from petatrain import api, config
     from petatrain.data import synth
-    from petatrain.data.ingest import IngestJob, run
 
     out = WORK / "ds"
     if not (out / "_index" / "manifest.json").exists():
         shutil.rmtree(WORK, ignore_errors=True)
         synth.generate(str(WORK / "corpus"), documents=2000, files=2)
         cfg = config.IngestConfig(tokenizer="bytes", pack_length=65, shard_size="150KB", dedup="exact")
-        run(IngestJob(sources=[str(WORK / "corpus")], out=str(out), config=cfg))
+        api.ingest([str(WORK / "corpus")], str(out), config=cfg)
     return str(out)  # absolute: Ray workers do not run in this directory
 
 

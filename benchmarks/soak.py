@@ -34,15 +34,14 @@ from petatrain.chaos.soak import parse_duration  # noqa: E402
 
 
 def dataset() -> str:
-    from petatrain import config
+    from petatrain import api, config
     from petatrain.data import synth
-    from petatrain.data.ingest import IngestJob, run
 
     out = WORK / "soak-dataset"
     if not (out / "_index" / "manifest.json").exists():
         synth.generate(str(WORK / "soak-corpus"), documents=3000, files=4)
         cfg = config.IngestConfig(tokenizer="bytes", pack_length=129, shard_size="2MB", dedup="exact")
-        run(IngestJob(sources=[str(WORK / "soak-corpus")], out=str(out), config=cfg))
+        api.ingest([str(WORK / "soak-corpus")], str(out), config=cfg)
     return str(out)
 
 

@@ -139,7 +139,8 @@ def test_a_manifest_changed_under_an_ingest_is_not_overwritten(tmp_path, monkeyp
 
     def racing_commit(job, manifest, *args, **kwargs):
         stolen = index.read_manifest(str(out))  # another writer commits meanwhile
-        index.write_manifest(str(out), dict(stolen, generation=stolen.get("generation", 0) + 1))
+        stolen.generation += 1
+        index.write_manifest(str(out), stolen)
         return real_commit(job, manifest, *args, **kwargs)
 
     monkeypatch.setattr(ingest_mod, "_commit", racing_commit)

@@ -174,14 +174,14 @@ def test_byte_tokens_packed_into_fixed_width_rows(tmp_path):
     a = _jsonl(tmp_path / "a.jsonl", texts)
     summary = ingest([a], tmp_path / "ds", tokenizer="bytes", pack_length=64)
     ds = index.open_dataset(str(tmp_path / "ds"))
-    meta = ds.manifest["tokenizer"]
+    meta = ds.manifest.tokenizer
     table = read_dataset(tmp_path / "ds")
     assert table.schema.field("tokens").type == pa.binary(64 * 2)
-    stream = np.frombuffer(b"".join(table.column("tokens").to_pylist()), dtype=meta["dtype"])
+    stream = np.frombuffer(b"".join(table.column("tokens").to_pylist()), dtype=meta.dtype)
     assert len(stream) == 64 * table.num_rows == summary.tokens + len(texts) - summary.tokens_left_over
     from tokenizers import Tokenizer
 
-    tok = Tokenizer.from_file(str(tmp_path / "ds" / meta["path"]))
+    tok = Tokenizer.from_file(str(tmp_path / "ds" / meta.path))
     docs = tok.decode(stream.tolist(), skip_special_tokens=False).split("<|endoftext|>")
     assert docs[: len(docs) - 1] == texts[: len(docs) - 1]
 
@@ -190,13 +190,13 @@ def test_trained_bpe_tokens_per_document(tmp_path):
     a = _jsonl(tmp_path / "a.jsonl", _sentences(200, "bpe"))
     ingest([a], tmp_path / "ds", tokenizer="train:400")
     ds = index.open_dataset(str(tmp_path / "ds"))
-    assert ds.manifest["tokenizer"]["vocab_size"] <= 400
+    assert ds.manifest.tokenizer.vocab_size <= 400
     table = read_dataset(tmp_path / "ds")
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(tmp_path / "ds" / "_index" / "tokenizer.json"))
     row = table.slice(3, 1).to_pylist()[0]
-    ids = np.frombuffer(row["tokens"], dtype=ds.manifest["tokenizer"]["dtype"])
+    ids = np.frombuffer(row["tokens"], dtype=ds.manifest.tokenizer.dtype)
     assert len(ids) == row["num_tokens"] and tok.decode(ids.tolist()) == row["text"]
     assert np.mean(table.column("num_tokens").to_numpy()) < np.mean([len(t) for t in table.column("text").to_pylist()])
 

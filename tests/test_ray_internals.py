@@ -98,7 +98,7 @@ def test_the_setup_hook_variable_is_rays():
     """runtime.constants spells the worker setup hook's variable as Ray does (spares depend on it)."""
     from ray._private import ray_constants
 
-    from petatrain.runtime import constants
+    from petatrain import constants
 
     assert constants.WORKER_SETUP_HOOK_ENV == ray_constants.WORKER_PROCESS_SETUP_HOOK_ENV_VAR
 
@@ -158,7 +158,7 @@ def test_ray_trains_errors_become_typed_rank_errors():
     ]
     assert [e.cause for e in failed.errors] == [FailureCause.PREEMPT, None, None, FailureCause.ERROR]
     assert failed.errors[0].summary == (
-        "petatrain.runtime.failures.Preempted: preemption notice: checkpoint of step 7 committed, exiting"
+        "petatrain.train.rank.Preempted: preemption notice: checkpoint of step 7 committed, exiting"
     )
     assert classify(failed, hang=None, nodes_lost=False).cause is FailureCause.PREEMPT
     killed = attempt_failed(WorkerGroupError("...", {1: died}))

@@ -195,6 +195,7 @@ def test_order_scales_to_ten_million_shards(tmp_path):
     import pyarrow.parquet as pq
 
     from petatrain.data import index as idx
+    from petatrain.data.manifest import Column, Lineage, Manifest, Totals
 
     n = 10_000_000
     rows = np.full(n, 1000, dtype=np.int64)
@@ -210,11 +211,12 @@ def test_order_scales_to_ten_million_shards(tmp_path):
     (tmp_path / "_index").mkdir()
     pq.write_table(table, tmp_path / "_index" / "shards.parquet")
     del table
-    manifest = {
-        "totals": {**idx.empty_totals(), "shards": n, "rows": n * 1000},
-        "schema": [{"name": "tokens", "type": "fixed_size_binary[4096]"}],
-        "lineage": {"sources": []},
-    }
+    manifest = Manifest(
+        kind="tokens",
+        totals=Totals(shards=n, rows=n * 1000),
+        schema=[Column("tokens", "fixed_size_binary[4096]")],
+        lineage=Lineage(),
+    )
     idx.write_manifest(str(tmp_path), manifest)
     ds = StreamingDataset(str(tmp_path), rank=5, world_size=64, batch_size=32, seed=1)
     assert ds.num_samples == 10_000_000_000

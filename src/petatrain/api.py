@@ -16,6 +16,7 @@ callbacks (`on_stage` for ingest, `on_event` for train, every ledger event as it
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -182,6 +183,7 @@ def ingest(
 ) -> IngestSummary:
     """Ingest `sources` into the dataset at `out` (on Ray Data); `on_stage(stage, "start"|"done")`."""
     from petatrain.data.ingest import run
+    from petatrain.runtime.cluster import init_ray
 
     job = IngestJob(
         sources=list(sources),
@@ -189,8 +191,7 @@ def ingest(
         config=config or IngestConfig(),
         append=append,
         register=register,
-        address=address,
-        local_cpus=local_cpus,
+        connect=functools.partial(init_ray, address, local_cpus),
         options=options,
         on_stage=on_stage,
     )

@@ -29,7 +29,6 @@ import uuid
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, replace
-from typing import Any
 
 import pyarrow.parquet as pq
 
@@ -38,11 +37,11 @@ from petatrain.data import dedup as dedup_mod
 from petatrain.data import index as idx
 from petatrain.data import tokenize as tk
 from petatrain.data.job import IngestJob, IngestSummary
+from petatrain.data.manifest import Batch, Column, Lineage, Manifest, Source, TokenizerInfo, Totals, now
 from petatrain.data.minhash import LSHParams
 from petatrain.data.register import register
 from petatrain.data.stages import FILE_BITS, ReadCleanSign, ShardWriter, plan_shards, read_parquet
 from petatrain.errors import PetatrainError
-from petatrain.runtime.cluster import init_ray
 from petatrain.storage import StorageOptions, atomic_write, join, listdir, read_verified, remove_tree
 from petatrain.storage.checksum import ChecksumMismatch
 from petatrain.storage.fs import SourceFile, copy, expand_sources, resolve
@@ -81,16 +80,16 @@ def run(job: IngestJob) -> IngestSummary:
 
 
 def _new_files(
-    files: list[SourceFile], manifest: dict | None, job: IngestJob, summary: IngestSummary
+    files: list[SourceFile], manifest: Manifest | None, job: IngestJob, summary: IngestSummary
 ) -> list[SourceFile]:
     """Sources not yet in the dataset; refuses changed sources and mismatched settings."""
     if manifest is None:
         return files
-    if bool(manifest.get("registered")) != job.register:
-        kind = "registered (--register)" if manifest.get("registered") else "ingested (not --register)"
+    if manifest.registered != job.register:
+        kind = "registered (--register)" if manifest.registered else "ingested (not --register)"
         raise PetatrainError(f"{job.out} was {kind}; use the same mode to extend it")
     if not job.register:
-        stored = manifest["ingest"]
+        stored = manifest.ingest
         for key in _FIXED_SETTINGS:
             ours = getattr(job.config, key)
             if stored.get(key) != ours:
@@ -98,18 +97,16 @@ def _new_files(
                     f"{job.out} was ingested with {key}={stored.get(key)!r}; this run has {key}={ours!r}. "
                     f"Use the same setting or a new --out"
                 )
-    known = {s["url"]: s for s in manifest["lineage"]["sources"]}
+    known = {s.url: s for s in manifest.lineage.sources}
     fresh = []
     for f in files:
         seen = known.get(f.url)
         if seen is None:
             fresh.append(f)
-        elif seen["size"] != f.size or (
-            seen.get("fingerprint") and f.fingerprint and seen["fingerprint"] != f.fingerprint
-        ):
+        elif seen.size != f.size or (seen.fingerprint and f.fingerprint and seen.fingerprint != f.fingerprint):
             raise PetatrainError(
                 f"source {f.url} changed since it was ingested "
-                f"(size {seen['size']} -> {f.size}); ingest it under a new name"
+                f"(size {seen.size} -> {f.size}); ingest it under a new name"
             )
     summary.files_already_ingested = len(files) - len(fresh)
     if fresh and not job.append:
@@ -121,15 +118,16 @@ def _new_files(
 
 
 def _ingest(
-    job: IngestJob, files: list[SourceFile], manifest: dict | None, summary: IngestSummary, lease: Lease
+    job: IngestJob, files: list[SourceFile], manifest: Manifest | None, summary: IngestSummary, lease: Lease
 ) -> None:
     cfg, options = job.config, job.options
-    with _stage("ray_init", summary, job):
-        init_ray(job.address, job.local_cpus)
+    if job.connect is not None:
+        with _stage("ray_init", summary, job):
+            job.connect()
     staging = join(job.out, "_staging", uuid.uuid4().hex[:12])
     remove_tree(join(job.out, "_staging"), options)  # a crashed run's; never committed, and we hold the lease
-    batch = len(manifest["lineage"]["batches"]) + 1 if manifest else 1
-    first_file = manifest["lineage"]["next_file_ord"] if manifest else 0
+    batch = len(manifest.lineage.batches) + 1 if manifest else 1
+    first_file = manifest.lineage.next_file_ord if manifest else 0
     if first_file + len(files) >= 1 << (63 - FILE_BITS):
         raise PetatrainError("too many source files for one dataset")
     lsh = LSHParams.for_threshold(cfg.near_threshold) if cfg.dedup == "near" else None
@@ -163,7 +161,7 @@ def _ingest(
 
     # 4. shard plan and write (into the dataset's own folder: only while the lease is ours)
     lease.check()
-    shard_no = manifest["totals"]["shards"] if manifest else 0
+    shard_no = manifest.totals.shards if manifest else 0
     plan_specs = plan_shards(file_stats, drops, parse_size(cfg.shard_size), first_shard=shard_no)
     writer = ShardWriter(
         out=job.out,
@@ -193,7 +191,7 @@ def _ingest(
 
 def _dedup(
     job: IngestJob,
-    manifest: dict | None,
+    manifest: Manifest | None,
     file_stats: list[dict],
     staging: str,
     first_file: int,
@@ -205,9 +203,9 @@ def _dedup(
     import ray
 
     cfg = job.config
-    state_urls = [join(job.out, s["path"]) for s in (manifest or {}).get("dedup_state", [])]
+    state_urls = [join(job.out, s["path"]) for s in (manifest.dedup_state if manifest else [])]
     sig_urls = state_urls + [join(staging, "sigs", f"f-{s['file_ord']:08d}.parquet") for s in file_stats]
-    total = sum(s["kept"] for s in file_stats) + (manifest["totals"]["rows"] if manifest else 0)
+    total = sum(s["kept"] for s in file_stats) + (manifest.totals.rows if manifest else 0)
     plan = dedup_mod.DedupPlan(
         mode=cfg.dedup,
         params=lsh,
@@ -272,13 +270,13 @@ def _from_items(items: list[dict]):
     return ray.data.from_items(items, override_num_blocks=max(1, len(items)))
 
 
-def _tokenizer(job: IngestJob, manifest: dict | None, staging: str, file_stats: list[dict]) -> str:
+def _tokenizer(job: IngestJob, manifest: Manifest | None, staging: str, file_stats: list[dict]) -> str:
     """The dataset's tokenizer as JSON: the committed one for appends, else built now."""
-    if manifest and manifest.get("tokenizer"):
-        meta = manifest["tokenizer"]
-        url = join(job.out, meta["path"])
+    if manifest and manifest.tokenizer:
+        meta = manifest.tokenizer
+        url = join(job.out, meta.path)
         try:  # an append must tokenise exactly as the batches before it did
-            return read_verified(url, meta["checksum"], job.options).decode()
+            return read_verified(url, meta.checksum, job.options).decode()
         except ChecksumMismatch:
             raise PetatrainError(f"{url} does not match the checksum in the manifest; the dataset is damaged") from None
     sample: list[str] = []
@@ -302,7 +300,7 @@ def _tokenizer(job: IngestJob, manifest: dict | None, staging: str, file_stats: 
 
 def _commit(
     job: IngestJob,
-    manifest: dict | None,
+    manifest: Manifest | None,
     files: list[SourceFile],
     file_stats: list[dict],
     written: list[dict],
@@ -312,122 +310,92 @@ def _commit(
     lsh: LSHParams | None,
     tokenizer_json: str | None,
     summary: IngestSummary,
-) -> dict[str, Any]:
+) -> Manifest:
     """Move this batch's rejects, dedup state and tokenizer into place, extend the shard index,
     and return the manifest that commits them (the caller publishes it)."""
     out, options = job.out, job.options
-    rejects, state, tokenizer_meta = _place_batch_files(job, manifest, written, staging, batch, tokenizer_json)
-    index_meta = idx.append_shards(out, manifest, written, options)
-    schema = _schema_of(out, written, options) if written else (manifest or {}).get("schema", [])
-    totals = dict(manifest["totals"]) if manifest else idx.empty_totals()
+    rejects, state, tokenizer = _place_batch_files(job, manifest, written, staging, batch, tokenizer_json)
+    index = idx.append_shards(out, manifest, written, options)
+    schema = _schema_of(out, written, options) if written else (manifest.schema if manifest else [])
     summary.rows_out = sum(w["rows"] for w in written)
     summary.shards = len(written)
     summary.bytes = sum(w["bytes"] for w in written)
     summary.tokens = sum(w["tokens"] for w in written)
     summary.tokens_left_over = sum(w["left_over"] for w in written)
-    totals["shards"] += len(written)
-    totals["rows"] += summary.rows_out
-    totals["bytes"] += summary.bytes
-    totals["documents"] += sum(w["docs"] for w in written)
-    totals["rows_in"] += summary.rows_in
-    totals["exact_duplicates"] += summary.exact_duplicates
-    totals["near_duplicates"] += summary.near_duplicates
-    totals["tokens"] += summary.tokens
-    merged: Counter[str] = Counter(totals["rejected"])
-    merged.update(summary.rejected)
-    totals["rejected"] = dict(merged)
-
-    lineage = _lineage(manifest, files, file_stats, first_file, batch, summary.rows_out)
-    new_manifest = {
-        "created": manifest["created"] if manifest else time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "kind": "packed" if job.config.pack_length else "tokens" if job.config.tokenizer else "text",
-        "schema": schema,
-        "totals": totals,
-        "index": index_meta,
-        "ingest": {
-            **asdict(job.config),
-            **({"num_perm": lsh.num_perm, "bands": lsh.bands, "rows": lsh.rows, "ngram": lsh.ngram} if lsh else {}),
-        },
-        "file_bits": FILE_BITS,
-        "tokenizer": tokenizer_meta,
-        "lineage": lineage,
-        "dedup_state": state,
-        "rejects": rejects,
-        "registered": False,
-    }
-    return new_manifest
+    before = manifest.totals if manifest else Totals()
+    totals = Totals(
+        shards=before.shards + len(written),
+        rows=before.rows + summary.rows_out,
+        bytes=before.bytes + summary.bytes,
+        documents=before.documents + sum(w["docs"] for w in written),
+        rows_in=before.rows_in + summary.rows_in,
+        rejected=dict(Counter(before.rejected) + Counter(summary.rejected)),
+        exact_duplicates=before.exact_duplicates + summary.exact_duplicates,
+        near_duplicates=before.near_duplicates + summary.near_duplicates,
+        tokens=before.tokens + summary.tokens,
+    )
+    checksums = {stat["file_ord"]: stat["checksum"] for stat in file_stats}
+    sources = [
+        Source(url=f.url, size=f.size, fingerprint=f.fingerprint, checksum=checksums[o], file_ord=o, batch=batch)
+        for o, f in enumerate(files, start=first_file)
+    ]
+    lineage = (manifest.lineage if manifest else Lineage(next_file_ord=first_file)).extended(
+        sources, Batch(batch=batch, time=now(), files=len(files), rows_out=summary.rows_out)
+    )
+    lsh_params = {"num_perm": lsh.num_perm, "bands": lsh.bands, "rows": lsh.rows, "ngram": lsh.ngram} if lsh else {}
+    return Manifest(
+        created=manifest.created if manifest else now(),
+        kind="packed" if job.config.pack_length else "tokens" if job.config.tokenizer else "text",
+        schema=schema,
+        totals=totals,
+        index=index,
+        ingest={**asdict(job.config), **lsh_params},
+        file_bits=FILE_BITS,
+        tokenizer=tokenizer,
+        lineage=lineage,
+        dedup_state=state,
+        rejects=rejects,
+        registered=False,
+    )
 
 
 def _place_batch_files(
-    job: IngestJob, manifest: dict | None, written: list[dict], staging: str, batch: int, tokenizer_json: str | None
-) -> tuple[list[dict], list[dict], dict | None]:
+    job: IngestJob, manifest: Manifest | None, written: list[dict], staging: str, batch: int, tokenizer_json: str | None
+) -> tuple[list[dict], list[dict], TokenizerInfo | None]:
     """Copy this batch's rejects, duplicate records and dedup state into the dataset and write a new
     tokenizer; (rejects, dedup_state, tokenizer) entries of the manifest that will commit them."""
     out, options = job.out, job.options
-    rejects = [] if manifest is None else list(manifest.get("rejects", []))
+    rejects = list(manifest.rejects) if manifest else []
     for kind in ("rejects", "dups"):
         for url in listdir(join(staging, kind), options):
             name = f"{'records' if kind == 'rejects' else 'duplicates'}-{os.path.basename(url)}"
             target = f"_rejects/batch-{batch:06d}/{name}"
             copy(url, join(out, target), options)
             rejects.append({"path": target, "batch": batch})
-    state = [] if manifest is None else list(manifest.get("dedup_state", []))
+    state = list(manifest.dedup_state) if manifest else []
     for w in written:
         if w["state"]:
             copy(join(staging, "state", os.path.basename(w["state"])), join(out, w["state"]), options)
             state.append({"path": w["state"], "checksum": w["state_checksum"]})
-    tokenizer_meta = manifest.get("tokenizer") if manifest else None
-    if tokenizer_json and tokenizer_meta is None:
+    tokenizer = manifest.tokenizer if manifest else None
+    if tokenizer_json and tokenizer is None:
         checksum, _ = atomic_write(join(out, "_index/tokenizer.json"), tokenizer_json.encode(), options)
         from tokenizers import Tokenizer
 
         tok = Tokenizer.from_str(tokenizer_json)
-        tokenizer_meta = {
-            "path": "_index/tokenizer.json",
-            "checksum": checksum,
-            "spec": job.config.tokenizer,
-            "vocab_size": tok.get_vocab_size(with_added_tokens=True),
-            "eos_id": tk.eos_id(tok),
-            "dtype": tk.token_dtype(tok).name,
-        }
-
-    return rejects, state, tokenizer_meta
-
-
-def _lineage(
-    manifest: dict | None, files: list[SourceFile], file_stats: list[dict], first_file: int, batch: int, rows_out: int
-) -> dict[str, Any]:
-    """The manifest's lineage with this batch's sources and the batch itself added."""
-    stats = {s["file_ord"]: s for s in file_stats}
-    lineage: dict[str, Any] = manifest["lineage"] if manifest else {"sources": [], "batches": [], "next_file_ord": 0}
-    return {
-        "sources": lineage["sources"]
-        + [
-            {
-                "url": f.url,
-                "size": f.size,
-                "fingerprint": f.fingerprint,
-                "checksum": stats[first_file + i]["checksum"],
-                "file_ord": first_file + i,
-                "batch": batch,
-            }
-            for i, f in enumerate(files)
-        ],
-        "batches": lineage["batches"]
-        + [
-            {
-                "batch": batch,
-                "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "files": len(files),
-                "rows_out": rows_out,
-            }
-        ],
-        "next_file_ord": first_file + len(files),
-    }
+        tokenizer = TokenizerInfo(
+            path="_index/tokenizer.json",
+            checksum=checksum,
+            spec=job.config.tokenizer,
+            vocab_size=tok.get_vocab_size(with_added_tokens=True),
+            eos_id=tk.eos_id(tok),
+            dtype=tk.token_dtype(tok).name,
+        )
+    return rejects, state, tokenizer
 
 
-def _schema_of(out: str, written: list[dict], options: StorageOptions | None) -> list[dict[str, str]]:
+def _schema_of(out: str, written: list[dict], options: StorageOptions | None) -> list[Column]:
     fs, path = resolve(join(out, written[0]["path"]), options)
     with fs.open(path, "rb") as handle:
         schema = pq.read_schema(handle)
-    return [{"name": f.name, "type": str(f.type)} for f in schema]
+    return [Column(f.name, str(f.type)) for f in schema]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -17,23 +18,23 @@ def describe(
 ) -> dict[str, Any]:
     dataset = idx.open_dataset(url, options)
     m = dataset.manifest
-    totals = m["totals"]
+    totals = m.totals
     report: dict[str, Any] = {
         "dataset": url,
-        "kind": m.get("kind"),
-        "schema": m.get("schema", []),
-        "rows": totals["rows"],
-        "documents": totals.get("documents", totals["rows"]),
-        "shards": totals["shards"],
-        "bytes": totals["bytes"],
-        "rows_in": totals.get("rows_in", 0),
-        "rejected": totals.get("rejected", {}),
-        "exact_duplicates": totals.get("exact_duplicates", 0),
-        "near_duplicates": totals.get("near_duplicates", 0),
-        "tokens": totals.get("tokens", 0),
-        "tokenizer": m.get("tokenizer"),
-        "sources": len(m["lineage"]["sources"]),
-        "updated": m.get("updated"),
+        "kind": m.kind,
+        "schema": [dataclasses.asdict(c) for c in m.schema],
+        "rows": totals.rows,
+        "documents": totals.documents or totals.rows,
+        "shards": totals.shards,
+        "bytes": totals.bytes,
+        "rows_in": totals.rows_in,
+        "rejected": totals.rejected,
+        "exact_duplicates": totals.exact_duplicates,
+        "near_duplicates": totals.near_duplicates,
+        "tokens": totals.tokens,
+        "tokenizer": dataclasses.asdict(m.tokenizer) if m.tokenizer else None,
+        "sources": len(m.lineage.sources),
+        "updated": m.updated,
         "samples": _samples(dataset, samples) if samples else [],
         "verified": None,
         "problems": [],
@@ -52,7 +53,8 @@ def _samples(dataset: idx.Dataset, n: int) -> list[dict[str, Any]]:
         table = pq.read_table(arrow_reader(read_bytes(dataset.shard_url(first), dataset.options))).slice(0, n)
     except Exception as exc:  # inspect must still report on a damaged dataset
         return [{"error": f"cannot read {first}: {exc}"}]
-    dtype = np.dtype((dataset.manifest.get("tokenizer") or {}).get("dtype", "uint16"))
+    tokenizer = dataset.manifest.tokenizer
+    dtype = np.dtype(tokenizer.dtype if tokenizer else "uint16")
     rows = []
     for row in table.to_pylist():
         for key, value in row.items():

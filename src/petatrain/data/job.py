@@ -46,8 +46,9 @@ class IngestJob:
     config: IngestConfig = field(default_factory=IngestConfig)
     append: bool = False
     register: bool = False
-    address: str = ""
-    local_cpus: int = 0  # CPUs of a local Ray started for this job (0: all)
+    # Starts or joins the Ray cluster the job's Ray Data pipeline runs on (api.ingest passes
+    # runtime.cluster.init_ray for --address); None: a Ray this process started already, or Ray's default.
+    connect: Callable[[], None] | None = None
     options: StorageOptions | None = None
     # Called as each stage starts ("start") and ends ("done"), for a console's progress.
     on_stage: Callable[[str, str], None] | None = None

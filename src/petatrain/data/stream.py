@@ -111,7 +111,7 @@ class StreamingDataset(IterableDataset):
                 raise ValueError(f"shards={self.shard_range} is not a range within the {len(self._rows)} shards")
             self._paths, self._checksums = self._paths[lo:hi], self._checksums[lo:hi]
             self._rows, self._bytes, self._first_row = self._rows[lo:hi], self._bytes[lo:hi], self._first_row[lo:hi]
-        names = [c["name"] for c in manifest.get("schema", [])]
+        names = [c.name for c in manifest.schema]
         if columns is not None:
             unknown = [c for c in columns if c not in names]
             if unknown:

@@ -14,10 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from petatrain.errors import PetatrainError
-
-
-class Preempted(PetatrainError):
-    """Raised after a preemption notice once the checkpoint of the current step is committed."""
+from petatrain.train.rank import Preempted
 
 
 class FailureCause(enum.StrEnum):

@@ -1,8 +1,8 @@
 """What a training rank gets from Ray: who it is (rank, world, node, device), the run hub's channel
 (events, heartbeats, checkpoint parts, injected faults) and preemption notices.
 
-`train/loop.py` takes a `RankEnv` and never imports Ray; `RankEnv.from_ray` builds one inside a
-Ray Train worker, and tests may build one by hand.
+This module's `RankEnv` is what train/rank.py's Protocols ask for: `RankEnv.from_ray` builds one
+inside a Ray Train worker; `train/loop.py` never imports Ray or this module.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ class TokenBatches:
         from petatrain.data.stream import StreamingDataset
 
         url = cfg.data.dataset
-        n_shards = idx.open_dataset(url, options).manifest["totals"]["shards"]
+        n_shards = idx.open_dataset(url, options).manifest.totals.shards
         held = cfg.data.eval_shards if n_shards > cfg.data.eval_shards else 0
         self.cfg, self.micro, self.seq = cfg, micro, cfg.model.seq_len + 1
         self.train = StreamingDataset(
@@ -55,13 +55,13 @@ class TokenBatches:
             else None
         )
         manifest = self.train.manifest
-        width = self._width(manifest)
+        width = self._width(manifest.column_type("tokens"))
         if width < self.seq:
             raise ConfigError(
                 f"model.seq_len {cfg.model.seq_len} needs rows of >= {self.seq} tokens; {url} has {width} "
                 f"(ingest with --pack-length {self.seq})"
             )
-        vocab = (manifest.get("tokenizer") or {}).get("vocab_size")
+        vocab = manifest.tokenizer.vocab_size if manifest.tokenizer else None
         if vocab and vocab > cfg.model.vocab_size:
             raise ConfigError(f"model.vocab_size {cfg.model.vocab_size} is below the dataset's vocabulary ({vocab})")
         if len(self.train) < micro:
@@ -70,11 +70,10 @@ class TokenBatches:
         self.wait_s = 0.0
         self._it: Iterator[dict[str, Any]] | None = None
 
-    def _width(self, manifest: dict[str, Any]) -> int:
+    def _width(self, tokens_type: str | None) -> int:
         """Tokens per row: packed token rows are fixed_size_binary[bytes]."""
-        for col in manifest.get("schema", []):
-            if col["name"] == "tokens" and str(col["type"]).startswith("fixed_size_binary["):
-                return int(str(col["type"])[len("fixed_size_binary[") : -1]) // self.train.token_dtype.itemsize
+        if tokens_type and tokens_type.startswith("fixed_size_binary["):
+            return int(tokens_type[len("fixed_size_binary[") : -1]) // self.train.token_dtype.itemsize
         raise ConfigError(
             f"{self.cfg.data.dataset} has no packed tokens column (ingest with --tokenizer and --pack-length)"
         )

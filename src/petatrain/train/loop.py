@@ -1,4 +1,4 @@
-"""The worker loop that Ray Train runs on every rank (Ray itself stays in runtime/worker.py).
+"""The worker loop that Ray Train runs on every rank (what it needs from Ray: train/rank.py's `RankEnv`).
 
 Reads top down: `train_worker` sets up (arithmetic, model and strategy, optimizer, data, the
 checkpoint writer), resumes from the newest verified checkpoint and runs `_train`, the step
@@ -31,19 +31,15 @@ from petatrain.chaos import inject
 from petatrain.config import JobConfig
 from petatrain.errors import CorruptDataError, PetatrainError
 from petatrain.models import ModelSpec, build_model
-from petatrain.runtime import failures
-from petatrain.runtime.worker import PreemptionNotice, RankEnv, Telemetry
 from petatrain.storage import StorageOptions, join
 from petatrain.storage.fs import atomic_write
 from petatrain.train import checkpoint as ckpt
 from petatrain.train import recipe
 from petatrain.train.batches import TokenBatches
 from petatrain.train.parallel import load_into, parallelize, read_for_resume, state_for_save
+from petatrain.train.rank import NextRanks, Preempted, PreemptionNotice, RankEnv, Telemetry
 
 log = logging.getLogger(__name__)
-
-
-Preempted = failures.Preempted  # raised here; the supervisor knows it by type
 
 
 class NonFiniteLoss(PetatrainError):
@@ -198,7 +194,7 @@ def _resume(r: Rank, emit) -> int:
     return start
 
 
-def _train(r: Rank, start: int, preemption: PreemptionNotice, chaos: inject.RankFaults, next_ranks: Any) -> int:
+def _train(r: Rank, start: int, preemption: PreemptionNotice, chaos: inject.RankFaults, next_ranks: NextRanks) -> int:
     """The step loop from `start` to train.steps (or a halt); returns the last step. Raises
     Preempted once a preemption's checkpoint is settled, NonFiniteLoss for a rollback."""
     cfg, telemetry, writer = r.cfg, r.telemetry, r.writer
