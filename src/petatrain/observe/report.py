@@ -190,92 +190,32 @@ def render_html(report: dict[str, Any], loss_png: bytes, timeline_png: bytes) ->
     """A self-contained page: summary, time split, faults, checkpoints, both plots inlined."""
     e = html.escape
     wall = report["wall_s"] or 0.0
-    steps = report["steps"]
-    summary = [
-        ("run", report.get("run") or ""),
-        ("status", report["status"]),
-        ("goodput", f"{100 * report['goodput']:.1f}%"),
-        ("wall time", f"{wall:.1f} s"),
-        ("steps kept / target", f"{steps['kept']} / {steps['target'] if steps['target'] is not None else '?'}"),
-        ("steps recomputed", str(steps["recomputed"])),
-        ("attempts", str(report["attempts"])),
-        ("tokens kept", f"{report['tokens_kept']} ({report['tokens_per_s']:.1f}/s of wall time)"),
-    ]
     split_rows = [
         [_PART_LABELS[name], f"{seconds:.3f}", f"{100 * seconds / wall:.1f}%" if wall > 0 else "–"]
         for name, seconds in report["time"].items()
     ]
-    fault_rows = [
-        [
-            f["cause"],
-            _cell(f["rank"]),
-            str(f["attempt"]),
-            _cell(f["step"]),
-            _seconds(f["t_s"]),
-            _seconds(f["detected_after_s"]),
-            _seconds(f["recovered_after_s"]),
-            _cell(f["steps_lost"]),
-            f["detail"],
-        ]
-        for f in report["faults"]
-    ]
-    checkpoints = report["checkpoints"]
-    checkpoint_rows = [
-        [
-            str(c["step"]),
-            str(c["attempt"]),
-            _seconds(c["t_s"]),
-            f"{c['stall_s']:.3f}",
-            "yes" if c["committed"] else "no",
-            _seconds(c["write_s"]),
-            _cell(c["bytes"]),
-            c["url"] or "",
-        ]
-        for c in checkpoints[-_MAX_TABLE_ROWS:]
-    ]
+    title = e(str(report.get("run_id") or report.get("run") or ""))
     parts = [
         "<!doctype html>",
         '<html lang="en"><head><meta charset="utf-8">',
-        f"<title>petatrain report — {e(str(report.get('run_id') or report.get('run') or ''))}</title>",
+        f"<title>petatrain report — {title}</title>",
         f"<style>{_CSS}</style></head><body>",
-        f"<h1>Run report — {e(str(report.get('run_id') or report.get('run') or ''))}</h1>",
-        _table(["", ""], [[k, v] for k, v in summary], cls="summary"),
+        f"<h1>Run report — {title}</h1>",
+        _table(["", ""], _summary_rows(report), cls="summary"),
     ]
     if report["note"]:
         parts.append(f'<p class="note">{e(report["note"])}</p>')
     parts += [
         "<h2>Where the wall time went</h2>",
         _table(["part", "seconds", "share of wall"], split_rows),
-        f'<img alt="timeline" src="data:image/png;base64,{base64.b64encode(timeline_png).decode()}">',
+        _img("timeline", timeline_png),
         "<h2>Faults</h2>",
-        _table(
-            [
-                "cause",
-                "rank",
-                "attempt",
-                "step",
-                "at (s)",
-                "detected after (s)",
-                "recovered after (s)",
-                "steps lost",
-                "detail",
-            ],
-            fault_rows,
-            cls="faults",
-        )
-        if fault_rows
-        else "<p>No faults.</p>",
+        _faults_table(report["faults"]),
         "<h2>Loss</h2>",
-        f'<img alt="loss curve" src="data:image/png;base64,{base64.b64encode(loss_png).decode()}">',
+        _img("loss curve", loss_png),
         "<h2>Checkpoints</h2>",
+        *_checkpoints_html(report["checkpoints"]),
     ]
-    if len(checkpoints) > _MAX_TABLE_ROWS:
-        parts.append(f"<p>The last {_MAX_TABLE_ROWS} of {len(checkpoints)} (all are in report.json).</p>")
-    parts.append(
-        _table(["step", "attempt", "at (s)", "stall (s)", "committed", "write (s)", "bytes", "url"], checkpoint_rows)
-        if checkpoint_rows
-        else "<p>No checkpoints.</p>"
-    )
     if report["checkpoints_skipped"]:
         parts += [
             "<h2>Checkpoints skipped at resume</h2>",
@@ -283,6 +223,55 @@ def render_html(report: dict[str, Any], loss_png: bytes, timeline_png: bytes) ->
         ]
     parts.append("</body></html>\n")
     return "\n".join(parts)
+
+
+def _summary_rows(report: dict[str, Any]) -> list[list[str]]:
+    steps, wall = report["steps"], report["wall_s"] or 0.0
+    return [
+        ["run", report.get("run") or ""],
+        ["status", report["status"]],
+        ["goodput", f"{100 * report['goodput']:.1f}%"],
+        ["wall time", f"{wall:.1f} s"],
+        ["steps kept / target", f"{steps['kept']} / {steps['target'] if steps['target'] is not None else '?'}"],
+        ["steps recomputed", str(steps["recomputed"])],
+        ["attempts", str(report["attempts"])],
+        ["tokens kept", f"{report['tokens_kept']} ({report['tokens_per_s']:.1f}/s of wall time)"],
+    ]
+
+
+def _img(alt: str, png: bytes) -> str:
+    return f'<img alt="{alt}" src="data:image/png;base64,{base64.b64encode(png).decode()}">'
+
+
+_FAULT_COLUMNS = [
+    "cause", "rank", "attempt", "step", "at (s)", "detected after (s)", "recovered after (s)", "steps lost", "detail",
+]  # fmt: skip
+
+
+def _faults_table(faults: list[dict[str, Any]]) -> str:
+    rows = [_fault_row(f) for f in faults]
+    return _table(_FAULT_COLUMNS, rows, cls="faults") if rows else "<p>No faults.</p>"
+
+
+def _fault_row(f: dict[str, Any]) -> list[str]:
+    times = [_seconds(f[t]) for t in ("t_s", "detected_after_s", "recovered_after_s")]
+    where = [_cell(f["rank"]), str(f["attempt"]), _cell(f["step"])]
+    return [f["cause"], *where, *times, _cell(f["steps_lost"]), f["detail"]]
+
+
+def _checkpoint_row(c: dict[str, Any]) -> list[str]:
+    write = [_seconds(c["t_s"]), f"{c['stall_s']:.3f}", "yes" if c["committed"] else "no", _seconds(c["write_s"])]
+    return [str(c["step"]), str(c["attempt"]), *write, _cell(c["bytes"]), c["url"] or ""]
+
+
+def _checkpoints_html(checkpoints: list[dict[str, Any]]) -> list[str]:
+    """The newest checkpoints' table (all of them are in report.json)."""
+    rows = [_checkpoint_row(c) for c in checkpoints[-_MAX_TABLE_ROWS:]]
+    if not rows:
+        return ["<p>No checkpoints.</p>"]
+    head = ["step", "attempt", "at (s)", "stall (s)", "committed", "write (s)", "bytes", "url"]
+    shown = [f"<p>The last {_MAX_TABLE_ROWS} of {len(checkpoints)} (all are in report.json).</p>"]
+    return (shown if len(checkpoints) > _MAX_TABLE_ROWS else []) + [_table(head, rows)]
 
 
 _CSS = (

@@ -169,13 +169,7 @@ def profile(cfg: JobConfig, *, steps: int = 5, use_dataset: bool = False, save: 
     torch.set_flush_denormal(tr.flush_denormal)  # the arithmetic `train` runs, or CPU calibration reads low
     stepper = TrainStep(cfg, device, _Batches(cfg, device, use_dataset))
     accumulation = stepper.accumulation
-    stepper.run()  # warm-up: allocates optimizer states, picks kernels
-    peak_memory, memory_method = _peak_memory(stepper, cpu)
-
-    # FLOPs of one micro-batch's forward + backward, counted kernel by kernel.
-    with FlopCounter() as counter, recipe.autocast(tr, device):
-        stepper.spec.loss_fn(stepper.model, stepper.batches.next()).backward()
-    stepper.optimizer.zero_grad(set_to_none=True)
+    peak_memory, memory_method, counter = _warm_up_and_count(stepper, cpu)
     counted_flops = counter.total * accumulation
     step_time, split = _median_step(stepper, steps)
 
@@ -236,20 +230,36 @@ def profile(cfg: JobConfig, *, steps: int = 5, use_dataset: bool = False, save: 
         "verdict": _verdict(split, step_time, efficiency),
         "calibration_path": None,
     }
-    calibration = Calibration(
-        accelerator=accelerator,
-        efficiency=min(1.0, efficiency),
-        mfu=measured["mfu"],
-        peak_flops=peak,
-        overhead_s=split["data_wait"],
-        steps=steps,
-        measured_at=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        config={"model": cfg.to_dict()["model"], "train": cfg.to_dict()["train"]},
-    )
+    calibration = _calibration(cfg, accelerator, measured, peak, steps)
     report["calibration"] = calibration.to_dict()
     if save:
         report["calibration_path"] = str(save_calibration(calibration, cfg.plan.calibration_dir))
     return report
+
+
+def _warm_up_and_count(stepper: TrainStep, cpu: bool) -> tuple[int, str, FlopCounter]:
+    """One warm-up step (optimizer states, kernels), the peak memory of a real step, and the FLOPs of
+    one micro-batch's forward + backward, counted kernel by kernel."""
+    stepper.run()
+    peak_memory, memory_method = _peak_memory(stepper, cpu)
+    with FlopCounter() as counter, recipe.autocast(stepper.cfg.train, stepper.device):
+        stepper.spec.loss_fn(stepper.model, stepper.batches.next()).backward()
+    stepper.optimizer.zero_grad(set_to_none=True)
+    return peak_memory, memory_method, counter
+
+
+def _calibration(cfg: JobConfig, accelerator: str, measured: dict[str, Any], peak: float, steps: int) -> Calibration:
+    """What this profile teaches `plan` about the accelerator (saved under plan.calibration_dir)."""
+    return Calibration(
+        accelerator=accelerator,
+        efficiency=min(1.0, measured["efficiency"]),
+        mfu=measured["mfu"],
+        peak_flops=peak,
+        overhead_s=measured["time_split_s"]["data_wait"],
+        steps=steps,
+        measured_at=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        config={"model": cfg.to_dict()["model"], "train": cfg.to_dict()["train"]},
+    )
 
 
 def _peak_memory(stepper: TrainStep, cpu: bool) -> tuple[int, str]:

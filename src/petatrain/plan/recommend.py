@@ -223,20 +223,24 @@ def evaluate(
         cost_usd=run_time / 3600 * n * acc.usd_per_hour,
         cost_usd_spot=run_time_spot / 3600 * n * acc.usd_per_hour_spot,
     )
-    if feasible_reason:
+    _explain(cand, feasible_reason, busy_s=busy, storage_bw=storage_bw, cfg=cfg)
+    return cand
+
+
+def _explain(cand: Candidate, infeasible: str | None, *, busy_s: float, storage_bw: float, cfg: JobConfig) -> None:
+    """The candidate's reason, if something rules it out or bounds it: shape, memory, storage."""
+    gib = cand.memory.total / GIB, cand.memory_capacity_bytes / GIB
+    if infeasible:
         cand.feasible = False
-        cand.reason = f"infeasible: {feasible_reason}"
-    elif not fits:
-        cand.reason = (
-            f"out of memory: needs {memory.total / GIB:.1f} GiB per device, {acc.name} has {capacity / GIB:.1f} GiB"
-        )
-    elif data > busy:
-        need = data / busy * storage_bw  # bytes per second per node that would keep up
+        cand.reason = f"infeasible: {infeasible}"
+    elif not cand.fits:
+        cand.reason = f"out of memory: needs {gib[0]:.1f} GiB per device, {cand.accelerator} has {gib[1]:.1f} GiB"
+    elif cand.data_s > busy_s:
+        need = cand.data_s / busy_s * storage_bw  # bytes per second per node that would keep up
         cand.reason = (
             f"data-bound: needs {need / 1e9:.2f} GB/s per node from storage, plan.storage_bandwidth is "
             f"{cfg.plan.storage_bandwidth}"
         )
-    return cand
 
 
 class _CheckpointCosts(TypedDict):
