@@ -147,6 +147,49 @@ class TrainConfig:
 
 
 Strategy = Literal["ddp", "zero1", "zero2", "fsdp", "pipeline"]
+Schedule = Literal["gpipe", "1f1b", "interleaved", "zbv"]
+
+
+@dataclass(kw_only=True, slots=True)
+class PipelineConfig:
+    """`parallel.strategy: pipeline`: the model in `stages` stages; workers = stages x data-parallel replicas.
+
+    `microbatches` 0 picks 2 x stages (x chunks for interleaved and zbv); `chunks` is the model
+    chunks each rank runs (2 for zbv, >= 2 for interleaved, 1 otherwise; 0 picks that);
+    `partition` says where the stage boundaries go (`auto`: `profile` when a per-block profile
+    of this model exists, else `parameters`); `data` is what a stage's replicas run."""
+
+    stages: int = 2
+    schedule: Schedule = "1f1b"
+    microbatches: int = 0
+    chunks: int = 0
+    partition: Literal["auto", "uniform", "parameters", "profile"] = "auto"
+    data: Literal["ddp", "fsdp"] = "ddp"
+
+    def __post_init__(self) -> None:
+        if self.stages < 1:
+            raise ConfigError(f"parallel.pipeline.stages must be >= 1, got {self.stages}")
+        if self.microbatches < 0 or self.chunks < 0:
+            raise ConfigError("parallel.pipeline.microbatches and parallel.pipeline.chunks must be >= 0 (0: chosen)")
+        chunks = self.chunks_per_rank()
+        if self.schedule == "zbv" and chunks != 2:
+            raise ConfigError(f"parallel.pipeline.chunks: zbv runs 2 chunks per rank, not {chunks} (set 2 or 0)")
+        if self.schedule == "interleaved" and chunks < 2:
+            raise ConfigError(f"parallel.pipeline.chunks: interleaved needs >= 2 chunks per rank, not {chunks}")
+        if self.schedule in ("gpipe", "1f1b") and chunks != 1:
+            raise ConfigError(f"parallel.pipeline.chunks: {self.schedule} runs 1 chunk per rank, not {chunks}")
+        m = self.microbatch_count()
+        if self.schedule != "gpipe" and m < self.stages:
+            raise ConfigError(
+                f"parallel.pipeline.microbatches {m} < {self.stages} stages: {self.schedule} needs at least one "
+                f"micro-batch per stage (set >= {self.stages}, e.g. {2 * self.stages})"
+            )
+
+    def chunks_per_rank(self) -> int:
+        return self.chunks or (2 if self.schedule in ("interleaved", "zbv") else 1)
+
+    def microbatch_count(self) -> int:
+        return self.microbatches or 2 * self.stages
 
 
 @dataclass(kw_only=True, slots=True)
@@ -155,9 +198,20 @@ class ParallelConfig:
 
     strategy: Strategy = "ddp"
     workers: str = "2"
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
 
     def __post_init__(self) -> None:
-        self.worker_range()
+        lo, hi = self.worker_range()
+        stages = self.pipeline.stages
+        if self.strategy == "pipeline" and (lo % stages or hi % stages):
+            raise ConfigError(
+                f"parallel.workers {self.workers!r}: with parallel.pipeline.stages {stages} every worker count must be "
+                f"a multiple of {stages} (stages x data-parallel replicas), e.g. {stages} or {2 * stages}"
+            )
+
+    def data_parallel(self, workers: int) -> int:
+        """Replicas the global batch is split over when `workers` ranks train."""
+        return workers // self.pipeline.stages if self.strategy == "pipeline" else workers
 
     def worker_range(self) -> tuple[int, int]:
         text = str(self.workers).strip()

@@ -1,7 +1,8 @@
 """Models: the built-in GPT and MLP, and user models named `package.module:factory`.
 
 A user factory is called with the `ModelConfig` and returns `(module, loss_fn)` where
-`loss_fn(module, tokens)` gives the scalar loss of a `(batch, seq_len + 1)` int64 tensor.
+`loss_fn(module, tokens)` gives the scalar loss of a `(batch, seq_len + 1)` int64 tensor, or
+`(module, loss_fn, PipelineParts)` to let `parallel.strategy: pipeline` split it into stages.
 """
 
 from __future__ import annotations
@@ -15,9 +16,23 @@ from torch import nn
 
 from petatrain.config import ModelConfig, TrainConfig
 from petatrain.errors import ConfigError
-from petatrain.models.gpt import GPT, TokenMLP, next_token_loss
+from petatrain.models.gpt import GPT, TokenMLP, logits_loss, next_token_loss
 
 LossFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineParts:
+    """How a model splits into pipeline stages: `module.embed(tokens)` (run by the first stage, with
+    the modules named in `first`), the blocks in `module.<blocks>` (an nn.ModuleList), and
+    `module.finish(hidden)` (the last stage, with the modules in `last`); `output_loss(outputs,
+    targets)` is the last stage's loss. A block may be run through `module.run_block(block, x)`
+    where the model defines it (activation checkpointing)."""
+
+    blocks: str
+    first: tuple[str, ...]
+    last: tuple[str, ...]
+    output_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(slots=True)
@@ -29,6 +44,7 @@ class ModelSpec:
     # checkpoint may be written from the live tensors while the next step's forward and
     # backward run. Known for the built-in models only; a user model's weights are copied.
     weights_fixed_in_forward: bool = False
+    pipeline: PipelineParts | None = None  # None: the model cannot be split into stages
 
 
 def build_model(model: ModelConfig, train: TrainConfig | None = None) -> ModelSpec:
@@ -38,18 +54,26 @@ def build_model(model: ModelConfig, train: TrainConfig | None = None) -> ModelSp
         module = GPT(model, attention=train.attention, activation_checkpointing=train.activation_checkpointing)
         from petatrain.models.gpt import Block
 
-        return ModelSpec(module, next_token_loss, (Block,), weights_fixed_in_forward=True)
+        parts = PipelineParts("blocks", GPT.FIRST, GPT.LAST, logits_loss)
+        return ModelSpec(module, next_token_loss, (Block,), weights_fixed_in_forward=True, pipeline=parts)
     if model.kind == "mlp":
-        return ModelSpec(TokenMLP(model), next_token_loss, (), weights_fixed_in_forward=True)
+        parts = PipelineParts("layers", TokenMLP.FIRST, TokenMLP.LAST, logits_loss)
+        return ModelSpec(TokenMLP(model), next_token_loss, (), weights_fixed_in_forward=True, pipeline=parts)
     module_name, _, attr = model.kind.partition(":")
     try:
         factory = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
         raise ConfigError(f"model.kind: cannot load {model.kind!r} ({exc})") from None
     built = factory(model)
-    if not (isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], nn.Module) and callable(built[1])):
-        raise ConfigError(f"model.kind: {model.kind} must return (torch.nn.Module, loss_fn)")
-    return ModelSpec(built[0], built[1], ())
+    if not (
+        isinstance(built, tuple)
+        and len(built) in (2, 3)
+        and isinstance(built[0], nn.Module)
+        and callable(built[1])
+        and (len(built) == 2 or isinstance(built[2], PipelineParts))
+    ):
+        raise ConfigError(f"model.kind: {model.kind} must return (torch.nn.Module, loss_fn[, PipelineParts])")
+    return ModelSpec(built[0], built[1], (), pipeline=built[2] if len(built) == 3 else None)
 
 
 def count_params(module: nn.Module) -> int:

@@ -93,11 +93,24 @@ class GPT(nn.Module):
             if name.endswith(("proj.weight", "down.weight")):  # GPT-2's scaled init of residual projections
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
 
+    # Pipeline stages (train/pipeline/): the modules before the blocks, the blocks, the modules after.
+    FIRST = ("wte", "wpe", "drop")
+    LAST = ("ln_f", "head")
+
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(idx.size(1), device=idx.device)  # (T,)
-        x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
+        x = self.embed(idx)
         for block in self.blocks:
-            x = checkpoint(block, x, use_reentrant=False) if self.full_recompute and self.training else block(x)
+            x = self.run_block(block, x)
+        return self.finish(x)
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.size(1), device=idx.device)  # (T,)
+        return self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
+
+    def run_block(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(block, x, use_reentrant=False) if self.full_recompute and self.training else block(x)
+
+    def finish(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.ln_f(x))  # (B, T, vocab)
 
 
@@ -108,17 +121,34 @@ class TokenMLP(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.layers = nn.ModuleList(nn.Sequential(nn.LayerNorm(cfg.d_model), MLP(cfg)) for _ in range(cfg.n_layer))
+        self.layers = nn.ModuleList(Residual(nn.LayerNorm(cfg.d_model), MLP(cfg)) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.head.weight = self.wte.weight
         self.apply(_init_weights)
 
+    FIRST = ("wte",)
+    LAST = ("ln_f", "head")
+
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.wte(idx)  # (B, T, C)
+        x = self.embed(idx)
         for layer in self.layers:
-            x = x + layer(x)
+            x = layer(x)
+        return self.finish(x)
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.wte(idx)  # (B, T, C)
+
+    def finish(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.ln_f(x))  # (B, T, vocab)
+
+
+class Residual(nn.Sequential):
+    """x + layers(x): the residual inside the block, so a pipeline stage boundary may fall between
+    any two blocks (parameter names as an nn.Sequential's: checkpoints of either read alike)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + super().forward(x)
 
 
 def _init_weights(module: nn.Module) -> None:
@@ -132,8 +162,12 @@ def _init_weights(module: nn.Module) -> None:
 
 def next_token_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of predicting tokens[:, 1:] from tokens[:, :-1]; tokens is (B, T+1)."""
-    logits = model(tokens[:, :-1])  # (B, T, vocab)
-    return F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+    return logits_loss(model(tokens[:, :-1]), tokens[:, 1:])
+
+
+def logits_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of (B, T, vocab) logits against (B, T) targets: the last pipeline stage's loss."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
 @torch.no_grad()

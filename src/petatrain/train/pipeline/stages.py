@@ -1,0 +1,266 @@
+"""A rank's share of a pipeline job: its model parts, their `PipelineStage`s and the schedule.
+
+Every rank builds the whole model from the same seed (the weights any strategy starts from) and
+keeps only what its parts use (`keep_parts`): parameter names stay the whole model's
+(`blocks.3.attn.qkv.weight` on whichever rank holds block 3), so a checkpoint saved per named
+parameter loads at any stages x replicas shape. Each part runs as a `Chunk` (a view over the kept
+modules) inside torch.distributed.pipelining's `PipelineStage`; the schedule is torch's.
+
+After the schedule's backward, `PipelineRank.reduce_gradients` averages the gradients over the
+rank's data-parallel peers (one all-reduce of a flat buffer after the pipeline flush, as Megatron's
+DDP does: DDP's reducer cannot follow GPipe's all-forwards-then-all-backwards) and sums the
+gradients of a weight tied across the first and the last part (the GPT's embedding and head), so
+both copies take the same update. `clip` computes the global norm over the whole pipeline.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from petatrain.errors import ConfigError
+from petatrain.models import PipelineParts
+from petatrain.train.pipeline.layout import Layout
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv")
+
+
+class Chunk(nn.Module):
+    """One model part: the root's `embed` if it holds the first unit, its blocks, `finish` if the last."""
+
+    def __init__(self, root: nn.Module, parts: PipelineParts, blocks: list[nn.Module], *, first: bool, last: bool):
+        super().__init__()
+        object.__setattr__(self, "_root", root)  # not a child: its modules are registered below, once
+        self.blocks = nn.ModuleList(blocks)
+        names = (parts.first if first else ()) + (parts.last if last else ())
+        self.ends = nn.ModuleDict({name: getattr(root, name) for name in names})
+        self.first, self.last = first, last
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        root: Any = self._root
+        if self.first:
+            x = root.embed(x)
+        run = getattr(root, "run_block", None)
+        for block in self.blocks:
+            x = run(block, x) if run is not None else block(x)
+        if self.last:
+            x = root.finish(x)
+        return x
+
+
+@dataclass(frozen=True, slots=True)
+class PartPlan:
+    """Which units each model part runs: part k runs units [starts[k], starts[k+1])."""
+
+    starts: tuple[int, ...]
+    n_blocks: int
+
+    def units(self, part: int) -> range:
+        end = self.starts[part + 1] if part + 1 < len(self.starts) else self.n_blocks + 2
+        return range(self.starts[part], end)
+
+    def part_of_unit(self, unit: int) -> int:
+        return max(k for k, s in enumerate(self.starts) if s <= unit)
+
+
+def tied_names(model: nn.Module) -> list[list[str]]:
+    """Groups of parameter names that are one tensor (the GPT's `wte.weight` and `head.weight`)."""
+    by_id: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    return [names for names in by_id.values() if len(names) > 1]
+
+
+def unit_of(name: str, parts: PipelineParts, n_blocks: int) -> int:
+    """The unit a parameter or buffer name belongs to: 0 (first), 1 + block index, n_blocks + 1 (last)."""
+    head, _, rest = name.partition(".")
+    if head == parts.blocks:
+        return 1 + int(rest.partition(".")[0])
+    if head in parts.first:
+        return 0
+    if head in parts.last:
+        return n_blocks + 1
+    raise ConfigError(
+        f"parameter {name!r} is in none of the pipeline's parts ({parts.blocks}, {', '.join(parts.first + parts.last)})"
+    )
+
+
+def keep_parts(model: nn.Module, parts: PipelineParts, plan: PartPlan, mine: list[int]) -> list[Chunk]:
+    """Drop from `model` (in place) every module none of the parts `mine` runs; a Chunk per part."""
+    blocks = getattr(model, parts.blocks)
+    kept_units = {u for part in mine for u in plan.units(part)}
+    setattr(model, parts.blocks, nn.ModuleDict({str(i): b for i, b in enumerate(blocks) if 1 + i in kept_units}))
+    for name in parts.first if 0 not in kept_units else ():
+        setattr(model, name, None)
+    for name in parts.last if plan.n_blocks + 1 not in kept_units else ():
+        setattr(model, name, None)
+    chunks = []
+    for part in mine:
+        units = plan.units(part)
+        own = [blocks[u - 1] for u in units if 1 <= u <= plan.n_blocks]
+        chunks.append(Chunk(model, parts, own, first=0 in units, last=plan.n_blocks + 1 in units))
+    return chunks
+
+
+@dataclass
+class PipelineRank:
+    """This rank's parts of the pipeline, its schedule and its process groups."""
+
+    layout: Layout
+    rank: int
+    model: nn.Module  # the whole model's modules this rank keeps (what the optimizer steps and checkpoints save)
+    chunks: list[Chunk]
+    schedule: Any
+    pp_group: Any
+    dp_group: Any
+    tie_groups: list[tuple[list[str], Any]] = field(
+        default_factory=list
+    )  # (this rank's copies of a tied weight, group)
+    not_counted: frozenset[str] = frozenset()  # second copies of tied weights: left out of the gradient norm
+
+    @property
+    def first(self) -> bool:
+        return any(c.first for c in self.chunks)
+
+    @property
+    def last(self) -> bool:
+        return any(c.last for c in self.chunks)
+
+    def forward_backward(self, tokens: torch.Tensor, *, train: bool = True) -> torch.Tensor:
+        """One step of the schedule over this replica's batch `tokens` (B, T + 1); the mean loss of its
+        micro-batches on a rank that runs the last part, else 0 (gradients accumulated, not reduced)."""
+        args = (tokens[:, :-1],) if self.first else ()
+        target = tokens[:, 1:] if self.last else None
+        losses: list[torch.Tensor] = []
+        run = self.schedule.step if train else self.schedule.eval
+        run(*args, target=target, losses=losses, return_outputs=False)
+        if not losses:
+            return torch.zeros((), device=tokens.device)
+        return torch.stack([loss.detach().float() for loss in losses]).mean()
+
+    def reduce_gradients(self) -> None:
+        """Average over the data-parallel peers, then sum the copies of tied weights."""
+        named = dict(self.model.named_parameters(remove_duplicate=False))
+        grad: dict[str, torch.Tensor] = {}
+        for name, p in named.items():
+            if p.grad is None and p.requires_grad:
+                p.grad = torch.zeros_like(p)
+            if p.grad is not None:
+                grad[name] = p.grad
+        if self.layout.replicas > 1:
+            grads = list({id(g): g for g in grad.values()}.values())
+            flat = torch._utils._flatten_dense_tensors(grads)
+            dist.all_reduce(flat, group=self.dp_group)
+            flat /= self.layout.replicas
+            for g, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
+                g.copy_(reduced)
+        for copies, group in self.tie_groups:
+            total = torch.stack([grad[n] for n in copies]).sum(0)
+            if group is not None:
+                dist.all_reduce(total, group=group)
+            for n in copies:
+                grad[n].copy_(total)
+
+    def clip(self, max_norm: float) -> float:
+        """The whole pipeline's gradient norm (each tied weight once), clipping to `max_norm` if set."""
+        squares = torch.zeros((), dtype=torch.float64)
+        for name, p in self.model.named_parameters():
+            if p.grad is not None and name not in self.not_counted:
+                squares += p.grad.detach().double().pow(2).sum().cpu()
+        dist.all_reduce(squares, group=self.pp_group)
+        norm = math.sqrt(float(squares))
+        if max_norm and math.isfinite(norm) and norm > max_norm:
+            scale = max_norm / (norm + 1e-6)  # as torch.nn.utils.clip_grad_norm_
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        return norm
+
+
+def build(
+    model: nn.Module,
+    parts: PipelineParts,
+    plan: PartPlan,
+    layout: Layout,
+    *,
+    schedule: str,
+    microbatches: int,
+    device: torch.device,
+) -> PipelineRank:
+    """This rank's PipelineRank; a collective: every rank of the job calls it, in the same order."""
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import (
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+        ScheduleZBVZeroBubble,
+    )
+
+    rank = dist.get_rank()
+    pp_rank, dp_rank = layout.pp_rank(rank), layout.dp_rank(rank)
+    pp_group = dp_group = None
+    for d in range(layout.replicas):  # new_group is a collective over the whole job: every rank makes every group
+        group = dist.new_group(layout.pp_group(d))
+        pp_group = group if d == dp_rank else pp_group
+    for p in range(layout.stages):
+        group = dist.new_group(layout.dp_group(p))
+        dp_group = group if p == pp_rank else dp_group
+    mine = layout.parts_of(pp_rank)
+    tie_groups, not_counted = _tie_groups(model, parts, plan, layout, dp_rank, mine)
+    chunks = keep_parts(model, parts, plan, mine)
+    model.to(device)
+    stages = [
+        PipelineStage(c, part, layout.parts, device, group=pp_group) for part, c in zip(mine, chunks, strict=True)
+    ]
+    loss_fn = parts.output_loss
+    classes = {
+        "gpipe": ScheduleGPipe,
+        "1f1b": Schedule1F1B,
+        "interleaved": ScheduleInterleaved1F1B,
+        "zbv": ScheduleZBVZeroBubble,
+    }
+    cls: Any = classes[schedule]
+    if layout.chunks == 1:
+        runner = cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
+    else:
+        runner = cls(stages, n_microbatches=microbatches, loss_fn=loss_fn)
+    return PipelineRank(
+        layout=layout, rank=rank, model=model, chunks=chunks, schedule=runner, pp_group=pp_group,
+        dp_group=dp_group, tie_groups=tie_groups, not_counted=not_counted,
+    )  # fmt: skip
+
+
+def _tie_groups(
+    model: nn.Module, parts: PipelineParts, plan: PartPlan, layout: Layout, dp_rank: int, mine: list[int]
+) -> tuple[list[tuple[list[str], Any]], frozenset[str]]:
+    """For each tied weight: the names of this rank's copies and the group of the ranks holding one
+    (made by every rank, for every replica). A weight two of this rank's parts use gets a copy per
+    part: ZBV computes a part's weight gradients on their own, and one tensor shared by two parts
+    gets them wrong. The copies after the first are left out of the gradient norm."""
+    entries: list[tuple[list[str], Any]] = []
+    not_counted: set[str] = set()
+    for names in tied_names(model):
+        holders = {n: plan.part_of_unit(unit_of(n, parts, plan.n_blocks)) for n in names}
+        mine_group = None
+        for d in range(layout.replicas):
+            ranks = sorted({layout.rank_of_part(part, d) for part in holders.values()})
+            group = dist.new_group(ranks) if len(ranks) > 1 else None
+            mine_group = group if d == dp_rank else mine_group
+        local = [n for n in names if holders[n] in mine]
+        by_part: dict[int, str] = {}
+        for n in local:
+            by_part.setdefault(holders[n], n)
+        for n in list(by_part.values())[1:]:  # one tensor per part
+            module_name, _, attr = n.rpartition(".")
+            module = model.get_submodule(module_name)
+            setattr(module, attr, nn.Parameter(getattr(module, attr).detach().clone()))
+        copies = list(by_part.values())
+        if copies and (mine_group is not None or len(copies) > 1):
+            entries.append((copies, mine_group))
+        not_counted.update(c for c in copies if c != names[0])
+    return entries, frozenset(not_counted)

@@ -1,0 +1,169 @@
+"""Pipeline parallelism: the partitioner, and every schedule against the unsplit model (CPU, gloo)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from petatrain.config import ModelConfig, ParallelConfig, PipelineConfig
+from petatrain.errors import ConfigError
+from petatrain.train.pipeline.layout import Layout, partition, uniform
+
+
+def _brute_force(costs, parts):
+    n = len(costs)
+    best = None
+    for cuts in itertools.combinations(range(1, n), parts - 1):
+        starts = [0, *cuts]
+        ends = [*cuts, n]
+        worst = max(sum(costs[a:b]) for a, b in zip(starts, ends, strict=True))
+        best = worst if best is None else min(best, worst)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_partition_is_optimal(seed):
+    gen = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(2, 10, (1,), generator=gen))
+    parts = int(torch.randint(1, n + 1, (1,), generator=gen))
+    costs = (torch.rand(n, generator=gen) * 10).tolist()
+    starts = partition(costs, parts)
+    ends = [*starts[1:], n]
+    assert starts[0] == 0 and all(a < b for a, b in zip(starts, ends, strict=True))
+    assert max(sum(costs[a:b]) for a, b in zip(starts, ends, strict=True)) == pytest.approx(_brute_force(costs, parts))
+
+
+def test_partition_weighs_a_heavy_head():
+    # embedding, 6 equal blocks, a head as heavy as 4 blocks: uniform gives the last stage 3 blocks + head
+    costs = [1, 1, 1, 1, 1, 1, 1, 4]
+    assert uniform(6, 2) == [0, 4]
+    assert partition(costs, 2) == [0, 5]  # 5 + 6 against uniform's 4 + 7
+
+
+def test_partition_respects_memory():
+    assert partition([1, 1, 1, 1], 2, memory=[5, 1, 1, 1], limit=6) == [0, 2]
+    with pytest.raises(ConfigError, match="memory limit"):
+        partition([1, 1], 2, memory=[5, 5], limit=4)
+
+
+@pytest.mark.parametrize(
+    ("pipeline", "message"),
+    [
+        ({"schedule": "1f1b", "stages": 4, "microbatches": 2}, "microbatches 2 < 4 stages"),
+        ({"schedule": "zbv", "chunks": 3}, "zbv runs 2 chunks"),
+        ({"schedule": "interleaved", "chunks": 1}, "interleaved needs >= 2 chunks"),
+        ({"schedule": "gpipe", "chunks": 2}, "gpipe runs 1 chunk"),
+        ({"stages": 0}, "stages must be >= 1"),
+    ],
+)
+def test_bad_pipeline_shapes_are_one_line_errors(pipeline, message):
+    with pytest.raises(ConfigError, match=message):
+        PipelineConfig(**pipeline)
+
+
+def test_workers_must_be_a_multiple_of_stages():
+    with pytest.raises(ConfigError, match="multiple of 2"):
+        ParallelConfig(strategy="pipeline", workers="3", pipeline=PipelineConfig(stages=2))
+    assert ParallelConfig(strategy="pipeline", workers="2-4").data_parallel(4) == 2
+
+
+def test_layout_places_parts():
+    loop = Layout.of(2, 4, 2, "interleaved")
+    assert (loop.replicas, loop.parts_of(0), loop.parts_of(1)) == (2, [0, 2], [1, 3])
+    v = Layout.of(2, 2, 2, "zbv")
+    assert v.parts_of(0) == [0, 3] and v.parts_of(1) == [1, 2]
+    assert loop.rank_of_part(3, dp_rank=1) == 3 and loop.dp_group(1) == [1, 3]
+
+
+# -- every schedule against the unsplit model ---------------------------------------------------
+
+CASES = {
+    2: [(2, s) for s in ("gpipe", "1f1b", "interleaved", "zbv")],
+    4: [(4, s) for s in ("gpipe", "1f1b", "interleaved", "zbv")] + [(2, "1f1b"), (2, "gpipe")],
+}
+STEPS, GLOBAL_BATCH = 3, 16
+
+
+def _model(kind: str):
+    from petatrain.models import build_model
+
+    cfg = ModelConfig(kind=kind, n_layer=6, n_head=2, d_model=32, vocab_size=64, seq_len=16, dropout=0.0)
+    torch.manual_seed(0)
+    return build_model(cfg)
+
+
+def _compare(rank: int, world: int, kind: str, stages: int, schedule: str, results: dict) -> None:
+    from petatrain.train.pipeline import stages as pp
+    from petatrain.train.pipeline.layout import Layout, uniform
+
+    config = PipelineConfig(stages=stages, schedule=schedule)
+    layout = Layout.of(stages, world, config.chunks_per_rank(), schedule)
+    tokens = torch.randint(0, 64, (STEPS, GLOBAL_BATCH, 17), generator=torch.Generator().manual_seed(1))
+    reference = _model(kind)
+    ref_opt = torch.optim.SGD(reference.module.parameters(), lr=0.5)
+    spec = _model(kind)
+    plan = pp.PartPlan(tuple(uniform(6, layout.parts)) if layout.parts <= 6 else (), 6)
+    if layout.parts > 6:  # more parts than blocks: the embedding and the head are parts of their own
+        plan = pp.PartPlan(tuple(range(layout.parts)), 6)
+    piped = pp.build(
+        spec.module, spec.pipeline, plan, layout, schedule=schedule,
+        microbatches=config.microbatch_count(), device=torch.device("cpu"),
+    )  # fmt: skip
+    opt = torch.optim.SGD(piped.model.parameters(), lr=0.5)
+    per_replica = GLOBAL_BATCH // layout.replicas
+    dp = layout.dp_rank(rank)
+    worst = {"loss": 0.0, "grad": 0.0, "weight": 0.0}
+    for step in range(STEPS):
+        ref_loss = spec.loss_fn(reference.module, tokens[step])
+        ref_loss.backward()
+        loss = piped.forward_backward(tokens[step, dp * per_replica : (dp + 1) * per_replica])
+        piped.reduce_gradients()
+        total = torch.stack([loss, torch.tensor(float(piped.last))])
+        dist.all_reduce(total)
+        worst["loss"] = max(worst["loss"], abs(float(total[0] / total[1]) - ref_loss.item()))
+        ref_params = dict(reference.module.named_parameters(remove_duplicate=False))
+        for name, p in piped.model.named_parameters(remove_duplicate=False):
+            worst["grad"] = max(worst["grad"], float((p.grad - ref_params[name].grad).abs().max()))
+        ref_norm = float(torch.nn.utils.get_total_norm([p.grad for p in reference.module.parameters()]))
+        worst["norm"] = max(worst.get("norm", 0.0), abs(piped.clip(0.0) - ref_norm))
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        for name, p in piped.model.named_parameters(remove_duplicate=False):
+            worst["weight"] = max(worst["weight"], float((p - ref_params[name]).abs().max()))
+    gathered = [None] * world
+    dist.all_gather_object(gathered, worst)
+    if rank == 0:
+        results[(kind, stages, schedule)] = {k: max(w[k] for w in gathered) for k in worst}
+
+
+def _worker(rank: int, world: int, init: str, cases, kinds, out):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    results: dict = {}
+    try:
+        for kind in kinds:
+            for stages, schedule in cases:
+                _compare(rank, world, kind, stages, schedule, results)
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        torch.save(results, out)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_schedule_matches_the_unsplit_model(tmp_path, world):
+    out = str(tmp_path / "results.pt")
+    init = f"file://{tmp_path}/store"
+    kinds = ["gpt", "mlp"] if world == 2 else ["gpt"]
+    mp.start_processes(_worker, args=(world, init, CASES[world], kinds, out), nprocs=world, start_method="spawn")
+    results = torch.load(out)
+    assert len(results) == len(CASES[world]) * len(kinds)
+    for case, worst in results.items():
+        assert worst["loss"] < 1e-6 and worst["grad"] < 1e-6 and worst["norm"] < 1e-5, (case, worst)
+        assert worst["weight"] < 1e-6, (case, worst)
