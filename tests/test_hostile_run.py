@@ -169,7 +169,7 @@ HOSTILE_EDITS = {
     "loader epoch as text": _loader(epoch="0"),
     "loader world size 0": _loader(world_size=0),
     "strategy not a string": _set("strategy", 1),
-    "strategy train does not run": _set("strategy", "pipeline"),
+    "strategy train does not run": _set("strategy", "zero1"),
     "strategy missing": _drop("strategy"),
     "loader missing": _drop("loader"),
     "param groups missing": _drop("param_groups"),

@@ -8,8 +8,6 @@ and parameter groups, same accumulation, same loss, and after a step the same we
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -19,7 +17,7 @@ from petatrain.plan import estimate as est
 from petatrain.plan.profile import TrainStep
 from petatrain.plan.recommend import PlanRequest, plan
 from petatrain.train import loop, recipe
-from petatrain.train.parallel import parallelize
+from petatrain.train.parallel import step_runner
 
 
 class FixedTokens:
@@ -73,20 +71,13 @@ def test_profile_runs_the_step_train_runs(process_group, optimizer):
     # train: as the worker loop builds and steps it, on one rank
     torch.manual_seed(cfg.train.seed)
     spec = loop.build_model(cfg.model, cfg.train)
-    model = parallelize(spec, cfg, device)
+    steps = step_runner(spec, cfg, device, 1)
+    model = steps.model
     train_opt = recipe.build_optimizer(model, cfg.train)
-    _, accumulation = recipe.micro_batching(cfg.train, 1)
-    rank = types.SimpleNamespace(
-        device=device,
-        accumulation=accumulation,
-        data=FixedTokens(batches),
-        model=model,
-        spec=spec,
-        amp=recipe.autocast(cfg.train, device),
-    )
+    accumulation = steps.accumulation
     recipe.set_lr(train_opt, 0, cfg.train)
-    train_loss = loop._forward_backward(rank, poison=False)
-    grad_norm, _ = recipe.apply_gradients(model, train_opt, cfg.train)
+    train_loss = steps.forward_backward(FixedTokens(batches).next, recipe.autocast(cfg.train, device))
+    grad_norm, _ = recipe.apply_gradients(model, train_opt, cfg.train, clip=steps.clip)
 
     # profile
     profiled = TrainStep(cfg, device, FixedTokens(batches))

@@ -11,7 +11,6 @@ strategy's (`train.strategies`, through `train.parallel`).
 
 from __future__ import annotations
 
-import contextlib
 import faulthandler
 import functools
 import logging
@@ -34,9 +33,9 @@ from petatrain.models import ModelSpec, build_model
 from petatrain.storage import StorageOptions, join
 from petatrain.storage.fs import atomic_write
 from petatrain.train import checkpoint as ckpt
-from petatrain.train import recipe
+from petatrain.train import recipe, strategies
 from petatrain.train.batches import TokenBatches
-from petatrain.train.parallel import load_into, parallelize, read_for_resume, state_for_save
+from petatrain.train.parallel import load_into, read_for_resume, state_for_save, step_runner
 from petatrain.train.rank import NextRanks, Preempted, PreemptionNotice, RankEnv, Telemetry
 
 log = logging.getLogger(__name__)
@@ -73,7 +72,7 @@ class Rank:
     model: nn.Module
     optimizer: torch.optim.Optimizer
     data: TokenBatches
-    accumulation: int
+    steps: Any  # train.steps.MicroBatches or PipelineSteps: how a step runs here
     amp: Any  # the forward's autocast context (or none)
     telemetry: Telemetry
     writer: ckpt.CheckpointWriter
@@ -114,9 +113,9 @@ def train_worker(payload: Payload, env: RankEnv) -> None:
         step = _train(r, start, preemption, chaos, next_ranks)
         r.writer.wait()
         r.writer.raise_if_broken()
-        _evaluate(r.model, r.spec, r.data, cfg, r.device, r.amp, step, r.rank, r.world, r.telemetry.record)
+        _evaluate(r, step)
         r.telemetry.flush(wait=True)
-        _save_final(r.model, payload, r.rank)
+        _save_final(r.steps, payload, r.rank)
     finally:
         r.writer.close()
         r.telemetry.flush()  # the commit of a write that finished while the attempt failed
@@ -128,11 +127,13 @@ def _set_up(cfg: JobConfig, payload: Payload, env: RankEnv, faults: ckpt.Storage
     _set_arithmetic(cfg, device)
     torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
     spec = build_model(cfg.model, cfg.train)
-    model = parallelize(spec, cfg, device)
+    strategy = strategies.get(cfg.parallel.strategy)
+    data_rank, data_world, micro = strategy.data_shard(cfg, env.rank, env.world)
+    steps = step_runner(spec, cfg, device, env.world)
+    model = steps.model
     optimizer = recipe.build_optimizer(model, cfg.train)
     torch.manual_seed(cfg.train.seed * 1000 + env.rank + 1)  # per-rank stream (dropout)
-    micro, accumulation = recipe.micro_batching(cfg.train, env.world)
-    data = TokenBatches(cfg, rank=env.rank, world=env.world, micro=micro, options=payload.options)
+    data = TokenBatches(cfg, rank=data_rank, world=data_world, micro=micro, options=payload.options)
     # Events go to the hub once a second (an actor call per step costs a measurable share of the
     # step rate on a few CPU cores). A rank killed with events still buffered leaves up to a second
     # of steps out of the ledger, so around another rank's injected fault every step is sent at once.
@@ -159,7 +160,7 @@ def _set_up(cfg: JobConfig, payload: Payload, env: RankEnv, faults: ckpt.Storage
         model=model,
         optimizer=optimizer,
         data=data,
-        accumulation=accumulation,
+        steps=steps,
         amp=recipe.autocast(cfg.train, device),
         telemetry=telemetry,
         writer=writer,
@@ -212,7 +213,7 @@ def _train(r: Rank, start: int, preemption: PreemptionNotice, chaos: inject.Rank
     step = last_checkpoint = start
     while step < cfg.train.steps:
         lr = recipe.set_lr(r.optimizer, step, cfg.train)
-        loss_sum = _forward_backward(r, poison=chaos.poison_next)
+        loss_sum = r.steps.forward_backward(r.data.next, r.amp, poison=chaos.poison_next)
         chaos.poison_next = False
         step += 1
         # One all-reduce per step carries the loss and every decision all ranks must share;
@@ -225,7 +226,7 @@ def _train(r: Rank, start: int, preemption: PreemptionNotice, chaos: inject.Rank
         shared = dist.all_reduce(flags, async_op=True)
         # A live snapshot's tensors are read before the update changes them.
         grad_norm, staging_wait = recipe.apply_gradients(
-            r.model, r.optimizer, cfg.train, before_step=writer.wait_for_staging
+            r.model, r.optimizer, cfg.train, before_step=writer.wait_for_staging, clip=r.steps.clip
         )
         nonfinite = not math.isfinite(grad_norm)
         if live_stall is not None and not nonfinite:
@@ -233,7 +234,7 @@ def _train(r: Rank, start: int, preemption: PreemptionNotice, chaos: inject.Rank
             live_stall = None
         shared.wait()
         preempt, checkpoint_due, stop = flags[1].item() > 0, flags[2].item() > 0, flags[3].item() > 0
-        loss_value = flags[0].item() / r.world
+        loss_value = flags[0].item() / r.steps.loss_share
         if nonfinite:
             grad_norm = _on_nonfinite(r, step)
         if r.rank == 0:
@@ -268,27 +269,11 @@ def _train(r: Rank, start: int, preemption: PreemptionNotice, chaos: inject.Rank
                 raise Preempted(f"preemption notice: checkpoint of step {step} committed, exiting")
             raise Preempted(f"preemption notice: checkpoint of step {step} failed, resuming from an earlier one")
         if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
-            _evaluate(r.model, r.spec, r.data, cfg, r.device, r.amp, step, r.rank, r.world, telemetry.record)
+            _evaluate(r, step)
         last_end, wait_mark = time.perf_counter(), r.data.wait_s
         if stop:
             break
     return step
-
-
-def _forward_backward(r: Rank, *, poison: bool) -> torch.Tensor:
-    """Gradients of the step's micro-batches, accumulated (DDP reduces on the last one only);
-    the step's loss on this rank. `poison`: an injected `nan` makes it NaN."""
-    loss_sum = torch.zeros((), device=r.device)
-    for m in range(r.accumulation):
-        tokens = r.data.next().to(r.device, non_blocking=True)
-        no_sync = getattr(r.model, "no_sync", None)  # DDP's: gradients all-reduced on the last micro-batch only
-        with contextlib.nullcontext() if m == r.accumulation - 1 or no_sync is None else no_sync():
-            loss = recipe.micro_batch_loss(r.spec.loss_fn, r.model, tokens, r.accumulation, r.amp)
-        if poison:
-            loss = loss * float("nan")
-        loss.backward()
-        loss_sum += loss.detach().float()
-    return loss_sum
 
 
 def _on_nonfinite(r: Rank, step: int) -> float:
@@ -445,26 +430,25 @@ def _digest(cfg: JobConfig) -> str:
 
 
 @torch.no_grad()
-def _evaluate(model, spec, data, cfg, device, amp, step, rank, world, emit) -> None:
-    if data.eval is None:
+def _evaluate(r: Rank, step: int) -> None:
+    """The held-out loss, averaged over the batches every rank that computes one saw."""
+    if r.data.eval is None:
         return
-    model.eval()
-    total = torch.zeros(2, device=device)
-    for tokens in data.eval_batches(cfg.train.eval_batches):
-        with amp:
-            total[0] += spec.loss_fn(model, tokens.to(device)).float()
-        total[1] += 1
-    model.train()
+    r.model.eval()
+    total = torch.zeros(2, device=r.device)
+    for tokens in r.data.eval_batches(r.cfg.train.eval_batches):
+        loss = r.steps.eval_loss(tokens.to(r.device), r.amp)
+        if loss is not None:
+            total += torch.stack([loss.float(), torch.ones((), device=r.device)])
+    r.model.train()
     dist.all_reduce(total)
-    if rank == 0 and total[1] > 0:
-        emit("eval", step=step, loss=float(total[0] / total[1]))
+    if r.rank == 0 and total[1] > 0:
+        r.telemetry.record("eval", step=step, loss=float(total[0] / total[1]))
 
 
-def _save_final(model, payload: Payload, rank: int) -> None:
+def _save_final(steps: Any, payload: Payload, rank: int) -> None:
     from safetensors.torch import save
 
-    from petatrain.train.parallel import full_model_state
-
-    full = full_model_state(model)  # collective for FSDP
+    full = steps.full_state()  # a collective for FSDP and pipelines
     if rank == 0:
         atomic_write(join(payload.run_url, "final", "model.safetensors"), save(full), payload.options)

@@ -8,7 +8,7 @@ strategy's.
 
 from __future__ import annotations
 
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -28,6 +28,11 @@ def parallelize(spec: ModelSpec, cfg: JobConfig, device: torch.device) -> nn.Mod
     return strategies.get(cfg.parallel.strategy).wrap(spec, cfg, device)
 
 
+def step_runner(spec: ModelSpec, cfg: JobConfig, device: torch.device, world: int) -> Any:
+    """How a step runs on this rank under parallel.strategy (train/steps.py); `.model` is what it wrapped."""
+    return strategies.get(cfg.parallel.strategy).steps(spec, cfg, device, world)
+
+
 def state_for_save(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -42,7 +47,7 @@ def state_for_save(
     may update, are always copied)."""
     model_sd = get_model_state_dict(model)
     optim_sd = get_optimizer_state_dict(model, optimizer)
-    with_model = strategies.get(cfg.parallel.strategy).saves_model(rank)
+    with_model = strategies.get(cfg.parallel.strategy).saves_model(rank, cfg)
     live_ptrs: frozenset[int] = frozenset()
     if live:
         state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]

@@ -104,13 +104,19 @@ def clip_gradients(model: torch.nn.Module, clip: float) -> float:
 
 
 def apply_gradients(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, train: TrainConfig, *, before_step=lambda: 0.0
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    train: TrainConfig,
+    *,
+    before_step=lambda: 0.0,
+    clip=None,
 ) -> tuple[float, float]:
     """Clip the accumulated gradients and step the optimizer, unless their global norm is not
     finite: then the update is dropped (`faults.nonfinite` decides what follows). Returns the
     norm and what `before_step()` returned (called just before the update: the loop waits there
-    for a live checkpoint snapshot to be read, and gets the seconds it waited)."""
-    grad_norm = clip_gradients(model, train.grad_clip)
+    for a live checkpoint snapshot to be read, and gets the seconds it waited). `clip(max_norm)` clips
+    where the gradients are not all on this rank (a pipeline's stages)."""
+    grad_norm = clip(train.grad_clip) if clip is not None else clip_gradients(model, train.grad_clip)
     waited = 0.0
     if math.isfinite(grad_norm):
         waited = before_step()

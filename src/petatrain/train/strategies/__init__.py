@@ -5,7 +5,7 @@ and communication. A new strategy is a new file here and a line in `REGISTRY`.
     ddp       torch DDP                                 train, plan
     fsdp      FSDP2 fully_shard per block               train, plan
     zero1/2   ZeRO optimizer (+ gradient) partitioning  plan only
-    pipeline  1F1B over stages                          plan only
+    pipeline  GPipe/1F1B/interleaved/ZBV over stages    train, plan (pure pipelines)
 """
 
 from __future__ import annotations

@@ -96,7 +96,22 @@ class Strategy:
         self.require_trainable()
         raise NotImplementedError
 
-    def saves_model(self, rank: int) -> bool:
+    def steps(self, spec: ModelSpec, cfg: JobConfig, device: torch.device, world: int) -> Any:
+        """How a step runs on this rank (train/steps.py): the wrapped model and gradient accumulation."""
+        from petatrain.train import recipe
+        from petatrain.train.steps import MicroBatches
+
+        _, accumulation = recipe.micro_batching(cfg.train, world)
+        return MicroBatches(self.wrap(spec, cfg, device), spec, accumulation, world)
+
+    def data_shard(self, cfg: JobConfig, rank: int, world: int) -> tuple[int, int, int]:
+        """(loader rank, loader world, rows per `next()`) of this rank's data."""
+        from petatrain.train import recipe
+
+        micro, _ = recipe.micro_batching(cfg.train, world)
+        return rank, world, micro
+
+    def saves_model(self, rank: int, cfg: JobConfig | None = None) -> bool:
         """Whether `rank`'s checkpoint file holds model and optimizer tensors."""
         return True
 

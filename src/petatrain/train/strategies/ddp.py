@@ -64,7 +64,7 @@ class DDP(Strategy):
         model = spec.module.to(device)
         return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
 
-    def saves_model(self, rank: int) -> bool:
+    def saves_model(self, rank: int, cfg: JobConfig | None = None) -> bool:
         return rank == 0
 
     def read_for_resume(

@@ -1,0 +1,116 @@
+"""How one training step runs on a rank: what the strategy wrapped, and how its forward, backward,
+gradient clip, evaluation and final weights go. `MicroBatches` is DDP's and FSDP's (gradient
+accumulation over micro-batches, the wrapper reducing); `PipelineSteps` runs a pipeline schedule.
+The loop (train/loop.py) calls one or the other through the same five methods."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from petatrain.models import ModelSpec
+from petatrain.train import recipe
+
+NextBatch = Callable[[], torch.Tensor]
+
+
+@dataclass
+class MicroBatches:
+    """`accumulation` micro-batches a step; the wrapped model (DDP, FSDP) reduces the gradients."""
+
+    model: nn.Module
+    spec: ModelSpec
+    accumulation: int
+    world: int
+
+    @property
+    def loss_share(self) -> int:
+        """The step's loss is the sum over ranks of `forward_backward`'s, divided by this."""
+        return self.world
+
+    def forward_backward(self, next_batch: NextBatch, amp: Any, *, poison: bool = False) -> torch.Tensor:
+        """Gradients of the step's micro-batches, accumulated (DDP reduces on the last one only);
+        the step's loss on this rank. `poison`: an injected `nan` makes it NaN."""
+        device = next(self.model.parameters()).device
+        loss_sum = torch.zeros((), device=device)
+        for m in range(self.accumulation):
+            tokens = next_batch().to(device, non_blocking=True)
+            no_sync = getattr(self.model, "no_sync", None)  # DDP's: gradients all-reduced on the last micro-batch only
+            with contextlib.nullcontext() if m == self.accumulation - 1 or no_sync is None else no_sync():
+                loss = recipe.micro_batch_loss(self.spec.loss_fn, self.model, tokens, self.accumulation, amp)
+            if poison:
+                loss = loss * float("nan")
+            loss.backward()
+            loss_sum += loss.detach().float()
+        return loss_sum
+
+    def clip(self, max_norm: float) -> float:
+        return recipe.clip_gradients(self.model, max_norm)
+
+    def eval_loss(self, tokens: torch.Tensor, amp: Any) -> torch.Tensor | None:
+        """The loss of one held-out batch, where this rank computes one."""
+        with amp:
+            return self.spec.loss_fn(self.model, tokens).float()
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """The whole model's weights on rank 0 (a collective), empty elsewhere."""
+        from petatrain.train.parallel import full_model_state
+
+        return full_model_state(self.model)
+
+
+@dataclass
+class PipelineSteps:
+    """One schedule step over this replica's batch; gradients reduced and clipped over the pipeline."""
+
+    piped: Any  # train.pipeline.stages.PipelineRank
+
+    @property
+    def model(self) -> nn.Module:
+        return self.piped.model
+
+    @property
+    def loss_share(self) -> int:
+        return self.piped.layout.replicas  # only the ranks of the last part report a loss
+
+    def forward_backward(self, next_batch: NextBatch, amp: Any, *, poison: bool = False) -> torch.Tensor:
+        tokens = next_batch()
+        with amp:
+            loss = self.piped.forward_backward(tokens)
+        self.piped.reduce_gradients()
+        if poison:  # the gradients too: the update is dropped as for any non-finite step
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.fill_(math.nan)
+            loss = loss * float("nan")
+        return loss
+
+    def clip(self, max_norm: float) -> float:
+        return self.piped.clip(max_norm)
+
+    def eval_loss(self, tokens: torch.Tensor, amp: Any) -> torch.Tensor | None:
+        if tokens.size(0) % self.piped.schedule._n_microbatches:
+            return None  # a short last batch: uneven micro-batches would hang the next stage (every rank skips it)
+        with amp:
+            loss = self.piped.forward_backward(tokens, train=False)
+        return loss if self.piped.last else None
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """Every part's weights gathered on rank 0 (from the first replica), by the whole model's names."""
+        layout, rank = self.piped.layout, dist.get_rank()
+        mine = {}
+        if layout.dp_rank(rank) == 0:
+            mine = {k: v.detach().to("cpu").clone().contiguous() for k, v in self.model.state_dict().items()}
+        gathered: list[Any] = [None] * dist.get_world_size() if rank == 0 else []
+        dist.gather_object(mine, gathered if rank == 0 else None, dst=0)
+        full: dict[str, torch.Tensor] = {}
+        for part in gathered:
+            full.update(part or {})
+        return full
