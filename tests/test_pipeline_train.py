@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
+from safetensors.torch import load_file
 
 from helpers import sha256, tiny, train
 
@@ -45,3 +47,30 @@ def test_a_killed_and_a_hung_stage_resume_bit_identically(pipeline_run, token_da
     causes = [f.cause for f in summary.failures]
     assert causes == ["kill", "hang"], causes
     assert sha256(tmp_path / "final" / "model.safetensors") == sha256(pipeline_run / "final" / "model.safetensors")
+
+
+def _from_checkpoint(run_dir, to, step: int):
+    """A copy of `run_dir` as it was when checkpoint `step` was its newest (later ones and the final weights gone)."""
+    shutil.copytree(run_dir, to)
+    for folder in (to / "checkpoints").iterdir():
+        if int(folder.name.removeprefix("step-")) > step:
+            shutil.rmtree(folder)
+    shutil.rmtree(to / "final")
+    return to
+
+
+@pytest.mark.parametrize("direction", ["pipeline -> ddp", "ddp -> pipeline"])
+def test_resume_at_another_strategy(direction, pipeline_run, baseline, token_dataset, tmp_path):
+    """A checkpoint saved by 2 pipeline stages resumes on 2 DDP ranks and back: state is saved per
+    named parameter and the loader's position is global, so the steps after it are the same steps."""
+    source, target = (pipeline_run, baseline) if direction == "pipeline -> ddp" else (baseline, pipeline_run)
+    overrides = [] if direction == "pipeline -> ddp" else PIPELINE
+    run_dir = _from_checkpoint(source, tmp_path / "run", 20)
+    summary = train(tiny(token_dataset, *overrides), run_dir)
+    assert summary["attempts"] == 1
+    resumed, reference = _losses(run_dir), _losses(target)
+    assert max(abs(resumed[s] - reference[s]) for s in range(21, 31)) < 1e-5
+    ours = load_file(run_dir / "final" / "model.safetensors")
+    theirs = load_file(target / "final" / "model.safetensors")
+    assert ours.keys() == theirs.keys()
+    assert max(float((ours[k] - theirs[k]).abs().max()) for k in ours) < 1e-5

@@ -1,7 +1,7 @@
 """`profile` runs exactly the step `train` runs, and `plan` models the micro-batching `train` uses.
 
 Both are built from one config: `train`'s side as the worker loop builds it (the strategy's
-wrapper, the recipe's optimizer and micro-batching) and steps it (`loop._forward_backward`,
+wrapper, the recipe's optimizer and micro-batching) and steps it (`train.steps.MicroBatches.forward_backward`,
 `recipe.apply_gradients`); `profile`'s side is `plan.profile.TrainStep`. Same optimizer class
 and parameter groups, same accumulation, same loss, and after a step the same weights, bit for bit.
 """

@@ -213,6 +213,16 @@ class ParallelConfig:
         """Replicas the global batch is split over when `workers` ranks train."""
         return workers // self.pipeline.stages if self.strategy == "pipeline" else workers
 
+    def runs_on(self, workers: int, global_batch: int) -> bool:
+        """Whether `workers` ranks can train a global batch of `global_batch` (an elastic run's choice)."""
+        if self.strategy == "pipeline":
+            replicas = self.data_parallel(workers)
+            return (
+                workers % self.pipeline.stages == 0
+                and global_batch % (replicas * self.pipeline.microbatch_count()) == 0
+            )
+        return global_batch % workers == 0
+
     def worker_range(self) -> tuple[int, int]:
         text = str(self.workers).strip()
         low, _, high = text.partition("-")

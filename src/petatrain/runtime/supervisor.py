@@ -71,7 +71,8 @@ class RestartPolicy:
 
 
 class WorldSizePolicy:
-    """The largest worker count in parallel.workers that the alive cluster can host and that divides the batch."""
+    """The largest worker count in parallel.workers that the alive cluster can host and that divides the
+    batch (for a pipeline: a multiple of its stages whose replicas x micro-batches divide it)."""
 
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
@@ -84,7 +85,7 @@ class WorldSizePolicy:
         if use_gpu(cfg, gpus):
             fit = min(fit, int(gpus))
         for n in range(min(hi, fit), lo - 1, -1):
-            if cfg.train.global_batch % n == 0:
+            if cfg.parallel.runs_on(n, cfg.train.global_batch):
                 return n
         raise PetatrainError(
             f"the cluster can host {fit} worker(s) of {per} CPU; parallel.workers={cfg.parallel.workers} "

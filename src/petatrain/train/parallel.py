@@ -64,7 +64,8 @@ def read_for_resume(
 ) -> dict[int, dict[str, torch.Tensor]]:
     """The tensors this rank loads from the checkpoint `state`, by rank file; `read(r)` reads
     (and verifies) rank r's file. Only the files this rank needs are read (`Strategy.read_for_resume`)."""
-    if state.strategy != cfg.parallel.strategy:
+    by_name = state.strategy in strategies.BY_NAME and cfg.parallel.strategy in strategies.BY_NAME
+    if state.strategy != cfg.parallel.strategy and not by_name:
         raise PetatrainError(
             f"checkpoint step {state.step} was written with parallel.strategy={state.strategy}; "
             f"this run uses {cfg.parallel.strategy}"

@@ -11,7 +11,7 @@ and communication. A new strategy is a new file here and a line in `REGISTRY`.
 from __future__ import annotations
 
 from petatrain.errors import ConfigError
-from petatrain.train.strategies.base import OVERLAP, StateLayout, Strategy
+from petatrain.train.strategies.base import BY_NAME, OVERLAP, StateLayout, Strategy
 from petatrain.train.strategies.ddp import DDP
 from petatrain.train.strategies.fsdp import FSDP
 from petatrain.train.strategies.pipeline import Pipeline
@@ -20,7 +20,7 @@ from petatrain.train.strategies.zero import ZeRO1, ZeRO2
 REGISTRY: dict[str, Strategy] = {s.name: s for s in (DDP(), ZeRO1(), ZeRO2(), FSDP(), Pipeline())}
 TRAINABLE: tuple[str, ...] = tuple(name for name, s in REGISTRY.items() if s.trainable)
 
-__all__ = ["OVERLAP", "REGISTRY", "TRAINABLE", "StateLayout", "Strategy", "get"]
+__all__ = ["BY_NAME", "OVERLAP", "REGISTRY", "TRAINABLE", "StateLayout", "Strategy", "get"]
 
 
 def get(name: str) -> Strategy:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, cast
 
 from petatrain.errors import ConfigError
 
@@ -32,6 +32,9 @@ class SavedState(Protocol):
 
     @property
     def world_size(self) -> int: ...
+
+    @property
+    def strategy(self) -> str: ...
 
     @property
     def param_groups(self) -> list[dict[str, Any]]: ...
@@ -137,3 +140,74 @@ class Strategy:
 def autocast_copies(w: Workload, layers: int) -> float:
     """bf16 copies of the matmul weights of `layers` layers that autocast keeps for backward."""
     return 2 * w.matmul_params * (layers / w.n_layer) if w.precision == "bf16-mixed" else 0.0
+
+
+# Strategies whose checkpoints hold whole tensors by parameter name (DDP: rank 0 holds them all; a
+# pipeline: each part's rank its own): a run of either resumes from a checkpoint of the other.
+BY_NAME = ("ddp", "pipeline")
+
+
+def read_by_name(state: SavedState, read: ReadRankFile, *, rank: int, world: int) -> dict[int, dict[str, torch.Tensor]]:
+    """Every rank file's model and optimizer tensors merged under 0 (whatever layout wrote them);
+    this rank's own file under `rank` too at an unchanged world size (its RNG)."""
+    merged: dict[str, torch.Tensor] = {}
+    own: dict[str, torch.Tensor] = {}
+    for r in range(state.world_size):
+        tensors = read(r)
+        if r == rank and state.world_size == world:
+            own = tensors
+        merged.update({k: v for k, v in tensors.items() if not k.startswith("rng/")})
+    return {0: merged, rank: {**merged, **own}} if own else {0: merged}
+
+
+def load_by_name(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    state: SavedState,
+    tensors: dict[str, torch.Tensor],
+    ties: list[list[str]],
+) -> None:
+    """The parameters `model` holds and their optimizer state, by name, from `tensors` (model/FQN,
+    optim/FQN/KEY); the optimizer's groups are this model's own with the saved hyper-parameters.
+    A weight tied under several names (`ties`) may be saved under any of them: DDP keeps one
+    optimizer state for the GPT's embedding and head, a pipeline one per stage that holds it."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    from petatrain.errors import CorruptDataError
+    from petatrain.train.checkpoint.tensors import unflatten_state
+
+    model_sd, optim_state = unflatten_state(tensors)
+    saved_by_kind: tuple[dict[str, Any], dict[str, Any]] = (model_sd, optim_state)
+    for names in ties:
+        for saved in saved_by_kind:
+            found = next((n for n in names if n in saved), None)
+            for n in names:
+                if found is not None and n not in saved:
+                    saved[n] = saved[found]
+    wanted = get_model_state_dict(model)
+    missing = sorted(set(wanted) - set(model_sd))
+    if missing:
+        raise CorruptDataError(f"the checkpoint holds no tensor for {', '.join(missing[:3])}")
+    set_model_state_dict(model, cast("dict[str, Any]", {k: model_sd[k] for k in wanted}))
+    current = cast("list[dict[str, Any]]", get_optimizer_state_dict(model, optimizer)["param_groups"])
+    if len(current) != len(state.param_groups):
+        raise CorruptDataError(
+            f"the checkpoint has {len(state.param_groups)} optimizer groups, this optimizer {len(current)}"
+        )
+    groups = [{**saved, "params": group["params"]} for group, saved in zip(current, state.param_groups, strict=True)]
+    mine = {fqn: optim_state[fqn] for group in groups for fqn in group["params"] if fqn in optim_state}
+    set_optimizer_state_dict(model, optimizer, cast("Any", {"state": mine, "param_groups": groups}))
+
+
+def tied_names(model: nn.Module) -> list[list[str]]:
+    """Groups of parameter names that are one tensor (the GPT's `wte.weight` and `head.weight`)."""
+    model = getattr(model, "module", model)  # DDP's wrapper: the names without its prefix
+    by_id: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    return [names for names in by_id.values() if len(names) > 1]

@@ -2,20 +2,29 @@
 
 Checkpoint: the replicas are identical, so rank 0's file holds model and optimizer and the
 other ranks' files only their RNG state. Resume reads rank 0's file (and, at the same world
-size, its own for the RNG).
+size, its own for the RNG), or every file of a pipeline's checkpoint: both are by name.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 from petatrain.cost import formulas
-from petatrain.train.strategies.base import OVERLAP, ReadRankFile, SavedState, StateLayout, Strategy, autocast_copies
+from petatrain.train.strategies.base import (
+    OVERLAP,
+    ReadRankFile,
+    SavedState,
+    StateLayout,
+    Strategy,
+    autocast_copies,
+    load_by_name,
+    read_by_name,
+    tied_names,
+)
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
-    from torch.distributed.checkpoint.state_dict import DictValueType, OptimizerStateType, ValueType
 
     from petatrain.config import JobConfig
     from petatrain.cost.workload import Workload
@@ -70,6 +79,8 @@ class DDP(Strategy):
     def read_for_resume(
         self, state: SavedState, read: ReadRankFile, *, model: nn.Module, rank: int, world: int
     ) -> dict[int, dict[str, torch.Tensor]]:
+        if state.strategy != self.name:  # a pipeline's: its parts are in several files
+            return read_by_name(state, read, rank=rank, world=world)
         return {r: read(r) for r in sorted({0, rank} if state.world_size == world else {0})}
 
     def load_into(
@@ -81,13 +92,4 @@ class DDP(Strategy):
         *,
         rank: int,
     ) -> None:
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-
-        from petatrain.train.checkpoint.tensors import unflatten_state
-
-        model_sd, optim_state = unflatten_state(shards[0])
-        # DCP types state dicts as dict[str, ValueType] (a union, in an invariant dict), which a
-        # dict of tensors is at run time but not to a type checker.
-        set_model_state_dict(model, cast("dict[str, ValueType]", model_sd))
-        optim_sd: OptimizerStateType = {"state": cast("DictValueType", optim_state), "param_groups": state.param_groups}
-        set_optimizer_state_dict(model, optimizer, optim_sd)
+        load_by_name(model, optimizer, state, shards[0], tied_names(model))

@@ -7,11 +7,19 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from petatrain.cost import formulas
-from petatrain.errors import ConfigError, CorruptDataError
-from petatrain.train.strategies.base import ReadRankFile, SavedState, StateLayout, Strategy, autocast_copies
+from petatrain.errors import ConfigError
+from petatrain.train.strategies.base import (
+    ReadRankFile,
+    SavedState,
+    StateLayout,
+    Strategy,
+    autocast_copies,
+    load_by_name,
+    read_by_name,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -22,6 +30,10 @@ if TYPE_CHECKING:
     from petatrain.models import ModelSpec
 
 log = logging.getLogger(__name__)
+
+# The whole model's tied parameter names, kept on a rank's (pruned) model: a checkpoint may hold a
+# tied weight's optimizer state under another of its names than the one this rank keeps.
+TIED_NAMES = "petatrain_tied_names"
 
 
 class Pipeline(Strategy):
@@ -75,6 +87,7 @@ class Pipeline(Strategy):
         layout = Layout.of(pc.stages, world, pc.chunks_per_rank(), pc.schedule)
         n_blocks = len(getattr(spec.module, spec.pipeline.blocks))
         plan = stages.PartPlan(tuple(_boundaries(spec, cfg, n_blocks, layout.parts)), n_blocks)
+        setattr(spec.module, TIED_NAMES, stages.tied_names(spec.module))
         piped = stages.build(
             spec.module, spec.pipeline, plan, layout, schedule=pc.schedule, microbatches=pc.microbatch_count(),
             device=device,
@@ -101,16 +114,8 @@ class Pipeline(Strategy):
     def read_for_resume(
         self, state: SavedState, read: ReadRankFile, *, model: nn.Module, rank: int, world: int
     ) -> dict[int, dict[str, torch.Tensor]]:
-        """Every file that holds model state (one per part of the saved layout), merged by name, and
-        this rank's own file at an unchanged world size (its RNG)."""
-        merged: dict[str, torch.Tensor] = {}
-        own: dict[str, torch.Tensor] = {}
-        for r in range(state.world_size):
-            tensors = read(r)
-            if r == rank and state.world_size == world:
-                own = tensors
-            merged.update({k: v for k, v in tensors.items() if not k.startswith("rng/")})
-        return {0: merged, rank: {**merged, **own}} if own else {0: merged}
+        """Every file of the checkpoint merged by name (a pipeline's at any shape, or DDP's)."""
+        return read_by_name(state, read, rank=rank, world=world)
 
     def load_into(
         self,
@@ -121,30 +126,8 @@ class Pipeline(Strategy):
         *,
         rank: int,
     ) -> None:
-        """This rank's parameters and their optimizer state, by name, from the merged files."""
-        from torch.distributed.checkpoint.state_dict import (
-            get_model_state_dict,
-            get_optimizer_state_dict,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
-        from petatrain.train.checkpoint.tensors import unflatten_state
-
-        model_sd, optim_state = unflatten_state(shards[0])
-        wanted = get_model_state_dict(model)
-        missing = sorted(set(wanted) - set(model_sd))
-        if missing:
-            raise CorruptDataError(f"checkpoint step has no tensors for {', '.join(missing[:3])}")
-        set_model_state_dict(model, cast("dict[str, Any]", {k: model_sd[k] for k in wanted}))
-        mine = {k: v for k, v in optim_state.items() if k in wanted}
-        # The saved groups list rank 0's parameter names; this rank's groups hold its own, with the
-        # saved hyperparameters (the groups are the recipe's, in its order: decayed, not decayed).
-        current = cast("list[dict[str, Any]]", get_optimizer_state_dict(model, optimizer)["param_groups"])
-        groups = [
-            {**saved, "params": group["params"]} for group, saved in zip(current, state.param_groups, strict=True)
-        ]
-        set_optimizer_state_dict(model, optimizer, cast("Any", {"state": mine, "param_groups": groups}))
+        """This rank's parameters and their optimizer state, by name."""
+        load_by_name(model, optimizer, state, shards[0], getattr(model, TIED_NAMES, []))
 
 
 def _boundaries(spec: ModelSpec, cfg: JobConfig, n_blocks: int, parts: int) -> list[int]:
