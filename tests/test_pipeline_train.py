@@ -40,6 +40,19 @@ def test_a_pipeline_trains_as_ddp_does(pipeline_run, baseline):
     assert max(abs(pp[s] - ddp[s]) for s in pp) < 1e-5
 
 
+def test_the_report_has_a_stage_table(pipeline_run):
+    """Each stage's compute and idle share, and the bubble beside the schedule's theory."""
+    from petatrain.observe.goodput import account
+    from petatrain.observe.ledger import read_events
+
+    p = account(read_events(str(pipeline_run))).pipeline
+    assert p is not None and p["schedule"] == "1f1b" and p["bubble_theory"] == pytest.approx(1 / 5)
+    stages = p["stages_measured"]
+    assert [s["rank"] for s in stages] == [0, 1] and all(s["steps"] == 30 for s in stages)
+    assert stages[0]["units"][0].startswith("first..") and stages[1]["units"][0].endswith("..last")
+    assert all(0 < s["busy_s"] < s["wall_s"] and 0 < s["idle_share"] < 1 for s in stages)
+
+
 def test_a_killed_and_a_hung_stage_resume_bit_identically(pipeline_run, token_dataset, tmp_path):
     """A stage killed, then a stage hung (its peer blocked in a receive): the watchdog, not the
     collective timeout, ends the hang; the final weights equal the uninterrupted run's."""

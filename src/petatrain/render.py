@@ -115,8 +115,37 @@ def report(r: dict[str, Any]) -> None:
         out.print(faults)
     else:
         out.print("no faults")
+    if r.get("pipeline"):
+        _pipeline(r["pipeline"])
     files = r["files"]
     out.print(f"report: {files['html']}\nplots:  {files['loss_png']}, {files['timeline_png']}", highlight=False)
+
+
+def _pipeline(p: dict[str, Any]) -> None:
+    """The stage table: each pipeline rank's compute, idle share and the partition's prediction."""
+    table = Table(title=_pipeline_title(p))
+    for column in ("rank", "units", "steps", "compute (s)", "idle", "predicted (s)", "error"):
+        table.add_column(column, justify="left" if column == "units" else "right")
+    for s in p["stages_measured"]:
+        table.add_row(
+            str(s["rank"]),
+            ", ".join(s["units"] or []),
+            str(s["steps"]),
+            f"{s['busy_s']:.2f}",
+            _or_dash(s["idle_share"], "{:.1%}"),
+            _or_dash(s["predicted_busy_s"], "{:.2f}"),
+            _or_dash(s["prediction_error"], "{:+.1%}"),
+        )
+    out.print(table)
+
+
+def _pipeline_title(p: dict[str, Any]) -> str:
+    measured, theory = p.get("bubble_measured"), p.get("bubble_theory")
+    bubble = f"bubble {measured:.1%} measured" if measured is not None else "bubble not measured"
+    return (
+        f"pipeline {p.get('schedule')}: {p.get('stages')} stages x {p.get('chunks')} chunks, {p.get('microbatches')} "
+        f"micro-batches; {bubble}, {theory or 0:.1%} in theory"
+    )
 
 
 def _or_dash(value: Any, fmt: str = "{}") -> str:

@@ -134,6 +134,29 @@ class CheckpointDrain(Event):
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
+class PipelineStage(Event):
+    """One pipeline rank's compute over a window of steps (sent at each checkpoint and at the end):
+    `busy_s` the time in its stages' forward and backward, `wall_s` the schedule steps' whole time,
+    `predicted_busy_s` what the partition's per-unit costs predict (None without a layer profile)."""
+
+    kind: ClassVar[str] = "pipeline_stage"
+    attempt: int
+    rank: int
+    parts: list[int]
+    units: list[str]  # first and last unit of each part: "first", "block.3", "last"
+    steps: int
+    busy_s: float
+    wall_s: float
+    schedule: str
+    stages: int
+    microbatches: int
+    chunks: int
+    bubble_theory: float = 0.0  # (P-1)/(v M + P-1): the idle share of a step the schedule implies
+    predicted_busy_s: float | None = None
+    param_bytes: int = 0  # of the parameters this rank holds
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
 class Eval(Event):
     kind: ClassVar[str] = "eval"
     attempt: int
@@ -201,6 +224,7 @@ KINDS: dict[str, type[Event]] = {
         CheckpointSkipped,
         CheckpointDrain,
         Eval,
+        PipelineStage,
         NonFinite,
         FaultInjected,
         Failure,

@@ -127,6 +127,7 @@ class Goodput:
     checkpoints: list[CheckpointRecord] = field(default_factory=list)
     checkpoints_skipped: list[dict[str, Any]] = field(default_factory=list)
     evals: list[dict[str, Any]] = field(default_factory=list)  # step, loss, t_s of the kept evals
+    pipeline: dict[str, Any] | None = None  # per-stage compute and the bubble, for a pipeline run
     loss_curve: list[tuple[int, float]] = field(default_factory=list)  # (step, loss) of kept steps
     timeline: list[StepPoint] = field(default_factory=list)  # every step occurrence, for the plot
 
@@ -165,6 +166,7 @@ class Goodput:
             "checkpoints": [c.to_dict() for c in self.checkpoints],
             "checkpoints_skipped": self.checkpoints_skipped,
             "evals": self.evals,
+            "pipeline": self.pipeline,
             "loss_curve": [[step, loss] for step, loss in thin(self.loss_curve, MAX_CURVE_POINTS)],
         }
 
@@ -242,6 +244,7 @@ def account(events: list[dict[str, Any]]) -> Goodput:
     g.checkpoints, g.checkpoints_skipped = _checkpoints(events, attempts, t0)
     g.checkpoint_stall_s = sum(c.stall_s for c in g.checkpoints)
     g.evals = _evals(events, attempts, t0)
+    g.pipeline = _pipeline(events)
 
     g.faults = _faults(events, attempts, occurrences, t0, t_end)
     g.fault_detection_s = sum(f.detected_after_s or 0.0 for f in g.faults)
@@ -301,6 +304,37 @@ def _checkpoints(
         elif kind == "checkpoint_skipped":
             skipped.append({"url": e.get("url"), "reason": e.get("reason"), "t_s": _round(_t(e) - t0)})
     return list(by_key.values()), skipped
+
+
+def _pipeline(events: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Per pipeline rank (one per stage position): compute and wall time summed over its reports,
+    the idle share of its steps (the bubble, with the waits for its neighbours), and the partition's
+    prediction beside the measured compute where a layer profile gave one."""
+    rows: dict[int, dict[str, Any]] = {}
+    shape: dict[str, Any] = {}
+    for e in events:
+        if e.get("event") != "pipeline_stage" or _int(e.get("rank")) is None:
+            continue
+        row = rows.setdefault(int(e["rank"]), {"busy_s": 0.0, "wall_s": 0.0, "steps": 0, "predicted_busy_s": 0.0})
+        row.update(parts=e.get("parts"), units=e.get("units"), param_bytes=_int(e.get("param_bytes")))
+        row["busy_s"] += as_number(e.get("busy_s")) or 0.0
+        row["wall_s"] += as_number(e.get("wall_s")) or 0.0
+        row["steps"] += _int(e.get("steps")) or 0
+        predicted = as_number(e.get("predicted_busy_s"))
+        row["predicted_busy_s"] = (
+            None if predicted is None or row["predicted_busy_s"] is None else row["predicted_busy_s"] + predicted
+        )
+        shape = {k: e.get(k) for k in ("schedule", "stages", "microbatches", "chunks", "bubble_theory")}
+    if not rows:
+        return None
+    out = []
+    for rank, row in sorted(rows.items()):
+        busy, wall, predicted = row["busy_s"], row["wall_s"], row["predicted_busy_s"]
+        idle = 1 - busy / wall if wall > 0 else None
+        error = (predicted - busy) / busy if predicted is not None and busy > 0 else None
+        out.append({"rank": rank, **row, "idle_share": _round(idle), "prediction_error": _round(error)})
+    idles = [r["idle_share"] for r in out if r["idle_share"] is not None]
+    return {**shape, "bubble_measured": _round(sum(idles) / len(idles)) if idles else None, "stages_measured": out}
 
 
 def _evals(events: list[dict[str, Any]], attempts: list[tuple[int, bool]], t0: float) -> list[dict[str, Any]]:

@@ -216,6 +216,8 @@ def render_html(report: dict[str, Any], loss_png: bytes, timeline_png: bytes) ->
         "<h2>Checkpoints</h2>",
         *_checkpoints_html(report["checkpoints"]),
     ]
+    if report.get("pipeline"):
+        parts += ["<h2>Pipeline stages</h2>", *_pipeline_html(report["pipeline"])]
     if report["checkpoints_skipped"]:
         parts += [
             "<h2>Checkpoints skipped at resume</h2>",
@@ -251,6 +253,31 @@ _FAULT_COLUMNS = [
 def _faults_table(faults: list[dict[str, Any]]) -> str:
     rows = [_fault_row(f) for f in faults]
     return _table(_FAULT_COLUMNS, rows, cls="faults") if rows else "<p>No faults.</p>"
+
+
+def _pipeline_html(p: dict[str, Any]) -> list[str]:
+    measured, theory = p.get("bubble_measured"), p.get("bubble_theory") or 0.0
+    shape = f"{p.get('schedule')}, {p.get('stages')} stages x {p.get('chunks')} chunks"
+    bubble = f"{measured:.1%}" if measured is not None else "not measured"
+    head = ["rank", "units", "steps", "compute (s)", "idle", "predicted (s)", "error"]
+    rows = [_stage_row(s) for s in p["stages_measured"]]
+    summary = f"{shape}, {p.get('microbatches')} micro-batches: bubble {bubble} measured, {theory:.1%} in theory"
+    return [f"<p>{html.escape(summary)} ((P-1)/(vM+P-1)).</p>", _table(head, rows)]
+
+
+def _stage_row(s: dict[str, Any]) -> list[str]:
+    measured = [str(s["steps"]), f"{s['busy_s']:.2f}", _pct(s["idle_share"])]
+    return [
+        str(s["rank"]),
+        ", ".join(s["units"] or []),
+        *measured,
+        _seconds(s["predicted_busy_s"]),
+        _pct(s["prediction_error"], sign=True),
+    ]
+
+
+def _pct(value: float | None, *, sign: bool = False) -> str:
+    return "–" if value is None else (f"{value:+.1%}" if sign else f"{value:.1%}")
 
 
 def _fault_row(f: dict[str, Any]) -> list[str]:

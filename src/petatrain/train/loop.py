@@ -257,6 +257,7 @@ def _train(r: Rank, start: int, preemption: PreemptionNotice, chaos: inject.Rank
         chaos.at_step(step, elapsed)
 
         if checkpoint_due or preempt or stop or step == cfg.train.steps:
+            _report_stage(r)
             live = staging.live(refused=writer.live_refused)
             stall = _checkpoint(r, step, schedule, live=live)
             if live:
@@ -274,6 +275,13 @@ def _train(r: Rank, start: int, preemption: PreemptionNotice, chaos: inject.Rank
         if stop:
             break
     return step
+
+
+def _report_stage(r: Rank) -> None:
+    """A pipeline rank's compute since the last checkpoint, for the report's stage table."""
+    stage = r.steps.stage_report()
+    if stage is not None:
+        r.telemetry.record("pipeline_stage", **stage)
 
 
 def _on_nonfinite(r: Rank, step: int) -> float:

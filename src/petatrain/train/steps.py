@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from petatrain.cost import formulas
 from petatrain.models import ModelSpec
 from petatrain.train import recipe
 
@@ -59,6 +60,10 @@ class MicroBatches:
         with amp:
             return self.spec.loss_fn(self.model, tokens).float()
 
+    def stage_report(self) -> dict[str, Any] | None:
+        """A pipeline rank's compute since the last report (the `pipeline_stage` event); None here."""
+        return None
+
     def full_state(self) -> dict[str, torch.Tensor]:
         """The whole model's weights on rank 0 (a collective), empty elsewhere."""
         from petatrain.train.parallel import full_model_state
@@ -71,6 +76,8 @@ class PipelineSteps:
     """One schedule step over this replica's batch; gradients reduced and clipped over the pipeline."""
 
     piped: Any  # train.pipeline.stages.PipelineRank
+    schedule: str
+    predicted_step_busy_s: float | None = None  # this rank's compute per step, from a layer profile
 
     @property
     def model(self) -> nn.Module:
@@ -102,6 +109,25 @@ class PipelineSteps:
             loss = self.piped.forward_backward(tokens, train=False)
         return loss if self.piped.last else None
 
+    def stage_report(self) -> dict[str, Any] | None:
+        """This rank's compute since the last report, from the first replica's ranks (one per stage)."""
+        piped, layout = self.piped, self.piped.layout
+        steps, busy, wall = piped.take_window()
+        if steps == 0 or layout.dp_rank(piped.rank) != 0:
+            return None
+        units = []
+        for part in piped.parts:
+            span = list(piped.plan.units(part))
+            units.append(f"{_unit_name(span[0], piped.plan.n_blocks)}..{_unit_name(span[-1], piped.plan.n_blocks)}")
+        predicted = self.predicted_step_busy_s * steps if self.predicted_step_busy_s is not None else None
+        return {
+            "rank": piped.rank, "parts": piped.parts, "units": units, "steps": steps, "busy_s": busy, "wall_s": wall,
+            "schedule": self.schedule, "stages": layout.stages, "microbatches": piped.schedule._n_microbatches,
+            "chunks": layout.chunks, "predicted_busy_s": predicted,
+            "bubble_theory": formulas.bubble_fraction(layout.stages, piped.schedule._n_microbatches, layout.chunks),
+            "param_bytes": sum(p.numel() * p.element_size() for p in self.model.parameters()),
+        }  # fmt: skip
+
     def full_state(self) -> dict[str, torch.Tensor]:
         """Every part's weights gathered on rank 0 (from the first replica), by the whole model's names."""
         layout, rank = self.piped.layout, dist.get_rank()
@@ -114,3 +140,7 @@ class PipelineSteps:
         for part in gathered:
             full.update(part or {})
         return full
+
+
+def _unit_name(unit: int, n_blocks: int) -> str:
+    return "first" if unit == 0 else "last" if unit == n_blocks + 1 else f"block.{unit - 1}"

@@ -16,6 +16,7 @@ both copies take the same update. `clip` computes the global norm over the whole
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,6 +108,28 @@ def keep_parts(model: nn.Module, parts: PipelineParts, plan: PartPlan, mine: lis
     return chunks
 
 
+class StageClock:
+    """The time a rank's stages spend computing (their forward and backward chunks, as torch's
+    schedules call them), apart from the waits for their neighbours in between."""
+
+    def __init__(self, stages: list[Any]):
+        self.busy_s = 0.0
+        for stage in stages:
+            for method in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+                if hasattr(stage, method):
+                    setattr(stage, method, self._timed(getattr(stage, method)))
+
+    def _timed(self, fn: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.busy_s += time.perf_counter() - t0
+
+        return run
+
+
 @dataclass
 class PipelineRank:
     """This rank's parts of the pipeline, its schedule and its process groups."""
@@ -122,6 +145,23 @@ class PipelineRank:
         default_factory=list
     )  # (this rank's copies of a tied weight, group)
     not_counted: frozenset[str] = frozenset()  # second copies of tied weights: left out of the gradient norm
+    clock: StageClock | None = None
+    plan: PartPlan | None = None
+    wall_s: float = 0.0  # time in schedule steps (training), since the clock was last read
+    steps: int = 0
+
+    @property
+    def parts(self) -> list[int]:
+        return self.layout.parts_of(self.layout.pp_rank(self.rank))
+
+    def take_window(self) -> tuple[int, float, float]:
+        """(steps, busy seconds, wall seconds) since the last call."""
+        busy = self.clock.busy_s if self.clock else 0.0
+        out = (self.steps, busy, self.wall_s)
+        if self.clock:
+            self.clock.busy_s = 0.0
+        self.steps, self.wall_s = 0, 0.0
+        return out
 
     @property
     def first(self) -> bool:
@@ -138,7 +178,13 @@ class PipelineRank:
         target = tokens[:, 1:] if self.last else None
         losses: list[torch.Tensor] = []
         run = self.schedule.step if train else self.schedule.eval
+        busy, t0 = (self.clock.busy_s if self.clock else 0.0), time.perf_counter()
         run(*args, target=target, losses=losses, return_outputs=False)
+        if train:
+            self.wall_s += time.perf_counter() - t0
+            self.steps += 1
+        elif self.clock:
+            self.clock.busy_s = busy  # evaluation is not the training step's compute
         if not losses:
             return torch.zeros((), device=tokens.device)
         return torch.stack([loss.detach().float() for loss in losses]).mean()
@@ -231,7 +277,7 @@ def build(
         runner = cls(stages, n_microbatches=microbatches, loss_fn=loss_fn)
     return PipelineRank(
         layout=layout, rank=rank, model=model, chunks=chunks, schedule=runner, pp_group=pp_group,
-        dp_group=dp_group, tie_groups=tie_groups, not_counted=not_counted,
+        dp_group=dp_group, tie_groups=tie_groups, not_counted=not_counted, clock=StageClock(stages), plan=plan,
     )  # fmt: skip
 
 

@@ -94,7 +94,7 @@ class Pipeline(Strategy):
         )  # fmt: skip
         if dist.get_rank() == 0:
             log.info("pipeline parts (first unit of each): %s", list(plan.starts))
-        return PipelineSteps(piped)
+        return PipelineSteps(piped, pc.schedule)
 
     def data_shard(self, cfg: JobConfig, rank: int, world: int) -> tuple[int, int, int]:
         """(loader rank, loader world, rows per `next()`): a replica's ranks read the same whole batch."""
