@@ -12,10 +12,10 @@ import torch
 from conftest import ROOT, run_cli
 from petatrain import config as config_mod
 from petatrain.config import JobConfig, ModelConfig, TrainConfig
+from petatrain.cost.calibration import Calibration, load_calibrations, save_calibration
 from petatrain.errors import ConfigError, PetatrainError
 from petatrain.models import build_model, count_params
 from petatrain.plan import estimate as est
-from petatrain.plan.calibration import Calibration, load_calibrations, save_calibration
 from petatrain.plan.catalog import load_catalog
 from petatrain.plan.flops import FlopCounter, count_training_step
 from petatrain.plan.recommend import PlanRequest, plan

@@ -9,7 +9,7 @@ import torch
 
 from conftest import run_cli
 from petatrain import config as config_mod
-from petatrain.plan.calibration import load_calibrations
+from petatrain.cost.calibration import load_calibrations
 from petatrain.plan.profile import catalog_name, profile
 
 

@@ -421,6 +421,14 @@ def plan(
     return recommend(config, request)
 
 
+def profile_layers(config: JobConfig, *, repetitions: int = 5, save: bool = True) -> dict[str, Any]:
+    """Measure each unit of the model (embedding, blocks, head) and the link between two ranks here,
+    save the layer profile the `profile` pipeline partitioner reads, and compare the partitions."""
+    from petatrain.plan.pipeline import profile_layers as measure
+
+    return measure(config, repetitions=repetitions, save=save)
+
+
 def profile(config: JobConfig, *, steps: int = 5, use_dataset: bool = False, save: bool = True) -> ProfileReport:
     """Run real training steps here, compare them with the plan's estimate, save a calibration."""
     from petatrain.plan.profile import profile as measure

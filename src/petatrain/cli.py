@@ -446,6 +446,14 @@ def profile_cmd(
         bool, typer.Option("--dataset", help="Read batches from data.dataset instead of random tokens.")
     ] = False,
     save: Annotated[bool, typer.Option(help="Save the calibration that later plan runs use.")] = True,
+    layers: Annotated[
+        bool,
+        typer.Option(
+            "--layers",
+            help="Measure each unit (embedding, blocks, head) and the link between two ranks instead: "
+            "what parallel.pipeline.partition profile cuts by; prints each partition's predicted stages.",
+        ),
+    ] = False,
     set_: Sets = None,
     as_json: Json = False,
 ) -> None:
@@ -456,6 +464,10 @@ def profile_cmd(
         if steps < 1:
             _fail("--steps must be >= 1")
         cfg = config_mod.load(config, list(set_ or []))
+        if layers:
+            measured = api.profile_layers(cfg, repetitions=steps, save=save)
+            _print_json(measured) if as_json else render.layers(measured)
+            return
         report = api.profile(cfg, steps=steps, use_dataset=dataset, save=save)
         if as_json:
             _print_json(report.to_dict())

@@ -255,3 +255,41 @@ def profile(r: dict[str, Any]) -> None:
     out.print(f"peak memory measured with {r['memory_method']}", highlight=False)
     if r.get("calibration_path"):
         out.print(f"calibration saved to {r['calibration_path']} (plan uses it for {r['calibration']['accelerator']})")
+
+
+def layers(r: dict[str, Any]) -> None:
+    """`profile --layers`: each unit's cost, then each partition's predicted stages."""
+    p = r["profile"]
+    units = Table(title=f"units on {p['device']}, micro-batch {p['micro_batch']} (median of {p['repetitions']})")
+    for column in ("unit", "fwd+bwd (ms)", "activation", "parameters"):
+        units.add_column(column, justify="left" if column == "unit" else "right")
+    for name, s, a, b in zip(p["units"], p["seconds"], p["activation_bytes"], p["param_bytes"], strict=True):
+        units.add_row(name, f"{1e3 * s:.2f}", _bytes(a), _bytes(b))
+    out.print(units)
+    if p.get("p2p_latency_s") is not None:
+        out.print(
+            f"point to point here: {1e6 * p['p2p_latency_s']:.0f} us latency, {p['p2p_bytes_per_s'] / 1e9:.2f} GB/s",
+            highlight=False,
+        )
+    for c in r["partitions"]:
+        table = Table(
+            title=f"partition {c['partition']}: step {1e3 * c['step_s']:.1f} ms predicted, slowest stage "
+            f"{c['imbalance']:.2f}x the mean"
+        )
+        for column in ("stage", "units", "fwd+bwd per micro-batch (ms)", "weights+grads+optimizer", "activations"):
+            table.add_column(column, justify="left" if column == "units" else "right")
+        for k, s in enumerate(c["stages"]):
+            table.add_row(
+                str(k), s["units"], f"{1e3 * s['seconds_per_micro']:.2f}", _bytes(s["state_bytes"]),
+                _bytes(s["activation_bytes"]),
+            )  # fmt: skip
+        out.print(table)
+    if r.get("path"):
+        out.print(f"saved: {r['path']} (parallel.pipeline.partition profile reads it)", highlight=False)
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"

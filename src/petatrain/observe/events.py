@@ -154,6 +154,7 @@ class PipelineStage(Event):
     bubble_theory: float = 0.0  # (P-1)/(v M + P-1): the idle share of a step the schedule implies
     predicted_busy_s: float | None = None
     param_bytes: int = 0  # of the parameters this rank holds
+    warm_up: bool = False  # the attempt's first window: its first steps set up the schedule (left out of the table)
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

@@ -307,14 +307,16 @@ def _checkpoints(
 
 
 def _pipeline(events: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """Per pipeline rank (one per stage position): compute and wall time summed over its reports,
+    """Per pipeline rank (one per stage position): compute and wall time summed over its steady reports,
     the idle share of its steps (the bubble, with the waits for its neighbours), and the partition's
     prediction beside the measured compute where a layer profile gave one."""
     rows: dict[int, dict[str, Any]] = {}
     shape: dict[str, Any] = {}
-    for e in events:
-        if e.get("event") != "pipeline_stage" or _int(e.get("rank")) is None:
-            continue
+    reports = [e for e in events if e.get("event") == "pipeline_stage" and _int(e.get("rank")) is not None]
+    # An attempt's first window holds its set-up (shape inference, first allocations): left out when
+    # later windows exist, so the table shows the steady state the prediction is for.
+    steady = [e for e in reports if not e.get("warm_up")]
+    for e in steady or reports:
         row = rows.setdefault(int(e["rank"]), {"busy_s": 0.0, "wall_s": 0.0, "steps": 0, "predicted_busy_s": 0.0})
         row.update(parts=e.get("parts"), units=e.get("units"), param_bytes=_int(e.get("param_bytes")))
         row["busy_s"] += as_number(e.get("busy_s")) or 0.0

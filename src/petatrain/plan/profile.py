@@ -30,10 +30,10 @@ from typing import Any
 import torch
 
 from petatrain.config import JobConfig
+from petatrain.cost.calibration import Calibration, load_calibrations, save_calibration
 from petatrain.errors import ConfigError
 from petatrain.models import build_model
 from petatrain.plan import estimate as est
-from petatrain.plan.calibration import Calibration, load_calibrations, save_calibration
 from petatrain.plan.catalog import load_catalog
 from petatrain.plan.flops import FlopCounter
 from petatrain.train import recipe

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
 from petatrain.config import JobConfig, parse_size
+from petatrain.cost.calibration import Calibration, load_calibrations
 from petatrain.errors import ConfigError
 from petatrain.plan import estimate as est
-from petatrain.plan.calibration import Calibration, load_calibrations
 from petatrain.plan.catalog import GIB, Accelerator, find, load_catalog
 from petatrain.train import recipe, strategies
 from petatrain.train.strategies import OVERLAP

@@ -78,6 +78,7 @@ class PipelineSteps:
     piped: Any  # train.pipeline.stages.PipelineRank
     schedule: str
     predicted_step_busy_s: float | None = None  # this rank's compute per step, from a layer profile
+    reported: int = 0
 
     @property
     def model(self) -> nn.Module:
@@ -115,6 +116,7 @@ class PipelineSteps:
         steps, busy, wall = piped.take_window()
         if steps == 0 or layout.dp_rank(piped.rank) != 0:
             return None
+        warm_up, self.reported = self.reported == 0, self.reported + 1
         units = []
         for part in piped.parts:
             span = list(piped.plan.units(part))
@@ -126,6 +128,7 @@ class PipelineSteps:
             "chunks": layout.chunks, "predicted_busy_s": predicted,
             "bubble_theory": formulas.bubble_fraction(layout.stages, piped.schedule._n_microbatches, layout.chunks),
             "param_bytes": sum(p.numel() * p.element_size() for p in self.model.parameters()),
+            "warm_up": warm_up,
         }  # fmt: skip
 
     def full_state(self) -> dict[str, torch.Tensor]:

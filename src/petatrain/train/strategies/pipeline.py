@@ -74,7 +74,7 @@ class Pipeline(Strategy):
     def steps(self, spec: ModelSpec, cfg: JobConfig, device: torch.device, world: int) -> Any:
         import torch.distributed as dist
 
-        from petatrain.train.pipeline import stages
+        from petatrain.train.pipeline import costs, stages
         from petatrain.train.pipeline.layout import Layout
         from petatrain.train.steps import PipelineSteps
 
@@ -86,15 +86,22 @@ class Pipeline(Strategy):
             )
         layout = Layout.of(pc.stages, world, pc.chunks_per_rank(), pc.schedule)
         n_blocks = len(getattr(spec.module, spec.pipeline.blocks))
-        plan = stages.PartPlan(tuple(_boundaries(spec, cfg, n_blocks, layout.parts)), n_blocks)
+        micro = cfg.train.global_batch // layout.replicas // pc.microbatch_count()
+        profile = costs.load(cfg, costs.device_name(device))
+        starts = _boundaries(spec, cfg, n_blocks, layout.parts, profile, micro)
+        plan = stages.PartPlan(tuple(starts), n_blocks)
         setattr(spec.module, TIED_NAMES, stages.tied_names(spec.module))
         piped = stages.build(
             spec.module, spec.pipeline, plan, layout, schedule=pc.schedule, microbatches=pc.microbatch_count(),
             device=device,
         )  # fmt: skip
+        predicted = None
+        if profile is not None:  # this rank's compute per step: its parts' per-micro-batch costs, M times
+            per_part = costs.stage_seconds(profile, starts, micro)
+            predicted = pc.microbatch_count() * sum(per_part[k] for k in piped.parts)
         if dist.get_rank() == 0:
             log.info("pipeline parts (first unit of each): %s", list(plan.starts))
-        return PipelineSteps(piped, pc.schedule)
+        return PipelineSteps(piped, pc.schedule, predicted)
 
     def data_shard(self, cfg: JobConfig, rank: int, world: int) -> tuple[int, int, int]:
         """(loader rank, loader world, rows per `next()`): a replica's ranks read the same whole batch."""
@@ -130,27 +137,41 @@ class Pipeline(Strategy):
         load_by_name(model, optimizer, state, shards[0], getattr(model, TIED_NAMES, []))
 
 
-def _boundaries(spec: ModelSpec, cfg: JobConfig, n_blocks: int, parts: int) -> list[int]:
-    """Where each part starts (in units: first, blocks, last), as parallel.pipeline.partition says."""
+def _boundaries(
+    spec: ModelSpec, cfg: JobConfig, n_blocks: int, parts: int, profile: Any, micro_batch: int
+) -> list[int]:
+    """Where each part starts (in units: first, blocks, last), as parallel.pipeline.partition says:
+    `profile` (PipeDream's dynamic program over the measured per-unit times; `auto` when this model
+    has a layer profile here), `parameters` (the same over parameter counts) or `uniform`."""
     from petatrain.train.pipeline.layout import partition, uniform
 
     how = cfg.parallel.pipeline.partition
-    if how == "profile":
-        raise ConfigError(
-            "parallel.pipeline.partition profile: no per-block profile of this model yet; use parameters or uniform"
-        )
+    if how == "auto":
+        how = "profile" if profile is not None else "parameters"
     if how == "uniform":
         return uniform(n_blocks, parts)
+    if how == "profile":
+        if profile is None:
+            raise ConfigError(
+                "parallel.pipeline.partition profile: no layer profile of this model on this device; "
+                "run `petatrain profile CONFIG --layers` first (or use parameters)"
+            )
+        if len(profile.units) != n_blocks + 2:
+            raise ConfigError(f"the layer profile has {len(profile.units)} units; this model has {n_blocks + 2}")
+        return partition(profile.scaled(micro_batch), parts)
+    return partition(parameter_costs(spec), parts)
+
+
+def parameter_costs(spec: ModelSpec) -> list[float]:
+    """Parameters per unit: the embedding's, each block's, the final norm and head's (a tied head counts)."""
     module, names = spec.module, spec.pipeline
     assert names is not None
-    blocks = getattr(module, names.blocks)
 
     def params(mods: list[Any]) -> float:
         return float(sum(p.numel() for m in mods if m is not None for p in m.parameters()))
 
-    costs = [
+    return [
         params([getattr(module, n) for n in names.first]),
-        *(params([b]) for b in blocks),
+        *(params([b]) for b in getattr(module, names.blocks)),
         params([getattr(module, n) for n in names.last]),
     ]
-    return partition(costs, parts)

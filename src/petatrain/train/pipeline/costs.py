@@ -1,0 +1,240 @@
+"""What each unit of a model costs, measured (`petatrain profile --layers`): the per-unit forward +
+backward time of one micro-batch, its output activation bytes and its parameter bytes, and the
+point-to-point time between two ranks here. Saved beside the calibration (plan.calibration_dir,
+`layers-<key>.json`, the key naming the model, micro-batch, precision and device), read by the
+`profile` partitioner and by the stage table's predictions.
+
+A unit is what a stage boundary may fall between: the embedding ("first"), each block, the final
+norm and head ("last"); see layout.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from petatrain.config import JobConfig
+from petatrain.cost.calibration import calibration_dir
+from petatrain.errors import ConfigError, PetatrainError
+from petatrain.models import ModelSpec, build_model
+from petatrain.train import recipe
+from petatrain.train.pipeline.layout import units
+
+
+@dataclass(kw_only=True, slots=True)
+class LayerProfile:
+    device: str
+    micro_batch: int
+    units: list[str]
+    seconds: list[float]  # forward + backward of one micro-batch, per unit (median of the repetitions)
+    activation_bytes: list[int]  # each unit's output, per micro-batch
+    param_bytes: list[int]
+    p2p_latency_s: float | None = None  # a one-element send/recv between two ranks here
+    p2p_bytes_per_s: float | None = None  # for a micro-batch's activation
+    repetitions: int = 0
+    measured_at: str = ""
+    key: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def scaled(self, micro_batch: int) -> list[float]:
+        """Per-unit seconds at another micro-batch size (compute grows with the rows it processes)."""
+        return [s * micro_batch / self.micro_batch for s in self.seconds]
+
+
+def profile_key(cfg: JobConfig, device: str) -> str:
+    """The model, arithmetic and device a layer profile holds for (not the batch: it scales)."""
+    t = cfg.train
+    what = {
+        "model": dataclasses.asdict(cfg.model),
+        "precision": t.precision,
+        "attention": t.attention,
+        "recompute": t.activation_checkpointing,
+        "device": device,
+    }
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def path_for(cfg: JobConfig, device: str) -> Path:
+    return calibration_dir(cfg.plan.calibration_dir) / f"layers-{profile_key(cfg, device)}.json"
+
+
+def load(cfg: JobConfig, device: str) -> LayerProfile | None:
+    """The saved layer profile of this model on `device`, or None; an unreadable file is an error naming it."""
+    path = path_for(cfg, device)
+    if not path.is_file():
+        return None
+    try:
+        profile = LayerProfile(**json.loads(path.read_text()))
+    except (ValueError, TypeError) as exc:
+        raise PetatrainError(f"layer profile {path} is unreadable ({exc}); run profile --layers again") from None
+    if len(profile.seconds) != len(profile.units) or min(profile.seconds, default=0) < 0:
+        raise PetatrainError(f"layer profile {path} is inconsistent; run profile --layers again")
+    return profile
+
+
+def save(profile: LayerProfile, cfg: JobConfig) -> Path:
+    path = path_for(cfg, profile.device)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(profile.to_dict(), indent=2))
+    tmp.replace(path)
+    return path
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def measure(cfg: JobConfig, micro_batch: int, device: torch.device, *, repetitions: int = 5) -> LayerProfile:
+    """Time each unit's forward and backward on one micro-batch of random tokens, one unit at a time."""
+    torch.manual_seed(cfg.train.seed)
+    spec = build_model(cfg.model, cfg.train)
+    if spec.pipeline is None:
+        raise ConfigError(f"model.kind {cfg.model.kind}: profile --layers needs a model that names its pipeline parts")
+    torch.set_flush_denormal(cfg.train.flush_denormal)
+    if device.type == "cpu":  # a training rank computes on the cores Ray gives it (OMP_NUM_THREADS)
+        torch.set_num_threads(max(1, int(cfg.resources.cpus_per_worker)))
+    module: Any = spec.module.to(device).train()
+    blocks = list(getattr(module, spec.pipeline.blocks))
+    names = units(len(blocks))
+    tokens = torch.randint(0, cfg.model.vocab_size, (micro_batch, cfg.model.seq_len + 1), device=device)
+    amp = recipe.autocast(cfg.train, device)
+    with torch.no_grad(), amp:
+        hidden = module.embed(tokens[:, :-1])
+    seconds, activations, params = [], [], []
+    for i in range(len(names)):
+        run = _unit(spec, module, blocks, i, tokens, hidden)
+        times = []
+        out = None
+        for rep in range(repetitions + 1):  # the first is a warm-up
+            t0 = time.perf_counter()
+            with amp:
+                out, loss = run()
+            loss.backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if rep:
+                times.append(time.perf_counter() - t0)
+            module.zero_grad(set_to_none=True)
+        seconds.append(statistics.median(times))
+        activations.append(int(out.numel() * out.element_size()) if out is not None else 0)
+        params.append(_param_bytes(spec, module, blocks, i))
+    return LayerProfile(
+        device=device_name(device), micro_batch=micro_batch, units=names, seconds=seconds,
+        activation_bytes=activations, param_bytes=params, repetitions=repetitions,
+        measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    )  # fmt: skip
+
+
+def _unit(
+    spec: ModelSpec, module: Any, blocks: list[torch.nn.Module], i: int, tokens: torch.Tensor, hidden: torch.Tensor
+):
+    """A closure running unit `i` forward: (its output, a scalar whose backward is the unit's backward)."""
+    n = len(blocks)
+    parts = spec.pipeline
+    assert parts is not None
+    if i == 0:
+        return lambda: _with_sum(module.embed(tokens[:, :-1]))
+    x = hidden.detach().requires_grad_(True)
+    if i == n + 1:
+
+        def last():
+            out = module.finish(x)
+            return out, parts.output_loss(out, tokens[:, 1:])
+
+        return last
+    run_block = getattr(module, "run_block", None)
+    block = blocks[i - 1]
+    return lambda: _with_sum(run_block(block, x) if run_block else block(x))
+
+
+def _with_sum(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A unit's output and a scalar of it to run its backward from (a gradient flows to every element)."""
+    return out, out.float().pow(2).mean()
+
+
+def _param_bytes(spec: ModelSpec, module: Any, blocks: list[torch.nn.Module], i: int) -> int:
+    parts = spec.pipeline
+    assert parts is not None
+    if i == 0:
+        mods = [getattr(module, n) for n in parts.first]
+    elif i == len(blocks) + 1:
+        mods = [getattr(module, n) for n in parts.last]
+    else:
+        mods = [blocks[i - 1]]
+    return sum(p.numel() * p.element_size() for m in mods for p in m.parameters())
+
+
+def stage_seconds(profile: LayerProfile, plan_starts: list[int], micro_batch: int) -> list[float]:
+    """Predicted forward + backward seconds of one micro-batch per part."""
+    costs = profile.scaled(micro_batch)
+    ends = [*plan_starts[1:], len(costs)]
+    return [sum(costs[a:b]) for a, b in zip(plan_starts, ends, strict=True)]
+
+
+def measure_together(cfg: JobConfig, micro_batch: int, ranks: int, *, repetitions: int = 5) -> LayerProfile:
+    """`measure` on the CPU in `ranks` processes at once, as a pipeline's ranks share this host's cores
+    and memory bandwidth while they train (the per-unit median over the processes), then the
+    point-to-point time between two of them: a one-element ping-pong (latency) and one of an
+    activation's size or 8 MiB, whichever is larger (bandwidth)."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as folder:
+        out = f"{folder}/layers.json"
+        args = (ranks, f"file://{folder}/store", cfg, micro_batch, repetitions, out)
+        mp.start_processes(_profile_rank, args=args, nprocs=ranks, start_method="spawn")
+        return LayerProfile(**json.loads(Path(out).read_text()))
+
+
+def _profile_rank(rank: int, ranks: int, init: str, cfg: JobConfig, micro: int, repetitions: int, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=ranks)
+    try:
+        dist.barrier()
+        mine = measure(cfg, micro, torch.device("cpu"), repetitions=repetitions)
+        everyone: list[Any] = [None] * ranks
+        dist.all_gather_object(everyone, mine.seconds)
+        mine.seconds = [statistics.median(column) for column in zip(*everyone, strict=True)]
+        if ranks > 1:
+            size = max(8 << 20, max(mine.activation_bytes[1:-1] or [4]))
+            mine.p2p_latency_s, mine.p2p_bytes_per_s = _ping_pong(rank, size, repetitions=20)
+        if rank == 0:
+            Path(out).write_text(json.dumps(mine.to_dict()))
+    finally:
+        dist.destroy_process_group()
+
+
+def _ping_pong(rank: int, size: int, *, repetitions: int) -> tuple[float, float]:
+    """(latency, bytes per second) one way between ranks 0 and 1 (the others wait at the barrier)."""
+    import torch.distributed as dist
+
+    timings = {}
+    for name, numel in (("small", 1), ("large", size // 4)):
+        buffer = torch.zeros(numel, dtype=torch.float32)
+        samples = []
+        for _ in range(repetitions + 1):
+            t0 = time.perf_counter()
+            if rank == 0:
+                dist.send(buffer, 1)
+                dist.recv(buffer, 1)
+            elif rank == 1:
+                dist.recv(buffer, 0)
+                dist.send(buffer, 0)
+            samples.append((time.perf_counter() - t0) / 2)
+        timings[name] = statistics.median(samples[1:])
+    dist.barrier()
+    latency = timings["small"]
+    return latency, size / max(timings["large"] - latency, timings["large"] / 2)
