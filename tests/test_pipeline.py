@@ -167,3 +167,59 @@ def test_every_schedule_matches_the_unsplit_model(tmp_path, world):
     for case, worst in results.items():
         assert worst["loss"] < 1e-6 and worst["grad"] < 1e-6 and worst["norm"] < 1e-5, (case, worst)
         assert worst["weight"] < 1e-6, (case, worst)
+
+
+# -- the layer profile and the stage table --------------------------------------------------------
+
+
+def test_profile_layers_cli_saves_what_the_partitioner_reads(tmp_path):
+    """`profile --layers`: every unit measured side by side in a process per stage, the link between
+    two ranks, each partition's stages; partition=profile then cuts by those times."""
+    import json
+
+    from conftest import run_cli
+    from petatrain import config as config_mod
+    from petatrain.train.pipeline import costs
+
+    sets = [f"plan.calibration_dir={tmp_path}", "model.seq_len=32", "model.n_layer=3"]
+    args = ["profile", "examples/pipeline.yaml", "--layers", "--steps", "2", "--json"]
+    result = run_cli(*args, *(x for s in sets for x in ("--set", s)))
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout)
+    profile = report["profile"]
+    assert profile["units"] == ["first", "block.0", "block.1", "block.2", "last"]
+    assert all(s > 0 for s in profile["seconds"]) and profile["p2p_bytes_per_s"] > 0
+    assert [c["partition"] for c in report["partitions"]] == ["uniform", "parameters", "profile"]
+    assert all(len(c["stages"]) == 2 and c["step_s"] > 0 for c in report["partitions"])
+    cfg = config_mod.load("examples/pipeline.yaml", sets)
+    assert costs.load(cfg, "cpu") is not None and report["path"] == str(costs.path_for(cfg, "cpu"))
+
+
+def test_partition_profile_without_a_profile_is_one_line(tmp_path):
+    from petatrain import config as config_mod
+    from petatrain.models import build_model
+    from petatrain.train.strategies.pipeline import _boundaries
+
+    cfg = config_mod.load("examples/pipeline.yaml", ["parallel.pipeline.partition=profile"])
+    with pytest.raises(ConfigError, match="run `petatrain profile CONFIG --layers` first"):
+        _boundaries(build_model(cfg.model, cfg.train), cfg, 4, 2, None, 4)
+    auto = config_mod.load("examples/pipeline.yaml", ["parallel.pipeline.partition=auto"])
+    assert _boundaries(build_model(auto.model, auto.train), auto, 4, 2, None, 4) == [0, 3]  # parameters
+
+
+def test_stage_table_leaves_out_the_warm_up_window():
+    from petatrain.observe.goodput import account
+
+    def report(rank, busy, wall, warm, predicted=None):
+        return {
+            "t": 1.0, "event": "pipeline_stage", "attempt": 0, "rank": rank, "parts": [rank], "units": ["x..y"],
+            "steps": 10, "busy_s": busy, "wall_s": wall, "schedule": "1f1b", "stages": 2, "microbatches": 4,
+            "chunks": 1, "bubble_theory": 0.2, "predicted_busy_s": predicted, "warm_up": warm,
+        }  # fmt: skip
+
+    events = [report(0, 9.0, 10.0, True), report(0, 0.6, 1.0, False, 0.5), report(0, 0.6, 1.0, False, 0.5)]
+    p = account(events).pipeline
+    assert p is not None and p["bubble_theory"] == 0.2
+    (stage,) = p["stages_measured"]
+    assert stage["steps"] == 20 and stage["busy_s"] == pytest.approx(1.2) and stage["idle_share"] == pytest.approx(0.4)
+    assert stage["prediction_error"] == pytest.approx(-1 / 6, abs=1e-3)
