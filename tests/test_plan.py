@@ -489,3 +489,26 @@ def test_cli_plan_json_and_errors(tmp_path):
 def test_plan_verbs_have_help(verb):
     result = run_cli(verb, "--help")
     assert result.returncode == 0 and "Usage" in result.stdout
+
+
+def test_pipeline_candidates_are_searched_hybrids():
+    """plan models a pipeline as P stages x D replicas, with the micro-batch count and the recompute
+    policy searched, and says why it beats or loses to FSDP on the same devices."""
+    from petatrain import config as config_mod
+    from petatrain.plan.recommend import PlanRequest, plan
+
+    cfg = config_mod.load("examples/plan-70b.yaml", [])
+    result = plan(cfg, PlanRequest(accelerator="H100-SXM", count=64, strategies=("fsdp", "pipeline")))
+    pipe = next(c for c in result.candidates if c.strategy == "pipeline")
+    shape = pipe.layout
+    assert shape["stages"] * shape["replicas"] == 64 and shape["stages"] >= 2
+    assert shape["microbatches"] % shape["stages"] == 0 and shape["recompute"] in ("none", "selective", "full")
+    assert cfg.train.global_batch == shape["replicas"] * shape["microbatches"] * shape["micro_batch"]
+    why = result.pipeline_vs_fsdp["H100-SXM x64"]
+    assert why.startswith(f"pipeline {shape['stages']}x{shape['replicas']}") and "fsdp" in why
+    # The search is over layouts: no fitting one is faster than the one chosen.
+    from petatrain.plan.catalog import find, load_catalog
+    from petatrain.plan.recommend import _best_pipeline
+
+    again = _best_pipeline(result.workload, find("H100-SXM", load_catalog(cfg.plan)), 64, cfg, None, 24.0)
+    assert again.layout == shape and again.step_time_s == pytest.approx(pipe.step_time_s)

@@ -199,10 +199,11 @@ def plan(r: dict[str, Any], show: int) -> None:
         table.add_column(col, justify="left" if col in ("accelerator", "strategy", "verdict") else "right")
     for c in runnable[:show]:
         verdict = "[green]recommended[/green]" if rec and _same(c, rec) else (c["reason"].split(":")[0] or "ok")
+        shape = c.get("layout") or {}
         table.add_row(
             c["accelerator"],
             str(c["count"]),
-            c["strategy"],
+            c["strategy"] + (f" {shape['stages']}x{shape['replicas']} M={shape['microbatches']}" if shape else ""),
             _gib(c["memory_bytes"]["total"]),
             f"{c['step_time_s']:.3g} s",
             f"{c['mfu']:.1%}",
@@ -229,6 +230,22 @@ def plan(r: dict[str, Any], show: int) -> None:
             f"(weights {_gib(mem['weights'])}, gradients {_gib(mem['gradients'])}, optimizer {_gib(mem['optimizer'])}, "
             f"activations {_gib(mem['activations'])}, other {_gib(mem['other'])}); step {rec['step_time_s']:.3g} s at "
             f"{rec['mfu']:.1%} MFU; checkpoint every {_duration(rec['checkpoint']['interval_s'])}",
+            highlight=False,
+        )
+
+    versus = r.get("pipeline_vs_fsdp") or {}
+    if rec and f"{rec['accelerator']} x{rec['count']}" in versus:
+        out.print(
+            f"pipeline or fsdp on {rec['count']} x {rec['accelerator']}: "
+            + versus[f"{rec['accelerator']} x{rec['count']}"],
+            highlight=False,
+        )
+    if rec and rec.get("layout"):
+        shape = rec["layout"]
+        out.print(
+            f"pipeline layout: parallel.pipeline.stages={shape['stages']} ({shape['replicas']} replicas), "
+            f"parallel.pipeline.microbatches={shape['microbatches']}, "
+            f"train.activation_checkpointing={shape['recompute']}",
             highlight=False,
         )
 

@@ -64,7 +64,7 @@ class MemoryEstimate:
 def memory_per_device(
     w: Workload,
     *,
-    strategy: str,
+    strategy: str | strategies.Strategy,
     count: int,
     framework_overhead: float = 0.0,
     accumulation: int | None = None,
@@ -81,7 +81,7 @@ def memory_per_device(
     otherwise they grow as activations free. `cpu` selects torch's CPU kernels (no fused
     dropout, single-tensor AdamW). `accumulation` defaults to the recipe's for `count` devices.
     """
-    plan = strategies.get(strategy)
+    plan = strategies.get(strategy) if isinstance(strategy, str) else strategy
     if accumulation is None:
         accumulation = recipe.micro_batching(w, plan.data_parallel(count))[1]
     layout = plan.state_layout(w, count, accumulation)

@@ -8,6 +8,7 @@ goodput, and the time and cost of the whole token budget on demand and on spot.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
@@ -56,6 +57,7 @@ class Candidate:
     cost_usd_spot: float
     reason: str = ""
     feasible: bool = True  # the candidate can run at all (batch divides, enough layers)
+    layout: dict[str, Any] = field(default_factory=dict)  # a pipeline's stages, replicas, micro-batches, recompute
 
     @property
     def rejected(self) -> bool:
@@ -97,6 +99,7 @@ class Candidate:
             "cost_usd": self.cost_usd,
             "cost_usd_spot": self.cost_usd_spot,
             "reason": self.reason,
+            "layout": self.layout,
         }
 
 
@@ -118,6 +121,7 @@ class Plan:
     recommended: Candidate | None
     objective: str
     assumptions: dict[str, Any] = field(default_factory=dict)
+    pipeline_vs_fsdp: dict[str, str] = field(default_factory=dict)  # "ACCELERATOR xN" -> why one wins
 
     def to_dict(self) -> dict[str, Any]:
         w = self.workload
@@ -137,6 +141,7 @@ class Plan:
             "assumptions": self.assumptions,
             "candidates": [c.to_dict() for c in self.candidates],
             "recommended": self.recommended.to_dict() if self.recommended else None,
+            "pipeline_vs_fsdp": self.pipeline_vs_fsdp,
         }
 
 
@@ -159,9 +164,73 @@ def evaluate(
     calibration: Calibration | None,
     mtbf_hours: float,
 ) -> Candidate:
-    """Estimate one candidate (no recommendation logic)."""
-    n = count
-    spec = strategies.get(strategy)
+    """Estimate one candidate (no recommendation logic); a pipeline's best P x D layout."""
+    if strategy == "pipeline":
+        return _best_pipeline(w, acc, count, cfg, calibration, mtbf_hours)
+    return _evaluate(w, acc, count, strategies.get(strategy), cfg, calibration, mtbf_hours)
+
+
+def _best_pipeline(
+    w: est.Workload, acc: Accelerator, count: int, cfg: JobConfig, calibration: Calibration | None, mtbf_hours: float
+) -> Candidate:
+    """The fastest pipeline layout on `count` devices that fits: P stages x D replicas, M micro-batches
+    (multiples of P: 1F1B needs M >= P, and more shrink the bubble but the micro-batch with them) and
+    the recompute policy (recomputing trades compute for the activations of the in-flight micro-batches)."""
+    from petatrain.train.strategies.pipeline import Pipeline
+
+    tried: list[Candidate] = []
+    policies = ("none", "selective", "full") if w.kind == "gpt" else ("none",)
+    for stages in (p for p in range(2, min(count, w.n_layer) + 1) if count % p == 0):
+        replicas = count // stages
+        for m in (stages, 2 * stages, 4 * stages, 8 * stages):
+            if w.global_batch % (replicas * m):
+                continue
+            micro = w.global_batch // (replicas * m)
+            for recompute in policies:
+                shaped = dataclasses.replace(w.with_micro_batch(micro), recompute=recompute)
+                c = _evaluate(shaped, acc, count, Pipeline(stages), cfg, calibration, mtbf_hours)
+                c.layout = {"stages": stages, "replicas": replicas, "microbatches": m, "micro_batch": micro}
+                c.layout["recompute"] = recompute
+                tried.append(c)
+    if not tried:  # no layout divides the batch: the plain estimate says why
+        return _evaluate(w, acc, count, strategies.get("pipeline"), cfg, calibration, mtbf_hours)
+    # The fastest that fits; when none fits, the one closest to fitting.
+    return min(tried, key=lambda c: (not c.feasible, not c.fits, c.step_time_s if c.fits else c.memory.total))
+
+
+def pipeline_vs_fsdp(pipe: Candidate, fsdp: Candidate) -> str:
+    """Why the pipeline layout beats FSDP on the same devices, or loses to it, in one sentence."""
+    shape = pipe.layout
+    name = (
+        f"pipeline {shape.get('stages')}x{shape.get('replicas')} (M={shape.get('microbatches')}, "
+        f"recompute {shape.get('recompute')})"
+    )
+    cannot = ("infeasible", "out of memory")
+    if pipe.reason.startswith(cannot) or fsdp.reason.startswith(cannot):
+        loser, other = (pipe, fsdp) if pipe.reason.startswith(cannot) else (fsdp, pipe)
+        if not other.reason.startswith(cannot):
+            return f"{other.strategy if other is fsdp else name} runs, {loser.strategy}: {loser.reason}"
+        return f"neither fits: {name}: {pipe.reason}; fsdp: {fsdp.reason}"
+    pipe_cost = pipe.bubble_s + pipe.communication_s
+    verdict = "beats" if pipe.step_time_s < fsdp.step_time_s else "loses to"
+    return (
+        f"{name} {verdict} fsdp ({pipe.step_time_s:.3g} s against {fsdp.step_time_s:.3g} s a step): the pipeline "
+        f"pays {pipe.bubble_s:.3g} s of bubble and {pipe.communication_s:.3g} s of transfers and replica "
+        f"all-reduce ({pipe_cost:.3g} s), FSDP {fsdp.communication_s:.3g} s of all-gathers and reduce-scatters "
+        f"its compute does not hide"
+    )
+
+
+def _evaluate(
+    w: est.Workload,
+    acc: Accelerator,
+    count: int,
+    spec: strategies.Strategy,
+    cfg: JobConfig,
+    calibration: Calibration | None,
+    mtbf_hours: float,
+) -> Candidate:
+    n, strategy = count, spec.name
     feasible_reason = spec.infeasible(w, n)
     try:  # the micro-batch and accumulation `train` runs with
         micro, accumulation = recipe.micro_batching(w, spec.data_parallel(n))
@@ -170,7 +239,7 @@ def evaluate(
         feasible_reason, accumulation = feasible_reason or str(exc), 1
     G, s = w.global_batch, w.seq_len
     memory = est.memory_per_device(
-        w, strategy=strategy, count=n, accumulation=accumulation, framework_overhead=acc.overhead_gib * GIB
+        w, strategy=spec, count=n, accumulation=accumulation, framework_overhead=acc.overhead_gib * GIB
     )
     capacity = acc.memory_bytes
     fits = memory.total <= capacity
@@ -322,4 +391,12 @@ def plan(cfg: JobConfig, request: PlanRequest | None = None) -> Plan:
         "overlap": OVERLAP,
         "calibrated_accelerators": sorted(calibrations),
     }
-    return Plan(workload=w, candidates=candidates, recommended=best, objective=objective, assumptions=assumptions)
+    versus = {}
+    by_key = {(c.accelerator, c.count, c.strategy): c for c in candidates}
+    for (acc_name, n, strategy), c in by_key.items():
+        if strategy == "pipeline" and (acc_name, n, "fsdp") in by_key:
+            versus[f"{acc_name} x{n}"] = pipeline_vs_fsdp(c, by_key[(acc_name, n, "fsdp")])
+    return Plan(
+        workload=w, candidates=candidates, recommended=best, objective=objective, assumptions=assumptions,
+        pipeline_vs_fsdp=versus,
+    )  # fmt: skip

@@ -37,19 +37,33 @@ TIED_NAMES = "petatrain_tied_names"
 
 
 class Pipeline(Strategy):
+    """`stages` 0 (the registry's): every device a stage; `Pipeline(stages=P)`: P stages x count / P
+    data-parallel replicas of the pipeline (what `plan` searches)."""
+
     name = "pipeline"
     trainable = True
 
+    def __init__(self, stages: int = 0):
+        self.stages = stages
+
+    def _shape(self, count: int) -> tuple[int, int]:
+        """(stages, replicas) on `count` devices."""
+        stages = self.stages or count
+        return stages, max(1, count // stages)
+
     def data_parallel(self, count: int) -> int:
-        return 1  # every stage sees the whole global batch
+        return self._shape(count)[1]  # each replica of the pipeline sees its share of the global batch
 
     def infeasible(self, w: Workload, count: int) -> str:
-        if count < 2 or count > w.n_layer:
-            return f"pipeline needs 2..{w.n_layer} stages (model.n_layer), not {count}"
+        stages, _ = self._shape(count)
+        if stages < 2 or stages > w.n_layer:
+            return f"pipeline needs 2..{w.n_layer} stages (model.n_layer), not {stages}"
+        if count % stages:
+            return f"{count} devices are not a multiple of {stages} stages"
         return ""
 
     def state_layout(self, w: Workload, count: int, accumulation: int) -> StateLayout:
-        P, n = w.params, count
+        P, (n, _) = w.params, self._shape(count)
         stage_layers = math.ceil(w.n_layer / n)
         return StateLayout(
             weights=w.weight_width * P / n,
@@ -64,13 +78,27 @@ class Pipeline(Strategy):
     def communication_s(
         self, w: Workload, count: int, *, compute_s: float, accumulation: int, bandwidth: float
     ) -> tuple[float, float]:
+        """Activations forward and gradients back across each stage boundary, per micro-batch; the
+        replicas' all-reduce of a stage's gradients after the flush (not hidden: backward is over);
+        and the bubble, (P - 1) / M of the compute."""
+        stages, replicas = self._shape(count)
         if count <= 1:
             return 0.0, 0.0
-        # Activations forward and their gradients back across each stage boundary, per micro-batch.
         act_bytes = w.micro_batch * w.seq_len * w.d_model * w.activation_bytes_per_element
-        return accumulation * 2 * act_bytes / bandwidth, compute_s * formulas.bubble_overhead(count, accumulation)
+        p2p = accumulation * 2 * act_bytes / bandwidth if stages > 1 else 0.0
+        reduce = formulas.ring_allreduce_seconds(w.grad_width * w.params / stages, replicas, bandwidth)
+        return p2p + reduce, compute_s * formulas.bubble_overhead(stages, accumulation)
 
     # --- train ------------------------------------------------------------------------------
+    def check_config(self, cfg: JobConfig) -> None:
+        if cfg.parallel.pipeline.data != "ddp":
+            raise ConfigError(
+                "parallel.pipeline.data fsdp: not supported yet; a stage's replicas average their gradients "
+                "as DDP does (parallel.pipeline.data: ddp)"
+            )
+        for workers in cfg.parallel.worker_range():
+            self.data_shard(cfg, 0, workers)  # the batch divides into replicas x micro-batches
+
     def steps(self, spec: ModelSpec, cfg: JobConfig, device: torch.device, world: int) -> Any:
         import torch.distributed as dist
 
