@@ -136,6 +136,15 @@ def _compare(rank: int, world: int, kind: str, stages: int, schedule: str, resul
         ref_opt.zero_grad()
         for name, p in piped.model.named_parameters(remove_duplicate=False):
             worst["weight"] = max(worst["weight"], float((p - ref_params[name]).abs().max()))
+    with torch.no_grad():  # evaluation through the schedule (forward only, or ZBV's step with its gradients dropped)
+        reference.module.eval()
+        piped.model.eval()
+        ref_eval = spec.loss_fn(reference.module, tokens[0]).item()
+        loss = piped.forward_backward(tokens[0, dp * per_replica : (dp + 1) * per_replica], train=False)
+        total = torch.stack([loss, torch.tensor(float(piped.last))])
+        dist.all_reduce(total)
+        worst["eval"] = abs(float(total[0] / total[1]) - ref_eval)
+        assert all(p.grad is None for p in piped.model.parameters()), "evaluation leaves no gradients"
     gathered = [None] * world
     dist.all_gather_object(gathered, worst)
     if rank == 0:
@@ -166,7 +175,7 @@ def test_every_schedule_matches_the_unsplit_model(tmp_path, world):
     assert len(results) == len(CASES[world]) * len(kinds)
     for case, worst in results.items():
         assert worst["loss"] < 1e-6 and worst["grad"] < 1e-6 and worst["norm"] < 1e-5, (case, worst)
-        assert worst["weight"] < 1e-6, (case, worst)
+        assert worst["weight"] < 1e-6 and worst["eval"] < 1e-6, (case, worst)
 
 
 # -- the layer profile and the stage table --------------------------------------------------------
@@ -223,3 +232,20 @@ def test_stage_table_leaves_out_the_warm_up_window():
     (stage,) = p["stages_measured"]
     assert stage["steps"] == 20 and stage["busy_s"] == pytest.approx(1.2) and stage["idle_share"] == pytest.approx(0.4)
     assert stage["prediction_error"] == pytest.approx(-1 / 6, abs=1e-3)
+
+
+def test_pipeline_configs_train_cannot_run_are_refused_before_workers_start():
+    from petatrain import config as config_mod
+    from petatrain.train import strategies
+
+    pipeline = strategies.get("pipeline")
+    with pytest.raises(ConfigError, match=r"data fsdp: not supported yet"):
+        pipeline.check_config(config_mod.load("examples/pipeline.yaml", ["parallel.pipeline.data=fsdp"]))
+    with pytest.raises(ConfigError, match=r"not divisible by parallel\.pipeline\.microbatches 16 x 1"):
+        pipeline.check_config(
+            config_mod.load(
+                "examples/pipeline.yaml",
+                ["train.global_batch=8", "train.micro_batch=8", "parallel.pipeline.microbatches=16"],
+            )
+        )
+    pipeline.check_config(config_mod.load("examples/pipeline.yaml", []))

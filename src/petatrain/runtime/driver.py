@@ -133,7 +133,7 @@ def _checked(cfg: JobConfig, options: StorageOptions | None) -> JobConfig:
     from petatrain.storage.fs import exists
     from petatrain.train import strategies
 
-    strategies.get(cfg.parallel.strategy).require_trainable()
+    strategies.get(cfg.parallel.strategy).check_config(cfg)
     if is_local(cfg.data.dataset):  # Ray workers do not share the driver's working directory
         dataset = os.path.abspath(resolve(cfg.data.dataset)[1])
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, dataset=dataset))

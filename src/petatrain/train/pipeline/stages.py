@@ -177,9 +177,17 @@ class PipelineRank:
         args = (tokens[:, :-1],) if self.first else ()
         target = tokens[:, 1:] if self.last else None
         losses: list[torch.Tensor] = []
-        run = self.schedule.step if train else self.schedule.eval
         busy, t0 = (self.clock.busy_s if self.clock else 0.0), time.perf_counter()
-        run(*args, target=target, losses=losses, return_outputs=False)
+        if train:
+            self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        elif self.layout.style == "v":
+            # torch's eval() of ZBV still runs its split backward actions and fails on a stage without
+            # backward: a full step under grad instead, its gradients dropped (an evaluation's cost x3).
+            with torch.enable_grad():
+                self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+            self.model.zero_grad(set_to_none=True)
+        else:
+            self.schedule.eval(*args, target=target, losses=losses)
         if train:
             self.wall_s += time.perf_counter() - t0
             self.steps += 1

@@ -94,6 +94,10 @@ class Strategy:
                 f"({self.name} is modelled by `petatrain plan` only)"
             )
 
+    def check_config(self, cfg: JobConfig) -> None:
+        """One-line ConfigError for a config this strategy cannot train (the driver checks before starting workers)."""
+        self.require_trainable()
+
     def wrap(self, spec: ModelSpec, cfg: JobConfig, device: torch.device) -> nn.Module:
         """The model on `device`, wrapped for this strategy (train)."""
         self.require_trainable()
