@@ -41,7 +41,7 @@ PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
 # listing's CPU is taken from the training workers when they fill the machine.
 LOG_MONITOR_THRESHOLD_ENV = "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD"
 # A module path in it is imported and called by every new worker process that has it in its
-# environment (ray._private.ray_constants.WORKER_PROCESS_SETUP_HOOK_ENV_VAR; default_worker.py).
+# environment (WORKER_PROCESS_SETUP_HOOK_ENV_VAR of Ray's private ray_constants; default_worker.py).
 WORKER_SETUP_HOOK_ENV = "__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR"
 
 

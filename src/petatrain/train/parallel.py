@@ -8,12 +8,11 @@ strategy's.
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
 from petatrain.config import JobConfig
 from petatrain.errors import PetatrainError
@@ -84,13 +83,3 @@ def load_into(
 ):
     """Restore model and optimizer from the tensors `read_for_resume` gave (rank -> tensors)."""
     strategies.get(cfg.parallel.strategy).load_into(model, optimizer, state, shards, rank=rank)
-
-
-def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Full, unsharded weights on rank 0 (a collective for FSDP); separate CPU tensors."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    # A model's state dict holds only tensors (full, here); DCP types its values as any state.
-    sd = cast("dict[str, torch.Tensor]", get_model_state_dict(model, options=options))
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return {}
-    return {k: v.detach().to("cpu").clone().contiguous() for k, v in sd.items()}

@@ -9,11 +9,12 @@ import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from petatrain.cost import formulas
 from petatrain.models import ModelSpec
@@ -66,8 +67,6 @@ class MicroBatches:
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """The whole model's weights on rank 0 (a collective), empty elsewhere."""
-        from petatrain.train.parallel import full_model_state
-
         return full_model_state(self.model)
 
 
@@ -147,3 +146,13 @@ class PipelineSteps:
 
 def _unit_name(unit: int, n_blocks: int) -> str:
     return "first" if unit == 0 else "last" if unit == n_blocks + 1 else f"block.{unit - 1}"
+
+
+def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Full, unsharded weights on rank 0 (a collective for FSDP); separate CPU tensors."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    # A model's state dict holds only tensors (full, here); DCP types its values as any state.
+    sd = cast("dict[str, torch.Tensor]", get_model_state_dict(model, options=options))
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return {}
+    return {k: v.detach().to("cpu").clone().contiguous() for k, v in sd.items()}
