@@ -249,3 +249,11 @@ def test_pipeline_configs_train_cannot_run_are_refused_before_workers_start():
             )
         )
     pipeline.check_config(config_mod.load("examples/pipeline.yaml", []))
+
+
+def test_the_stage_clock_times_torchs_chunk_methods():
+    """The stage table times these methods of torch's stages; a torch upgrade that renames one fails here."""
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+
+    for method in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+        assert callable(getattr(_PipelineStageBase, method, None)), method
