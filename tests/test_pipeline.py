@@ -181,6 +181,7 @@ def test_every_schedule_matches_the_unsplit_model(tmp_path, world):
 # -- the layer profile and the stage table --------------------------------------------------------
 
 
+@pytest.mark.slow  # end to end: a CLI process spawning a process per stage
 def test_profile_layers_cli_saves_what_the_partitioner_reads(tmp_path):
     """`profile --layers`: every unit measured side by side in a process per stage, the link between
     two ranks, each partition's stages; partition=profile then cuts by those times."""
