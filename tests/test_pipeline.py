@@ -83,9 +83,10 @@ def test_layout_places_parts():
 
 CASES = {
     2: [(2, s) for s in ("gpipe", "1f1b", "interleaved", "zbv")],
-    4: [(4, s) for s in ("gpipe", "1f1b", "interleaved", "zbv")] + [(2, "1f1b"), (2, "gpipe")],
+    # 2 x 2 under GPipe: the schedule whose all-forwards-then-all-backwards DDP's reducer cannot follow
+    4: [(4, s) for s in ("gpipe", "1f1b", "interleaved", "zbv")] + [(2, "gpipe")],
 }
-STEPS, GLOBAL_BATCH = 3, 16
+STEPS, GLOBAL_BATCH = 2, 16
 
 
 def _model(kind: str):
