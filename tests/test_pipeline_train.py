@@ -111,3 +111,20 @@ def test_resume_at_another_strategy(direction, pipeline_run, baseline, token_dat
     theirs = load_file(target / "final" / "model.safetensors")
     assert ours.keys() == theirs.keys()
     assert max(float((ours[k] - theirs[k]).abs().max()) for k in ours) < 1e-5
+
+
+def test_two_replicas_of_two_stages_train_alike_and_resume_as_one(pipeline_run, token_dataset, tmp_path):
+    """2 stages x 2 replicas on Ray (4 ranks sharing 2 CPUs) train as 2 x 1 does; its checkpoint of
+    step 20 resumes on 2 x 1: another data-parallel degree, the same next steps."""
+    wide = [*PIPELINE, "parallel.workers=4", "resources.cpus_per_worker=0.5"]
+    summary = train(tiny(token_dataset, *wide), tmp_path / "wide")
+    assert summary["attempts"] == 1
+    two_by_two, reference = _losses(tmp_path / "wide"), _losses(pipeline_run)
+    assert max(abs(two_by_two[s] - reference[s]) for s in reference) < 1e-5
+    run_dir = _from_checkpoint(tmp_path / "wide", tmp_path / "narrow", 20)
+    train(tiny(token_dataset, *PIPELINE), run_dir)
+    resumed = _losses(run_dir)
+    assert max(abs(resumed[s] - reference[s]) for s in range(21, 31)) < 1e-5
+    ours = load_file(run_dir / "final" / "model.safetensors")
+    theirs = load_file(pipeline_run / "final" / "model.safetensors")
+    assert max(float((ours[k] - theirs[k]).abs().max()) for k in ours) < 1e-5
