@@ -128,3 +128,15 @@ def test_two_replicas_of_two_stages_train_alike_and_resume_as_one(pipeline_run, 
     ours = load_file(run_dir / "final" / "model.safetensors")
     theirs = load_file(pipeline_run / "final" / "model.safetensors")
     assert max(float((ours[k] - theirs[k]).abs().max()) for k in ours) < 1e-5
+
+
+def test_two_stages_resume_as_four(pipeline_run, token_dataset, tmp_path):
+    """A checkpoint of 2 stages resumes on 4 (each unit of the tiny GPT a stage of its own): the
+    parameters are saved by name, so each new stage loads the ones it keeps."""
+    run_dir = _from_checkpoint(pipeline_run, tmp_path / "run", 20)
+    four = [*PIPELINE, "parallel.pipeline.stages=4", "parallel.workers=4", "resources.cpus_per_worker=0.5"]
+    train(tiny(token_dataset, *four), run_dir)
+    resumed, reference = _losses(run_dir), _losses(pipeline_run)
+    assert max(abs(resumed[s] - reference[s]) for s in range(21, 31)) < 1e-5
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert {e["rank"] for e in events if e["event"] == "pipeline_stage" and e["stages"] == 4} == {0, 1, 2, 3}
