@@ -417,6 +417,19 @@ def test_metrics_endpoint_serves_what_the_ledger_says(tmp_path):
         urllib.request.urlopen(metrics.url, timeout=2)  # closed: the port no longer answers
 
 
+def test_pipeline_stages_have_metrics_of_their_own():
+    stage = {"event": "pipeline_stage", "t": 1.0, "attempt": 0, "steps": 10, "stages": 2}
+    with MetricsServer() as metrics:
+        metrics.observe({**stage, "rank": 0, "busy_s": 0.6, "wall_s": 1.0})
+        metrics.observe({**stage, "rank": 1, "busy_s": 0.9, "wall_s": 1.0})
+        metrics.observe({**stage, "rank": 0, "busy_s": 0.7, "wall_s": 1.0})
+        values = _scrape(metrics.url)
+    assert values[("petatrain_pipeline_stage_compute_seconds_total", (("rank", "0"),))] == approx(1.3)
+    assert values[("petatrain_pipeline_stage_step_seconds_total", (("rank", "1"),))] == approx(1.0)
+    assert values[("petatrain_pipeline_stage_idle_share", (("rank", "0"),))] == approx(0.3)
+    assert values[("petatrain_pipeline_stage_idle_share", (("rank", "1"),))] == approx(0.1)
+
+
 def test_steps_lost_counts_to_the_injected_step_when_other_ranks_events_were_lost(tmp_path):
     """Rank 0 sends step events once a second; a fault injected on rank 1 can end the attempt
     before rank 0's last events reach the ledger. The injected step still counts as reached."""

@@ -51,6 +51,19 @@ class MetricsServer:
         self.checkpoints_total = counter("petatrain_checkpoints_committed", "Checkpoints committed")
         self.restarts_total = counter("petatrain_restarts", "Restarts after a failure")
         self.failures_total = counter("petatrain_failures", "Failures, by cause", "cause")
+        # A pipeline's stages, by the rank that runs them (the first replica's), at each checkpoint.
+        self.stage_busy_total = counter(
+            "petatrain_pipeline_stage_compute_seconds", "Time a pipeline rank's stages computed", "rank"
+        )
+        self.stage_wall_total = counter(
+            "petatrain_pipeline_stage_step_seconds", "Time a pipeline rank spent in schedule steps", "rank"
+        )
+        self.stage_idle = Gauge(
+            "petatrain_pipeline_stage_idle_share",
+            "Idle share of a pipeline rank's steps in its last report (the bubble and the transfers)",
+            ["rank"],
+            registry=self.registry,
+        )
 
         self._lock = threading.Lock()
         self._t_start: float | None = None
@@ -99,8 +112,19 @@ class MetricsServer:
                 self.failures_total.labels(cause=str(event.get("cause") or "unknown")).inc()
             elif kind == "restart":
                 self.restarts_total.inc()
+            elif kind == "pipeline_stage":
+                self._observe_stage(event)
             if self._t_start is not None and self._t_last is not None and self._t_last > self._t_start:
                 self.goodput.set(self._productive / (self._t_last - self._t_start))
+
+    def _observe_stage(self, event: dict[str, Any]) -> None:
+        busy, wall = _num(event.get("busy_s")), _num(event.get("wall_s"))
+        if busy is None or wall is None or busy < 0 or wall <= 0:
+            return
+        rank = str(event.get("rank"))
+        self.stage_busy_total.labels(rank=rank).inc(busy)
+        self.stage_wall_total.labels(rank=rank).inc(wall)
+        self.stage_idle.labels(rank=rank).set(max(0.0, 1 - busy / wall))
 
     def _observe_step(self, event: dict[str, Any]) -> None:
         step = _num(event.get("step"))
