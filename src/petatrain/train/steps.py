@@ -88,7 +88,8 @@ class PipelineSteps:
         return self.piped.layout.replicas  # only the ranks of the last part report a loss
 
     def forward_backward(self, next_batch: NextBatch, amp: Any, *, poison: bool = False) -> torch.Tensor:
-        tokens = next_batch()
+        device = next(self.model.parameters()).device
+        tokens = next_batch().to(device, non_blocking=True)
         with amp:
             loss = self.piped.forward_backward(tokens)
         self.piped.reduce_gradients()

@@ -222,12 +222,13 @@ class PipelineRank:
 
     def clip(self, max_norm: float) -> float:
         """The whole pipeline's gradient norm (each tied weight once), clipping to `max_norm` if set."""
-        squares = torch.zeros((), dtype=torch.float64)
+        device = next(self.model.parameters()).device  # NCCL reduces device tensors, gloo host ones
+        squares = torch.zeros((), dtype=torch.float64, device=device)
         for name, p in self.model.named_parameters():
             if p.grad is not None and name not in self.not_counted:
-                squares += p.grad.detach().double().pow(2).sum().cpu()
+                squares += p.grad.detach().double().pow(2).sum()
         dist.all_reduce(squares, group=self.pp_group)
-        norm = math.sqrt(float(squares))
+        norm = math.sqrt(float(squares.item()))
         if max_norm and math.isfinite(norm) and norm > max_norm:
             scale = max_norm / (norm + 1e-6)  # as torch.nn.utils.clip_grad_norm_
             for p in self.model.parameters():
