@@ -30,12 +30,13 @@ import statistics
 import sys
 import tempfile
 import time
+import typing
 
 from _common import RESULTS, WORK, write_results  # benchmarks/ is not a package
 from petatrain import api, config
 from recovery import dataset
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv")
+SCHEDULES = typing.get_args(config.Schedule)
 MICROBATCHES = (2, 4, 8)
 
 

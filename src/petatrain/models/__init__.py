@@ -76,6 +76,15 @@ def build_model(model: ModelConfig, train: TrainConfig | None = None) -> ModelSp
     return ModelSpec(built[0], built[1], (), pipeline=built[2] if len(built) == 3 else None)
 
 
+def tied_names(model: nn.Module) -> list[list[str]]:
+    """Groups of parameter names that are one tensor (the GPT's `wte.weight` and `head.weight`)."""
+    model = getattr(model, "module", model)  # DDP's wrapper: the names without its prefix
+    by_id: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    return [names for names in by_id.values() if len(names) > 1]
+
+
 def count_params(module: nn.Module) -> int:
     """Parameters counted once even when tied."""
     return sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())

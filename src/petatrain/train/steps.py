@@ -104,7 +104,7 @@ class PipelineSteps:
         return self.piped.clip(max_norm)
 
     def eval_loss(self, tokens: torch.Tensor, amp: Any) -> torch.Tensor | None:
-        if tokens.size(0) % self.piped.schedule._n_microbatches:
+        if tokens.size(0) % self.piped.microbatches:
             return None  # a short last batch: uneven micro-batches would hang the next stage (every rank skips it)
         with amp:
             loss = self.piped.forward_backward(tokens, train=False)
@@ -124,9 +124,9 @@ class PipelineSteps:
         predicted = self.predicted_step_busy_s * steps if self.predicted_step_busy_s is not None else None
         return {
             "rank": piped.rank, "parts": piped.parts, "units": units, "steps": steps, "busy_s": busy, "wall_s": wall,
-            "schedule": self.schedule, "stages": layout.stages, "microbatches": piped.schedule._n_microbatches,
+            "schedule": self.schedule, "stages": layout.stages, "microbatches": piped.microbatches,
             "chunks": layout.chunks, "predicted_busy_s": predicted,
-            "bubble_theory": formulas.bubble_fraction(layout.stages, piped.schedule._n_microbatches, layout.chunks),
+            "bubble_theory": formulas.bubble_fraction(layout.stages, piped.microbatches, layout.chunks),
             "param_bytes": sum(p.numel() * p.element_size() for p in self.model.parameters()),
             "warm_up": warm_up,
         }  # fmt: skip

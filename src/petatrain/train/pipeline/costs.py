@@ -26,7 +26,7 @@ from petatrain.cost.calibration import calibration_dir
 from petatrain.errors import ConfigError, PetatrainError
 from petatrain.models import ModelSpec, build_model
 from petatrain.train import recipe
-from petatrain.train.pipeline.layout import units
+from petatrain.train.pipeline.layout import part_costs, units
 
 
 @dataclass(kw_only=True, slots=True)
@@ -41,7 +41,6 @@ class LayerProfile:
     p2p_bytes_per_s: float | None = None  # for a micro-batch's activation
     repetitions: int = 0
     measured_at: str = ""
-    key: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -177,9 +176,7 @@ def _param_bytes(spec: ModelSpec, module: Any, blocks: list[torch.nn.Module], i:
 
 def stage_seconds(profile: LayerProfile, plan_starts: list[int], micro_batch: int) -> list[float]:
     """Predicted forward + backward seconds of one micro-batch per part."""
-    costs = profile.scaled(micro_batch)
-    ends = [*plan_starts[1:], len(costs)]
-    return [sum(costs[a:b]) for a, b in zip(plan_starts, ends, strict=True)]
+    return part_costs(profile.scaled(micro_batch), plan_starts)
 
 
 def measure_together(cfg: JobConfig, micro_batch: int, ranks: int, *, repetitions: int = 5) -> LayerProfile:

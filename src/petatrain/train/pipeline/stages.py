@@ -25,10 +25,8 @@ import torch.distributed as dist
 from torch import nn
 
 from petatrain.errors import ConfigError
-from petatrain.models import PipelineParts
+from petatrain.models import PipelineParts, tied_names
 from petatrain.train.pipeline.layout import Layout
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv")
 
 
 class Chunk(nn.Module):
@@ -67,14 +65,6 @@ class PartPlan:
 
     def part_of_unit(self, unit: int) -> int:
         return max(k for k, s in enumerate(self.starts) if s <= unit)
-
-
-def tied_names(model: nn.Module) -> list[list[str]]:
-    """Groups of parameter names that are one tensor (the GPT's `wte.weight` and `head.weight`)."""
-    by_id: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(p), []).append(name)
-    return [names for names in by_id.values() if len(names) > 1]
 
 
 def unit_of(name: str, parts: PipelineParts, n_blocks: int) -> int:
@@ -145,6 +135,7 @@ class PipelineRank:
         default_factory=list
     )  # (this rank's copies of a tied weight, group)
     not_counted: frozenset[str] = frozenset()  # second copies of tied weights: left out of the gradient norm
+    microbatches: int = 1
     clock: StageClock | None = None
     plan: PartPlan | None = None
     wall_s: float = 0.0  # time in schedule steps (training), since the clock was last read
@@ -286,7 +277,8 @@ def build(
         runner = cls(stages, n_microbatches=microbatches, loss_fn=loss_fn)
     return PipelineRank(
         layout=layout, rank=rank, model=model, chunks=chunks, schedule=runner, pp_group=pp_group,
-        dp_group=dp_group, tie_groups=tie_groups, not_counted=not_counted, clock=StageClock(stages), plan=plan,
+        dp_group=dp_group, tie_groups=tie_groups, not_counted=not_counted, microbatches=microbatches,
+        clock=StageClock(stages), plan=plan,
     )  # fmt: skip
 
 

@@ -206,12 +206,3 @@ def load_by_name(
     groups = [{**saved, "params": group["params"]} for group, saved in zip(current, state.param_groups, strict=True)]
     mine = {fqn: optim_state[fqn] for group in groups for fqn in group["params"] if fqn in optim_state}
     set_optimizer_state_dict(model, optimizer, cast("Any", {"state": mine, "param_groups": groups}))
-
-
-def tied_names(model: nn.Module) -> list[list[str]]:
-    """Groups of parameter names that are one tensor (the GPT's `wte.weight` and `head.weight`)."""
-    model = getattr(model, "module", model)  # DDP's wrapper: the names without its prefix
-    by_id: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(p), []).append(name)
-    return [names for names in by_id.values() if len(names) > 1]

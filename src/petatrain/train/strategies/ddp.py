@@ -19,7 +19,6 @@ from petatrain.train.strategies.base import (
     autocast_copies,
     load_by_name,
     read_by_name,
-    tied_names,
 )
 
 if TYPE_CHECKING:
@@ -92,4 +91,6 @@ class DDP(Strategy):
         *,
         rank: int,
     ) -> None:
+        from petatrain.models import tied_names
+
         load_by_name(model, optimizer, state, shards[0], tied_names(model))

@@ -102,6 +102,7 @@ class Pipeline(Strategy):
     def steps(self, spec: ModelSpec, cfg: JobConfig, device: torch.device, world: int) -> Any:
         import torch.distributed as dist
 
+        from petatrain.models import tied_names
         from petatrain.train.pipeline import costs, stages
         from petatrain.train.pipeline.layout import Layout
         from petatrain.train.steps import PipelineSteps
@@ -118,7 +119,7 @@ class Pipeline(Strategy):
         profile = costs.load(cfg, costs.device_name(device))
         starts = _boundaries(spec, cfg, n_blocks, layout.parts, profile, micro)
         plan = stages.PartPlan(tuple(starts), n_blocks)
-        setattr(spec.module, TIED_NAMES, stages.tied_names(spec.module))
+        setattr(spec.module, TIED_NAMES, tied_names(spec.module))
         piped = stages.build(
             spec.module, spec.pipeline, plan, layout, schedule=pc.schedule, microbatches=pc.microbatch_count(),
             device=device,
