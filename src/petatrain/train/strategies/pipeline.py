@@ -116,7 +116,14 @@ class Pipeline(Strategy):
         layout = Layout.of(pc.stages, world, pc.chunks_per_rank(), pc.schedule)
         n_blocks = len(getattr(spec.module, spec.pipeline.blocks))
         micro = cfg.train.global_batch // layout.replicas // pc.microbatch_count()
-        profile = costs.load(cfg, costs.device_name(device))
+        # Rank 0's layer profile, on every rank: the calibration folder is on the driver's side of a
+        # cluster, and ranks that cut the model differently would wait on each other forever.
+        shared: list[Any] = [None]
+        if dist.get_rank() == 0:
+            found = costs.load(cfg, costs.device_name(device))
+            shared[0] = found.to_dict() if found else None
+        dist.broadcast_object_list(shared, src=0)
+        profile = costs.LayerProfile(**shared[0]) if shared[0] else None
         starts = _boundaries(spec, cfg, n_blocks, layout.parts, profile, micro)
         plan = stages.PartPlan(tuple(starts), n_blocks)
         setattr(spec.module, TIED_NAMES, tied_names(spec.module))
