@@ -82,9 +82,10 @@ def test_layout_places_parts():
 # -- every schedule against the unsplit model ---------------------------------------------------
 
 CASES = {
-    2: [(2, s) for s in ("gpipe", "1f1b", "interleaved", "zbv")],
-    # 2 x 2 under GPipe: the schedule whose all-forwards-then-all-backwards DDP's reducer cannot follow
-    4: [(4, s) for s in ("gpipe", "1f1b", "interleaved", "zbv")] + [(2, "gpipe")],
+    2: [(2, s, "ddp") for s in ("gpipe", "1f1b", "interleaved", "zbv")],
+    # 2 x 2 under GPipe (the schedule whose all-forwards-then-all-backwards DDP's reducer cannot
+    # follow), and with each stage's replicas under FSDP (sharded gradients, tied copies' shards summed)
+    4: [(4, s, "ddp") for s in ("gpipe", "1f1b", "interleaved", "zbv")] + [(2, "gpipe", "ddp"), (2, "1f1b", "fsdp")],
 }
 STEPS, GLOBAL_BATCH = 2, 16
 
@@ -97,7 +98,12 @@ def _model(kind: str):
     return build_model(cfg)
 
 
-def _compare(rank: int, world: int, kind: str, stages: int, schedule: str, results: dict) -> None:
+def _full(tensor):
+    """An FSDP DTensor gathered over its stage's replicas (a collective), or the tensor itself."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def _compare(rank: int, world: int, kind: str, stages: int, schedule: str, data: str, results: dict) -> None:
     from petatrain.train.pipeline import stages as pp
     from petatrain.train.pipeline.layout import Layout, uniform
 
@@ -112,7 +118,7 @@ def _compare(rank: int, world: int, kind: str, stages: int, schedule: str, resul
         plan = pp.PartPlan(tuple(range(layout.parts)), 6)
     piped = pp.build(
         spec.module, spec.pipeline, plan, layout, schedule=schedule,
-        microbatches=config.microbatch_count(), device=torch.device("cpu"),
+        microbatches=config.microbatch_count(), device=torch.device("cpu"), data=data,
     )  # fmt: skip
     opt = torch.optim.SGD(piped.model.parameters(), lr=0.5)
     per_replica = GLOBAL_BATCH // layout.replicas
@@ -128,7 +134,7 @@ def _compare(rank: int, world: int, kind: str, stages: int, schedule: str, resul
         worst["loss"] = max(worst["loss"], abs(float(total[0] / total[1]) - ref_loss.item()))
         ref_params = dict(reference.module.named_parameters(remove_duplicate=False))
         for name, p in piped.model.named_parameters(remove_duplicate=False):
-            worst["grad"] = max(worst["grad"], float((p.grad - ref_params[name].grad).abs().max()))
+            worst["grad"] = max(worst["grad"], float((_full(p.grad) - ref_params[name].grad).abs().max()))
         ref_norm = float(torch.nn.utils.get_total_norm([p.grad for p in reference.module.parameters()]))
         worst["norm"] = max(worst.get("norm", 0.0), abs(piped.clip(0.0) - ref_norm))
         opt.step()
@@ -136,7 +142,7 @@ def _compare(rank: int, world: int, kind: str, stages: int, schedule: str, resul
         ref_opt.step()
         ref_opt.zero_grad()
         for name, p in piped.model.named_parameters(remove_duplicate=False):
-            worst["weight"] = max(worst["weight"], float((p - ref_params[name]).abs().max()))
+            worst["weight"] = max(worst["weight"], float((_full(p.detach()) - ref_params[name].detach()).abs().max()))
     with torch.no_grad():  # evaluation through the schedule (forward only, or ZBV's step with its gradients dropped)
         reference.module.eval()
         piped.model.eval()
@@ -149,7 +155,7 @@ def _compare(rank: int, world: int, kind: str, stages: int, schedule: str, resul
     gathered = [None] * world
     dist.all_gather_object(gathered, worst)
     if rank == 0:
-        results[(kind, stages, schedule)] = {k: max(w[k] for w in gathered) for k in worst}
+        results[(kind, stages, schedule, data)] = {k: max(w[k] for w in gathered) for k in worst}
 
 
 def _worker(rank: int, world: int, init: str, cases, kinds, out):
@@ -158,8 +164,8 @@ def _worker(rank: int, world: int, init: str, cases, kinds, out):
     results: dict = {}
     try:
         for kind in kinds:
-            for stages, schedule in cases:
-                _compare(rank, world, kind, stages, schedule, results)
+            for stages, schedule, data in cases:
+                _compare(rank, world, kind, stages, schedule, data, results)
     finally:
         dist.destroy_process_group()
     if rank == 0:
@@ -241,8 +247,6 @@ def test_pipeline_configs_train_cannot_run_are_refused_before_workers_start():
     from petatrain.train import strategies
 
     pipeline = strategies.get("pipeline")
-    with pytest.raises(ConfigError, match=r"data fsdp: not supported yet"):
-        pipeline.check_config(config_mod.load("examples/pipeline.yaml", ["parallel.pipeline.data=fsdp"]))
     with pytest.raises(ConfigError, match=r"not divisible by parallel\.pipeline\.microbatches 16 x 1"):
         pipeline.check_config(
             config_mod.load(
@@ -251,6 +255,7 @@ def test_pipeline_configs_train_cannot_run_are_refused_before_workers_start():
             )
         )
     pipeline.check_config(config_mod.load("examples/pipeline.yaml", []))
+    pipeline.check_config(config_mod.load("examples/pipeline.yaml", ["parallel.pipeline.data=fsdp"]))
 
 
 def test_the_stage_clock_times_torchs_chunk_methods():

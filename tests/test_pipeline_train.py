@@ -114,9 +114,10 @@ def test_resume_at_another_strategy(direction, pipeline_run, baseline, token_dat
 
 
 def test_two_replicas_of_two_stages_train_alike_and_resume_as_one(pipeline_run, token_dataset, tmp_path):
-    """2 stages x 2 replicas on Ray (4 ranks sharing 2 CPUs) train as 2 x 1 does; its checkpoint of
-    step 20 resumes on 2 x 1: another data-parallel degree, the same next steps."""
-    wide = [*PIPELINE, "parallel.workers=4", "resources.cpus_per_worker=0.5"]
+    """2 stages x 2 replicas on Ray (4 ranks sharing 2 CPUs), each stage's replicas under FSDP,
+    train as 2 x 1 does; its checkpoint of step 20 (each stage's shards gathered whole) resumes on
+    2 x 1 without FSDP: another data-parallel degree, the same next steps."""
+    wide = [*PIPELINE, "parallel.workers=4", "resources.cpus_per_worker=0.5", "parallel.pipeline.data=fsdp"]
     summary = train(tiny(token_dataset, *wide), tmp_path / "wide")
     assert summary["attempts"] == 1
     two_by_two, reference = _losses(tmp_path / "wide"), _losses(pipeline_run)
@@ -140,3 +141,21 @@ def test_two_stages_resume_as_four(pipeline_run, token_dataset, tmp_path):
     assert max(abs(resumed[s] - reference[s]) for s in range(21, 31)) < 1e-5
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     assert {e["rank"] for e in events if e["event"] == "pipeline_stage" and e["stages"] == 4} == {0, 1, 2, 3}
+
+
+def test_fsdp_and_pipeline_checkpoints_resume_in_each_other(pipeline_run, baseline, token_dataset, tmp_path):
+    """FSDP on 2 ranks trains as DDP does; its checkpoint (each rank a chunk of the rows) resumes as 2
+    pipeline stages, and a pipeline's checkpoint resumes under FSDP: the same next steps either way."""
+    fsdp = ["parallel.strategy=fsdp"]
+    train(tiny(token_dataset, *fsdp), tmp_path / "fsdp")
+    sharded, reference = _losses(tmp_path / "fsdp"), _losses(baseline)
+    assert max(abs(sharded[s] - reference[s]) for s in reference) < 1e-5
+    for source, overrides, name in [(tmp_path / "fsdp", PIPELINE, "to-pipeline"), (pipeline_run, fsdp, "to-fsdp")]:
+        run_dir = _from_checkpoint(source, tmp_path / name, 20)
+        summary = train(tiny(token_dataset, *overrides), run_dir)
+        assert summary["attempts"] == 1
+        resumed = _losses(run_dir)
+        assert max(abs(resumed[s] - reference[s]) for s in range(21, 31)) < 1e-5, name
+        ours = load_file(run_dir / "final" / "model.safetensors")
+        theirs = load_file(baseline / "final" / "model.safetensors")
+        assert max(float((ours[k] - theirs[k]).abs().max()) for k in theirs) < 1e-5, name

@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
 from petatrain.config import JobConfig
 from petatrain.errors import PetatrainError
@@ -44,9 +43,9 @@ def state_for_save(
     """(tensors, json, live tensors) this rank writes, taken at a step boundary: host copies, or
     with `live` the parameters and optimizer state themselves (model buffers, which forward
     may update, are always copied)."""
-    model_sd = get_model_state_dict(model)
-    optim_sd = get_optimizer_state_dict(model, optimizer)
-    with_model = strategies.get(cfg.parallel.strategy).saves_model(rank, cfg)
+    strategy = strategies.get(cfg.parallel.strategy)
+    model_sd, optim_sd = strategy.state_dicts(model, optimizer, rank=rank, cfg=cfg)
+    with_model = strategy.saves_model(rank, cfg)
     live_ptrs: frozenset[int] = frozenset()
     if live:
         state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]

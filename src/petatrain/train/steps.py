@@ -133,10 +133,12 @@ class PipelineSteps:
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Every part's weights gathered on rank 0 (from the first replica), by the whole model's names."""
+        from petatrain.train.pipeline.stages import gather_full
+
         layout, rank = self.piped.layout, dist.get_rank()
-        mine = {}
-        if layout.dp_rank(rank) == 0:
-            mine = {k: v.detach().to("cpu").clone().contiguous() for k, v in self.model.state_dict().items()}
+        first = layout.dp_rank(rank) == 0
+        whole = gather_full(self.model.state_dict(), keep=first)  # data fsdp: a collective over the stage's replicas
+        mine = {k: v.contiguous() for k, v in whole.items()} if first else {}
         gathered: list[Any] = [None] * dist.get_world_size() if rank == 0 else []
         dist.gather_object(mine, gathered if rank == 0 else None, dst=0)
         full: dict[str, torch.Tensor] = {}

@@ -6,11 +6,14 @@ keeps only what its parts use (`keep_parts`): parameter names stay the whole mod
 parameter loads at any stages x replicas shape. Each part runs as a `Chunk` (a view over the kept
 modules) inside torch.distributed.pipelining's `PipelineStage`; the schedule is torch's.
 
-After the schedule's backward, `PipelineRank.reduce_gradients` averages the gradients over the
-rank's data-parallel peers (one all-reduce of a flat buffer after the pipeline flush, as Megatron's
-DDP does: DDP's reducer cannot follow GPipe's all-forwards-then-all-backwards) and sums the
-gradients of a weight tied across the first and the last part (the GPT's embedding and head), so
-both copies take the same update. `clip` computes the global norm over the whole pipeline.
+The ranks form a `DeviceMesh` of (dp, pp). With `data: ddp`, after the schedule's backward
+`PipelineRank.reduce_gradients` averages the gradients over the rank's data-parallel peers (one
+all-reduce of a flat buffer after the pipeline flush, as Megatron's DDP does: DDP's reducer cannot
+follow GPipe's all-forwards-then-all-backwards). With `data: fsdp` each part is `fully_shard`ed over
+its stage's dp ranks (per block, then the part), as torchtitan does; torch's schedule then
+reduce-scatters the gradients after the last micro-batch's backward. Either way the gradients of a
+weight tied across the first and the last part (the GPT's embedding and head) are summed, so both
+copies take the same update, and `clip` computes the global norm over the whole pipeline.
 """
 
 from __future__ import annotations
@@ -138,6 +141,7 @@ class PipelineRank:
     microbatches: int = 1
     clock: StageClock | None = None
     plan: PartPlan | None = None
+    sharded: bool = False  # data fsdp: parameters and gradients are DTensors sharded over dp_group
     wall_s: float = 0.0  # time in schedule steps (training), since the clock was last read
     steps: int = 0
 
@@ -197,7 +201,7 @@ class PipelineRank:
                 p.grad = torch.zeros_like(p)
             if p.grad is not None:
                 grad[name] = p.grad
-        if self.layout.replicas > 1:
+        if self.layout.replicas > 1 and not self.sharded:  # FSDP reduce-scattered them in the schedule
             grads = list({id(g): g for g in grad.values()}.values())
             flat = torch._utils._flatten_dense_tensors(grads)
             dist.all_reduce(flat, group=self.dp_group)
@@ -205,11 +209,12 @@ class PipelineRank:
             for g, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
                 g.copy_(reduced)
         for copies, group in self.tie_groups:
-            total = torch.stack([grad[n] for n in copies]).sum(0)
+            local = [_local(grad[n]) for n in copies]  # FSDP: the copies' shards are alike (same rows)
+            total = torch.stack(local).sum(0)
             if group is not None:
                 dist.all_reduce(total, group=group)
-            for n in copies:
-                grad[n].copy_(total)
+            for g in local:
+                g.copy_(total)
 
     def clip(self, max_norm: float) -> float:
         """The whole pipeline's gradient norm (each tied weight once), clipping to `max_norm` if set."""
@@ -217,15 +222,40 @@ class PipelineRank:
         squares = torch.zeros((), dtype=torch.float64, device=device)
         for name, p in self.model.named_parameters():
             if p.grad is not None and name not in self.not_counted:
-                squares += p.grad.detach().double().pow(2).sum()
-        dist.all_reduce(squares, group=self.pp_group)
+                squares += _local(p.grad).detach().double().pow(2).sum()
+        # Each rank's squares: its stage's whole gradients (ddp), or its shard of them (fsdp: every rank's differ).
+        dist.all_reduce(squares, group=None if self.sharded else self.pp_group)
         norm = math.sqrt(float(squares.item()))
         if max_norm and math.isfinite(norm) and norm > max_norm:
             scale = max_norm / (norm + 1e-6)  # as torch.nn.utils.clip_grad_norm_
             for p in self.model.parameters():
                 if p.grad is not None:
-                    p.grad.mul_(scale)
+                    _local(p.grad).mul_(scale)
         return norm
+
+
+def gather_full(state: dict[str, Any], *, keep: bool) -> dict[str, Any]:
+    """A (nested) state dict with every DTensor (data fsdp: a shard over the stage's replicas) gathered
+    whole, one tensor at a time (a collective over the stage's replicas, called in the same key order);
+    CPU copies where `keep`, else the structure without tensors (nothing held)."""
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        if isinstance(value, dict):
+            out[key] = gather_full(value, keep=keep)
+            continue
+        if hasattr(value, "full_tensor"):
+            value = value.full_tensor()
+        if isinstance(value, torch.Tensor):
+            if keep:
+                out[key] = value.detach().to("cpu").clone()
+        else:
+            out[key] = value
+    return out
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (data fsdp), or the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def build(
@@ -237,8 +267,12 @@ def build(
     schedule: str,
     microbatches: int,
     device: torch.device,
+    data: str = "ddp",
+    precision: Any = None,
 ) -> PipelineRank:
-    """This rank's PipelineRank; a collective: every rank of the job calls it, in the same order."""
+    """This rank's PipelineRank; a collective: every rank of the job calls it, in the same order.
+    `data` is what a stage's replicas run (ddp | fsdp); `precision` FSDP's MixedPrecisionPolicy."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import (
         Schedule1F1B,
@@ -249,17 +283,15 @@ def build(
 
     rank = dist.get_rank()
     pp_rank, dp_rank = layout.pp_rank(rank), layout.dp_rank(rank)
-    pp_group = dp_group = None
-    for d in range(layout.replicas):  # new_group is a collective over the whole job: every rank makes every group
-        group = dist.new_group(layout.pp_group(d))
-        pp_group = group if d == dp_rank else pp_group
-    for p in range(layout.stages):
-        group = dist.new_group(layout.dp_group(p))
-        dp_group = group if p == pp_rank else dp_group
+    # rank = dp x stages + pp (Layout's order): the mesh's rows are replicas, its columns stages
+    mesh = init_device_mesh(device.type, (layout.replicas, layout.stages), mesh_dim_names=("dp", "pp"))
+    pp_group, dp_group = mesh.get_group("pp"), mesh.get_group("dp")
     mine = layout.parts_of(pp_rank)
     tie_groups, not_counted = _tie_groups(model, parts, plan, layout, dp_rank, mine)
     chunks = keep_parts(model, parts, plan, mine)
     model.to(device)
+    if data == "fsdp":
+        _shard(chunks, mesh["dp"], precision)
     stages = [
         PipelineStage(c, part, layout.parts, device, group=pp_group) for part, c in zip(mine, chunks, strict=True)
     ]
@@ -278,8 +310,21 @@ def build(
     return PipelineRank(
         layout=layout, rank=rank, model=model, chunks=chunks, schedule=runner, pp_group=pp_group,
         dp_group=dp_group, tie_groups=tie_groups, not_counted=not_counted, microbatches=microbatches,
-        clock=StageClock(stages), plan=plan,
+        clock=StageClock(stages), plan=plan, sharded=data == "fsdp",
     )  # fmt: skip
+
+
+def _shard(chunks: list[Chunk], mesh: Any, precision: Any) -> None:
+    """FSDP2 over the stage's data-parallel ranks: each block, then each part (its ends). Parameters
+    stay gathered from a micro-batch's forward to its backward (torchtitan's choice under a pipeline:
+    resharding would all-gather again for every micro-batch); the schedule reshards after the last."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = precision or MixedPrecisionPolicy()
+    for chunk in chunks:
+        for block in chunk.blocks:
+            fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+        fully_shard(chunk, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
 
 
 def _tie_groups(

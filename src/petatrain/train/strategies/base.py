@@ -122,6 +122,15 @@ class Strategy:
         """Whether `rank`'s checkpoint file holds model and optimizer tensors."""
         return True
 
+    def state_dicts(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, *, rank: int, cfg: JobConfig
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(model, optimizer) state dicts, by parameter name, of what `rank` saves (a collective where
+        a strategy gathers shards)."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        return get_model_state_dict(model), cast("dict[str, Any]", get_optimizer_state_dict(model, optimizer))
+
     def read_for_resume(
         self, state: SavedState, read: ReadRankFile, *, model: nn.Module, rank: int, world: int
     ) -> dict[int, dict[str, torch.Tensor]]:
@@ -146,22 +155,70 @@ def autocast_copies(w: Workload, layers: int) -> float:
     return 2 * w.matmul_params * (layers / w.n_layer) if w.precision == "bf16-mixed" else 0.0
 
 
-# Strategies whose checkpoints hold whole tensors by parameter name (DDP: rank 0 holds them all; a
-# pipeline: each part's rank its own): a run of either resumes from a checkpoint of the other.
-BY_NAME = ("ddp", "pipeline")
+# Strategies a run of any of them resumes from: DDP's and a pipeline's checkpoints hold whole
+# tensors by parameter name (DDP: rank 0 all of them; a pipeline: each part's rank its own), FSDP's
+# rows of them in rank order, which `read_by_name` puts back together.
+BY_NAME = ("ddp", "pipeline", "fsdp")
 
 
-def read_by_name(state: SavedState, read: ReadRankFile, *, rank: int, world: int) -> dict[int, dict[str, torch.Tensor]]:
-    """Every rank file's model and optimizer tensors merged under 0 (whatever layout wrote them);
-    this rank's own file under `rank` too at an unchanged world size (its RNG)."""
+def read_by_name(
+    state: SavedState, read: ReadRankFile, *, rank: int, world: int, ties: list[list[str]]
+) -> dict[int, dict[str, torch.Tensor]]:
+    """Every rank file's model and optimizer tensors merged into whole tensors under 0 (whatever
+    strategy and shape wrote them); this rank's own RNG under `rank` at an unchanged world size.
+    `ties`: the model's tied names (an FSDP checkpoint holds each under every name)."""
+    import torch
+
+    from petatrain.train.checkpoint.tensors import split_name
+
+    # FSDP's files: each a dim-0 chunk of every parameter (under each of its names) and its
+    # optimizer state, in rank order; buffers whole in every file
+    sharded: set[str] = set()
+    if state.strategy == "fsdp":
+        sharded = {fqn for group in state.param_groups for fqn in group["params"]}
+        sharded |= {n for names in ties if sharded & set(names) for n in names}
     merged: dict[str, torch.Tensor] = {}
+    rows: dict[str, list[torch.Tensor]] = {}
     own: dict[str, torch.Tensor] = {}
     for r in range(state.world_size):
-        tensors = read(r)
-        if r == rank and state.world_size == world:
-            own = tensors
-        merged.update({k: v for k, v in tensors.items() if not k.startswith("rng/")})
+        for name, tensor in read(r).items():
+            kind, fqn, _ = split_name(name)
+            if kind == "rng":
+                if r == rank and state.world_size == world:
+                    own[name] = tensor
+            elif fqn in sharded and tensor.dim() > 0:
+                rows.setdefault(name, []).append(tensor)
+            else:
+                merged[name] = tensor
+    merged.update({name: torch.cat(chunks) for name, chunks in rows.items()})
     return {0: merged, rank: {**merged, **own}} if own else {0: merged}
+
+
+def alias_ties(model_sd: dict[str, Any], optim_state: dict[str, Any], ties: list[list[str]]) -> None:
+    """A weight tied under several names (`ties`) may be saved under any of them (DDP keeps one
+    optimizer state for the GPT's embedding and head, a pipeline one per stage that holds it): fill
+    in the others, in place."""
+    for names in ties:
+        for saved in (model_sd, optim_state):
+            found = next((n for n in names if n in saved), None)
+            for n in names:
+                if found is not None and n not in saved:
+                    saved[n] = saved[found]
+
+
+def this_models_groups(model: nn.Module, optimizer: torch.optim.Optimizer, state: SavedState) -> list[dict[str, Any]]:
+    """The optimizer's parameter groups with the checkpoint's hyper-parameters: the parameters
+    are this rank's own (a pipeline's rank 0 recorded only its stage's)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    from petatrain.errors import CorruptDataError
+
+    current = cast("list[dict[str, Any]]", get_optimizer_state_dict(model, optimizer)["param_groups"])
+    if len(current) != len(state.param_groups):
+        raise CorruptDataError(
+            f"the checkpoint has {len(state.param_groups)} optimizer groups, this optimizer {len(current)}"
+        )
+    return [{**saved, "params": group["params"]} for group, saved in zip(current, state.param_groups, strict=True)]
 
 
 def load_by_name(
@@ -172,12 +229,11 @@ def load_by_name(
     ties: list[list[str]],
 ) -> None:
     """The parameters `model` holds and their optimizer state, by name, from `tensors` (model/FQN,
-    optim/FQN/KEY); the optimizer's groups are this model's own with the saved hyper-parameters.
-    A weight tied under several names (`ties`) may be saved under any of them: DDP keeps one
-    optimizer state for the GPT's embedding and head, a pipeline one per stage that holds it."""
+    optim/FQN/KEY, whole tensors); the optimizer's groups are this model's own with the saved
+    hyper-parameters; tied weights as `alias_ties`."""
     from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
         get_model_state_dict,
-        get_optimizer_state_dict,
         set_model_state_dict,
         set_optimizer_state_dict,
     )
@@ -186,23 +242,14 @@ def load_by_name(
     from petatrain.train.checkpoint.tensors import unflatten_state
 
     model_sd, optim_state = unflatten_state(tensors)
-    saved_by_kind: tuple[dict[str, Any], dict[str, Any]] = (model_sd, optim_state)
-    for names in ties:
-        for saved in saved_by_kind:
-            found = next((n for n in names if n in saved), None)
-            for n in names:
-                if found is not None and n not in saved:
-                    saved[n] = saved[found]
+    alias_ties(model_sd, optim_state, ties)
     wanted = get_model_state_dict(model)
     missing = sorted(set(wanted) - set(model_sd))
     if missing:
         raise CorruptDataError(f"the checkpoint holds no tensor for {', '.join(missing[:3])}")
-    set_model_state_dict(model, cast("dict[str, Any]", {k: model_sd[k] for k in wanted}))
-    current = cast("list[dict[str, Any]]", get_optimizer_state_dict(model, optimizer)["param_groups"])
-    if len(current) != len(state.param_groups):
-        raise CorruptDataError(
-            f"the checkpoint has {len(state.param_groups)} optimizer groups, this optimizer {len(current)}"
-        )
-    groups = [{**saved, "params": group["params"]} for group, saved in zip(current, state.param_groups, strict=True)]
+    # A sharded model (a pipeline's stages under FSDP) takes the whole tensors and keeps its rows of them.
+    options = StateDictOptions(full_state_dict=any(hasattr(v, "to_local") for v in wanted.values()))
+    set_model_state_dict(model, cast("dict[str, Any]", {k: model_sd[k] for k in wanted}), options=options)
+    groups = this_models_groups(model, optimizer, state)
     mine = {fqn: optim_state[fqn] for group in groups for fqn in group["params"] if fqn in optim_state}
-    set_optimizer_state_dict(model, optimizer, cast("Any", {"state": mine, "param_groups": groups}))
+    set_optimizer_state_dict(model, optimizer, cast("Any", {"state": mine, "param_groups": groups}), options=options)

@@ -2,7 +2,7 @@
 
 Checkpoint: the replicas are identical, so rank 0's file holds model and optimizer and the
 other ranks' files only their RNG state. Resume reads rank 0's file (and, at the same world
-size, its own for the RNG), or every file of a pipeline's checkpoint: both are by name.
+size, its own for the RNG), or every file of a pipeline's or FSDP's checkpoint (base.read_by_name).
 """
 
 from __future__ import annotations
@@ -78,8 +78,10 @@ class DDP(Strategy):
     def read_for_resume(
         self, state: SavedState, read: ReadRankFile, *, model: nn.Module, rank: int, world: int
     ) -> dict[int, dict[str, torch.Tensor]]:
-        if state.strategy != self.name:  # a pipeline's: its parts are in several files
-            return read_by_name(state, read, rank=rank, world=world)
+        if state.strategy != self.name:  # a pipeline's (parts in several files) or FSDP's (rows)
+            from petatrain.models import tied_names
+
+            return read_by_name(state, read, rank=rank, world=world, ties=tied_names(model))
         return {r: read(r) for r in sorted({0, rank} if state.world_size == world else {0})}
 
     def load_into(

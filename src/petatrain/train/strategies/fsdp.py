@@ -3,7 +3,8 @@ states sharded over the ranks (ZeRO-3); blocks all-gathered for forward and back
 
 Checkpoint: every rank saves its own shards (dim-0 chunks, in rank order). At the same world
 size each rank loads its own file; at another, each rank copies the rows it now holds out of
-the old ranks' files that hold them, one file in memory at a time (`reshard`).
+the old ranks' files that hold them, one file in memory at a time (`reshard`). A DDP or pipeline
+checkpoint (whole tensors by name) loads as this rank's rows of them (`rows_of`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,16 @@ from typing import TYPE_CHECKING, Any, cast
 
 from petatrain.cost import formulas
 from petatrain.errors import ConfigError, CorruptDataError, PetatrainError
-from petatrain.train.strategies.base import OVERLAP, ReadRankFile, SavedState, StateLayout, Strategy
+from petatrain.train.strategies.base import (
+    OVERLAP,
+    ReadRankFile,
+    SavedState,
+    StateLayout,
+    Strategy,
+    alias_ties,
+    read_by_name,
+    this_models_groups,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -55,15 +65,10 @@ class FSDP(Strategy):
         return max(0.0, comm - OVERLAP * compute_s), 0.0
 
     def wrap(self, spec: ModelSpec, cfg: JobConfig, device: torch.device) -> nn.Module:
-        import torch
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import fully_shard
 
         model = spec.module.to(device)
-        policy = (
-            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-            if cfg.train.precision == "bf16-mixed"
-            else MixedPrecisionPolicy()
-        )
+        policy = precision_policy(cfg)
         for module in model.modules():
             if spec.block_types and isinstance(module, spec.block_types):
                 fully_shard(module, mp_policy=policy)
@@ -73,6 +78,12 @@ class FSDP(Strategy):
     def read_for_resume(
         self, state: SavedState, read: ReadRankFile, *, model: nn.Module, rank: int, world: int
     ) -> dict[int, dict[str, torch.Tensor]]:
+        if state.strategy != self.name:  # whole tensors by name (DDP's, a pipeline's): this rank's rows of them
+            from petatrain.models import tied_names
+
+            ties = tied_names(model)
+            whole = read_by_name(state, read, rank=rank, world=world, ties=ties)
+            return {rank: rows_of(whole.get(rank, whole[0]), model, rank, world, ties)}
         if state.world_size == world:
             return {rank: read(rank)}
         return {rank: reshard(read, fsdp_rows(model, rank, world), state.world_size)}
@@ -104,8 +115,18 @@ class FSDP(Strategy):
             fqn: {k: _like(current_optim[fqn][k], v) if k in current_optim.get(fqn, {}) else v for k, v in s.items()}
             for fqn, s in optim_state.items()
         }
-        optim_sd: OptimizerStateType = {"state": resumed, "param_groups": state.param_groups}
+        optim_sd: OptimizerStateType = {"state": resumed, "param_groups": this_models_groups(model, optimizer, state)}
         set_optimizer_state_dict(model, optimizer, optim_sd)
+
+
+def precision_policy(cfg: JobConfig) -> Any:
+    """FSDP2's MixedPrecisionPolicy for train.precision: bf16 gathers and fp32 reductions, or none."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if cfg.train.precision == "bf16-mixed":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
 
 
 def _like(current: Any, saved: torch.Tensor) -> Any:
@@ -118,6 +139,37 @@ def _like(current: Any, saved: torch.Tensor) -> Any:
             local, current.device_mesh, current.placements, shape=current.shape, stride=current.stride()
         )
     return saved
+
+
+def rows_of(
+    whole: dict[str, torch.Tensor], model: nn.Module, rank: int, world: int, ties: list[list[str]]
+) -> dict[str, torch.Tensor]:
+    """This rank's rows of whole tensors by name (flat names, as a rank file holds them), for the
+    names this FSDP model has: each parameter's under every tied name, its optimizer state under the
+    name the optimizer uses; buffers, step counts and RNG as they are."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from petatrain.train.checkpoint.tensors import split_name, unflatten_state
+
+    model_sd, optim_state = unflatten_state(whole)
+    alias_ties(model_sd, optim_state, ties)
+    rows = fsdp_rows(model, rank, world)
+    names = set(get_model_state_dict(model))
+    params = {name for name, _ in model.named_parameters()}
+
+    def mine(fqn: str, tensor: torch.Tensor) -> torch.Tensor:
+        if fqn in rows and tensor.dim() > 0:
+            _, first, end = rows[fqn]
+            return tensor[first:end].clone()
+        return tensor
+
+    out = {f"model/{fqn}": mine(fqn, t) for fqn, t in model_sd.items() if fqn in names}
+    out |= {f"optim/{fqn}/{k}": mine(fqn, t) for fqn, s in optim_state.items() if fqn in params for k, t in s.items()}
+    out |= {name: t for name, t in whole.items() if split_name(name)[0] == "rng"}
+    missing = sorted(names - set(model_sd))
+    if missing:
+        raise CorruptDataError(f"the checkpoint holds no tensor for {', '.join(missing[:3])}")
+    return out
 
 
 def chunk_rows(rows: int, world: int, rank: int) -> tuple[int, int]:

@@ -20,6 +20,7 @@ from petatrain.train.strategies.base import (
     load_by_name,
     read_by_name,
 )
+from petatrain.train.strategies.fsdp import precision_policy
 
 if TYPE_CHECKING:
     import torch
@@ -91,11 +92,6 @@ class Pipeline(Strategy):
 
     # --- train ------------------------------------------------------------------------------
     def check_config(self, cfg: JobConfig) -> None:
-        if cfg.parallel.pipeline.data != "ddp":
-            raise ConfigError(
-                "parallel.pipeline.data fsdp: not supported yet; a stage's replicas average their gradients "
-                "as DDP does (parallel.pipeline.data: ddp)"
-            )
         for workers in cfg.parallel.worker_range():
             self.data_shard(cfg, 0, workers)  # the batch divides into replicas x micro-batches
 
@@ -129,7 +125,7 @@ class Pipeline(Strategy):
         setattr(spec.module, TIED_NAMES, tied_names(spec.module))
         piped = stages.build(
             spec.module, spec.pipeline, plan, layout, schedule=pc.schedule, microbatches=pc.microbatch_count(),
-            device=device,
+            device=device, data=pc.data, precision=precision_policy(cfg) if pc.data == "fsdp" else None,
         )  # fmt: skip
         predicted = None
         if profile is not None:  # this rank's compute per step: its parts' per-micro-batch costs, M times
@@ -154,11 +150,24 @@ class Pipeline(Strategy):
     def saves_model(self, rank: int, cfg: JobConfig | None = None) -> bool:
         return cfg is not None and rank < cfg.parallel.pipeline.stages  # the first replica's ranks: one per part
 
+    def state_dicts(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, *, rank: int, cfg: JobConfig
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Under data fsdp, each stage's shards gathered whole on its first replica's rank (a
+        collective over the stage's replicas): the checkpoint holds whole tensors by name at any `data`."""
+        model_sd, optim_sd = super().state_dicts(model, optimizer, rank=rank, cfg=cfg)
+        if cfg.parallel.pipeline.data != "fsdp":
+            return model_sd, optim_sd
+        from petatrain.train.pipeline.stages import gather_full
+
+        keep = self.saves_model(rank, cfg)
+        return gather_full(model_sd, keep=keep), gather_full(optim_sd, keep=keep)
+
     def read_for_resume(
         self, state: SavedState, read: ReadRankFile, *, model: nn.Module, rank: int, world: int
     ) -> dict[int, dict[str, torch.Tensor]]:
-        """Every file of the checkpoint merged by name (a pipeline's at any shape, or DDP's)."""
-        return read_by_name(state, read, rank=rank, world=world)
+        """Every file of the checkpoint merged by name (a pipeline's at any shape, DDP's or FSDP's)."""
+        return read_by_name(state, read, rank=rank, world=world, ties=getattr(model, TIED_NAMES, []))
 
     def load_into(
         self,
