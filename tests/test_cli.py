@@ -159,6 +159,22 @@ def test_training_progress_is_a_line_per_ten_steps_one_per_fault_and_one_on_reco
     assert lines[3].startswith("step     20/20")
 
 
+def test_a_resize_is_one_line_and_the_resume_says_on_how_many_workers():
+    from petatrain.console import TrainProgress
+
+    lines: list[str] = []
+    progress = TrainProgress(lines.append, total_steps=100)
+    progress({"event": "attempt_start", "attempt": 1, "world_size": 2})
+    detail = "petatrain.train.rank.Resized: the cluster can host more workers: checkpoint of step 9 committed"
+    progress({"event": "failure", "attempt": 1, "cause": "resize", "rank": 0, "detail": detail})
+    progress({"event": "attempt_start", "attempt": 2, "world_size": 4})
+    progress({"event": "resume", "attempt": 2, "rank": 0, "step": 9, "checkpoint": "run/ckpt/step-9"})
+    assert lines == [
+        "[cyan]resize[/cyan]: the cluster has room for more workers again (checkpoint of step 9 committed); restarting",
+        "[green]recovered[/green]: attempt 3 resumes at step 9 on 4 workers from its latest checkpoint",
+    ]
+
+
 def test_the_ledger_follower_hands_on_each_new_event_once_and_skips_an_earlier_runs(tmp_path):
     import time
 

@@ -52,6 +52,10 @@ def test_the_report_has_a_stage_table(pipeline_run):
     assert [s["rank"] for s in stages] == [0, 1] and all(s["steps"] == 20 for s in stages)
     assert stages[0]["units"][0].startswith("first..") and stages[1]["units"][0].endswith("..last")
     assert all(0 < s["busy_s"] < s["wall_s"] and 0 < s["idle_share"] < 1 for s in stages)
+    # memory: weights, gradients and AdamW's two moments (gradients dropped after the step or not), and
+    # the activations the schedule held at once; without a layer profile, nothing predicted
+    assert all(3 * s["param_bytes"] <= s["state_bytes"] <= 4 * s["param_bytes"] for s in stages), stages
+    assert all(s["activation_bytes"] > 0 and s["memory_error"] is None for s in stages)
 
 
 def test_every_fault_in_a_pipeline_resumes_bit_identically(pipeline_run, token_dataset, tmp_path):
@@ -159,3 +163,74 @@ def test_fsdp_and_pipeline_checkpoints_resume_in_each_other(pipeline_run, baseli
         ours = load_file(run_dir / "final" / "model.safetensors")
         theirs = load_file(baseline / "final" / "model.safetensors")
         assert max(float((ours[k] - theirs[k]).abs().max()) for k in theirs) < 1e-5, name
+
+
+# Runs in the head's namespace: a pipeline job on the two-node cluster for a fixed time (the run is
+# checkpointed and ends with its final weights when the time is up, whatever attempt it is in).
+_CLUSTER_DRIVER = """
+import json, sys
+from petatrain import config
+from petatrain.chaos.inject import parse
+from petatrain.runtime.driver import TrainJob, run
+cfg = config.load(sys.argv[1], sys.argv[5:])
+job = TrainJob(config=cfg, run_url=sys.argv[2], stop_after_s=float(sys.argv[3]), address=sys.argv[4],
+               injections=[parse(f"partition@step=8,rank={r}") for r in range(4)])
+print(json.dumps(run(job).to_dict()))
+"""
+
+
+@pytest.mark.chaos
+def test_a_stage_node_partitioned_shrinks_the_replicas_and_they_grow_back(token_dataset, tmp_path):
+    """2 stages x 2 replicas on two Ray nodes in network namespaces (2 ranks a node). The worker
+    node's link is cut at step 8: the node is lost in seconds and training goes on as 2 stages x 1
+    replica on the head node (parallel.workers 2-4). A fresh worker node joins: the driver sees room
+    for 4 again, the ranks stop together after a checkpoint (no step lost) and 2 x 2 resumes from it."""
+    import os
+    import sys
+    import time
+
+    from helpers import ROOT
+    from petatrain.chaos.netns import TwoNodeCluster, netns_available
+    from petatrain.observe.ledger import read_events
+
+    if os.geteuid() != 0:
+        pytest.skip("network-namespace tests need root")
+    if reason := netns_available():
+        pytest.skip(f"network namespaces unavailable: {reason}")
+    run_dir = tmp_path / "run"
+    overrides = [*PIPELINE, f"data.dataset={token_dataset}", "train.steps=100000", "parallel.workers=2-4"]
+    overrides += ["resources.cpus_per_worker=0.5", "train.eval_every=0", "checkpoint.every=50"]
+    argv = [sys.executable, "-c", _CLUSTER_DRIVER, str(ROOT / "examples" / "tiny.yaml"), str(run_dir), "80"]
+
+    def attempts() -> list[dict]:
+        if not (run_dir / "events.jsonl").exists():
+            return []
+        return [e for e in read_events(str(run_dir)) if e["event"] == "attempt_start"]
+
+    with TwoNodeCluster(head_cpus=1, worker_cpus=1) as cluster:
+        out, err = (tmp_path / "out.json").open("w"), (tmp_path / "err.log").open("w")
+        driver = cluster.popen([*argv, cluster.address, *overrides], stdout=out, stderr=err, text=True)
+        try:
+            deadline = time.monotonic() + 90
+            while len(attempts()) < 2 and driver.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.5)
+            assert [a["world_size"] for a in attempts()] == [4, 2], (tmp_path / "err.log").read_text()[-3000:]
+            cluster.restart_worker()  # the node comes back while 2 x 1 trains
+            assert driver.wait(timeout=240) == 0, (tmp_path / "err.log").read_text()[-3000:]
+        finally:
+            if driver.poll() is None:
+                driver.kill()
+                driver.wait()
+    summary = json.loads((tmp_path / "out.json").read_text())
+    assert [f["cause"] for f in summary["failures"]] == ["node_lost", "resize"], summary["failures"]
+    events = read_events(str(run_dir))
+    assert [e["world_size"] for e in events if e["event"] == "attempt_start"] == [4, 2, 4]
+    cut = next(e for e in events if e["event"] == "fault_injected")
+    lost = next(e for e in events if e["event"] == "failure")
+    assert lost["t"] - cut["t"] < 20, "the lost node is noticed in seconds, not the 30-minute collective timeout"
+    steps = {a: [e["step"] for e in events if e["event"] == "step" and e["attempt"] == a] for a in (1, 2)}
+    resumed = {e["attempt"]: e["step"] for e in events if e["event"] == "resume"}
+    assert resumed[2] == steps[1][-1] > 8, "the resize's checkpoint is the step the ranks stopped at: no step lost"
+    assert any(e["event"] == "step" and e["attempt"] == 2 and e["step"] > resumed[2] for e in events)
+    assert events[-1]["event"] == "end" and events[-1]["status"] == "ok"
+    assert (run_dir / "final" / "model.safetensors").exists()

@@ -158,6 +158,7 @@ def test_restart_policy_returns_typed_decisions():
     policy = RestartPolicy(max_restarts=1)
     exception = Failure(FailureCause.EXCEPTION, "x")
     assert policy.decide(Failure(FailureCause.PREEMPT, "p")) is RestartDecision.RETRY
+    assert policy.decide(Failure(FailureCause.RESIZE, "r")) is RestartDecision.RETRY  # neither uses the budget
     assert policy.decide(exception) is RestartDecision.RETRY
     assert policy.decide(exception) is RestartDecision.RAISE
     assert RestartPolicy(5).decide(Failure(FailureCause.ERROR, "e")) is RestartDecision.RAISE
@@ -185,6 +186,23 @@ def test_world_size_is_the_largest_that_fits_and_divides_the_batch():
     assert policy.choose(cpus=1, gpus=0) == 1
     with pytest.raises(PetatrainError, match="can host 0 worker"):
         policy.choose(cpus=0, gpus=0)
+    # growing back: only to a count that fits, divides the batch and is more than the attempt's
+    assert policy.larger(1, cpus=4, gpus=0) == 3
+    assert policy.larger(3, cpus=8, gpus=0) is None and policy.larger(1, cpus=1, gpus=0) is None
+    assert policy.larger(1, cpus=0, gpus=0) is None  # the cluster is going away: no resize
+    fixed = WorldSizePolicy(job("parallel.workers=2"))
+    assert fixed.larger(2, cpus=16, gpus=0) is None
+    pipeline = WorldSizePolicy(
+        job("parallel.strategy=pipeline", "parallel.workers=2-4", "train.global_batch=8", "train.micro_batch=1")
+    )
+    assert pipeline.larger(2, cpus=3, gpus=0) is None and pipeline.larger(2, cpus=4, gpus=0) == 4  # stages x replicas
+
+
+def test_a_resize_is_its_own_cause():
+    from petatrain.train.rank import Resized
+
+    error = AttemptFailed([rank_error(0, Resized("more workers")), rank_error(1, OSError("reset"))], "text")
+    assert classify(error, hang=None, nodes_lost=False).cause is FailureCause.RESIZE
 
 
 def test_a_hub_that_stops_answering_is_logged_once_not_swallowed(caplog):

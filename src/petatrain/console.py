@@ -223,6 +223,7 @@ class TrainProgress:
         self._seen: set[tuple[int, int]] = set()
         self._injected: dict[int, dict[str, Any]] = {}  # attempt -> the fault injected in it
         self._resumed: set[int] = set()
+        self._world: dict[int, int] = {}  # attempt -> its worker count
 
     def __call__(self, event: dict[str, Any]) -> None:
         kind = event.get("event")
@@ -245,8 +246,16 @@ class TrainProgress:
     def _on_fault_injected(self, e: dict[str, Any]) -> None:
         self._injected[e.get("attempt", 0)] = e
 
+    def _on_attempt_start(self, e: dict[str, Any]) -> None:
+        if isinstance(e.get("world_size"), int):
+            self._world[e.get("attempt", 0)] = e["world_size"]
+
     def _on_failure(self, e: dict[str, Any]) -> None:
         attempt = e.get("attempt", 0)
+        if e.get("cause") == "resize":  # not a fault: the cluster grew back
+            detail = str(e.get("detail") or "").rpartition(": ")[2]
+            self.write(f"[cyan]resize[/cyan]: the cluster has room for more workers again ({detail}); restarting")
+            return
         injected = self._injected.get(attempt)
         if injected is not None and injected.get("fault") == e.get("cause"):
             rank = "" if injected.get("rank") is None else f" on rank {injected['rank']}"
@@ -263,7 +272,11 @@ class TrainProgress:
             return
         self._resumed.add(attempt)
         source = "its latest checkpoint" if e.get("checkpoint") else "the start (no checkpoint yet)"
-        self.write(f"[green]recovered[/green]: attempt {attempt + 1} resumes at step {e['step']} from {source}")
+        world = self._world.get(attempt)
+        workers = f" on {world} workers" if world is not None and world != self._world.get(attempt - 1) else ""
+        self.write(
+            f"[green]recovered[/green]: attempt {attempt + 1} resumes at step {e['step']}{workers} from {source}"
+        )
 
     def _on_end(self, e: dict[str, Any]) -> None:
         if e.get("status") != "ok":

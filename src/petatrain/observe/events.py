@@ -154,6 +154,11 @@ class PipelineStage(Event):
     bubble_theory: float = 0.0  # (P-1)/(v M + P-1): the idle share of a step the schedule implies
     predicted_busy_s: float | None = None
     param_bytes: int = 0  # of the parameters this rank holds
+    state_bytes: int = 0  # its weights, gradients and optimizer state (its shards under data fsdp)
+    activation_bytes: int | None = None  # the most bytes autograd held for backward at once (a step counted)
+    device_peak_bytes: int | None = None  # the accelerator allocator's peak over the window (CUDA)
+    predicted_state_bytes: int | None = None  # from the layer profile's parameter bytes
+    predicted_activation_bytes: int | None = None  # the profile's saved bytes, in flight as the schedule runs
     warm_up: bool = False  # the attempt's first window: its first steps set up the schedule (left out of the table)
 
 
@@ -189,7 +194,7 @@ class FaultInjected(Event):
 class Failure(Event):
     kind: ClassVar[str] = "failure"
     attempt: int
-    cause: str  # kill | exception | hang | node_lost | preempt | nonfinite | error | unknown
+    cause: str  # kill | exception | hang | node_lost | preempt | resize | nonfinite | error | unknown
     detail: str
     rank: int | None = None
 

@@ -94,7 +94,8 @@ def _drive(job: TrainJob, held: contextlib.ExitStack) -> RunResult:
     atomic_write(join(run_url, "config.yaml"), cfg.to_yaml().encode(), job.options)
     run_id = uuid.uuid4().hex[:8]
     hub = _start_hub(run_url, run_id, cfg, job.options)
-    attempts = RayAttempts(job, cfg, run_url, run_id, hub)
+    policy, alive = WorldSizePolicy(cfg), cluster.RayCluster()
+    attempts = RayAttempts(job, cfg, run_url, run_id, hub, grow=lambda world: policy.larger(world, *alive.resources()))
     try:
         started = attempts.started
         lo, hi = cfg.parallel.worker_range()
@@ -107,9 +108,9 @@ def _drive(job: TrainJob, held: contextlib.ExitStack) -> RunResult:
         )  # fmt: skip
         supervisor = Supervisor(
             attempts=attempts,
-            cluster=cluster.RayCluster(),
+            cluster=alive,
             restart=RestartPolicy(cfg.faults.max_restarts),
-            world_size=WorldSizePolicy(cfg),
+            world_size=policy,
             emit=attempts.emit,
             # A driver that stalled past its lease must not start writing beside the new holder.
             before_attempt=lease.check,
@@ -189,12 +190,20 @@ def _for_workers(options: StorageOptions | None) -> StorageOptions:
 class RayAttempts:
     """The supervisor's attempts on Ray (runtime.supervisor.Attempts): standby, watchdog, TorchTrainer."""
 
-    def __init__(self, job: TrainJob, cfg: JobConfig, run_url: str, run_id: str, hub: HubHandle):
+    def __init__(
+        self,
+        job: TrainJob,
+        cfg: JobConfig,
+        run_url: str,
+        run_id: str,
+        hub: HubHandle,
+        grow: Callable[[int], int | None] | None = None,
+    ):
         self.job, self.cfg, self.run_url, self.run_id, self.hub = job, cfg, run_url, run_id, hub
         self.started = time.time()
         self.local = not (job.address or cfg.resources.address or os.environ.get(constants.RAY_ADDRESS_ENV))
         self.standby = Standby(self.build, enabled=cfg.faults.standby)
-        self.watch = Watchdog(hub.actor, cfg.faults.hang_timeout_s, on_training=self.standby.prepare)
+        self.watch = Watchdog(hub.actor, cfg.faults.hang_timeout_s, on_training=self.standby.prepare, grow=grow)
         from petatrain.train.loop import NonFiniteLoss
 
         self.causes = {**CAUSES, NonFiniteLoss: FailureCause.NONFINITE}

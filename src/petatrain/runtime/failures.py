@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from petatrain.errors import PetatrainError
-from petatrain.train.rank import Preempted
+from petatrain.train.rank import Preempted, Resized
 
 
 class FailureCause(enum.StrEnum):
@@ -25,6 +25,7 @@ class FailureCause(enum.StrEnum):
     HANG = "hang"  # no step progress within faults.hang_timeout_s (the watchdog)
     NODE_LOST = "node_lost"  # a node of the cluster died during the attempt
     PREEMPT = "preempt"  # a preemption notice, after the checkpoint of the current step
+    RESIZE = "resize"  # the cluster grew back: more workers, after the checkpoint of the current step
     NONFINITE = "nonfinite"  # a NaN/inf loss with faults.nonfinite=rollback
     ERROR = "error"  # a petatrain error (bad config, missing or corrupt data): a retry fails the same way
     UNKNOWN = "unknown"
@@ -85,7 +86,7 @@ class Failure:
 
 Causes = Mapping[type[BaseException], FailureCause]
 # Exception types that name their cause; the run adds its own (the loop's NonFiniteLoss).
-CAUSES: dict[type[BaseException], FailureCause] = {Preempted: FailureCause.PREEMPT}
+CAUSES: dict[type[BaseException], FailureCause] = {Preempted: FailureCause.PREEMPT, Resized: FailureCause.RESIZE}
 
 
 def cause_of(exc: BaseException, causes: Causes | None = None) -> FailureCause | None:
@@ -134,7 +135,7 @@ def classify(error: AttemptFailed, *, hang: Failure | None, nodes_lost: bool, di
     def by(cause: FailureCause) -> RankError | None:
         return next((e for e in errors if e.cause is cause), None)
 
-    for cause in (FailureCause.PREEMPT, FailureCause.NONFINITE):
+    for cause in (FailureCause.PREEMPT, FailureCause.RESIZE, FailureCause.NONFINITE):
         named = by(cause)
         if named is not None:
             return Failure(cause, named.summary, named.rank)

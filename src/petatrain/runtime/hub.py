@@ -36,6 +36,7 @@ class RunHub:
         self.draining = False  # the attempt failed and its survivors finish their checkpoint writes
         self.parts: dict[tuple[int, int], dict[int, dict | None]] = {}  # (attempt, step) -> rank -> files
         self.fired: set[str] = set()
+        self.resize_to: dict[int, int] = {}  # attempt -> the worker count the driver asked it to restart on
         self.last_flush = time.time()
 
     # -- ledger ------------------------------------------------------------------------------
@@ -64,10 +65,12 @@ class RunHub:
         pid: int,
         node_id: str,
         age_s: float = 0.0,
-    ) -> None:
-        """A rank's batched events and its heartbeat: one actor call per flush of the loop."""
+    ) -> int | None:
+        """A rank's batched events and its heartbeat: one actor call per flush of the loop. Returns
+        the worker count the driver asked this attempt to restart on (`request_resize`), if it did."""
         self.emit_many(events)
         self.beat(attempt, rank, step, pid, node_id, age_s)
+        return self.resize_to.get(attempt)
 
     @ray.method(concurrency_group="ledger")
     def flush(self) -> None:
@@ -108,6 +111,12 @@ class RunHub:
             if attempt == self.attempt:
                 self.lost, self.draining = set(lost), True
                 self._lock.notify_all()
+
+    def request_resize(self, attempt: int, world: int) -> None:
+        """The cluster can host `world` workers now: the attempt's rank 0 hears it in its next
+        telemetry answer and the ranks stop together after a checkpoint (`train.rank.Resized`)."""
+        with self._lock:
+            self.resize_to[attempt] = world
 
     def heartbeats(self) -> dict[int, dict[str, Any]]:
         with self._lock:

@@ -42,14 +42,15 @@ class RestartDecision(enum.Enum):
 
 
 class RestartPolicy:
-    """Retry up to `max_restarts` failures; preemptions do not use up the budget, petatrain errors are not retried."""
+    """Retry up to `max_restarts` failures; preemptions and resizes do not use up the budget, petatrain
+    errors are not retried."""
 
     def __init__(self, max_restarts: int):
         self.max_restarts = max_restarts
         self.used = 0
 
     def decide(self, failure: Failure) -> RestartDecision:
-        if failure.cause is FailureCause.PREEMPT:
+        if failure.cause in (FailureCause.PREEMPT, FailureCause.RESIZE):
             return RestartDecision.RETRY
         if failure.cause is FailureCause.ERROR:
             return RestartDecision.RAISE
@@ -91,6 +92,16 @@ class WorldSizePolicy:
             f"the cluster can host {fit} worker(s) of {per} CPU; parallel.workers={cfg.parallel.workers} "
             f"and train.global_batch={cfg.train.global_batch} need at least {lo} (and a count dividing the batch)"
         )
+
+    def larger(self, world: int, cpus: float, gpus: float) -> int | None:
+        """The worker count to grow to, when the alive cluster can host more than `world` (else None)."""
+        if self.cfg.parallel.worker_range()[1] <= world:
+            return None
+        try:
+            n = self.choose(cpus, gpus)
+        except PetatrainError:
+            return None
+        return n if n > world else None
 
 
 def use_gpu(cfg: JobConfig, gpus: float) -> bool:

@@ -21,6 +21,11 @@ class Watchdog:
     Once an attempt has stepped, `on_training(attempt, world_size)` is called (once). It
     waits on the hub's long poll (`RunHub.watch`), which answers when one of these is due.
     A hub that does not answer is logged (once per outage): without it, hangs go undetected.
+
+    With `grow` (the worker count the alive cluster could host now, if more than the attempt's, else
+    None), each answer of a training attempt also asks whether the cluster grew back; if so the hub
+    tells the attempt's rank 0 (`RunHub.request_resize`), once per attempt, and the ranks stop together
+    after a checkpoint so the next attempt runs on more workers.
     """
 
     WAIT_S = 10.0  # the longest the hub holds a watch() call
@@ -32,8 +37,10 @@ class Watchdog:
         timeout_s: float,
         on_training: Callable[[int, int], None] | None = None,
         kill_group: Callable[[dict[int, dict[str, Any]]], None] | None = None,
+        grow: Callable[[int], int | None] | None = None,
     ):
-        self.hub, self.timeout_s, self.on_training = hub, timeout_s, on_training
+        self.hub, self.timeout_s, self.on_training, self.grow = hub, timeout_s, on_training, grow
+        self._resize_asked = -1  # the attempt a resize was requested for
         self.kill_group = kill_group or _kill_group
         self.verdict: Failure | None = None
         self.failed_calls = 0  # consecutive watch() calls that raised
@@ -67,7 +74,10 @@ class Watchdog:
                 continue
             if seen["stale_s"] is not None:
                 self._declare_hang(seen)
-            elif seen["stepped"] and not self._announced:
+                continue
+            if seen["stepped"]:
+                self._maybe_grow(attempt)
+            if seen["stepped"] and not self._announced:
                 self._announced = True
                 assert self.on_training is not None  # without one, start() leaves the attempt announced
                 try:
@@ -96,6 +106,20 @@ class Watchdog:
             log.info("hang watchdog: the run hub answers again after %d failed call(s)", self.failed_calls)
             self.failed_calls = 0
         return seen
+
+    def _maybe_grow(self, attempt: int) -> None:
+        if self.grow is None or self._resize_asked == attempt:
+            return
+        try:
+            world = self.grow(self._world)
+        except Exception:  # the cluster's state could not be read: ask again at the next answer
+            log.debug("could not read the cluster's resources", exc_info=True)
+            return
+        if world is not None:
+            self._resize_asked = attempt
+            log.info("the cluster can host %d workers again (this attempt runs %d): resizing after a checkpoint",
+                     world, self._world)  # fmt: skip
+            self.hub.request_resize.remote(attempt, world)
 
     def _declare_hang(self, seen: dict[str, Any]) -> None:
         beats = seen["beats"]

@@ -73,6 +73,8 @@ class Telemetry:
         self.step_at = time.time()
         self.sent_at = 0.0
         self._lock = threading.Lock()  # the checkpoint writer's thread records too
+        self._answers: list[Any] = []  # the hub's answers to the flushes, not yet read
+        self._resize: int | None = None
 
     def record(self, event: str, **fields: Any) -> None:
         with self._lock:
@@ -102,10 +104,30 @@ class Telemetry:
             age = time.time() - self.step_at if self.step >= 0 else 0.0
             ref = self.hub.telemetry.remote(events, self.attempt, self.rank, self.step, os.getpid(), self.node_id, age)
             self.sent_at = time.monotonic()
+            if self.rank == 0:  # the rank that reads them (resize_requested)
+                self._answers.append(ref)
         if wait:
             import ray
 
             ray.get(ref)
+
+    def resize_requested(self) -> int | None:
+        """The worker count the driver asked for, from the hub's answers to the flushes so far (never waits)."""
+        import ray
+
+        with self._lock:
+            answers = self._answers
+        if self._resize is None and answers:
+            ready, _ = ray.wait(answers, num_returns=len(answers), timeout=0)
+            with self._lock:
+                self._answers = [a for a in self._answers if a not in ready]
+            for ref in ready:
+                try:
+                    value = ray.get(ref)
+                except Exception:  # a hub that failed to answer: its watchdog call fails the attempt too
+                    continue
+                self._resize = value if value is not None else self._resize
+        return self._resize
 
 
 @dataclass(slots=True)

@@ -3,7 +3,7 @@
 Reads top down: `train_worker` sets up (arithmetic, model and strategy, optimizer, data, the
 checkpoint writer), resumes from the newest verified checkpoint and runs `_train`, the step
 loop: gradient accumulation over micro-batches, one all-reduce of the step's decisions (loss,
-preemption, checkpoint due, halt), clip, optimizer step, telemetry, injected faults
+preemption, checkpoint due, halt, resize), clip, optimizer step, telemetry, injected faults
 (`chaos.inject.RankFaults`), asynchronous checkpoint, evaluation. The recipe (optimizer,
 schedule, micro-batching, checkpoint interval) is `train.recipe`'s; the parallelism is the
 strategy's (`train.strategies`, through `train.parallel`).
@@ -19,7 +19,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -36,7 +36,7 @@ from petatrain.train import checkpoint as ckpt
 from petatrain.train import recipe, strategies
 from petatrain.train.batches import TokenBatches
 from petatrain.train.parallel import load_into, read_for_resume, state_for_save, step_runner
-from petatrain.train.rank import NextRanks, Preempted, PreemptionNotice, RankEnv, Telemetry
+from petatrain.train.rank import NextRanks, Preempted, PreemptionNotice, RankEnv, Resized, Telemetry
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +221,8 @@ def _train(r: Rank, start: int, preemption: PreemptionNotice, chaos: inject.Rank
         # global gradient norm, which every rank already holds after the gradient reduction.
         due = r.rank == 0 and schedule.due(step)
         halt = r.rank == 0 and r.payload.stop_at is not None and time.time() >= r.payload.stop_at
-        decisions = (preemption.received, due, halt)
+        resize = r.rank == 0 and telemetry.resize_requested() is not None
+        decisions = (preemption.received, due, halt, resize)
         flags = torch.stack([loss_sum, *(torch.tensor(float(d), device=r.device) for d in decisions)])
         shared = dist.all_reduce(flags, async_op=True)
         # A live snapshot's tensors are read before the update changes them.
@@ -233,7 +234,7 @@ def _train(r: Rank, start: int, preemption: PreemptionNotice, chaos: inject.Rank
             staging.observed(True, live_stall + staging_wait)
             live_stall = None
         shared.wait()
-        preempt, checkpoint_due, stop = flags[1].item() > 0, flags[2].item() > 0, flags[3].item() > 0
+        preempt, checkpoint_due, stop, resize = (bool(flags[k].item() > 0) for k in range(1, 5))
         loss_value = flags[0].item() / r.steps.loss_share
         if nonfinite:
             grad_norm = _on_nonfinite(r, step)
@@ -256,7 +257,7 @@ def _train(r: Rank, start: int, preemption: PreemptionNotice, chaos: inject.Rank
         next_ranks.trained()  # the next attempt's processes start while this one trains
         chaos.at_step(step, elapsed)
 
-        if checkpoint_due or preempt or stop or step == cfg.train.steps:
+        if checkpoint_due or preempt or resize or stop or step == cfg.train.steps:
             _report_stage(r)
             live = staging.live(refused=writer.live_refused)
             stall = _checkpoint(r, step, schedule, live=live)
@@ -265,16 +266,24 @@ def _train(r: Rank, start: int, preemption: PreemptionNotice, chaos: inject.Rank
             else:
                 staging.observed(False, stall)
             last_checkpoint = step
-        if preempt:
-            if _leave_together(writer, telemetry, r.device) == step:
-                raise Preempted(f"preemption notice: checkpoint of step {step} committed, exiting")
-            raise Preempted(f"preemption notice: checkpoint of step {step} failed, resuming from an earlier one")
+        if preempt or resize:
+            _leave_for_restart(r, step, preempt=preempt)
         if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
             _evaluate(r, step)
         last_end, wait_mark = time.perf_counter(), r.data.wait_s
         if stop:
             break
     return step
+
+
+def _leave_for_restart(r: Rank, step: int, *, preempt: bool) -> NoReturn:
+    """Every rank ends the attempt once this step's checkpoint is settled: on a preemption notice, or
+    because the driver asked for more workers (the next attempt resumes from it on them)."""
+    committed = _leave_together(r.writer, r.telemetry, r.device) == step
+    how = f"checkpoint of step {step} " + ("committed" if committed else "failed, resuming from an earlier one")
+    if preempt:
+        raise Preempted(f"preemption notice: {how}")
+    raise Resized(f"the cluster can host more workers: {how}")
 
 
 def _report_stage(r: Rank) -> None:

@@ -2,8 +2,8 @@
 
 `train/loop.py` is given a `RankEnv` and never learns who built it: `runtime.worker.RankEnv.from_ray`
 builds one inside a Ray Train worker (its channel is the run hub actor), tests may build one by hand.
-The loop's own failure that the supervisor must know by type, `Preempted`, is defined here too, so
-that the runtime imports it from training and not the other way round.
+The loop's own endings that the supervisor must know by type, `Preempted` and `Resized`, are defined
+here too, so that the runtime imports them from training and not the other way round.
 """
 
 from __future__ import annotations
@@ -17,6 +17,11 @@ class Preempted(PetatrainError):
     """Raised after a preemption notice once the checkpoint of the current step is committed."""
 
 
+class Resized(PetatrainError):
+    """Raised when the driver asked for more workers (the cluster grew back within `parallel.workers`),
+    once the checkpoint of the current step is committed: the next attempt runs on more ranks."""
+
+
 class Telemetry(Protocol):
     """Events and step heartbeats on their way to the run's ledger and watchdog."""
 
@@ -27,6 +32,9 @@ class Telemetry(Protocol):
     def commit(self, info: dict[str, Any]) -> None: ...
     def alive(self) -> None: ...
     def flush(self, wait: bool = False) -> None: ...
+    def resize_requested(self) -> int | None:
+        """The worker count the driver asked this attempt to restart on, once its answer is in (else None)."""
+        ...
 
 
 class HubChannel(Protocol):
