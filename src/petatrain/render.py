@@ -124,7 +124,8 @@ def report(r: dict[str, Any]) -> None:
 def _pipeline(p: dict[str, Any]) -> None:
     """The stage table: each pipeline rank's compute, idle share and the partition's prediction."""
     table = Table(title=_pipeline_title(p))
-    for column in ("rank", "units", "steps", "compute (s)", "idle", "predicted (s)", "error"):
+    columns = ("rank", "units", "steps", "compute (s)", "idle", "predicted (s)", "error", "memory (MiB)", "predicted")
+    for column in (*columns, "error"):
         table.add_column(column, justify="left" if column == "units" else "right")
     for s in p["stages_measured"]:
         table.add_row(
@@ -135,8 +136,15 @@ def _pipeline(p: dict[str, Any]) -> None:
             _or_dash(s["idle_share"], "{:.1%}"),
             _or_dash(s["predicted_busy_s"], "{:.2f}"),
             _or_dash(s["prediction_error"], "{:+.1%}"),
+            _or_dash(_mib(s.get("memory_bytes")), "{:.1f}"),
+            _or_dash(_mib(s.get("predicted_memory_bytes")), "{:.1f}"),
+            _or_dash(s.get("memory_error"), "{:+.1%}"),
         )
     out.print(table)
+
+
+def _mib(value: float | None) -> float | None:
+    return None if value is None else value / 2**20
 
 
 def _pipeline_title(p: dict[str, Any]) -> str:
@@ -278,10 +286,12 @@ def layers(r: dict[str, Any]) -> None:
     """`profile --layers`: each unit's cost, then each partition's predicted stages."""
     p = r["profile"]
     units = Table(title=f"units on {p['device']}, micro-batch {p['micro_batch']} (median of {p['repetitions']})")
-    for column in ("unit", "fwd+bwd (ms)", "activation", "parameters"):
+    for column in ("unit", "fwd+bwd (ms)", "output", "saved for backward", "parameters"):
         units.add_column(column, justify="left" if column == "unit" else "right")
-    for name, s, a, b in zip(p["units"], p["seconds"], p["activation_bytes"], p["param_bytes"], strict=True):
-        units.add_row(name, f"{1e3 * s:.2f}", _bytes(a), _bytes(b))
+    saved = p.get("saved_bytes") or [None] * len(p["units"])
+    rows = zip(p["units"], p["seconds"], p["activation_bytes"], saved, p["param_bytes"], strict=True)
+    for name, s, a, held, b in rows:
+        units.add_row(name, f"{1e3 * s:.2f}", _bytes(a), "–" if held is None else _bytes(held), _bytes(b))
     out.print(units)
     if p.get("p2p_latency_s") is not None:
         out.print(

@@ -308,8 +308,8 @@ def _checkpoints(
 
 def _pipeline(events: list[dict[str, Any]]) -> dict[str, Any] | None:
     """Per pipeline rank (one per stage position): compute and wall time summed over its steady reports,
-    the idle share of its steps (the bubble, with the waits for its neighbours), and the partition's
-    prediction beside the measured compute where a layer profile gave one."""
+    the idle share of its steps (the bubble, with the waits for its neighbours), its memory (state and
+    peak activations, the most any window saw), and the layer profile's predictions beside them."""
     rows: dict[int, dict[str, Any]] = {}
     shape: dict[str, Any] = {}
     reports = [e for e in events if e.get("event") == "pipeline_stage" and _int(e.get("rank")) is not None]
@@ -326,6 +326,7 @@ def _pipeline(events: list[dict[str, Any]]) -> dict[str, Any] | None:
         row["predicted_busy_s"] = (
             None if predicted is None or row["predicted_busy_s"] is None else row["predicted_busy_s"] + predicted
         )
+        _memory(row, e)
         shape = {k: e.get(k) for k in ("schedule", "stages", "microbatches", "chunks", "bubble_theory")}
     if not rows:
         return None
@@ -334,9 +335,28 @@ def _pipeline(events: list[dict[str, Any]]) -> dict[str, Any] | None:
         busy, wall, predicted = row["busy_s"], row["wall_s"], row["predicted_busy_s"]
         idle = 1 - busy / wall if wall > 0 else None
         error = (predicted - busy) / busy if predicted is not None and busy > 0 else None
-        out.append({"rank": rank, **row, "idle_share": _round(idle), "prediction_error": _round(error)})
+        memory, predicted_memory = row.get("memory_bytes"), row.get("predicted_memory_bytes")
+        memory_error = (predicted_memory - memory) / memory if memory and predicted_memory is not None else None
+        out.append(
+            {"rank": rank, **row, "idle_share": _round(idle), "prediction_error": _round(error),
+             "memory_error": _round(memory_error)}
+        )  # fmt: skip
     idles = [r["idle_share"] for r in out if r["idle_share"] is not None]
     return {**shape, "bubble_measured": _round(sum(idles) / len(idles)) if idles else None, "stages_measured": out}
+
+
+def _memory(row: dict[str, Any], e: dict[str, Any]) -> None:
+    """A report's memory into its rank's row: the largest measured, the last prediction."""
+    for key in ("state_bytes", "activation_bytes", "device_peak_bytes"):
+        value = _int(e.get(key))
+        if value is not None:
+            row[key] = max(row.get(key) or 0, value)
+    state, activations = _int(e.get("predicted_state_bytes")), _int(e.get("predicted_activation_bytes"))
+    if row.get("activation_bytes") is not None and row.get("state_bytes") is not None:
+        row["memory_bytes"] = row["state_bytes"] + row["activation_bytes"]
+    if state is not None and activations is not None:
+        row.update(predicted_state_bytes=state, predicted_activation_bytes=activations)
+        row["predicted_memory_bytes"] = state + activations
 
 
 def _evals(events: list[dict[str, Any]], attempts: list[tuple[int, bool]], t0: float) -> list[dict[str, Any]]:

@@ -260,6 +260,7 @@ def _pipeline_html(p: dict[str, Any]) -> list[str]:
     shape = f"{p.get('schedule')}, {p.get('stages')} stages x {p.get('chunks')} chunks"
     bubble = f"{measured:.1%}" if measured is not None else "not measured"
     head = ["rank", "units", "steps", "compute (s)", "idle", "predicted (s)", "error"]
+    head += ["memory (MiB): state + activations", "predicted", "error"]
     rows = [_stage_row(s) for s in p["stages_measured"]]
     summary = f"{shape}, {p.get('microbatches')} micro-batches: bubble {bubble} measured, {theory:.1%} in theory"
     return [f"<p>{html.escape(summary)} ((P-1)/(vM+P-1)).</p>", _table(head, rows)]
@@ -273,7 +274,16 @@ def _stage_row(s: dict[str, Any]) -> list[str]:
         *measured,
         _seconds(s["predicted_busy_s"]),
         _pct(s["prediction_error"], sign=True),
+        _mib(s.get("state_bytes"), s.get("activation_bytes")),
+        _mib(s.get("predicted_state_bytes"), s.get("predicted_activation_bytes")),
+        _pct(s.get("memory_error"), sign=True),
     ]
+
+
+def _mib(state: int | None, activations: int | None) -> str:
+    if state is None or activations is None:
+        return "–"
+    return f"{(state + activations) / 2**20:.1f} = {state / 2**20:.1f} + {activations / 2**20:.1f}"
 
 
 def _pct(value: float | None, *, sign: bool = False) -> str:

@@ -58,6 +58,8 @@ def compare(cfg: JobConfig, profile: costs.LayerProfile, micro: int) -> list[dic
         "profile": partition(seconds, parts),
     }
     state = 1 + STATE_PER_PARAM.get(cfg.train.optimizer, 3)
+    # what a micro-batch keeps for its backward, per unit (older profiles: the unit's output only)
+    held = [b * micro / profile.micro_batch for b in profile.saved_bytes] or profile.activation_bytes
     out = []
     for name, starts in choices.items():
         per_part = costs.stage_seconds(profile, starts, micro)
@@ -70,7 +72,7 @@ def compare(cfg: JobConfig, profile: costs.LayerProfile, micro: int) -> list[dic
                     "units": f"{profile.units[a]}..{profile.units[b - 1]}",
                     "seconds_per_micro": per_part[k],
                     "state_bytes": state * sum(profile.param_bytes[a:b]),
-                    "activation_bytes": in_flight * sum(profile.activation_bytes[a:b]),
+                    "activation_bytes": in_flight * sum(held[a:b]),
                 }
             )
         transfer = 0.0

@@ -288,7 +288,7 @@ def _leave_for_restart(r: Rank, step: int, *, preempt: bool) -> NoReturn:
 
 def _report_stage(r: Rank) -> None:
     """A pipeline rank's compute since the last checkpoint, for the report's stage table."""
-    stage = r.steps.stage_report()
+    stage = r.steps.stage_report(r.optimizer)
     if stage is not None:
         r.telemetry.record("pipeline_stage", **stage)
 

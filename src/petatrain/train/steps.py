@@ -61,8 +61,8 @@ class MicroBatches:
         with amp:
             return self.spec.loss_fn(self.model, tokens).float()
 
-    def stage_report(self) -> dict[str, Any] | None:
-        """A pipeline rank's compute since the last report (the `pipeline_stage` event); None here."""
+    def stage_report(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any] | None:
+        """A pipeline rank's compute and memory since the last report (the `pipeline_stage` event); None here."""
         return None
 
     def full_state(self) -> dict[str, torch.Tensor]:
@@ -77,6 +77,8 @@ class PipelineSteps:
     piped: Any  # train.pipeline.stages.PipelineRank
     schedule: str
     predicted_step_busy_s: float | None = None  # this rank's compute per step, from a layer profile
+    predicted_state_bytes: int | None = None  # weights, gradients, optimizer state of its parts (profile)
+    predicted_activation_bytes: int | None = None  # peak activations its schedule holds (profile)
     reported: int = 0
 
     @property
@@ -110,10 +112,18 @@ class PipelineSteps:
             loss = self.piped.forward_backward(tokens, train=False)
         return loss if self.piped.last else None
 
-    def stage_report(self) -> dict[str, Any] | None:
-        """This rank's compute since the last report, from the first replica's ranks (one per stage)."""
+    def stage_report(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any] | None:
+        """This rank's compute and memory since the last report, from the first replica's ranks (one
+        per stage)."""
+        from petatrain.train.pipeline.memory import state_bytes
+
         piped, layout = self.piped, self.piped.layout
-        steps, busy, wall = piped.take_window()
+        steps, busy, wall, activations = piped.take_window()
+        device = next(self.model.parameters()).device
+        device_peak = None
+        if device.type == "cuda":
+            device_peak = torch.cuda.max_memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
         if steps == 0 or layout.dp_rank(piped.rank) != 0:
             return None
         warm_up, self.reported = self.reported == 0, self.reported + 1
@@ -128,6 +138,9 @@ class PipelineSteps:
             "chunks": layout.chunks, "predicted_busy_s": predicted,
             "bubble_theory": formulas.bubble_fraction(layout.stages, piped.microbatches, layout.chunks),
             "param_bytes": sum(p.numel() * p.element_size() for p in self.model.parameters()),
+            "state_bytes": state_bytes(self.model, optimizer), "activation_bytes": activations or None,
+            "device_peak_bytes": device_peak, "predicted_state_bytes": self.predicted_state_bytes,
+            "predicted_activation_bytes": self.predicted_activation_bytes,
             "warm_up": warm_up,
         }  # fmt: skip
 

@@ -1,6 +1,7 @@
 """What each unit of a model costs, measured (`petatrain profile --layers`): the per-unit forward +
-backward time of one micro-batch, its output activation bytes and its parameter bytes, and the
-point-to-point time between two ranks here. Saved beside the calibration (plan.calibration_dir,
+backward time of one micro-batch, its output activation bytes, the bytes autograd saves for its
+backward (memory.SavedActivations) and its parameter bytes, and the point-to-point time between two
+ranks here. Saved beside the calibration (plan.calibration_dir,
 `layers-<key>.json`, the key naming the model, micro-batch, precision and device), read by the
 `profile` partitioner and by the stage table's predictions.
 
@@ -27,6 +28,7 @@ from petatrain.errors import ConfigError, PetatrainError
 from petatrain.models import ModelSpec, build_model
 from petatrain.train import recipe
 from petatrain.train.pipeline.layout import part_costs, units
+from petatrain.train.pipeline.memory import STATE_COPIES, SavedActivations, activation_peak
 
 
 @dataclass(kw_only=True, slots=True)
@@ -37,6 +39,7 @@ class LayerProfile:
     seconds: list[float]  # forward + backward of one micro-batch, per unit (median of the repetitions)
     activation_bytes: list[int]  # each unit's output, per micro-batch
     param_bytes: list[int]
+    saved_bytes: list[int] = dataclasses.field(default_factory=list)  # held for backward, per micro-batch
     p2p_latency_s: float | None = None  # a one-element send/recv between two ranks here
     p2p_bytes_per_s: float | None = None  # for a micro-batch's activation
     repetitions: int = 0
@@ -110,15 +113,19 @@ def measure(cfg: JobConfig, micro_batch: int, device: torch.device, *, repetitio
     amp = recipe.autocast(cfg.train, device)
     with torch.no_grad(), amp:
         hidden = module.embed(tokens[:, :-1])
-    seconds, activations, params = [], [], []
+    seconds, activations, params, saved = [], [], [], []
     for i in range(len(names)):
         run = _unit(spec, module, blocks, i, tokens, hidden)
+        with SavedActivations(list(module.parameters())) as held, amp:
+            run(loss=i == len(names) - 1)  # the last unit's loss is the last stage's; the others' is not
+        saved.append(held.peak)
         times = []
         out = None
         for rep in range(repetitions + 1):  # the first is a warm-up
             t0 = time.perf_counter()
             with amp:
                 out, loss = run()
+            assert loss is not None
             loss.backward()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
@@ -130,7 +137,7 @@ def measure(cfg: JobConfig, micro_batch: int, device: torch.device, *, repetitio
         params.append(_param_bytes(spec, module, blocks, i))
     return LayerProfile(
         device=device_name(device), micro_batch=micro_batch, units=names, seconds=seconds,
-        activation_bytes=activations, param_bytes=params, repetitions=repetitions,
+        activation_bytes=activations, param_bytes=params, saved_bytes=saved, repetitions=repetitions,
         measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     )  # fmt: skip
 
@@ -138,28 +145,31 @@ def measure(cfg: JobConfig, micro_batch: int, device: torch.device, *, repetitio
 def _unit(
     spec: ModelSpec, module: Any, blocks: list[torch.nn.Module], i: int, tokens: torch.Tensor, hidden: torch.Tensor
 ):
-    """A closure running unit `i` forward: (its output, a scalar whose backward is the unit's backward)."""
+    """A closure running unit `i` forward: (its output, a scalar whose backward is the unit's backward;
+    with loss=False, None: the forward alone)."""
     n = len(blocks)
     parts = spec.pipeline
     assert parts is not None
-    if i == 0:
-        return lambda: _with_sum(module.embed(tokens[:, :-1]))
     x = hidden.detach().requires_grad_(True)
-    if i == n + 1:
-
-        def last():
-            out = module.finish(x)
-            return out, parts.output_loss(out, tokens[:, 1:])
-
-        return last
     run_block = getattr(module, "run_block", None)
-    block = blocks[i - 1]
-    return lambda: _with_sum(run_block(block, x) if run_block else block(x))
 
+    def forward() -> torch.Tensor:
+        if i == 0:
+            return module.embed(tokens[:, :-1])
+        if i == n + 1:
+            return module.finish(x)
+        block = blocks[i - 1]
+        return run_block(block, x) if run_block else block(x)
 
-def _with_sum(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A unit's output and a scalar of it to run its backward from (a gradient flows to every element)."""
-    return out, out.float().pow(2).mean()
+    def run(loss: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        out = forward()
+        if not loss:
+            return out, None
+        if i == n + 1:
+            return out, parts.output_loss(out, tokens[:, 1:])
+        return out, out.float().pow(2).mean()  # a gradient flows to every element of the output
+
+    return run
 
 
 def _param_bytes(spec: ModelSpec, module: Any, blocks: list[torch.nn.Module], i: int) -> int:
@@ -172,6 +182,28 @@ def _param_bytes(spec: ModelSpec, module: Any, blocks: list[torch.nn.Module], i:
     else:
         mods = [blocks[i - 1]]
     return sum(p.numel() * p.element_size() for m in mods for p in m.parameters())
+
+
+def predict_rank(
+    profile: LayerProfile, piped: Any, micro_batch: int, *, sharded: bool
+) -> tuple[float, int, int | None]:
+    """What the profile predicts for a rank (`stages.PipelineRank`) of a step: (its compute seconds:
+    its parts' per-micro-batch costs, M times; its state bytes: weights, gradients and AdamW's two
+    moments of its parts' parameters, split over the replicas under FSDP; the most activation bytes
+    its schedule's actions hold at once, or None for a profile without saved bytes)."""
+    plan, layout = piped.plan, piped.layout
+    starts = list(plan.starts)
+    per_part = stage_seconds(profile, starts, micro_batch)
+    busy = piped.microbatches * sum(per_part[k] for k in piped.parts)
+    mine = [u for k in piped.parts for u in plan.units(k)]
+    state = STATE_COPIES * sum(profile.param_bytes[u] for u in mine) // (layout.replicas if sharded else 1)
+    activations = None
+    order = getattr(piped.schedule, "pipeline_order", None)
+    if profile.saved_bytes and order is not None:
+        scale = micro_batch / profile.micro_batch
+        saved = {k: scale * sum(profile.saved_bytes[u] for u in plan.units(k)) for k in range(layout.parts)}
+        activations = int(activation_peak(order[layout.pp_rank(piped.rank)], saved))
+    return busy, state, activations
 
 
 def stage_seconds(profile: LayerProfile, plan_starts: list[int], micro_batch: int) -> list[float]:

@@ -18,6 +18,7 @@ copies take the same update, and `clip` computes the global norm over the whole 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ from torch import nn
 from petatrain.errors import ConfigError
 from petatrain.models import PipelineParts, tied_names
 from petatrain.train.pipeline.layout import Layout
+from petatrain.train.pipeline.memory import SavedActivations
 
 
 class Chunk(nn.Module):
@@ -142,6 +144,10 @@ class PipelineRank:
     clock: StageClock | None = None
     plan: PartPlan | None = None
     sharded: bool = False  # data fsdp: parameters and gradients are DTensors sharded over dp_group
+    track_memory: bool = True  # count the activations autograd saves in the next training step (not the first:
+    # torch infers the stages' shapes in it, with a forward and backward of its own)
+    trained: int = 0  # training steps run
+    activation_peak: int = 0  # the most bytes of them held at once, over the steps counted since take_window
     wall_s: float = 0.0  # time in schedule steps (training), since the clock was last read
     steps: int = 0
 
@@ -149,13 +155,14 @@ class PipelineRank:
     def parts(self) -> list[int]:
         return self.layout.parts_of(self.layout.pp_rank(self.rank))
 
-    def take_window(self) -> tuple[int, float, float]:
-        """(steps, busy seconds, wall seconds) since the last call."""
+    def take_window(self) -> tuple[int, float, float, int]:
+        """(steps, busy seconds, wall seconds, peak saved activation bytes) since the last call."""
         busy = self.clock.busy_s if self.clock else 0.0
-        out = (self.steps, busy, self.wall_s)
+        out = (self.steps, busy, self.wall_s, self.activation_peak)
         if self.clock:
             self.clock.busy_s = 0.0
         self.steps, self.wall_s = 0, 0.0
+        self.activation_peak, self.track_memory = 0, True
         return out
 
     @property
@@ -174,7 +181,11 @@ class PipelineRank:
         losses: list[torch.Tensor] = []
         busy, t0 = (self.clock.busy_s if self.clock else 0.0), time.perf_counter()
         if train:
-            self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+            counting = SavedActivations(list(self.model.parameters())) if self.track_memory and self.trained else None
+            with counting or contextlib.nullcontext():
+                self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+            if counting is not None:  # one step a window: the count costs a Python call per saved tensor
+                self.activation_peak, self.track_memory = max(self.activation_peak, counting.peak), False
         elif self.layout.style == "v":
             # torch's eval() of ZBV still runs its split backward actions and fails on a stage without
             # backward: a full step under grad instead, its gradients dropped (an evaluation's cost x3).
@@ -186,6 +197,7 @@ class PipelineRank:
         if train:
             self.wall_s += time.perf_counter() - t0
             self.steps += 1
+            self.trained += 1
         elif self.clock:
             self.clock.busy_s = busy  # evaluation is not the training step's compute
         if not losses:

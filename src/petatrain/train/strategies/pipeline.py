@@ -127,13 +127,14 @@ class Pipeline(Strategy):
             spec.module, spec.pipeline, plan, layout, schedule=pc.schedule, microbatches=pc.microbatch_count(),
             device=device, data=pc.data, precision=precision_policy(cfg) if pc.data == "fsdp" else None,
         )  # fmt: skip
-        predicted = None
-        if profile is not None:  # this rank's compute per step: its parts' per-micro-batch costs, M times
-            per_part = costs.stage_seconds(profile, starts, micro)
-            predicted = pc.microbatch_count() * sum(per_part[k] for k in piped.parts)
         if dist.get_rank() == 0:
             log.info("pipeline parts (first unit of each): %s", list(plan.starts))
-        return PipelineSteps(piped, pc.schedule, predicted)
+        steps = PipelineSteps(piped, pc.schedule)
+        if profile is not None:  # this rank's compute and memory, as the layer profile predicts them
+            busy, state, activations = costs.predict_rank(profile, piped, micro, sharded=pc.data == "fsdp")
+            steps.predicted_step_busy_s, steps.predicted_state_bytes = busy, state
+            steps.predicted_activation_bytes = activations
+        return steps
 
     def data_shard(self, cfg: JobConfig, rank: int, world: int) -> tuple[int, int, int]:
         """(loader rank, loader world, rows per `next()`): a replica's ranks read the same whole batch."""
