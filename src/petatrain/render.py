@@ -124,23 +124,28 @@ def report(r: dict[str, Any]) -> None:
 def _pipeline(p: dict[str, Any]) -> None:
     """The stage table: each pipeline rank's compute, idle share and the partition's prediction."""
     table = Table(title=_pipeline_title(p))
-    columns = ("rank", "units", "steps", "compute (s)", "idle", "predicted (s)", "error", "memory (MiB)", "predicted")
-    for column in (*columns, "error"):
+    for column in ("rank", "units", "steps", "idle", "compute s (predicted)", "memory MiB (predicted)"):
         table.add_column(column, justify="left" if column == "units" else "right")
     for s in p["stages_measured"]:
+        memory = _mib(s.get("memory_bytes"))
         table.add_row(
             str(s["rank"]),
             ", ".join(s["units"] or []),
             str(s["steps"]),
-            f"{s['busy_s']:.2f}",
             _or_dash(s["idle_share"], "{:.1%}"),
-            _or_dash(s["predicted_busy_s"], "{:.2f}"),
-            _or_dash(s["prediction_error"], "{:+.1%}"),
-            _or_dash(_mib(s.get("memory_bytes")), "{:.1f}"),
-            _or_dash(_mib(s.get("predicted_memory_bytes")), "{:.1f}"),
-            _or_dash(s.get("memory_error"), "{:+.1%}"),
+            f"{s['busy_s']:.2f}{_predicted(s['predicted_busy_s'], s['prediction_error'], '{:.2f}')}",
+            "–"
+            if memory is None
+            else f"{memory:.1f}" + _predicted(_mib(s.get("predicted_memory_bytes")), s.get("memory_error"), "{:.1f}"),
         )
     out.print(table)
+
+
+def _predicted(value: float | None, error: float | None, fmt: str) -> str:
+    """ " (PREDICTED, ERROR)" after a measured figure, or nothing without a prediction."""
+    if value is None:
+        return ""
+    return f" ({fmt.format(value)}, {error:+.0%})" if error is not None else f" ({fmt.format(value)})"
 
 
 def _mib(value: float | None) -> float | None:

@@ -87,19 +87,22 @@ def _storage(tensor: torch.Tensor) -> int:
 
 
 def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
-    """Bytes this rank holds of weights, gradients and optimizer state (its shards, under FSDP)."""
+    """Bytes this rank holds of weights, gradients and optimizer state (its shards, under FSDP).
+    Gradients count at their parameters' size: dropped between steps (zero_grad), they are there
+    during every step's backward and update."""
     tensors: dict[int, torch.Tensor] = {}
+    grads = 0
     for p in model.parameters():
-        for t in (p, p.grad):
-            if t is not None:
-                local = t.to_local() if hasattr(t, "to_local") else t
-                tensors[local.untyped_storage().data_ptr()] = local
+        local = p.to_local() if hasattr(p, "to_local") else p
+        if local.untyped_storage().data_ptr() not in tensors:
+            tensors[local.untyped_storage().data_ptr()] = local
+            grads += local.untyped_storage().nbytes() if p.requires_grad else 0
     for state in optimizer.state.values() if optimizer is not None else ():
         for t in state.values():
             if isinstance(t, torch.Tensor) and t.dim() > 0:
                 local = t.to_local() if hasattr(t, "to_local") else t
                 tensors[local.untyped_storage().data_ptr()] = local
-    return sum(t.untyped_storage().nbytes() for t in tensors.values())
+    return grads + sum(t.untyped_storage().nbytes() for t in tensors.values())
 
 
 def activation_peak(actions: list[Any], saved: dict[int, float]) -> float:

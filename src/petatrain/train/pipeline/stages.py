@@ -144,9 +144,10 @@ class PipelineRank:
     clock: StageClock | None = None
     plan: PartPlan | None = None
     sharded: bool = False  # data fsdp: parameters and gradients are DTensors sharded over dp_group
-    track_memory: bool = True  # count the activations autograd saves in the next training step (not the first:
-    # torch infers the stages' shapes in it, with a forward and backward of its own)
-    trained: int = 0  # training steps run
+    track_memory: bool = True  # count the activations autograd saves in the next training step that is settled
+    # settled: the stages are set up for training. Not in the attempt's first step, nor the first after an
+    # evaluation: torch infers the stages' shapes again in it, with a forward and backward of its own.
+    settled: bool = False
     activation_peak: int = 0  # the most bytes of them held at once, over the steps counted since take_window
     wall_s: float = 0.0  # time in schedule steps (training), since the clock was last read
     steps: int = 0
@@ -181,7 +182,7 @@ class PipelineRank:
         losses: list[torch.Tensor] = []
         busy, t0 = (self.clock.busy_s if self.clock else 0.0), time.perf_counter()
         if train:
-            counting = SavedActivations(list(self.model.parameters())) if self.track_memory and self.trained else None
+            counting = SavedActivations(list(self.model.parameters())) if self.track_memory and self.settled else None
             with counting or contextlib.nullcontext():
                 self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
             if counting is not None:  # one step a window: the count costs a Python call per saved tensor
@@ -197,9 +198,9 @@ class PipelineRank:
         if train:
             self.wall_s += time.perf_counter() - t0
             self.steps += 1
-            self.trained += 1
         elif self.clock:
             self.clock.busy_s = busy  # evaluation is not the training step's compute
+        self.settled = train
         if not losses:
             return torch.zeros((), device=tokens.device)
         return torch.stack([loss.detach().float() for loss in losses]).mean()
