@@ -243,6 +243,29 @@ def test_partition_profile_without_a_profile_is_one_line(tmp_path):
     assert _boundaries(build_model(auto.model, auto.train), auto, 4, 2, None, 4) == [0, 3]  # parameters
 
 
+def test_a_profile_partition_keeps_each_part_within_the_devices_memory():
+    """The measured costs say: cut after block 1 (the head is cheap to run); the head's 1 MiB of
+    state does not fit beside two blocks, so under a limit its part takes fewer; below any cut, one line."""
+    from petatrain import config as config_mod
+    from petatrain.models import build_model
+    from petatrain.train.pipeline.costs import LayerProfile
+    from petatrain.train.strategies.pipeline import _boundaries
+
+    cfg = config_mod.load("examples/pipeline.yaml", ["parallel.pipeline.partition=profile"])
+    units = ["first", "block.0", "block.1", "block.2", "block.3", "last"]
+    profile = LayerProfile(
+        device="cpu", micro_batch=4, units=units, seconds=[0.1, 1, 1, 1, 1, 0.1],
+        activation_bytes=[1] * 6, param_bytes=[1000, 1000, 1000, 1000, 1000, 2**18], saved_bytes=[0] * 6,
+    )  # fmt: skip
+    spec = build_model(cfg.model, cfg.train)
+    assert _boundaries(spec, cfg, 4, 2, profile, 4) == [0, 3]
+    head = 4 * 2**18  # its weights, gradients and AdamW's two moments
+    assert _boundaries(spec, cfg, 4, 2, profile, 4, limit=head + 4 * 1000) == [0, 4]  # a block beside the head
+    assert _boundaries(spec, cfg, 4, 2, profile, 4, limit=head + 2000) == [0, 5]  # the head alone
+    with pytest.raises(ConfigError, match="no cut into 2 parts keeps every part within its memory limit"):
+        _boundaries(spec, cfg, 4, 2, profile, 4, limit=head - 1)
+
+
 def test_stage_table_leaves_out_the_warm_up_window():
     from petatrain.observe.goodput import account
 

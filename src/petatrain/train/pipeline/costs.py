@@ -206,6 +206,27 @@ def predict_rank(
     return busy, state, activations
 
 
+def device_memory(device: torch.device) -> float:
+    """What a part may hold on `device`: 90% of an accelerator's memory (the rest for the allocator's
+    slack and the communication buffers); 0 (no limit) on the CPU."""
+    if device.type != "cuda":
+        return 0.0
+    return 0.9 * torch.cuda.get_device_properties(device).total_memory
+
+
+def unit_memory(profile: LayerProfile, micro_batch: int, pc: Any, *, replicas: int = 1) -> list[float]:
+    """Each unit's predicted bytes on the rank that runs it: its state (weights, gradients, AdamW's
+    moments; split over the replicas under data fsdp) and its saved activations for as many
+    micro-batches as the schedule can hold at once (GPipe: all; the others: the first stage's
+    stages x chunks, the most)."""
+    m = pc.microbatch_count()
+    in_flight = m if pc.schedule == "gpipe" else min(m, pc.stages * pc.chunks_per_rank())
+    share = replicas if pc.data == "fsdp" else 1
+    saved = profile.saved_bytes or profile.activation_bytes
+    scale = micro_batch / profile.micro_batch
+    return [STATE_COPIES * p / share + in_flight * a * scale for p, a in zip(profile.param_bytes, saved, strict=True)]
+
+
 def stage_seconds(profile: LayerProfile, plan_starts: list[int], micro_batch: int) -> list[float]:
     """Predicted forward + backward seconds of one micro-batch per part."""
     return part_costs(profile.scaled(micro_batch), plan_starts)

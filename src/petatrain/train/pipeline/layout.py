@@ -90,7 +90,10 @@ def partition(costs: Sequence[float], parts: int, *, memory: Sequence[float] = (
                 if value < best[k][j]:
                     best[k][j], cut[k][j] = value, i
     if best[parts][n] == inf:
-        raise ConfigError(f"no cut into {parts} parts keeps every part within its memory limit of {limit:.0f} bytes")
+        raise ConfigError(
+            f"no cut into {parts} parts keeps every part within its memory limit of {limit / 2**30:.2f} GiB "
+            "(more parallel.pipeline.stages, or parallel.pipeline.data fsdp, would split it further)"
+        )
     starts, j = [], n
     for k in range(parts, 0, -1):
         j = cut[k][j]

@@ -120,7 +120,8 @@ class Pipeline(Strategy):
             shared[0] = found.to_dict() if found else None
         dist.broadcast_object_list(shared, src=0)
         profile = costs.LayerProfile(**shared[0]) if shared[0] else None
-        starts = _boundaries(spec, cfg, n_blocks, layout.parts, profile, micro)
+        limit = costs.device_memory(device)
+        starts = _boundaries(spec, cfg, n_blocks, layout.parts, profile, micro, limit=limit, replicas=layout.replicas)
         plan = stages.PartPlan(tuple(starts), n_blocks)
         setattr(spec.module, TIED_NAMES, tied_names(spec.module))
         piped = stages.build(
@@ -184,11 +185,21 @@ class Pipeline(Strategy):
 
 
 def _boundaries(
-    spec: ModelSpec, cfg: JobConfig, n_blocks: int, parts: int, profile: Any, micro_batch: int
+    spec: ModelSpec,
+    cfg: JobConfig,
+    n_blocks: int,
+    parts: int,
+    profile: Any,
+    micro_batch: int,
+    *,
+    limit: float = 0.0,
+    replicas: int = 1,
 ) -> list[int]:
     """Where each part starts (in units: first, blocks, last), as parallel.pipeline.partition says:
     `profile` (PipeDream's dynamic program over the measured per-unit times; `auto` when this model
-    has a layer profile here), `parameters` (the same over parameter counts) or `uniform`."""
+    has a layer profile here), `parameters` (the same over parameter counts) or `uniform`. With
+    `limit` (an accelerator's bytes), `profile` keeps each part's predicted memory within it."""
+    from petatrain.train.pipeline import costs
     from petatrain.train.pipeline.layout import partition, uniform
 
     how = cfg.parallel.pipeline.partition
@@ -204,7 +215,9 @@ def _boundaries(
             )
         if len(profile.units) != n_blocks + 2:
             raise ConfigError(f"the layer profile has {len(profile.units)} units; this model has {n_blocks + 2}")
-        return partition(profile.scaled(micro_batch), parts)
+        pc = cfg.parallel.pipeline
+        memory = costs.unit_memory(profile, micro_batch, pc, replicas=replicas)
+        return partition(profile.scaled(micro_batch), parts, memory=memory, limit=limit)
     return partition(parameter_costs(spec), parts)
 
 
