@@ -30,6 +30,9 @@ from petatrain.train import recipe
 from petatrain.train.pipeline.layout import part_costs, units
 from petatrain.train.pipeline.memory import STATE_COPIES, SavedActivations, activation_peak
 
+# Untimed runs of each unit first: the allocator's first large blocks, caches, lazy initialisation
+WARM_UP = 3
+
 
 @dataclass(kw_only=True, slots=True)
 class LayerProfile:
@@ -97,8 +100,11 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
-def measure(cfg: JobConfig, micro_batch: int, device: torch.device, *, repetitions: int = 5) -> LayerProfile:
-    """Time each unit's forward and backward on one micro-batch of random tokens, one unit at a time."""
+def measure(
+    cfg: JobConfig, micro_batch: int, device: torch.device, *, repetitions: int = 5, start_at: float = 0.0
+) -> LayerProfile:
+    """Time each unit's forward and backward on one micro-batch of random tokens, one unit at a time,
+    starting `start_at` of the way through the units (and wrapping around)."""
     torch.manual_seed(cfg.train.seed)
     spec = build_model(cfg.model, cfg.train)
     if spec.pipeline is None:
@@ -113,15 +119,16 @@ def measure(cfg: JobConfig, micro_batch: int, device: torch.device, *, repetitio
     amp = recipe.autocast(cfg.train, device)
     with torch.no_grad(), amp:
         hidden = module.embed(tokens[:, :-1])
-    seconds, activations, params, saved = [], [], [], []
-    for i in range(len(names)):
+    seconds, activations, params, saved = [0.0] * len(names), [0] * len(names), [0] * len(names), [0] * len(names)
+    first = int(start_at * len(names))
+    for i in [(first + k) % len(names) for k in range(len(names))]:
         run = _unit(spec, module, blocks, i, tokens, hidden)
         with SavedActivations(list(module.parameters())) as held, amp:
             run(loss=i == len(names) - 1)  # the last unit's loss is the last stage's; the others' is not
-        saved.append(held.peak)
+        saved[i] = held.peak
         times = []
         out = None
-        for rep in range(repetitions + 1):  # the first is a warm-up
+        for rep in range(repetitions + WARM_UP):
             t0 = time.perf_counter()
             with amp:
                 out, loss = run()
@@ -129,12 +136,12 @@ def measure(cfg: JobConfig, micro_batch: int, device: torch.device, *, repetitio
             loss.backward()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            if rep:
+            if rep >= WARM_UP:
                 times.append(time.perf_counter() - t0)
             module.zero_grad(set_to_none=True)
-        seconds.append(statistics.median(times))
-        activations.append(int(out.numel() * out.element_size()) if out is not None else 0)
-        params.append(_param_bytes(spec, module, blocks, i))
+        seconds[i] = statistics.median(times)
+        activations[i] = int(out.numel() * out.element_size()) if out is not None else 0
+        params[i] = _param_bytes(spec, module, blocks, i)
     return LayerProfile(
         device=device_name(device), micro_batch=micro_batch, units=names, seconds=seconds,
         activation_bytes=activations, param_bytes=params, saved_bytes=saved, repetitions=repetitions,
@@ -254,7 +261,9 @@ def _profile_rank(rank: int, ranks: int, init: str, cfg: JobConfig, micro: int, 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=ranks)
     try:
         dist.barrier()
-        mine = measure(cfg, micro, torch.device("cpu"), repetitions=repetitions)
+        # Each process starts at another unit: as in a pipeline, a unit runs beside other units (two
+        # heads measured side by side contend for memory bandwidth as no stage of a run does)
+        mine = measure(cfg, micro, torch.device("cpu"), repetitions=repetitions, start_at=rank / ranks)
         everyone: list[Any] = [None] * ranks
         dist.all_gather_object(everyone, mine.seconds)
         mine.seconds = [statistics.median(column) for column in zip(*everyone, strict=True)]
