@@ -306,8 +306,13 @@ def test_pipeline_configs_train_cannot_run_are_refused_before_workers_start():
 
 
 def test_the_stage_clock_times_torchs_chunk_methods():
-    """The stage table times these methods of torch's stages; a torch upgrade that renames one fails here."""
+    """The stage table times these methods of torch's stages and the schedules' loss; a torch upgrade
+    that renames one fails here."""
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
     from torch.distributed.pipelining.stage import _PipelineStageBase
 
-    for method in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+    from petatrain.train.pipeline.stages import StageClock
+
+    for method in StageClock.CHUNKS:
         assert callable(getattr(_PipelineStageBase, method, None)), method
+    assert callable(getattr(_PipelineSchedule, "_compute_loss", None))

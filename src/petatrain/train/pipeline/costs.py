@@ -100,11 +100,15 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
-def measure(
-    cfg: JobConfig, micro_batch: int, device: torch.device, *, repetitions: int = 5, start_at: float = 0.0
-) -> LayerProfile:
-    """Time each unit's forward and backward on one micro-batch of random tokens, one unit at a time,
-    starting `start_at` of the way through the units (and wrapping around)."""
+def measure(cfg: JobConfig, micro_batch: int, device: torch.device, *, repetitions: int = 5) -> LayerProfile:
+    """Time each unit's forward and backward on one micro-batch of random tokens, inside whole passes
+    through the model (`_pass_seconds`: a unit timed alone, over and over, runs from caches no
+    training step leaves it); count what each unit saves for its backward, alone.
+
+    On the CPU a stage that waits for its neighbours computes slower than any profile shows: a pass
+    after a 20 ms sleep took 8-15% longer here, after another process thrashed the cache 20%; a
+    2-stage pipeline's cheap stage (busy 21% of the step) computed 40% slower than its units' sum,
+    its busy bottleneck within 5% (benchmarks/pipeline.py, README). Not so on an accelerator."""
     torch.manual_seed(cfg.train.seed)
     spec = build_model(cfg.model, cfg.train)
     if spec.pipeline is None:
@@ -119,34 +123,57 @@ def measure(
     amp = recipe.autocast(cfg.train, device)
     with torch.no_grad(), amp:
         hidden = module.embed(tokens[:, :-1])
-    seconds, activations, params, saved = [0.0] * len(names), [0] * len(names), [0] * len(names), [0] * len(names)
-    first = int(start_at * len(names))
-    for i in [(first + k) % len(names) for k in range(len(names))]:
+    activations, params, saved = [], [], []
+    for i in range(len(names)):
         run = _unit(spec, module, blocks, i, tokens, hidden)
         with SavedActivations(list(module.parameters())) as held, amp:
-            run(loss=i == len(names) - 1)  # the last unit's loss is the last stage's; the others' is not
-        saved[i] = held.peak
-        times = []
-        out = None
-        for rep in range(repetitions + WARM_UP):
-            t0 = time.perf_counter()
-            with amp:
-                out, loss = run()
-            assert loss is not None
-            loss.backward()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            if rep >= WARM_UP:
-                times.append(time.perf_counter() - t0)
-            module.zero_grad(set_to_none=True)
-        seconds[i] = statistics.median(times)
-        activations[i] = int(out.numel() * out.element_size()) if out is not None else 0
-        params[i] = _param_bytes(spec, module, blocks, i)
+            out, _ = run(loss=i == len(names) - 1)  # the last unit's loss is the last stage's; the others' is not
+        saved.append(held.peak)
+        activations.append(int(out.numel() * out.element_size()))
+        params.append(_param_bytes(spec, module, blocks, i))
+    passes = [_pass_seconds(spec, module, blocks, tokens, amp, device) for _ in range(WARM_UP + repetitions)]
+    seconds = [statistics.median(column) for column in zip(*passes[WARM_UP:], strict=True)]
     return LayerProfile(
         device=device_name(device), micro_batch=micro_batch, units=names, seconds=seconds,
         activation_bytes=activations, param_bytes=params, saved_bytes=saved, repetitions=repetitions,
         measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     )  # fmt: skip
+
+
+def _pass_seconds(
+    spec: ModelSpec, module: Any, blocks: list[torch.nn.Module], tokens: torch.Tensor, amp: Any, device: torch.device
+) -> list[float]:
+    """One forward and backward through every unit, as a step runs them: each unit's seconds, its
+    forward between the clock readings at its ends, its backward between the gradients reaching its
+    output and its input (a hook on the tensor between two units)."""
+    parts = spec.pipeline
+    assert parts is not None
+    n = len(blocks)
+
+    def now() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    forward, reached = [0.0] * (n + 2), [0.0] * (n + 2)  # reached[i]: the gradient of unit i's input is in
+    run_block = getattr(module, "run_block", None)
+    t = now()
+    with amp:
+        x = module.embed(tokens[:, :-1])
+        for i in range(1, n + 2):
+            forward[i - 1], t = now() - t, now()
+            x.register_hook(lambda _, i=i: reached.__setitem__(i, now()))
+            if i <= n:
+                x = run_block(blocks[i - 1], x) if run_block else blocks[i - 1](x)
+            else:
+                x = parts.output_loss(module.finish(x), tokens[:, 1:])
+        forward[n + 1] = now() - t
+    start = now()
+    x.backward()
+    end = now()
+    module.zero_grad(set_to_none=True)
+    backward = [end - reached[1], *(reached[i] - reached[i + 1] for i in range(1, n + 1)), reached[n + 1] - start]
+    return [f + b for f, b in zip(forward, backward, strict=True)]
 
 
 def _unit(
@@ -261,9 +288,7 @@ def _profile_rank(rank: int, ranks: int, init: str, cfg: JobConfig, micro: int, 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=ranks)
     try:
         dist.barrier()
-        # Each process starts at another unit: as in a pipeline, a unit runs beside other units (two
-        # heads measured side by side contend for memory bandwidth as no stage of a run does)
-        mine = measure(cfg, micro, torch.device("cpu"), repetitions=repetitions, start_at=rank / ranks)
+        mine = measure(cfg, micro, torch.device("cpu"), repetitions=repetitions)
         everyone: list[Any] = [None] * ranks
         dist.all_gather_object(everyone, mine.seconds)
         mine.seconds = [statistics.median(column) for column in zip(*everyone, strict=True)]

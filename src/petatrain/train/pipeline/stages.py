@@ -105,14 +105,17 @@ def keep_parts(model: nn.Module, parts: PipelineParts, plan: PartPlan, mine: lis
 
 class StageClock:
     """The time a rank's stages spend computing (their forward and backward chunks, as torch's
-    schedules call them), apart from the waits for their neighbours in between."""
+    schedules call them, and the last stage's loss, which the schedule computes between them),
+    apart from the waits for their neighbours in between."""
 
-    def __init__(self, stages: list[Any]):
+    CHUNKS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+
+    def __init__(self, stages: list[Any], schedule: Any = None):
         self.busy_s = 0.0
-        for stage in stages:
-            for method in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
-                if hasattr(stage, method):
-                    setattr(stage, method, self._timed(getattr(stage, method)))
+        for owner, methods in [*((stage, self.CHUNKS) for stage in stages), (schedule, ("_compute_loss",))]:
+            for method in methods if owner is not None else ():
+                if hasattr(owner, method):
+                    setattr(owner, method, self._timed(getattr(owner, method)))
 
     def _timed(self, fn: Any) -> Any:
         def run(*args: Any, **kwargs: Any) -> Any:
@@ -323,7 +326,7 @@ def build(
     return PipelineRank(
         layout=layout, rank=rank, model=model, chunks=chunks, schedule=runner, pp_group=pp_group,
         dp_group=dp_group, tie_groups=tie_groups, not_counted=not_counted, microbatches=microbatches,
-        clock=StageClock(stages), plan=plan, sharded=data == "fsdp",
+        clock=StageClock(stages, runner), plan=plan, sharded=data == "fsdp",
     )  # fmt: skip
 
 
