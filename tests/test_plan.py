@@ -503,6 +503,7 @@ def test_pipeline_candidates_are_searched_hybrids():
     shape = pipe.layout
     assert shape["stages"] * shape["replicas"] == 64 and shape["stages"] >= 2
     assert shape["microbatches"] % shape["stages"] == 0 and shape["recompute"] in ("none", "selective", "full")
+    assert shape["data"] in ("ddp", "fsdp")
     assert cfg.train.global_batch == shape["replicas"] * shape["microbatches"] * shape["micro_batch"]
     why = result.pipeline_vs_fsdp["H100-SXM x64"]
     assert why.startswith(f"pipeline {shape['stages']}x{shape['replicas']}") and "fsdp" in why
@@ -512,3 +513,18 @@ def test_pipeline_candidates_are_searched_hybrids():
 
     again = _best_pipeline(result.workload, find("H100-SXM", load_catalog(cfg.plan)), 64, cfg, None, 24.0)
     assert again.layout == shape and again.step_time_s == pytest.approx(pipe.step_time_s)
+
+
+def test_fsdp_replicas_of_a_stage_split_its_optimizer_state():
+    """P stages x D replicas: under data fsdp a stage's optimizer state and master weights are split
+    D ways, its gathered weights and whole gradients held through the step; the traffic is DDP's."""
+    from petatrain import config as config_mod
+    from petatrain.cost.workload import Workload
+    from petatrain.train.strategies.pipeline import Pipeline
+
+    w = Workload.from_config(config_mod.load("examples/plan-70b.yaml", []))
+    ddp, fsdp = Pipeline(4, "ddp").state_layout(w, 32, 8), Pipeline(4, "fsdp").state_layout(w, 32, 8)
+    assert fsdp.optimizer == pytest.approx(ddp.optimizer / 8) and fsdp.weights == pytest.approx(ddp.weights / 8)
+    assert fsdp.gradients == ddp.gradients and fsdp.buffers == pytest.approx(w.gathered_width * w.params / 4)
+    args = {"compute_s": 1.0, "accumulation": 8, "bandwidth": 1e11}
+    assert Pipeline(4, "fsdp").communication_s(w, 32, **args) == Pipeline(4, "ddp").communication_s(w, 32, **args)

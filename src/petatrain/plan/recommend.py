@@ -9,6 +9,7 @@ goodput, and the time and cost of the whole token budget on demand and on spot.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
@@ -173,9 +174,10 @@ def evaluate(
 def _best_pipeline(
     w: est.Workload, acc: Accelerator, count: int, cfg: JobConfig, calibration: Calibration | None, mtbf_hours: float
 ) -> Candidate:
-    """The fastest pipeline layout on `count` devices that fits: P stages x D replicas, M micro-batches
-    (multiples of P: 1F1B needs M >= P, and more shrink the bubble but the micro-batch with them) and
-    the recompute policy (recomputing trades compute for the activations of the in-flight micro-batches)."""
+    """The fastest pipeline layout on `count` devices that fits: P stages x D replicas (running DDP, or
+    FSDP when D > 1: the same traffic, the optimizer state split D ways), M micro-batches (multiples of
+    P: 1F1B needs M >= P, and more shrink the bubble but the micro-batch with them) and the recompute
+    policy (recomputing trades compute for the activations of the in-flight micro-batches)."""
     from petatrain.train.strategies.pipeline import Pipeline
 
     tried: list[Candidate] = []
@@ -186,11 +188,11 @@ def _best_pipeline(
             if w.global_batch % (replicas * m):
                 continue
             micro = w.global_batch // (replicas * m)
-            for recompute in policies:
+            for recompute, data in itertools.product(policies, ("ddp", "fsdp") if replicas > 1 else ("ddp",)):
                 shaped = dataclasses.replace(w.with_micro_batch(micro), recompute=recompute)
-                c = _evaluate(shaped, acc, count, Pipeline(stages), cfg, calibration, mtbf_hours)
+                c = _evaluate(shaped, acc, count, Pipeline(stages, data), cfg, calibration, mtbf_hours)
                 c.layout = {"stages": stages, "replicas": replicas, "microbatches": m, "micro_batch": micro}
-                c.layout["recompute"] = recompute
+                c.layout.update(recompute=recompute, data=data)
                 tried.append(c)
     if not tried:  # no layout divides the batch: the plain estimate says why
         return _evaluate(w, acc, count, strategies.get("pipeline"), cfg, calibration, mtbf_hours)
@@ -203,7 +205,7 @@ def pipeline_vs_fsdp(pipe: Candidate, fsdp: Candidate) -> str:
     shape = pipe.layout
     name = (
         f"pipeline {shape.get('stages')}x{shape.get('replicas')} (M={shape.get('microbatches')}, "
-        f"recompute {shape.get('recompute')})"
+        f"recompute {shape.get('recompute')}{', FSDP replicas' if shape.get('data') == 'fsdp' else ''})"
     )
     cannot = ("infeasible", "out of memory")
     if pipe.reason.startswith(cannot) or fsdp.reason.startswith(cannot):

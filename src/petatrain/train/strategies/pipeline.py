@@ -38,14 +38,15 @@ TIED_NAMES = "petatrain_tied_names"
 
 
 class Pipeline(Strategy):
-    """`stages` 0 (the registry's): every device a stage; `Pipeline(stages=P)`: P stages x count / P
-    data-parallel replicas of the pipeline (what `plan` searches)."""
+    """`stages` 0 (the registry's): every device a stage; `Pipeline(stages=P, data=...)`: P stages x
+    count / P data-parallel replicas of the pipeline, the replicas of a stage running DDP or FSDP
+    (what `plan` searches)."""
 
     name = "pipeline"
     trainable = True
 
-    def __init__(self, stages: int = 0):
-        self.stages = stages
+    def __init__(self, stages: int = 0, data: str = "ddp"):
+        self.stages, self.data = stages, data
 
     def _shape(self, count: int) -> tuple[int, int]:
         """(stages, replicas) on `count` devices."""
@@ -64,16 +65,21 @@ class Pipeline(Strategy):
         return ""
 
     def state_layout(self, w: Workload, count: int, accumulation: int) -> StateLayout:
-        P, (n, _) = w.params, self._shape(count)
+        """A stage's share: 1/P of the model. Under data fsdp its replicas also split the weights and
+        the optimizer state D ways, but hold the stage's weights gathered (FSDP's compute dtype)
+        and its gradients whole through the step (reduce-scattered after the flush)."""
+        P, (n, d) = w.params, self._shape(count)
         stage_layers = math.ceil(w.n_layer / n)
+        shards = d if self.data == "fsdp" else 1
+        gathered = w.gathered_width * P / n if shards > 1 else 0.0
         return StateLayout(
-            weights=w.weight_width * P / n,
+            weights=w.weight_width * P / n / shards,
             gradients=w.grad_width * P / n,
-            optimizer=w.optimizer_width * P / n,
-            buffers=autocast_copies(w, stage_layers),
+            optimizer=w.optimizer_width * P / n / shards,
+            buffers=gathered if shards > 1 else autocast_copies(w, stage_layers),
             stage_layers=stage_layers,
             in_flight=min(n, accumulation),  # 1F1B: the first stage holds p micro-batches
-            optimizer_shards=n,
+            optimizer_shards=n * shards,
         )
 
     def communication_s(
