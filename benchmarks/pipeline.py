@@ -8,8 +8,9 @@ Runs, on this machine, with a GPT on the byte-token dataset of benchmarks/recove
    gloo's point-to-point work and the loss, which the formula does not: the gap is that overhead.
 2. partitioner: a model whose head outweighs a block (a large vocabulary: the head's matmul costs
    compute, the embedding's lookup does not, though both hold V x d parameters): `profile --layers`,
-   then one run per partition (uniform, parameters, profile): median step time, and each stage's
-   predicted compute beside the measured.
+   then one run per partition (uniform, parameters, profile): median step time, each stage's
+   predicted compute beside the measured, and the profile partition run again to show how far two
+   runs of one config differ here (the floor under any prediction's error).
 3. peer: the same model and schedule (1f1b, 2 stages, 4 micro-batches) as a plain
    torch.distributed.pipelining script (2 processes, gloo, no Ray, no checkpoints): tokens/s of
    petatrain's pipeline (its checkpoint only at the end, as the peer has none) relative to it.
@@ -134,7 +135,13 @@ def partition(data: str, steps: int) -> dict:
             f"(predicted {1e3 * predicted['step_s']:.1f})  stage errors {errors}",
             flush=True,
         )
-    return {"units": layers["profile"], "runs": rows}
+    # The host's own noise: the profile partition again, minutes later; a prediction cannot be
+    # judged closer than two runs of the same config agree
+    again = run(job(data, steps, *heavy, *pipeline("1f1b", 4, "profile")))["report"]["pipeline"]["stages_measured"]
+    first = rows[-1]["stages"]
+    spread = [abs(a["busy_s"] - b["measured_busy_s"]) / b["measured_busy_s"] for a, b in zip(again, first, strict=True)]
+    print("same config twice: stage compute differs by " + ", ".join(f"{x:.1%}" for x in spread), flush=True)
+    return {"units": layers["profile"], "runs": rows, "same_config_spread": spread}
 
 
 # -- the peer: plain torch.distributed.pipelining ------------------------------------------------
