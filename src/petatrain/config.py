@@ -545,6 +545,11 @@ def apply_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, A
     return values
 
 
+def from_yaml(text: str, where: str) -> JobConfig:
+    """A job config from YAML text (a run's config.yaml read from storage); `where` names it in errors."""
+    return build(JobConfig, _read_yaml(text, where) or {})
+
+
 def load(path: str | Path | None = None, overrides: list[str] | None = None) -> JobConfig:
     """Read a YAML job config (or the defaults) and apply `--set` overrides."""
     values: dict[str, Any] = {}

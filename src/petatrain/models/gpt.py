@@ -9,7 +9,8 @@ recomputes only the attention core (Korthikanti et al.).
 from __future__ import annotations
 
 import math
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +40,33 @@ class CausalSelfAttention(nn.Module):
             y = self._core(q, k, v)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.proj(y)
+
+    def prefill(self, x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """Self-attention of one sequence's T new positions (1, T, C) that follow none: their keys
+        and values written to `keys` / `values` (H, S, D, one cache row) at positions 0..T-1."""
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        keys[:, :T], values[:, :T] = k[0], v[0]
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+    def decode(self, x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """One new position per row (B, 1, C), row b's at `lengths[b]` after the cached ones
+        (keys / values (B, H, S, D)). Every product is computed row by row (`rowwise`), so a row's
+        numbers do not depend on which other rows share the batch."""
+        B, _, C = x.shape
+        H, S = self.n_head, keys.size(2)
+        q, k, v = rowwise(self.qkv, x).split(C, dim=2)
+        q, k, v = (t.view(B, H, 1, C // H) for t in (q, k, v))  # (B, H, 1, D)
+        rows = torch.arange(B, device=x.device)
+        keys[rows, :, lengths], values[rows, :, lengths] = k[:, :, 0], v[:, :, 0]
+        scores = torch.bmm(q.reshape(B * H, 1, -1), keys.reshape(B * H, S, -1).transpose(1, 2))
+        scores = scores.view(B, H, 1, S) / math.sqrt(C // H)
+        seen = torch.arange(S, device=x.device)[None, :] <= lengths[:, None]  # (B, S): the cached and the new
+        scores = scores.masked_fill(~seen[:, None, None, :], float("-inf")).softmax(dim=-1)
+        y = torch.bmm(scores.reshape(B * H, 1, S), values.reshape(B * H, S, -1)).view(B, H, 1, C // H)
+        return rowwise(self.proj, y.transpose(1, 2).reshape(B, 1, C))
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         p = self.dropout if self.training else 0.0
@@ -73,6 +101,15 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.drop(self.attn(self.ln1(x)))
         return x + self.drop(self.mlp(self.ln2(x)))
+
+    def prefill(self, x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn.prefill(self.ln1(x), keys, values)
+        return x + self.mlp(self.ln2(x))
+
+    def decode(self, x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn.decode(self.ln1(x), keys, values, lengths)
+        mlp = self.mlp
+        return x + rowwise(mlp.down, F.gelu(rowwise(mlp.up, self.ln2(x))))
 
 
 class GPT(nn.Module):
@@ -112,6 +149,53 @@ class GPT(nn.Module):
 
     def finish(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.ln_f(x))  # (B, T, vocab)
+
+    # Generation with a KV cache (serve/): a token costs one position's forward, not the prefix's.
+    def new_cache(self, rows: int) -> KVCache:
+        """Keys and values for `rows` sequences of up to the model's context (fixed shapes: a row's
+        numbers do not depend on the others' lengths)."""
+        cfg, p = self.cfg, next(self.parameters())
+        shape = (rows, cfg.n_head, cfg.seq_len, cfg.d_model // cfg.n_head)
+        return KVCache(
+            keys=[p.new_zeros(shape) for _ in self.blocks], values=[p.new_zeros(shape) for _ in self.blocks],
+            lengths=torch.zeros(rows, dtype=torch.long, device=p.device),
+        )  # fmt: skip
+
+    @torch.no_grad()
+    def prefill(self, ids: torch.Tensor, cache: KVCache, row: int) -> torch.Tensor:
+        """Run a prompt (1-D ids) into cache row `row`; the next token's logits (vocab,)."""
+        x = self.embed(ids.unsqueeze(0))
+        for block, keys, values in zip(self.blocks, cache.keys, cache.values, strict=True):
+            x = cast(Block, block).prefill(x, keys[row], values[row])
+        cache.lengths[row] = ids.numel()
+        return self.head(self.ln_f(x[0, -1]))
+
+    @torch.no_grad()
+    def decode(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """One token per cache row (B,), each at its row's next position; the logits after it (B, vocab)."""
+        pos = cache.lengths
+        x = (self.wte(tokens) + self.wpe(pos)).unsqueeze(1)  # (B, 1, C)
+        for block, keys, values in zip(self.blocks, cache.keys, cache.values, strict=True):
+            x = cast(Block, block).decode(x, keys, values, pos)
+        cache.lengths = pos + 1
+        return rowwise(self.head, self.ln_f(x))[:, 0]
+
+
+@dataclass
+class KVCache:
+    keys: list[torch.Tensor]  # per block: (rows, heads, context, head dim)
+    values: list[torch.Tensor]
+    lengths: torch.Tensor  # (rows,): positions filled
+
+
+def rowwise(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """`linear` on (B, 1, in) as B products of one row each (a batched matmul): the same numbers
+    for a row whatever B is, where one (B, in) product may sum in another order for another B."""
+    B = x.size(0)
+    weight = linear.weight.t().expand(B, *linear.weight.t().shape)
+    if linear.bias is None:
+        return torch.bmm(x, weight)
+    return torch.baddbmm(linear.bias.expand(B, 1, -1), x, weight)
 
 
 class TokenMLP(nn.Module):

@@ -30,8 +30,7 @@ from petatrain.chaos import inject
 from petatrain.config import JobConfig
 from petatrain.errors import CorruptDataError, PetatrainError
 from petatrain.models import ModelSpec, build_model
-from petatrain.storage import StorageOptions, join
-from petatrain.storage.fs import atomic_write
+from petatrain.storage import StorageOptions
 from petatrain.train import checkpoint as ckpt
 from petatrain.train import recipe, strategies
 from petatrain.train.batches import TokenBatches
@@ -115,7 +114,7 @@ def train_worker(payload: Payload, env: RankEnv) -> None:
         r.writer.raise_if_broken()
         _evaluate(r, step)
         r.telemetry.flush(wait=True)
-        _save_final(r.steps, payload, r.rank)
+        _save_final(r.steps, payload, r.rank, step)
     finally:
         r.writer.close()
         r.telemetry.flush()  # the commit of a write that finished while the attempt failed
@@ -463,9 +462,9 @@ def _evaluate(r: Rank, step: int) -> None:
         r.telemetry.record("eval", step=step, loss=float(total[0] / total[1]))
 
 
-def _save_final(steps: Any, payload: Payload, rank: int) -> None:
+def _save_final(steps: Any, payload: Payload, rank: int, step: int) -> None:
     from safetensors.torch import save
 
     full = steps.full_state()  # a collective for FSDP and pipelines
-    if rank == 0:
-        atomic_write(join(payload.run_url, "final", "model.safetensors"), save(full), payload.options)
+    if rank == 0:  # the weights, then the record that commits them (train/checkpoint/final.py)
+        ckpt.write_final(payload.run_url, save(full), step, payload.options)

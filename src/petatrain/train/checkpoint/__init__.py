@@ -7,6 +7,7 @@ checkpoint that verifies and streams a rank file into tensors, checksummed on th
 `state.CheckpointState` is the record, and `state.check_state` what resume relies on in it.
 """
 
+from petatrain.train.checkpoint.final import read_final, write_final
 from petatrain.train.checkpoint.reader import (
     committed_steps,
     latest_verified,
@@ -42,6 +43,7 @@ __all__ = [
     "flatten_state",
     "latest_verified",
     "rank_file",
+    "read_final",
     "read_rank_tensors",
     "read_state",
     "remove_checkpoint",
@@ -49,4 +51,5 @@ __all__ = [
     "step_dir",
     "unflatten_state",
     "verify_checkpoint",
+    "write_final",
 ]

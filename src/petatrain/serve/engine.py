@@ -1,0 +1,111 @@
+"""Completions from a GPT: prompts run into a KV cache one by one, then decoded together one token
+per step, each row sampled with its own seeded generator. The decode step computes every row on its
+own (models.gpt.rowwise), so a request's text for a seed is the same whatever else is in its batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One prompt to complete (already checked: it and `max_tokens` fit the model's context)."""
+
+    ids: tuple[int, ...]
+    max_tokens: int
+    temperature: float = 1.0  # 0: the most likely token, always
+    top_p: float = 1.0
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(slots=True)
+class Completion:
+    text: str
+    finish_reason: str  # "length" | "stop"
+    prompt_tokens: int
+    completion_tokens: int
+    ids: list[int] = field(default_factory=list)
+
+
+class Engine:
+    """A model (a GPT with `new_cache`, `prefill`, `decode`) and its tokenizer."""
+
+    def __init__(self, model: Any, tokenizer: Any, eos_id: int | None = None):
+        self.model, self.tokenizer, self.eos_id = model.eval(), tokenizer, eos_id
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    @torch.no_grad()
+    def complete(self, requests: list[Request]) -> list[Completion]:
+        """Every request's completion; one forward of one position per generated token and row."""
+        if not requests:
+            return []
+        model = self.model
+        cache = model.new_cache(len(requests))
+        logits = torch.stack([model.prefill(torch.tensor(r.ids), cache, row) for row, r in enumerate(requests)])
+        rows = [_Row(r) for r in requests]
+        while True:
+            tokens = [row.take(logits[i], self) for i, row in enumerate(rows)]
+            if all(row.done for row in rows):
+                break
+            frozen = torch.tensor([row.done for row in rows])
+            logits = model.decode(torch.tensor(tokens), cache)
+            cache.lengths -= frozen.long()  # a finished row stays where it is (its decode is discarded)
+        return [row.result(self) for row in rows]
+
+
+class _Row:
+    """One request's generation: its sampler, its tokens, whether it is finished and why."""
+
+    def __init__(self, request: Request):
+        self.request = request
+        self.generator = torch.Generator().manual_seed(request.seed)
+        self.ids: list[int] = []
+        self.done = request.max_tokens == 0
+        self.reason = "length"
+        self.text = ""
+
+    def take(self, logits: torch.Tensor, engine: Engine) -> int:
+        """Sample the next token (0, not kept, once finished) and decide whether the row ends."""
+        if self.done:
+            return 0
+        token = sample(logits, self.request.temperature, self.request.top_p, self.generator)
+        if token == engine.eos_id:
+            self.done, self.reason = True, "stop"
+            return 0
+        self.ids.append(token)
+        if self.request.stop:
+            text = engine.tokenizer.decode(self.ids)
+            cut = min((i for i in (text.find(s) for s in self.request.stop) if i >= 0), default=-1)
+            if cut >= 0:
+                self.done, self.reason, self.text = True, "stop", text[:cut]
+                return token
+        if len(self.ids) >= self.request.max_tokens:
+            self.done = True
+        return token
+
+    def result(self, engine: Engine) -> Completion:
+        text = self.text if self.reason == "stop" and self.request.stop else engine.tokenizer.decode(self.ids)
+        return Completion(
+            text=text, finish_reason=self.reason, prompt_tokens=len(self.request.ids),
+            completion_tokens=len(self.ids), ids=list(self.ids),
+        )  # fmt: skip
+
+
+def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
+    """A token id from `logits` (vocab,): the most likely at temperature 0, else drawn from the
+    softmax at `temperature`, keeping the most likely tokens whose probability adds up to `top_p`."""
+    if temperature <= 0:
+        return int(logits.argmax())
+    probs = (logits.double() / temperature).softmax(-1)
+    if top_p < 1.0:
+        ordered, order = probs.sort(descending=True)
+        keep = ordered.cumsum(-1) - ordered < top_p  # the smallest head reaching top_p
+        probs = torch.zeros_like(probs).scatter(0, order[keep], ordered[keep])
+    return int(torch.multinomial(probs, 1, generator=generator))
