@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+
+import pytest
 import torch
 
 from petatrain.config import ModelConfig
@@ -63,6 +66,21 @@ def test_a_seed_samples_the_same_text_whatever_the_batch():
     assert engine.complete([Request(ids=(65, 66, 67), max_tokens=24, seed=8)])[0].ids != alone.ids
 
 
+def test_a_stream_is_the_completion_piece_by_piece():
+    """Streamed: the same text as the whole completion, never half a stop string, then the reason."""
+    from petatrain.serve.engine import Engine, Request
+
+    engine = Engine(_gpt(), _Bytes())
+    for request in (Request(ids=(70, 71), max_tokens=16, seed=4), Request(ids=(72,), max_tokens=16, seed=5)):
+        whole = engine.complete([request])[0]
+        stop = whole.text[5:7]
+        for asked in (request, Request(ids=request.ids, max_tokens=16, seed=request.seed, stop=(stop,))):
+            pieces = list(engine.stream(asked))
+            expected = engine.complete([asked])[0]
+            assert "".join(text for text, _ in pieces) == expected.text
+            assert pieces[-1] == ("", expected.finish_reason) and all(f is None for _, f in pieces[:-1])
+
+
 def test_top_p_keeps_the_smallest_head_of_the_distribution():
     from petatrain.serve.engine import sample
 
@@ -80,3 +98,189 @@ def test_a_stop_string_ends_the_completion_before_it():
     k = next(k for k in range(1, len(free.text)) if free.text[k] not in free.text[:k])  # a first occurrence
     cut = engine.complete([Request(ids=(65, 66), max_tokens=12, seed=3, stop=(free.text[k],))])[0]
     assert cut.finish_reason == "stop" and cut.text == free.text[:k]
+
+
+# -- the request checks -------------------------------------------------------------------------
+
+
+def test_bad_requests_say_what_to_fix():
+    from petatrain.serve.http import BadRequest, parse_completion
+
+    encode = lambda text: list(text.encode())  # noqa: E731
+    bad = {
+        b"{": "not JSON",
+        b"[1]": "JSON object",
+        b'{"prompt": "x", "n": 2}': "unknown field 'n'",
+        b'{"prompt": 3}': "prompt must be a string",
+        b'{"prompt": ""}': "prompt is empty",
+        b'{"prompt": "x", "max_tokens": 0}': "max_tokens must be an integer >= 1",
+        b'{"prompt": "x", "max_tokens": true}': "max_tokens must be an integer",
+        b'{"prompt": "x", "max_tokens": 40}': "exceeds the model's context of 32 tokens; ask for at most 31",
+        b'{"prompt": "x", "temperature": -1}': "temperature must be a number in [0, 2]",
+        b'{"prompt": "x", "top_p": 0}': "top_p 0 keeps no token",
+        b'{"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}': "stop must be",
+        b'{"prompt": "x", "stream": 1}': "stream must be true or false",
+        b'{"prompt": ["ok", "' + b"y" * 40 + b'"]}': "prompt[1] of 40 tokens",
+    }
+    for body, message in bad.items():
+        with pytest.raises(BadRequest, match=re.escape(message)):
+            parse_completion(body, context=32, encode=encode)
+    two, stream = parse_completion(
+        b'{"prompt": ["ab", "c"], "max_tokens": 3, "seed": 5, "stop": "\\n"}', context=32, encode=encode
+    )
+    assert not stream and [(r.ids, r.max_tokens, r.seed, r.stop) for r in two] == [
+        ((97, 98), 3, 5, ("\n",)),
+        ((99,), 3, 6, ("\n",)),
+    ]
+
+
+def test_serve_settings_become_the_deployments_options():
+    """serve.replicas MIN-MAX is Serve's autoscaling on ongoing requests, with the config's delays;
+    bad settings are one line."""
+    from petatrain.config import ServeConfig
+    from petatrain.errors import ConfigError
+    from petatrain.serve.app import deployment_options
+
+    fixed = deployment_options(ServeConfig(replicas="2", max_batch=8))
+    assert fixed["num_replicas"] == 2 and fixed["max_ongoing_requests"] == 16 and "autoscaling_config" not in fixed
+    scaled = deployment_options(ServeConfig(replicas="1-4", upscale_delay_s=2, downscale_delay_s=30))
+    assert scaled["autoscaling_config"] == {
+        "min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 16, "upscale_delay_s": 2,
+        "downscale_delay_s": 30,
+    }  # fmt: skip
+    bad_settings = [
+        ({"replicas": "4-1"}, "MIN >= 0 and MAX >= max"),
+        ({"replicas": "x"}, "a count (2) or a range"),
+        ({"max_batch": 0}, "serve.max_batch must be >= 1"),
+    ]
+    for bad, message in bad_settings:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            ServeConfig(**bad)
+
+
+# -- the application on Ray, over HTTP ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def served(baseline):
+    """The baseline run's final weights behind Ray Serve on a free loopback port."""
+    import socket
+
+    from petatrain import api
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    serving = api.serve(str(baseline), port=port, overrides=["serve.max_batch=8", "serve.cpus_per_replica=0"])
+    yield serving
+    api.stop_serving()
+
+
+@pytest.mark.slow
+def test_completions_models_and_health_over_http(served, baseline):
+    import json
+
+    import requests
+
+    record = json.loads((baseline / "final" / "COMMITTED").read_text())
+    models = requests.get(f"{served.url}/v1/models", timeout=30).json()["data"][0]
+    assert (models["source"], models["step"], models["checksum"]) == ("final", 30, record["checksum"])
+    assert requests.get(f"{served.url}/healthz", timeout=30).text == "ok"
+    body = {"prompt": ["Once upon", "The"], "max_tokens": 12, "seed": 3}
+    answer = requests.post(f"{served.url}/v1/completions", json=body, timeout=60).json()
+    assert [c["index"] for c in answer["choices"]] == [0, 1]
+    assert answer["usage"]["completion_tokens"] == sum(len(c["text"].encode()) for c in answer["choices"]) <= 24
+    again = requests.post(f"{served.url}/v1/completions", json=body, timeout=60).json()
+    assert [c["text"] for c in again["choices"]] == [c["text"] for c in answer["choices"]], "same seed, same text"
+    for bad, status in (("{", 400), (json.dumps({"prompt": "x", "max_tokens": 10_000}), 400)):
+        reply = requests.post(f"{served.url}/v1/completions", data=bad, timeout=30)
+        assert reply.status_code == status and "message" in reply.json()["error"]
+    assert requests.get(f"{served.url}/v1/nothing", timeout=30).status_code == 404
+
+
+@pytest.mark.slow
+def test_a_streamed_completion_arrives_as_server_sent_events(served):
+    import json
+
+    import requests
+
+    body = {"prompt": "Once upon", "max_tokens": 12, "seed": 9}
+    whole = requests.post(f"{served.url}/v1/completions", json=body, timeout=60).json()["choices"][0]
+    with requests.post(f"{served.url}/v1/completions", json={**body, "stream": True}, stream=True, timeout=60) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines(decode_unicode=True) if line]
+    assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines)
+    chunks = [json.loads(line[len("data: ") :])["choices"][0] for line in lines[:-1]]
+    assert "".join(c["text"] for c in chunks) == whole["text"] and chunks[-1]["finish_reason"] == "length"
+
+
+@pytest.mark.slow
+def test_concurrent_requests_all_answer_and_keep_their_seeded_text(served):
+    """8 clients, 160 requests, batched by the replica: no error, and a request's text for its seed
+    is the same under load as alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import requests
+
+    def ask(i: int) -> tuple[int, str]:
+        body = {"prompt": f"Story {i % 5}", "max_tokens": 8, "seed": i % 5, "temperature": 0.9}
+        reply = requests.post(f"{served.url}/v1/completions", json=body, timeout=120)
+        return reply.status_code, reply.json()["choices"][0]["text"] if reply.ok else reply.text
+
+    alone = {i: ask(i)[1] for i in range(5)}
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(ask, range(160)))
+    assert [status for status, _ in answers] == [200] * 160
+    assert all(text == alone[i % 5] for i, (_, text) in enumerate(answers))
+
+
+@pytest.mark.slow
+def test_weights_that_do_not_verify_are_refused_before_anything_is_served(baseline, tmp_path):
+    import shutil
+
+    from petatrain import api
+    from petatrain.errors import CorruptDataError, PetatrainError
+
+    run = tmp_path / "run"
+    shutil.copytree(baseline, run)
+    weights = run / "final" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(CorruptDataError, match=r"final/model.safetensors does not verify: .*checksum"):
+        api.serve(str(run), port=1)
+    (run / "final" / "COMMITTED").unlink()
+    with pytest.raises(CorruptDataError, match=r"was never committed .*\(--checkpoint latest\)"):
+        api.serve(str(run), port=1)
+    with pytest.raises(PetatrainError, match=r"no committed checkpoint of step 7 \(committed: 20, 30\)"):
+        api.serve(str(run), checkpoint="7", port=1)
+    # the checkpoints themselves serve: a step, or the newest whose files verify
+    from petatrain.serve import weights
+
+    assert (weights.load(str(run), "20").step, weights.load(str(run), "latest").step) == (20, 30)
+    newest = run / "checkpoints" / "step-00000030" / "rank-00000.safetensors"
+    newest.write_bytes(newest.read_bytes()[:-8])  # torn
+    assert weights.load(str(run), "latest").step == 20
+    with pytest.raises(CorruptDataError, match=r"step-00000030 does not verify: rank-00000.safetensors"):
+        weights.load(str(run), "30")
+
+
+@pytest.mark.slow
+def test_the_serving_metrics_reach_rays_metrics_endpoint(served):
+    """Requests by route and status, latency, tokens, batch sizes and the step served, on the
+    node's Ray metrics endpoint (what Prometheus scrapes on a Ray cluster)."""
+    import time
+
+    import ray
+    import requests
+
+    requests.post(f"{served.url}/v1/completions", json={"prompt": "The", "max_tokens": 5}, timeout=60)
+    port = next(n["MetricsExportPort"] for n in ray.nodes() if n["Alive"])
+    text, deadline = "", time.monotonic() + 60
+    while "petatrain_serve_completion_tokens" not in text and time.monotonic() < deadline:
+        time.sleep(1)
+        text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    series = [line for line in text.splitlines() if "petatrain_serve" in line and not line.startswith("#")]
+    assert any('route="/v1/completions"' in s and 'status="200"' in s and "requests_total" in s for s in series)
+    assert any("latency_seconds_bucket" in s for s in series) and any("batch_size_bucket" in s for s in series)
+    assert any("checkpoint_step" in s and s.rstrip().endswith(" 30.0") for s in series), series

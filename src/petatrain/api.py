@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from petatrain.config import IngestConfig, JobConfig
 from petatrain.data.job import IngestJob, IngestSummary
+from petatrain.errors import ConfigError
 from petatrain.storage import StorageOptions
 
 if TYPE_CHECKING:
@@ -389,6 +390,64 @@ def sample(config: JobConfig, weights: str, prompts: Sequence[str], *, new_token
     from petatrain.train.sample import sample_text
 
     return sample_text(config, weights, prompts=list(prompts), new_tokens=new_tokens)
+
+
+# -- serving --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Serving:
+    """A run's model being served: where, and which weights (`GET /v1/models` says the same)."""
+
+    url: str
+    model: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"url": self.url, "model": self.model}
+
+
+def serve(
+    run: str,
+    *,
+    checkpoint: str = "final",
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    address: str = "",
+    follow: bool = False,
+    overrides: Sequence[str] = (),
+    options: StorageOptions | None = None,
+) -> Serving:
+    """Serve `run`'s model with Ray Serve on `address` (a local Ray by default), as the run's
+    `serve:` config says with `overrides` ("serve.max_batch=8") applied. The weights are verified
+    here first: a corrupt, torn or uncommitted checkpoint is refused before anything is deployed,
+    and every replica verifies what it loads again. With `follow` (checkpoint "latest"), each replica
+    switches to every newer checkpoint the run commits. `stop_serving()` ends it."""
+    import dataclasses
+
+    from petatrain import config as config_mod
+    from petatrain.runtime import cluster
+    from petatrain.serve import weights
+
+    if follow and checkpoint != "latest":
+        raise ConfigError(f"--follow switches to each new checkpoint: use --checkpoint latest, not {checkpoint}")
+    served = weights.load(run, checkpoint, options)
+    settings = served.config.serve
+    if overrides:
+        values = config_mod.apply_overrides({"serve": dataclasses.asdict(settings)}, list(overrides))
+        settings = config_mod.build(config_mod.ServeConfig, values["serve"], "serve.")
+    cluster.init_ray(address)
+    from petatrain.serve import app
+
+    serve_options = app.ServeOptions(
+        run_url=run, checkpoint=checkpoint, host=host, port=port, settings=settings, storage=options, follow=follow
+    )
+    return Serving(url=app.start(serve_options), model=served.describe())
+
+
+def stop_serving() -> None:
+    from petatrain.serve import app
+
+    app.stop()
 
 
 # -- planning -------------------------------------------------------------------------------

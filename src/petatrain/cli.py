@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -236,7 +237,9 @@ def demo(
         if as_json:
             _print_json(result)
             return
-        out.print(f"\nNext: [bold].venv/bin/petatrain report {result.get('train', {}).get('run', '')}[/bold]")
+        run = result.get("train", {}).get("run", "")
+        out.print(f"\nNext: [bold].venv/bin/petatrain report {run}[/bold]")
+        out.print(f"      [bold].venv/bin/petatrain serve {run}[/bold]  (its model over HTTP; README, Serving)")
 
     _guarded(go)
 
@@ -389,6 +392,52 @@ def report(
             _print_json(written.to_dict())
         else:
             render.report(written.to_dict())
+
+    _guarded(go)
+
+
+@app.command("serve")
+def serve_cmd(
+    run: Annotated[str, typer.Argument(help="Run directory URL or path (holds config.yaml and its weights).")],
+    checkpoint: Annotated[str, typer.Option(help="final, latest, or a checkpoint's step.")] = "final",
+    host: Annotated[str, typer.Option(help="Address to listen on (loopback unless told otherwise).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="HTTP port.")] = 8000,
+    replicas: Annotated[str | None, typer.Option(help="Replicas: N, or MIN-MAX to autoscale (serve.replicas).")] = None,
+    max_batch: Annotated[int | None, typer.Option(help="Requests completed together (serve.max_batch).")] = None,
+    follow: Annotated[bool, typer.Option(help="With --checkpoint latest: switch to each new checkpoint.")] = False,
+    set_: Sets = None,
+    address: Address = "",
+    as_json: Json = False,
+) -> None:
+    """Serve a trained run's model with Ray Serve: POST /v1/completions, GET /v1/models, GET /healthz.
+
+    The weights are checked against what the run committed before anything is served. The run's
+    `serve:` config sets replicas, batching and autoscaling; the flags and --set serve.KEY=VALUE
+    override it. Runs until Ctrl-C."""
+
+    def go():
+        import time
+
+        overrides = list(set_ or [])
+        overrides += [f"serve.replicas={replicas}"] if replicas is not None else []
+        overrides += [f"serve.max_batch={max_batch}"] if max_batch is not None else []
+        serving = api.serve(
+            run, checkpoint=checkpoint, host=host, port=port, address=address, follow=follow, overrides=overrides
+        )
+        if as_json:
+            _print_json(serving.to_dict())
+        else:
+            m = serving.model
+            _say(f"serving {m['run']} ({m['source']}, step {m['step']}, {m['checksum']}) at {serving.url}")
+            _say(f'  curl {serving.url}/v1/completions -d \'{{"prompt": "Once", "max_tokens": 32}}\'')
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            _say("stopping")
+        finally:
+            with contextlib.suppress(KeyboardInterrupt):  # a second Ctrl-C while the replicas stop
+                api.stop_serving()
 
     _guarded(go)
 

@@ -349,6 +349,42 @@ class StorageConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class ServeConfig:
+    """How `petatrain serve` runs the model a run trained (the run's config.yaml holds it; the
+    command's flags override it)."""
+
+    replicas: str = "1"  # N, or MIN-MAX: Serve autoscales between them on ongoing requests
+    max_batch: int = 16  # requests a replica completes together
+    batch_wait_s: float = 0.01  # the longest a request waits for others to batch with
+    target_ongoing_requests: int = 0  # per replica, when autoscaling (0: max_batch)
+    upscale_delay_s: float = 5.0
+    downscale_delay_s: float = 60.0
+    cpus_per_replica: float = 1.0
+    follow_poll_s: float = 5.0  # --follow: how often a replica looks for a newer checkpoint
+
+    def __post_init__(self) -> None:
+        self.replica_range()
+        if self.max_batch < 1 or self.target_ongoing_requests < 0:
+            raise ConfigError("serve.max_batch must be >= 1 and serve.target_ongoing_requests >= 0")
+        for key in ("batch_wait_s", "upscale_delay_s", "downscale_delay_s", "cpus_per_replica"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"serve.{key} must be >= 0, got {getattr(self, key)}")
+        if self.follow_poll_s <= 0:
+            raise ConfigError(f"serve.follow_poll_s must be > 0, got {self.follow_poll_s}")
+
+    def replica_range(self) -> tuple[int, int]:
+        """(min, max) replicas: `N` or `MIN-MAX`."""
+        low, _, high = str(self.replicas).partition("-")
+        try:
+            bounds = int(low), int(high or low)
+        except ValueError:
+            raise ConfigError(f"serve.replicas {self.replicas!r}: a count (2) or a range (1-4)") from None
+        if bounds[0] < 0 or bounds[1] < max(1, bounds[0]):
+            raise ConfigError(f"serve.replicas {self.replicas!r}: MIN >= 0 and MAX >= max(MIN, 1), e.g. 1-4")
+        return bounds
+
+
+@dataclass(kw_only=True, slots=True)
 class PlanConfig:
     """What `petatrain plan` assumes about prices, storage and restarts (the catalog has the hardware)."""
 
@@ -390,6 +426,7 @@ class JobConfig:
     observe: ObserveConfig = field(default_factory=ObserveConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
 
     def to_dict(self) -> dict[str, Any]:
         """The config as plain data, less the storage credentials that are set."""

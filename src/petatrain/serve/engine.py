@@ -5,6 +5,7 @@ own (models.gpt.rowwise), so a request's text for a seed is the same whatever el
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +59,27 @@ class Engine:
             logits = model.decode(torch.tensor(tokens), cache)
             cache.lengths -= frozen.long()  # a finished row stays where it is (its decode is discarded)
         return [row.result(self) for row in rows]
+
+    @torch.no_grad()
+    def stream(self, request: Request) -> Iterator[tuple[str, str | None]]:
+        """One request's completion as it is generated: (new text, None) per token whose text is
+        whole, then ("", finish reason). The same tokens as `complete` gives it in any batch."""
+        model, row = self.model, _Row(request)
+        cache = model.new_cache(1)
+        logits = model.prefill(torch.tensor(request.ids), cache, 0)
+        shown = ""
+        while True:
+            token = row.take(logits, self)
+            text = row.text if row.done and row.reason == "stop" and request.stop else self.tokenizer.decode(row.ids)
+            # Held back: half a character, and what may be the start of a stop string
+            end = len(text) if row.done else len(text) - max((len(s) - 1 for s in request.stop), default=0)
+            if end > len(shown) and (row.done or not text[:end].endswith("\ufffd")):
+                yield text[len(shown) : end], None
+                shown = text[:end]
+            if row.done:
+                break
+            logits = model.decode(torch.tensor([token]), cache)[0]
+        yield "", row.reason
 
 
 class _Row:

@@ -1,0 +1,213 @@
+"""The Ray Serve application: one deployment (`Completions`) whose replicas each load the run's
+verified model and answer `POST /v1/completions`, `GET /v1/models` and `GET /healthz`. Requests are
+batched (`@serve.batch`) and completed together by the engine, in a thread so the replica keeps
+taking requests meanwhile."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from ray import serve
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from petatrain.config import ServeConfig
+from petatrain.serve import engine as engine_mod
+from petatrain.serve import http
+from petatrain.storage import StorageOptions
+
+log = logging.getLogger(__name__)
+
+APP = "petatrain"
+
+
+@dataclass(frozen=True, slots=True)
+class ServeOptions:
+    run_url: str
+    checkpoint: str = "final"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    settings: ServeConfig = field(default_factory=ServeConfig)  # replicas, batching, autoscaling
+    storage: StorageOptions | None = None
+    follow: bool = False  # switch to each newly committed checkpoint (with checkpoint "latest")
+
+
+@serve.deployment(name="completions")
+class Completions:
+    def __init__(self, options: ServeOptions):
+        import torch
+
+        torch.set_num_threads(max(1, int(options.settings.cpus_per_replica)))
+        self.options = options
+        self.name = options.run_url.rstrip("/").rsplit("/", 1)[-1]
+        self.metrics = _Metrics(self.name)
+        self._load(options.checkpoint)  # verified, or it raises and the replica never serves
+        self.complete.set_max_batch_size(options.settings.max_batch)
+        self.complete.set_batch_wait_timeout_s(options.settings.batch_wait_s)
+        if options.follow:
+            threading.Thread(target=self._follow, name="petatrain-follow", daemon=True).start()
+
+    def _load(self, checkpoint: str) -> None:
+        """The model at `checkpoint`, built aside and then put in place: a batch under way finishes on
+        the engine it started with."""
+        from tokenizers import Tokenizer
+
+        from petatrain.models import build_model
+        from petatrain.serve import weights
+
+        served = weights.load(self.options.run_url, checkpoint, self.options.storage)
+        spec = build_model(served.config.model, served.config.train)
+        spec.module.load_state_dict(served.weights, strict=False)  # tied names: both point at one tensor
+        self.context = served.config.model.seq_len
+        self.engine = engine_mod.Engine(spec.module, Tokenizer.from_str(served.tokenizer_json), served.eos_id)
+        self.served = served.describe()
+        self.metrics.serving(served.step, served.source)
+
+    def _follow(self) -> None:
+        """Every `follow_poll_s`: the newest committed checkpoint past the one served, verified and
+        swapped in; one that does not verify is skipped (and not tried again)."""
+        from petatrain.errors import CorruptDataError
+        from petatrain.train.checkpoint import committed_steps
+
+        refused: set[int] = set()
+        while True:
+            time.sleep(self.options.settings.follow_poll_s)
+            newer: list[int] = []
+            try:
+                steps = committed_steps(self.options.run_url, self.options.storage)
+                newer = [s for s in steps if s > self.served["step"] and s not in refused]
+                if newer:
+                    self._load(str(max(newer)))
+                    log.info("now serving step %d", self.served["step"])
+            except CorruptDataError as exc:
+                refused.add(max(newer))
+                log.warning("not switching: %s", exc)
+            except Exception:  # storage unreachable for a while: keep serving what is loaded
+                log.warning("checking for new checkpoints failed", exc_info=True)
+
+    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.01)
+    async def complete(self, requests: list[engine_mod.Request]) -> list[engine_mod.Completion]:
+        done = await asyncio.to_thread(self.engine.complete, requests)
+        self.metrics.batch(len(requests), sum(c.completion_tokens for c in done))
+        return done
+
+    async def __call__(self, request: Request) -> Response:
+        t0 = time.perf_counter()
+        response = await self._route(request)
+        self.metrics.answered(request.url.path, response.status_code, time.perf_counter() - t0)
+        return response
+
+    async def _route(self, request: Request) -> Response:
+        path, method = request.url.path.rstrip("/") or "/", request.method
+        request_id = uuid.uuid4().hex[:12]
+        try:
+            if path == "/v1/completions" and method == "POST":
+                return await self._completions(await request.body(), request_id)
+            if path == "/v1/models" and method == "GET":
+                card = {"id": self.name, "object": "model", "owned_by": "petatrain", **self.served}
+                return JSONResponse({"object": "list", "data": [card]})
+            if path == "/healthz" and method == "GET":
+                return PlainTextResponse("ok")
+            known = "POST /v1/completions, GET /v1/models, GET /healthz"
+            return JSONResponse(http.error_body(f"no route {method} {path} ({known})", "not_found"), status_code=404)
+        except http.BadRequest as exc:
+            return JSONResponse(http.error_body(str(exc)), status_code=400)
+        except Exception:
+            log.exception("request %s failed", request_id)
+            body = http.error_body(
+                "the model failed on this request; see the replica's log", "server_error", request_id
+            )
+            return JSONResponse(body, status_code=500)
+
+    async def _completions(self, body: bytes, request_id: str) -> Response:
+        wanted, stream = http.parse_completion(body, context=self.context, encode=self.engine.encode)
+        if stream:  # token by token, on Starlette's thread pool (a sync iterator), outside the batches
+            pieces = ((i, text, finish) for i, r in enumerate(wanted) for text, finish in self.engine.stream(r))
+            events = http.stream_events(self.name, request_id, pieces)
+            return StreamingResponse(events, media_type="text/event-stream")
+        done = await asyncio.gather(*(self.complete(r) for r in wanted))  # each prompt joins a batch
+        return JSONResponse(http.completion_body(self.name, request_id, list(done)))
+
+
+class _Metrics:
+    """A replica's series on Ray's metrics endpoint (each node's, `ray_` prefixed): requests by route
+    and status, their latency, completion tokens, batch sizes, and the step being served."""
+
+    ROUTES = ("/v1/completions", "/v1/models", "/healthz")
+
+    def __init__(self, model: str):
+        from ray.util import metrics
+
+        self.model = model
+        self.requests = metrics.Counter(
+            "petatrain_serve_requests", description="HTTP requests answered", tag_keys=("route", "status")
+        )
+        self.latency = metrics.Histogram(
+            "petatrain_serve_latency_seconds", description="Time to answer a request",
+            boundaries=[0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30], tag_keys=("route",),
+        )  # fmt: skip
+        self.tokens = metrics.Counter("petatrain_serve_completion_tokens", description="Tokens generated")
+        self.batch_size = metrics.Histogram(
+            "petatrain_serve_batch_size", description="Requests completed together",
+            boundaries=[1, 2, 4, 8, 16, 32, 64],
+        )  # fmt: skip
+        self.step = metrics.Gauge(
+            "petatrain_serve_checkpoint_step", description="Step of the weights served", tag_keys=("model", "source")
+        )
+
+    def serving(self, step: int, source: str) -> None:
+        self.step.set(step, tags={"model": self.model, "source": source})
+
+    def answered(self, path: str, status: int, seconds: float) -> None:
+        route = path.rstrip("/") if path.rstrip("/") in self.ROUTES else "other"
+        self.requests.inc(tags={"route": route, "status": str(status)})
+        self.latency.observe(seconds, tags={"route": route})
+
+    def batch(self, size: int, tokens: int) -> None:
+        self.batch_size.observe(size)
+        if tokens:
+            self.tokens.inc(tokens)
+
+
+def deployment_options(settings: ServeConfig) -> dict[str, Any]:
+    """Replicas (fixed, or Serve's autoscaling between min and max on ongoing requests), CPUs, and
+    as many requests in flight per replica as two batches."""
+    low, high = settings.replica_range()
+    scale: dict[str, Any] = {"num_replicas": low}
+    if high > low:
+        scale = {
+            "autoscaling_config": {
+                "min_replicas": low, "max_replicas": high,
+                "target_ongoing_requests": settings.target_ongoing_requests or settings.max_batch,
+                "upscale_delay_s": settings.upscale_delay_s, "downscale_delay_s": settings.downscale_delay_s,
+            }
+        }  # fmt: skip
+    return {
+        **scale,
+        "ray_actor_options": {"num_cpus": settings.cpus_per_replica},
+        "max_ongoing_requests": 2 * settings.max_batch,
+    }
+
+
+def start(options: ServeOptions) -> str:
+    """Deploy on the connected Ray cluster and return the URL; returns once the replicas answer."""
+    from petatrain.console import ray_output_to_console
+
+    if not ray_output_to_console():  # Serve's own lines stay in Ray's logs unless --verbose
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)
+    serve.start(http_options={"host": options.host, "port": options.port})
+    deployment: Any = Completions  # a serve.Deployment once decorated
+    app = deployment.options(**deployment_options(options.settings)).bind(options)
+    serve.run(app, name=APP, route_prefix="/")
+    return f"http://{options.host}:{options.port}"
+
+
+def stop() -> None:
+    serve.delete(APP)
+    serve.shutdown()

@@ -1,0 +1,62 @@
+"""petatrain serve --follow: a run that commits a new checkpoint while being served."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def test_follow_switches_to_a_newly_committed_checkpoint_without_failing_a_request(baseline, tmp_path):
+    """Served from step 20 (the newest then); step 30 is committed as a writer commits it (files,
+    then state.json, then COMMITTED): the replica switches to it while a client keeps asking, and
+    every request succeeds. A refused --follow without --checkpoint latest is one line."""
+    import socket
+
+    import requests
+
+    from petatrain import api
+    from petatrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--follow switches to each new checkpoint: use --checkpoint latest"):
+        api.serve(str(baseline), follow=True)
+    run = tmp_path / "run"
+    shutil.copytree(baseline, run, ignore=shutil.ignore_patterns("step-00000030"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    fast = ["serve.follow_poll_s=0.5", "serve.cpus_per_replica=0"]
+    serving = api.serve(str(run), checkpoint="latest", follow=True, port=port, overrides=fast)
+    statuses: list[int] = []
+    stop = threading.Event()
+
+    def client() -> None:
+        while not stop.is_set():
+            body = {"prompt": "The", "max_tokens": 6, "seed": 1}
+            statuses.append(requests.post(f"{serving.url}/v1/completions", json=body, timeout=60).status_code)
+
+    def step() -> int:
+        return requests.get(f"{serving.url}/v1/models", timeout=30).json()["data"][0]["step"]
+
+    worker = threading.Thread(target=client)
+    try:
+        assert step() == 20
+        worker.start()
+        source, target = baseline / "checkpoints" / "step-00000030", run / "checkpoints" / "step-00000030"
+        target.mkdir()
+        for item in sorted(source.iterdir(), key=lambda p: p.name == "COMMITTED"):  # COMMITTED last
+            shutil.copy(item, target / item.name)
+        deadline = time.monotonic() + 60
+        while step() != 30 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert step() == 30
+        time.sleep(1)  # requests on the new weights too
+    finally:
+        stop.set()
+        worker.join(timeout=60)
+        api.stop_serving()
+    assert len(statuses) > 5 and set(statuses) == {200}, statuses
