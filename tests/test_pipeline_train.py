@@ -202,17 +202,22 @@ def test_a_stage_node_partitioned_shrinks_the_replicas_and_they_grow_back(token_
     overrides += ["resources.cpus_per_worker=0.5", "train.eval_every=0", "checkpoint.every=50"]
     argv = [sys.executable, "-c", _CLUSTER_DRIVER, str(ROOT / "examples" / "tiny.yaml"), str(run_dir), "80"]
 
+    def so_far() -> list[dict]:
+        return read_events(str(run_dir)) if (run_dir / "events.jsonl").exists() else []
+
     def attempts() -> list[dict]:
-        if not (run_dir / "events.jsonl").exists():
-            return []
-        return [e for e in read_events(str(run_dir)) if e["event"] == "attempt_start"]
+        return [e for e in so_far() if e["event"] == "attempt_start"]
+
+    def shrunk_past_the_cut() -> bool:
+        """2 x 1 trains beyond step 8: the grown job resumes after it, where no partition fires again."""
+        return any(e["event"] == "step" and e["attempt"] == 1 and e["step"] > 8 for e in so_far())
 
     with TwoNodeCluster(head_cpus=1, worker_cpus=1) as cluster:
         out, err = (tmp_path / "out.json").open("w"), (tmp_path / "err.log").open("w")
         driver = cluster.popen([*argv, cluster.address, *overrides], stdout=out, stderr=err, text=True)
         try:
             deadline = time.monotonic() + 90
-            while len(attempts()) < 2 and driver.poll() is None and time.monotonic() < deadline:
+            while not shrunk_past_the_cut() and driver.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.5)
             assert [a["world_size"] for a in attempts()] == [4, 2], (tmp_path / "err.log").read_text()[-3000:]
             cluster.restart_worker()  # the node comes back while 2 x 1 trains
