@@ -147,3 +147,29 @@ def test_training_with_data_and_run_on_s3_recovers_from_a_kill(s3_bucket, ray_lo
     assert account(events).to_dict()["faults"][0]["steps_lost"] == 21 - resumed[1]
     assert committed_steps(run_url) == [20, 24]  # keep_last: 2
     assert len(storage.read_bytes(summary["final"])) > 0
+
+
+def test_serve_loads_and_verifies_a_run_on_s3(s3_endpoint, s3_bucket, baseline):
+    """A run directory on the object store: serve reads its config, final weights and a checkpoint
+    from there, verified; a changed byte in the weights is refused naming the s3:// file."""
+    import os
+
+    from petatrain.errors import CorruptDataError
+    from petatrain.serve import weights
+
+    run = storage.join(s3_bucket, "runs", "tiny")
+    for folder, _, files in os.walk(baseline):
+        for name in files:
+            local = os.path.join(folder, name)
+            with open(local, "rb") as handle:
+                storage.atomic_write(storage.join(run, os.path.relpath(local, baseline)), handle.read())
+    final, step = weights.load(run, "final"), weights.load(run, "20")
+    assert (final.source, final.step, step.step) == ("final", 30, 20)
+    local = weights.load(str(baseline), "final")
+    assert all(final.weights[k].equal(local.weights[k]) for k in local.weights)
+    url = storage.join(run, "final", "model.safetensors")
+    data = bytearray(storage.read_bytes(url))
+    data[-1] ^= 0xFF
+    storage.atomic_write(url, bytes(data))
+    with pytest.raises(CorruptDataError, match=f"{url} does not verify"):
+        weights.load(run, "final")
