@@ -14,10 +14,8 @@ from petatrain.cost import formulas
 from petatrain.models import build_model
 from petatrain.train.pipeline import costs
 from petatrain.train.pipeline.layout import partition, uniform
+from petatrain.train.pipeline.memory import state_copies
 from petatrain.train.strategies.pipeline import parameter_costs
-
-# Bytes per parameter besides the weight: its gradient, and the optimizer's state (AdamW: m and v).
-STATE_PER_PARAM = {"adamw": 3, "sgd": 2}
 
 
 def micro_batch(cfg: JobConfig) -> int:
@@ -57,7 +55,7 @@ def compare(cfg: JobConfig, profile: costs.LayerProfile, micro: int) -> list[dic
         "parameters": partition(parameter_costs(spec), parts),
         "profile": partition(seconds, parts),
     }
-    state = 1 + STATE_PER_PARAM.get(cfg.train.optimizer, 3)
+    state = state_copies(cfg.train.optimizer, cfg.train.precision)
     # what a micro-batch keeps for its backward, per unit (older profiles: the unit's output only)
     held = [b * micro / profile.micro_batch for b in profile.saved_bytes] or profile.activation_bytes
     out = []

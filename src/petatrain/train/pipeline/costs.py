@@ -28,7 +28,7 @@ from petatrain.errors import ConfigError, PetatrainError
 from petatrain.models import ModelSpec, build_model
 from petatrain.train import recipe
 from petatrain.train.pipeline.layout import part_costs, units
-from petatrain.train.pipeline.memory import STATE_COPIES, SavedActivations, activation_peak
+from petatrain.train.pipeline.memory import SavedActivations, activation_peak
 
 # Untimed runs of each unit first: the allocator's first large blocks, caches, lazy initialisation
 WARM_UP = 3
@@ -125,9 +125,8 @@ def measure(cfg: JobConfig, micro_batch: int, device: torch.device, *, repetitio
         hidden = module.embed(tokens[:, :-1])
     activations, params, saved = [], [], []
     for i in range(len(names)):
-        run = _unit(spec, module, blocks, i, tokens, hidden)
         with SavedActivations(list(module.parameters())) as held, amp:
-            out, _ = run(loss=i == len(names) - 1)  # the last unit's loss is the last stage's; the others' is not
+            out = _unit_forward(spec, module, blocks, i, tokens, hidden)
         saved.append(held.peak)
         activations.append(int(out.numel() * out.element_size()))
         params.append(_param_bytes(spec, module, blocks, i))
@@ -176,34 +175,23 @@ def _pass_seconds(
     return [f + b for f, b in zip(forward, backward, strict=True)]
 
 
-def _unit(
+def _unit_forward(
     spec: ModelSpec, module: Any, blocks: list[torch.nn.Module], i: int, tokens: torch.Tensor, hidden: torch.Tensor
-):
-    """A closure running unit `i` forward: (its output, a scalar whose backward is the unit's backward;
-    with loss=False, None: the forward alone)."""
+) -> torch.Tensor:
+    """Unit `i`'s forward alone, on `hidden` (what the embedding gives) as its input; the last unit's
+    includes the loss, which the last stage computes too. Its output."""
     n = len(blocks)
     parts = spec.pipeline
     assert parts is not None
     x = hidden.detach().requires_grad_(True)
+    if i == 0:
+        return module.embed(tokens[:, :-1])
+    if i == n + 1:
+        out = module.finish(x)
+        parts.output_loss(out, tokens[:, 1:])
+        return out
     run_block = getattr(module, "run_block", None)
-
-    def forward() -> torch.Tensor:
-        if i == 0:
-            return module.embed(tokens[:, :-1])
-        if i == n + 1:
-            return module.finish(x)
-        block = blocks[i - 1]
-        return run_block(block, x) if run_block else block(x)
-
-    def run(loss: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-        out = forward()
-        if not loss:
-            return out, None
-        if i == n + 1:
-            return out, parts.output_loss(out, tokens[:, 1:])
-        return out, out.float().pow(2).mean()  # a gradient flows to every element of the output
-
-    return run
+    return run_block(blocks[i - 1], x) if run_block else blocks[i - 1](x)
 
 
 def _param_bytes(spec: ModelSpec, module: Any, blocks: list[torch.nn.Module], i: int) -> int:
@@ -219,18 +207,18 @@ def _param_bytes(spec: ModelSpec, module: Any, blocks: list[torch.nn.Module], i:
 
 
 def predict_rank(
-    profile: LayerProfile, piped: Any, micro_batch: int, *, sharded: bool
+    profile: LayerProfile, piped: Any, micro_batch: int, *, sharded: bool, copies: float = 4.0
 ) -> tuple[float, int, int | None]:
     """What the profile predicts for a rank (`stages.PipelineRank`) of a step: (its compute seconds:
-    its parts' per-micro-batch costs, M times; its state bytes: weights, gradients and AdamW's two
-    moments of its parts' parameters, split over the replicas under FSDP; the most activation bytes
-    its schedule's actions hold at once, or None for a profile without saved bytes)."""
+    its parts' per-micro-batch costs, M times; its state bytes: `copies` (memory.state_copies) of its
+    parts' parameter bytes, split over the replicas under FSDP; the most activation bytes its
+    schedule's actions hold at once, or None for a profile without saved bytes)."""
     plan, layout = piped.plan, piped.layout
     starts = list(plan.starts)
     per_part = stage_seconds(profile, starts, micro_batch)
     busy = piped.microbatches * sum(per_part[k] for k in piped.parts)
     mine = [u for k in piped.parts for u in plan.units(k)]
-    state = STATE_COPIES * sum(profile.param_bytes[u] for u in mine) // (layout.replicas if sharded else 1)
+    state = int(copies * sum(profile.param_bytes[u] for u in mine)) // (layout.replicas if sharded else 1)
     activations = None
     order = getattr(piped.schedule, "pipeline_order", None)
     if profile.saved_bytes and order is not None:
@@ -248,9 +236,11 @@ def device_memory(device: torch.device) -> float:
     return 0.9 * torch.cuda.get_device_properties(device).total_memory
 
 
-def unit_memory(profile: LayerProfile, micro_batch: int, pc: Any, *, replicas: int = 1) -> list[float]:
-    """Each unit's predicted bytes on the rank that runs it: its state (weights, gradients, AdamW's
-    moments; split over the replicas under data fsdp) and its saved activations for as many
+def unit_memory(
+    profile: LayerProfile, micro_batch: int, pc: Any, *, replicas: int = 1, copies: float = 4.0
+) -> list[float]:
+    """Each unit's predicted bytes on the rank that runs it: its state (`copies` of its parameter
+    bytes, memory.state_copies; split over the replicas under data fsdp) and its saved activations for as many
     micro-batches as the schedule can hold at once (GPipe: all; the others: the first stage's
     stages x chunks, the most)."""
     m = pc.microbatch_count()
@@ -258,7 +248,7 @@ def unit_memory(profile: LayerProfile, micro_batch: int, pc: Any, *, replicas: i
     share = replicas if pc.data == "fsdp" else 1
     saved = profile.saved_bytes or profile.activation_bytes
     scale = micro_batch / profile.micro_batch
-    return [STATE_COPIES * p / share + in_flight * a * scale for p, a in zip(profile.param_bytes, saved, strict=True)]
+    return [copies * p / share + in_flight * a * scale for p, a in zip(profile.param_bytes, saved, strict=True)]
 
 
 def stage_seconds(profile: LayerProfile, plan_starts: list[int], micro_batch: int) -> list[float]:

@@ -23,8 +23,13 @@ from typing import Any
 import torch
 from torch import nn
 
-# AdamW in fp32: the weights, their gradients and two moments (a bf16-mixed run keeps fp32 master weights too)
-STATE_COPIES = 4
+
+def state_copies(optimizer: str, precision: str) -> float:
+    """Bytes of state per byte of fp32 parameters: the weights, their gradients and the optimizer's
+    (AdamW: 4, SGD with momentum: 3), as `plan` counts them (cost/workload.py)."""
+    from petatrain.cost.workload import GRAD_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES
+
+    return (WEIGHT_BYTES[precision] + GRAD_BYTES[precision] + OPTIMIZER_BYTES[optimizer]) / 4
 
 
 class SavedActivations:

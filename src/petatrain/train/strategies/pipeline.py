@@ -107,6 +107,7 @@ class Pipeline(Strategy):
         from petatrain.models import tied_names
         from petatrain.train.pipeline import costs, stages
         from petatrain.train.pipeline.layout import Layout
+        from petatrain.train.pipeline.memory import state_copies
         from petatrain.train.steps import PipelineSteps
 
         pc = cfg.parallel.pipeline
@@ -138,7 +139,10 @@ class Pipeline(Strategy):
             log.info("pipeline parts (first unit of each): %s", list(plan.starts))
         steps = PipelineSteps(piped, pc.schedule)
         if profile is not None:  # this rank's compute and memory, as the layer profile predicts them
-            busy, state, activations = costs.predict_rank(profile, piped, micro, sharded=pc.data == "fsdp")
+            copies = state_copies(cfg.train.optimizer, cfg.train.precision)
+            busy, state, activations = costs.predict_rank(
+                profile, piped, micro, sharded=pc.data == "fsdp", copies=copies
+            )
             steps.predicted_step_busy_s, steps.predicted_state_bytes = busy, state
             steps.predicted_activation_bytes = activations
         return steps
@@ -207,6 +211,7 @@ def _boundaries(
     `limit` (an accelerator's bytes), `profile` keeps each part's predicted memory within it."""
     from petatrain.train.pipeline import costs
     from petatrain.train.pipeline.layout import partition, uniform
+    from petatrain.train.pipeline.memory import state_copies
 
     how = cfg.parallel.pipeline.partition
     if how == "auto":
@@ -222,7 +227,8 @@ def _boundaries(
         if len(profile.units) != n_blocks + 2:
             raise ConfigError(f"the layer profile has {len(profile.units)} units; this model has {n_blocks + 2}")
         pc = cfg.parallel.pipeline
-        memory = costs.unit_memory(profile, micro_batch, pc, replicas=replicas)
+        copies = state_copies(cfg.train.optimizer, cfg.train.precision)
+        memory = costs.unit_memory(profile, micro_batch, pc, replicas=replicas, copies=copies)
         return partition(profile.scaled(micro_batch), parts, memory=memory, limit=limit)
     return partition(parameter_costs(spec), parts)
 
