@@ -385,11 +385,12 @@ def report(run: str, *, options: StorageOptions | None = None) -> RunReport:
     return RunReport.from_dict(write_report(run, options))
 
 
-def sample(config: JobConfig, weights: str, prompts: Sequence[str], *, new_tokens: int = 60) -> list[str]:
-    """Continue each prompt with the model in `weights` (a run's final/model.safetensors)."""
+def sample(config: JobConfig, run: str, prompts: Sequence[str], *, new_tokens: int = 60) -> list[str]:
+    """Continue each prompt with the committed final weights of the run in `run`."""
     from petatrain.train.sample import sample_text
 
-    return sample_text(config, weights, prompts=list(prompts), new_tokens=new_tokens)
+    options = config.storage.options()
+    return sample_text(config, run, prompts=list(prompts), new_tokens=new_tokens, options=options)
 
 
 # -- serving --------------------------------------------------------------------------------
@@ -496,3 +497,18 @@ def profile(config: JobConfig, *, steps: int = 5, use_dataset: bool = False, sav
     return ProfileReport(
         device=d["device"], steps=d["steps"], verdict=d["verdict"], calibration_path=d.get("calibration_path"), fields=d
     )
+
+
+def create_keys(path: str) -> dict[str, Any]:
+    """`petatrain keys create`: a new local keyring; what it holds (never the keys)."""
+    from petatrain.storage import keys
+
+    ring = keys.create_keyring(path)
+    return {"keyref": ring.ref, "primary": ring.primary, "versions": ring.versions, "key_id": ring.key_id}
+
+
+def export_public_key(keyref: str, out: str) -> dict[str, Any]:
+    """`petatrain keys public`: the keyring's verification key alone, at `out`."""
+    from petatrain.storage import keys
+
+    return {"path": os.path.abspath(out), "key_id": keys.export_public(keyref, out)}

@@ -252,7 +252,7 @@ def _demo_train(root: str, dataset: str, as_json: bool, logs: quiet.RayLogs | No
     if not as_json:
         out.print(f"\n[bold]training[/bold] a {cfg.model.n_layer}-layer GPT on 2 workers; rank 1 is killed at step 17")
     result = _run_training(cfg, run_dir, "", ["kill@step=17,rank=1"], as_json, logs)
-    samples = api.sample(cfg, result.final, ["the ", "data "], new_tokens=60)
+    samples = api.sample(cfg, result.run, ["the ", "data "], new_tokens=60)
     if not as_json:
         _render_training(result)
         for text in samples:
@@ -522,6 +522,51 @@ def profile_cmd(
             _print_json(report.to_dict())
         else:
             render.profile(report.to_dict())
+
+    _guarded(go)
+
+
+keys_app = typer.Typer(
+    no_args_is_help=True, help="Keyrings: create one, export its public half, rotate its master key."
+)
+app.add_typer(keys_app, name="keys")
+
+
+@keys_app.command("create")
+def keys_create(
+    path: Annotated[str, typer.Argument(help="Where to write the keyring (a new file; mode 0600).")],
+    as_json: Json = False,
+) -> None:
+    """Write a local keyring: a master key for wrapping data keys and an Ed25519 signing pair.
+
+    Use it as `storage.encryption.key: file:PATH` (or `ingest --encrypt file:PATH`)."""
+
+    def go():
+        made = api.create_keys(path)
+        if as_json:
+            _print_json(made)
+        else:
+            out.print(
+                f"keyring {made['keyref']} (mode 0600): master key version {made['primary']}, "
+                f"signing key {made['key_id']}",
+                highlight=False,
+            )
+
+    _guarded(go)
+
+
+@keys_app.command("public")
+def keys_public(
+    keyref: Annotated[str, typer.Argument(help="KEYREF of the keyring (file:PATH).")],
+    out_path: Annotated[str, typer.Option("--out", help="Where to write the verification key.")],
+    as_json: Json = False,
+) -> None:
+    """Write the keyring's public signing key alone: readers given it as `storage.signing.key` can
+    verify signatures (`storage.signing.verify: true`) but neither sign nor decrypt."""
+
+    def go():
+        made = api.export_public_key(keyref, out_path)
+        _print_json(made) if as_json else out.print(f"verification key {made['key_id']} -> {made['path']}")
 
     _guarded(go)
 

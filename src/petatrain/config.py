@@ -20,6 +20,7 @@ import yaml
 
 from petatrain.errors import ConfigError
 from petatrain.storage.fs import StorageOptions
+from petatrain.storage.keys import check_keyref
 
 DedupMode = Literal["none", "exact", "near"]
 SourceFormat = Literal["auto", "jsonl", "parquet", "csv", "text", "webdataset"]
@@ -330,6 +331,40 @@ SECRET_STORAGE_KEYS = ("s3_access_key_id", "s3_secret_access_key")
 
 
 @dataclass(kw_only=True, slots=True)
+class EncryptionConfig:
+    """`storage.encryption.key: KEYREF` encrypts what this config writes (dataset shards with Parquet
+    modular encryption, checkpoints and final weights with AES-256-GCM) and decrypts what it reads.
+    KEYREF is `file:PATH` (a keyring from `petatrain keys create PATH`) or a KMS URL; it names
+    where the keys are, it is not a key (so it may be written in a run's config.yaml)."""
+
+    key: str = ""
+
+    def __post_init__(self) -> None:
+        if self.key:
+            try:
+                check_keyref(self.key, "storage.encryption.key")
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+
+
+@dataclass(kw_only=True, slots=True)
+class SigningConfig:
+    """Signatures on the records that commit data: a dataset's manifest, a checkpoint's state, the
+    final weights' record. Writers sign when a key with a signing half is configured (`key`, else
+    `storage.encryption.key`); `verify: true` makes readers refuse unsigned or badly signed records."""
+
+    key: str = ""  # KEYREF; a public-only keyring (`petatrain keys public`) verifies but cannot sign
+    verify: bool = False
+
+    def __post_init__(self) -> None:
+        if self.key:
+            try:
+                check_keyref(self.key, "storage.signing.key")
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+
+
+@dataclass(kw_only=True, slots=True)
 class StorageConfig:
     """How to reach object stores.
 
@@ -343,9 +378,17 @@ class StorageConfig:
     s3_access_key_id: str = field(default="", repr=False)
     s3_secret_access_key: str = field(default="", repr=False)
     s3_anonymous: bool = False
+    encryption: EncryptionConfig = field(default_factory=EncryptionConfig)
+    signing: SigningConfig = field(default_factory=SigningConfig)
 
     def options(self) -> StorageOptions:
-        return StorageOptions(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+        plain = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name.startswith("s3_")}
+        return StorageOptions(
+            **plain,
+            encryption_key=self.encryption.key,
+            signing_key=self.signing.key or self.encryption.key,
+            verify_signatures=self.signing.verify,
+        )
 
 
 @dataclass(kw_only=True, slots=True)

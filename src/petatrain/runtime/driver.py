@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 class TrainJob:
     config: JobConfig
     run_url: str
-    options: StorageOptions | None = None
+    options: StorageOptions | None = None  # None: the config's `storage` section
     address: str = ""
     injections: list[Injection] = field(default_factory=list)
     on_event: Callable[[dict[str, Any]], None] | None = None  # progress for the CLI
@@ -83,6 +83,8 @@ def run(job: TrainJob) -> RunResult:
 def _drive(job: TrainJob, held: contextlib.ExitStack) -> RunResult:
     from petatrain.train import run_dir
 
+    if job.options is None:
+        job.options = job.config.storage.options()
     cfg = _checked(job.config, job.options)
     run_url = job.run_url
     if is_local(run_url):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import uuid
 from collections.abc import Callable
 
 from petatrain.errors import PetatrainError
@@ -49,7 +50,7 @@ def mark(url: str, marker: str, *, kind: str, options: StorageOptions | None = N
     """Write the marker `check` looks for (call it holding the folder's lease)."""
     raw = _read(join(url, marker), options)
     if raw is None or not _is_marker(raw, kind):
-        record = {"format": kind, "version": 1, "created": time.time()}
+        record = {"format": kind, "version": 1, "created": time.time(), "id": uuid.uuid4().hex}
         atomic_write(join(url, marker), json.dumps(record).encode(), options)
 
 
@@ -76,3 +77,14 @@ def _entries(url: str, options: StorageOptions | None) -> list[str]:
     except (FileNotFoundError, NotADirectoryError):
         return []
     return [os.path.basename(str(e).rstrip("/")) for e in found]
+
+
+def identity(url: str, marker: str, options: StorageOptions | None = None) -> str:
+    """The id in a folder's marker ("" for a folder marked before markers had one, or unmarked)."""
+    raw = _read(join(url, marker), options)
+    try:
+        record = json.loads(raw) if raw is not None else {}
+    except ValueError:
+        return ""
+    value = record.get("id") if isinstance(record, dict) else None
+    return value if isinstance(value, str) else ""

@@ -28,9 +28,19 @@ class StorageOptions:
     s3_secret_access_key: str = field(default="", repr=False)
     s3_anonymous: bool = False
     extra: dict[str, Any] = field(default_factory=dict, repr=False)  # passed to fsspec as is; may hold secrets
+    # Key references (`storage.encryption.key`, `storage.signing`): where the keys are, not keys.
+    encryption_key: str = ""
+    signing_key: str = ""
+    verify_signatures: bool = False
 
     def __hash__(self) -> int:  # extra is a dict; options are compared, not mutated
-        return hash((self.s3_endpoint_url, self.s3_region, self.s3_access_key_id, self.s3_anonymous))
+        return hash(
+            (self.s3_endpoint_url, self.s3_region, self.s3_access_key_id, self.s3_anonymous, self.encryption_key)
+        )
+
+    @property
+    def encrypted(self) -> bool:
+        return bool(self.encryption_key)
 
     def for_workers(self) -> StorageOptions:
         """These options with the driver's AWS_* endpoint and credentials filled in.

@@ -3,24 +3,25 @@
 from __future__ import annotations
 
 import torch
-from safetensors.torch import load
 
 from petatrain.config import JobConfig
 from petatrain.models import build_model
 from petatrain.models.gpt import generate
 from petatrain.storage import StorageOptions, join
 from petatrain.storage.fs import read_bytes
+from petatrain.train.checkpoint.final import read_final
 
 
 def sample_text(
-    cfg: JobConfig, final_url: str, *, prompts: list[str], new_tokens: int = 80, options: StorageOptions | None = None
+    cfg: JobConfig, run_url: str, *, prompts: list[str], new_tokens: int = 80, options: StorageOptions | None = None
 ) -> list[str]:
-    """Continue each prompt with the model in `final_url`, decoded by the dataset's tokenizer."""
+    """Continue each prompt with the run's final weights (verified, decrypted), decoded by the
+    dataset's tokenizer."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_str(read_bytes(join(cfg.data.dataset, "_index", "tokenizer.json"), options).decode())
     spec = build_model(cfg.model, cfg.train)
-    spec.module.load_state_dict(load(read_bytes(final_url, options)))
+    spec.module.load_state_dict(read_final(run_url, options)[0])
     spec.module.eval()
     texts = []
     for i, prompt in enumerate(prompts):

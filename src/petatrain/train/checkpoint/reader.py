@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import json
 import logging
 import math
@@ -20,11 +21,16 @@ from typing import Any
 import torch
 
 from petatrain.errors import CorruptDataError
-from petatrain.storage import StorageOptions, join
+from petatrain.storage import StorageOptions, join, signing
 from petatrain.storage.checksum import new_digest, verify, verify_digest
 from petatrain.storage.fs import exists, is_local, read_bytes, resolve
+from petatrain.storage.keys import encryption_keys
 from petatrain.storage.retry import retrying
+from petatrain.storage.sealed import SealReader, data_key
+from petatrain.storage.signing import SHA256
 from petatrain.train.checkpoint.state import COMMITTED, STATE, CheckpointState, rank_file, step_dir
+from petatrain.train.checkpoint.tensors import DTYPES
+from petatrain.train.run_dir import run_id
 
 log = logging.getLogger(__name__)
 
@@ -59,9 +65,25 @@ def read_state(run_url: str, step: int, options: StorageOptions | None = None) -
             raise ValueError(f"{COMMITTED} holds no state checksum")
         raw = read_bytes(join(folder, STATE), options)
         verify(raw, marker["state_checksum"], join(folder, STATE))
-        return CheckpointState.from_json(json.loads(raw), step)
+        signed = signing.check(options, signing.canonical(marker), marker.get("signature"), f"checkpoint {folder}")
+        if signed and marker.get("state_sha256") != signing.sha256_hex(raw):
+            raise ValueError(f"{STATE} does not match the SHA-256 its signed {COMMITTED} records")
+        state = CheckpointState.from_json(json.loads(raw), step)
+        if signed and not all(isinstance(f.get(SHA256), str) for f in state.files.values()):
+            raise ValueError(f"a file of the signed {STATE} has no SHA-256")
+        state.keys = _sealed_files(marker.get("keys", {}), state)
+        return state
     except (OSError, ValueError, RecursionError) as exc:  # RecursionError: JSON nested too deep to parse
         raise CorruptDataError(f"checkpoint {folder} does not verify: {exc}") from None
+
+
+def _sealed_files(keys: Any, state: CheckpointState) -> dict[str, dict[str, Any]]:
+    """COMMITTED's wrapped data keys, one per file of the checkpoint, or none (not encrypted)."""
+    if not isinstance(keys, dict) or not all(isinstance(v, dict) for v in keys.values()):
+        raise ValueError(f"{COMMITTED}: keys is not an object of encryption records")
+    if keys and set(keys) != set(state.files):
+        raise ValueError(f"{COMMITTED}: keys names {sorted(keys)}, not the checkpoint's files {sorted(state.files)}")
+    return keys
 
 
 def verify_checkpoint(run_url: str, step: int, options: StorageOptions | None = None) -> CheckpointState:
@@ -112,7 +134,8 @@ def read_rank_tensors(
     run_url: str, state: CheckpointState, rank: int, options: StorageOptions | None = None
 ) -> dict[str, torch.Tensor]:
     """The tensors rank `rank` saved in a committed checkpoint; CorruptDataError unless the file
-    matches the size and checksum state.json recorded.
+    matches the size and checksum state.json recorded (and, for a signed checkpoint, its SHA-256;
+    for an encrypted one, every chunk authenticates with its data key).
 
     One streamed pass: the bytes are read straight into the tensors and checksummed on the
     way, so a multi-GB rank file is never held in memory besides the tensors it holds."""
@@ -123,10 +146,20 @@ def read_rank_tensors(
     folder = step_dir(run_url, state.step)
     url = join(folder, name)
     fs, path = resolve(url, options)
+    sealed = state.keys.get(name)
+    key = _data_key(run_url, state.step, name, sealed, options) if sealed is not None else None
 
     def attempt() -> dict[str, torch.Tensor]:
-        with fs.open(path, "rb") as handle:
-            return _read_safetensors(handle, info)
+        with fs.open(path, "rb") as raw:
+            handle = HashingReader(raw, sha256=SHA256 in info)
+            size = int(info["bytes"])
+            if key is not None:
+                opened = SealReader(handle, size, key, file_context(run_url, state.step, name, options))
+                tensors = read_safetensors(opened, opened.size)
+            else:
+                tensors = read_safetensors(handle, size)
+            handle.check(info, url)
+            return tensors
 
     try:
         return retrying(f"read {url}", attempt)
@@ -134,46 +167,75 @@ def read_rank_tensors(
         raise CorruptDataError(f"checkpoint {folder} does not verify: {name}: {exc}") from None
 
 
-_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U64": torch.uint64,
-    "U32": torch.uint32,
-    "U16": torch.uint16,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
+def file_context(run_url: str, step: int, name: str, options: StorageOptions | None) -> str:
+    """What a checkpoint file's data key and chunks are bound to: the run, the step, the file."""
+    return f"run {run_id(run_url, options)}/checkpoints/step-{step:08d}/{name}"
+
+
+def _data_key(run_url: str, step: int, name: str, sealed: Any, options: StorageOptions | None) -> bytes:
+    keys = encryption_keys(options)
+    folder = step_dir(run_url, step)
+    if keys is None:
+        raise CorruptDataError(
+            f"checkpoint {folder} is encrypted; set storage.encryption.key to the keyring it was written with"
+        )
+    return data_key(keys, sealed, file_context(run_url, step, name, options))
+
+
+class HashingReader:
+    """A file handle that checksums (xxh3, and SHA-256 when asked) every byte read through it."""
+
+    def __init__(self, handle: Any, *, sha256: bool):
+        self._handle = handle
+        self._xxh3 = new_digest()
+        self._sha = hashlib.sha256() if sha256 else None
+
+    def readinto(self, buffer: Any) -> int:
+        n = self._handle.readinto(buffer)
+        if n:
+            view = memoryview(buffer).cast("B")[:n]
+            self._xxh3.update(view)
+            if self._sha is not None:
+                self._sha.update(view)
+        return n
+
+    def read(self, n: int = -1) -> bytes:
+        data = self._handle.read(n)
+        self._xxh3.update(data)
+        if self._sha is not None:
+            self._sha.update(data)
+        return data
+
+    def check(self, info: dict[str, Any], url: str) -> None:
+        """ValueError unless what was read matches the record's checksum (and SHA-256)."""
+        if self._handle.read(1):
+            raise ValueError(f"longer than the {info['bytes']} bytes recorded")
+        verify_digest(self._xxh3, info["checksum"])
+        if self._sha is not None and self._sha.hexdigest() != info.get(SHA256):
+            raise ValueError("its SHA-256 does not match the signed record")
+
+
 _MAX_HEADER = 100 << 20
 _CHUNK = 64 << 20
 
 
-def _read_safetensors(handle: Any, info: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Parse a safetensors file from `handle` into new CPU tensors, checking its size and checksum.
+def read_safetensors(handle: Any, size: int) -> dict[str, torch.Tensor]:
+    """Parse a safetensors file of `size` bytes from `handle` into new CPU tensors.
 
     The header is validated before anything is allocated: the tensors must tile the data
     section exactly (as the format requires), which must end where the recorded size does."""
-    digest = new_digest()
-    size = int(info["bytes"])
-    head = _read_exact(handle, bytearray(8), digest)
+    head = _read_exact(handle, bytearray(8))
     header_len = int.from_bytes(head, "little")
     if not 2 <= header_len <= min(_MAX_HEADER, size - 8):
         raise ValueError(f"header length {header_len} does not fit a {size}-byte file")
-    header = json.loads(_read_exact(handle, bytearray(header_len), digest))
+    header = json.loads(_read_exact(handle, bytearray(header_len)))
     if not isinstance(header, dict):
         raise ValueError("header is not a JSON object")
     header.pop("__metadata__", None)
     entries = []
     for name, entry in header.items():
         try:
-            dtype, shape = _DTYPES[entry["dtype"]], [int(d) for d in entry["shape"]]
+            dtype, shape = DTYPES[entry["dtype"]], [int(d) for d in entry["shape"]]
             start, end = (int(o) for o in entry["data_offsets"])
         except (KeyError, TypeError, ValueError):
             raise ValueError(f"tensor {name!r}: unreadable header entry {entry!r}") from None
@@ -192,23 +254,21 @@ def _read_safetensors(handle: Any, info: dict[str, Any]) -> dict[str, torch.Tens
     for _, _, name, dtype, shape in entries:
         tensor = torch.empty(shape, dtype=dtype)
         if tensor.numel():
-            _read_exact(handle, tensor.reshape(-1).view(torch.uint8).numpy(), digest)
+            _read_exact(handle, tensor.reshape(-1).view(torch.uint8).numpy())
         tensors[name] = tensor
     if handle.read(1):
         raise ValueError(f"longer than the {size} bytes recorded")
-    verify_digest(digest, info["checksum"])
     return tensors
 
 
-def _read_exact(handle: Any, buffer: Any, digest: Any) -> Any:
-    """Fill the writable `buffer` from `handle`, hashing the bytes as they arrive; returns it."""
+def _read_exact(handle: Any, buffer: Any) -> Any:
+    """Fill the writable `buffer` from `handle`; returns it."""
     view = memoryview(buffer).cast("B")
     filled = 0
     while filled < len(view):
         n = handle.readinto(view[filled : filled + _CHUNK])
         if not n:
             raise ValueError(f"truncated: {len(view) - filled} bytes missing")
-        digest.update(view[filled : filled + n])
         filled += n
     return buffer
 

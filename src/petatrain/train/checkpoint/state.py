@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from petatrain.train import strategies
@@ -31,9 +31,12 @@ class CheckpointState:
     time: float  # when rank 0 wrote it (unix seconds)
     config_digest: str | None = None  # checksum of the resolved config that wrote it
     format: int = FORMAT_VERSION
+    # Not in state.json: the files' wrapped data keys, which COMMITTED holds (so that rotating the
+    # master key rewrites that one small record); {} when the checkpoint is not encrypted.
+    keys: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "keys"}
         if self.config_digest is None:
             del out["config_digest"]
         return out
@@ -43,7 +46,7 @@ class CheckpointState:
         """The record of the checkpoint of step `step`, checked (`check_state`); ValueError naming
         the first field that is wrong."""
         check_state(record, step)
-        names = {f.name for f in fields(cls)}
+        names = {f.name for f in fields(cls)} - {"keys"}
         return cls(**{k: v for k, v in record.items() if k in names})
 
 

@@ -20,12 +20,15 @@ from typing import Any
 from safetensors.torch import save_file as st_save_file
 
 from petatrain.errors import PetatrainError
-from petatrain.storage import StorageOptions, join
+from petatrain.storage import StorageOptions, join, signing
 from petatrain.storage.fs import atomic_write, local_staging_path, publish_file
+from petatrain.storage.keys import encryption_keys
 from petatrain.storage.retry import retrying
-from petatrain.train.checkpoint.reader import committed_steps, remove_checkpoint
+from petatrain.storage.sealed import SealWriter, new_data_key
+from petatrain.storage.signing import sha256_file
+from petatrain.train.checkpoint.reader import committed_steps, file_context, remove_checkpoint
 from petatrain.train.checkpoint.state import COMMITTED, STATE, CheckpointState, rank_file, step_dir
-from petatrain.train.checkpoint.tensors import Snapshot
+from petatrain.train.checkpoint.tensors import Snapshot, write_safetensors
 
 log = logging.getLogger(__name__)
 
@@ -183,14 +186,15 @@ class CheckpointWriter:
 
         return retrying(f"checkpoint write {url}", attempt)
 
-    def _put_tensors(self, url: str, snap: Snapshot, metadata: dict[str, str]) -> tuple[str, int]:
-        """Serialise once straight to a staged file (no in-memory copy of the bytes), then publish,
-        retrying the publication."""
+    def _put_tensors(self, url: str, snap: Snapshot, metadata: dict[str, str]) -> dict[str, Any]:
+        """Serialise once straight to a staged file (no in-memory copy of the bytes; sealed on the
+        way when the run is encrypted), then publish, retrying the publication; the file's record."""
         staged = local_staging_path(url)
+        record: dict[str, Any] = {}
         try:
             t0 = time.perf_counter()
             try:
-                st_save_file(snap.tensors, staged, metadata=metadata)
+                record = self._stage(staged, snap, metadata)
             finally:
                 changed = [t._version for t in snap.live] != snap.versions
                 self._staged.set()  # the loop may change the tensors again
@@ -206,10 +210,30 @@ class CheckpointWriter:
                 self.faults.check(url)
                 return publish_file(url, staged, self.options, consume=False)
 
-            return retrying(f"checkpoint write {url}", attempt)
+            checksum, size = retrying(f"checkpoint write {url}", attempt)
+            return {"checksum": checksum, "bytes": size, **record}
         finally:
             if os.path.exists(staged):
                 os.unlink(staged)
+
+    def _stage(self, staged: str, snap: Snapshot, metadata: dict[str, str]) -> dict[str, Any]:
+        """Write the snapshot's tensors to the local file `staged`: as safetensors, sealed with a
+        fresh data key when the run is encrypted; what the record adds (data key, SHA-256)."""
+        record: dict[str, Any] = {}
+        keys = encryption_keys(self.options)
+        if keys is None:
+            st_save_file(snap.tensors, staged, metadata=metadata)
+        else:
+            name = rank_file(snap.rank)
+            context = file_context(self.run_url, snap.step, name, self.options)
+            key, record["encryption"] = new_data_key(keys, context)
+            with open(staged, "wb") as handle:
+                sealed = SealWriter(handle, key, context)
+                write_safetensors(snap.tensors, metadata, sealed)
+                sealed.close()
+        if signing.signs(self.options):
+            record[signing.SHA256] = sha256_file(staged)
+        return record
 
     def _write(self, snap: Snapshot) -> None:
         t0, cpu0 = time.perf_counter(), time.thread_time()
@@ -218,8 +242,7 @@ class CheckpointWriter:
         try:
             if snap.tensors or snap.rank == 0:
                 metadata = {"step": str(snap.step), "rank": str(snap.rank)}
-                checksum, size = self._put_tensors(join(folder, rank_file(snap.rank)), snap, metadata)
-                files[rank_file(snap.rank)] = {"checksum": checksum, "bytes": size}
+                files[rank_file(snap.rank)] = self._put_tensors(join(folder, rank_file(snap.rank)), snap, metadata)
         except Exception:
             self._report_part(snap.step, snap.rank, None)  # rank 0 stops waiting: no commit of this step
             raise
@@ -232,11 +255,12 @@ class CheckpointWriter:
         self._writing = True
         if parts is None:
             raise PetatrainError(f"checkpoint step {snap.step}: not every rank wrote its part; not committed")
+        keys = {name: info.pop("encryption") for name, info in parts.items() if "encryption" in info}
         # The snapshot's meta holds the loop's fields (loader, strategy, param_groups, config_digest).
         state = CheckpointState(step=snap.step, world_size=snap.world_size, time=time.time(), files=parts, **snap.meta)
         state_bytes = json.dumps(state.to_json(), indent=1, sort_keys=True).encode()
         state_sum, _ = self._put(join(folder, STATE), state_bytes)
-        self._put(join(folder, COMMITTED), json.dumps({"state_checksum": state_sum}).encode())
+        self._put(join(folder, COMMITTED), commit_record(state_bytes, state_sum, keys, self.options))
         self.last_write_s, self.last_write_cpu_s = time.perf_counter() - t0, time.thread_time() - cpu0
         nbytes = sum(f["bytes"] for f in parts.values()) + len(state_bytes)
         self.committed_step = snap.step
@@ -254,6 +278,18 @@ class CheckpointWriter:
             if not remove_checkpoint(self.run_url, s, self.options):
                 self._left_alone.add(s)  # warned once
                 log.warning("retention leaves %s: not a petatrain checkpoint that verifies", step_dir(self.run_url, s))
+
+
+def commit_record(state_bytes: bytes, state_sum: str, keys: dict[str, Any], options: StorageOptions | None) -> bytes:
+    """COMMITTED: the checksum of state.json, the files' wrapped data keys when encrypted, and when
+    signing, state.json's SHA-256 and the signature over all of it."""
+    record: dict[str, Any] = {"state_checksum": state_sum}
+    if keys:
+        record["keys"] = keys
+    if signing.signs(options):
+        record["state_sha256"] = signing.sha256_hex(state_bytes)
+        record["signature"] = signing.sign(options, signing.canonical(record))
+    return json.dumps(record).encode()
 
 
 def finish_writes(timeout_s: float) -> dict[str, Any]:

@@ -1,0 +1,365 @@
+"""Keys: the KMS-client interface every encrypted or signed file goes through, and its local keyring.
+
+A key reference (KEYREF) names where the keys live: `file:PATH` is a keyring that
+`petatrain keys create PATH` wrote; a KMS URL would name a key service. Data is never
+encrypted with the master key itself: each file gets a fresh data key, and only the
+*wrapped* data key (encrypted by a master key version, bound to what it protects) is
+stored beside the data. Rotating adds a master version and re-wraps those small records;
+the data stays as it is.
+
+The keyring (JSON, mode 0600, refused when group or others may read it):
+
+    {"format": 1, "kind": "petatrain-keyring",
+     "master": {"1": "<base64 of 32 bytes>", ...}, "primary": 1,
+     "signing": {"private": "<base64 Ed25519 seed>", "public": "<base64 Ed25519 public key>"}}
+
+A wrapped key is "v<version>:<base64url(nonce || AES-256-GCM(master[version], key))>",
+the associated data being "petatrain-wrap/1" and the context it was wrapped for, so a wrapped
+key moved to another file's record does not unwrap. Signatures are Ed25519 over the exact
+bytes of a record (`sign`/`verify`); a keyring written by `keys public` holds only the public
+half and can verify but not sign or decrypt.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import json
+import os
+import secrets
+import stat
+import threading
+import time
+from typing import Any, Protocol
+
+from cryptography.exceptions import InvalidSignature, InvalidTag
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from petatrain.errors import PetatrainError
+
+FORMAT = 1
+KEYRING = "petatrain-keyring"
+PUBLIC = "petatrain-verify-key"
+_WRAP_AAD = b"petatrain-wrap/1\0"
+_NONCE = 12
+
+
+class KeyringError(PetatrainError):
+    """A key reference that cannot be used: missing, unreadable, loose permissions, wrong key."""
+
+
+class KmsClient(Protocol):
+    """What encryption and signing need from a key service. `ref` is the KEYREF, for errors."""
+
+    ref: str
+
+    @property
+    def primary(self) -> int:
+        """The master key version new data keys are wrapped with."""
+        ...
+
+    def wrap(self, key: bytes, context: str) -> str: ...
+
+    def unwrap(self, wrapped: str, context: str) -> bytes: ...
+
+    @property
+    def can_sign(self) -> bool: ...
+
+    @property
+    def key_id(self) -> str:
+        """The signing key's public fingerprint, recorded beside each signature."""
+        ...
+
+    def sign(self, data: bytes) -> str: ...
+
+    def verify(self, data: bytes, signature: str) -> bool: ...
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def _unb64(text: Any, what: str, where: str) -> bytes:
+    if not isinstance(text, str):
+        raise KeyringError(f"keyring {where}: {what} is not a base64 string")
+    try:
+        return base64.b64decode(text.encode(), validate=True)
+    except (binascii.Error, ValueError):
+        raise KeyringError(f"keyring {where}: {what} is not valid base64") from None
+
+
+def fingerprint(public: bytes) -> str:
+    return "ed25519:" + hashlib.sha256(public).hexdigest()[:16]
+
+
+class LocalKeyring:
+    """The keyring file `keys create` writes: master key versions and an Ed25519 pair."""
+
+    def __init__(self, path: str, record: dict[str, Any]):
+        self.path = path
+        self.ref = f"file:{path}"
+        self._master: dict[int, AESGCM] = {}
+        self._primary = 0
+        self._signer: Ed25519PrivateKey | None = None
+        if record.get("kind") == KEYRING:
+            master = record.get("master")
+            if not isinstance(master, dict) or not master:
+                raise KeyringError(f"keyring {self.ref}: no master keys")
+            for version, text in master.items():
+                raw = _unb64(text, f"master key {version}", self.ref)
+                if not str(version).isdigit() or len(raw) != 32:
+                    raise KeyringError(f"keyring {self.ref}: master key {version!r} is not a 256-bit key version")
+                self._master[int(version)] = AESGCM(raw)
+            primary = record.get("primary")
+            if type(primary) is not int or primary not in self._master:
+                raise KeyringError(f"keyring {self.ref}: primary {primary!r} is not one of its master key versions")
+            self._primary = primary
+            signing = record.get("signing") or {}
+            seed = _unb64(signing.get("private"), "signing key", self.ref)
+            try:
+                self._signer = Ed25519PrivateKey.from_private_bytes(seed)
+            except ValueError:
+                raise KeyringError(f"keyring {self.ref}: the signing key is not an Ed25519 key") from None
+            public = self._signer.public_key()
+        else:
+            raw = _unb64(record.get("public"), "public key", self.ref)
+            try:
+                public = Ed25519PublicKey.from_public_bytes(raw)
+            except ValueError:
+                raise KeyringError(f"keyring {self.ref}: the public key is not an Ed25519 key") from None
+        self._public = public
+        self._public_raw = public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+
+    @property
+    def primary(self) -> int:
+        if not self._master:
+            raise KeyringError(f"{self.ref} holds only a verification key; it cannot encrypt or decrypt")
+        return self._primary
+
+    @property
+    def versions(self) -> list[int]:
+        return sorted(self._master)
+
+    def wrap(self, key: bytes, context: str) -> str:
+        version = self.primary
+        nonce = secrets.token_bytes(_NONCE)
+        sealed = self._master[version].encrypt(nonce, key, _WRAP_AAD + context.encode())
+        return f"v{version}:" + base64.urlsafe_b64encode(nonce + sealed).decode()
+
+    def unwrap(self, wrapped: str, context: str) -> bytes:
+        if not self._master:
+            raise KeyringError(f"{self.ref} holds only a verification key; it cannot decrypt {context}")
+        version, blob = _split_wrapped(wrapped, self.ref, context)
+        master = self._master.get(version)
+        if master is None:
+            held = ", ".join(str(v) for v in self.versions)
+            raise KeyringError(
+                f"{context} is encrypted with master key version {version}, which keyring {self.ref} does not "
+                f"hold (it holds {held}): wrong keyring, or the version was retired"
+            )
+        try:
+            return master.decrypt(blob[:_NONCE], blob[_NONCE:], _WRAP_AAD + context.encode())
+        except InvalidTag:
+            raise KeyringError(
+                f"the data key of {context} does not unwrap with keyring {self.ref} (version {version}): "
+                "another keyring's key, or a record moved from another file"
+            ) from None
+
+    @property
+    def can_sign(self) -> bool:
+        return self._signer is not None
+
+    @property
+    def key_id(self) -> str:
+        return fingerprint(self._public_raw)
+
+    def sign(self, data: bytes) -> str:
+        if self._signer is None:
+            raise KeyringError(f"{self.ref} holds only a verification key; it cannot sign")
+        return _b64(self._signer.sign(data))
+
+    def verify(self, data: bytes, signature: str) -> bool:
+        try:
+            self._public.verify(base64.b64decode(signature.encode(), validate=True), data)
+        except (InvalidSignature, binascii.Error, ValueError):
+            return False
+        return True
+
+
+def _split_wrapped(wrapped: Any, ref: str, context: str) -> tuple[int, bytes]:
+    if isinstance(wrapped, str) and wrapped.startswith("v") and ":" in wrapped:
+        version, _, text = wrapped[1:].partition(":")
+        if version.isdigit():
+            try:
+                blob = base64.urlsafe_b64decode(text.encode())
+            except (binascii.Error, ValueError):
+                blob = b""
+            if len(blob) > _NONCE + 16:
+                return int(version), blob
+    raise KeyringError(f"the wrapped data key recorded for {context} is malformed (expected v<N>:<base64>)")
+
+
+# ---- keyring files ------------------------------------------------------------------------------
+
+
+def _path_of(keyref: str) -> str:
+    scheme, sep, rest = keyref.partition(":")
+    if not sep or not rest:
+        raise KeyringError(f"key reference {keyref!r} is not file:PATH or a KMS URL")
+    if scheme == "file":
+        return os.path.abspath(os.path.expanduser(rest))
+    raise KeyringError(
+        f"key reference {keyref!r}: no KMS client for '{scheme}:' in this petatrain; use a keyring "
+        "file (file:PATH from `petatrain keys create PATH`)"
+    )
+
+
+def check_keyref(keyref: str, what: str) -> None:
+    """ValueError naming `what` (a config key) unless `keyref` has a form petatrain can use."""
+    try:
+        _path_of(keyref)
+    except KeyringError as exc:
+        raise ValueError(f"{what}: {exc}") from None
+
+
+_cache: dict[tuple[str, int, int, int, int, int], LocalKeyring] = {}
+_cache_lock = threading.Lock()
+
+
+def open_keys(keyref: str) -> KmsClient:
+    """The key service KEYREF names (a keyring file is read once per change); one-line errors."""
+    path = _path_of(keyref)
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        raise KeyringError(f"keyring {keyref} does not exist (create one with `petatrain keys create PATH`)") from None
+    except OSError as exc:
+        raise KeyringError(f"keyring {keyref} cannot be read: {exc.strerror}") from None
+    key = (path, info.st_ino, info.st_mtime_ns, info.st_ctime_ns, info.st_size, info.st_mode)
+    with _cache_lock:
+        cached = _cache.get(key)
+    if cached is not None:
+        return cached
+    record = _read_record(path, keyref, info)
+    ring = LocalKeyring(path, record)
+    with _cache_lock:
+        _cache[key] = ring
+    return ring
+
+
+def _read_record(path: str, keyref: str, info: os.stat_result) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as handle:
+            raw = handle.read(1 << 20)
+    except OSError as exc:
+        raise KeyringError(f"keyring {keyref} cannot be read: {exc.strerror}") from None
+    try:
+        record = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise KeyringError(f"keyring {keyref} is not a petatrain keyring (not JSON)") from None
+    if not isinstance(record, dict) or record.get("kind") not in (KEYRING, PUBLIC):
+        raise KeyringError(f"keyring {keyref} is not a petatrain keyring")
+    if record.get("format") != FORMAT:
+        raise KeyringError(f"keyring {keyref} has format {record.get('format')!r}; this petatrain reads {FORMAT}")
+    if record["kind"] == KEYRING and info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise KeyringError(
+            f"keyring {keyref} may be read by group or others (mode {stat.S_IMODE(info.st_mode):o}); "
+            f"run `chmod 600 {path}`"
+        )
+    return record
+
+
+def _write_private(path: str, record: dict[str, Any], *, replace: bool) -> None:
+    """Write a keyring as 0600 from its first byte: a new file, then a rename over the old one."""
+    folder = os.path.dirname(path) or "."
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{secrets.token_hex(6)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            json.dump(record, handle, indent=1)
+            handle.flush()
+            os.fsync(handle.fileno())
+        if not replace and os.path.exists(path):
+            raise KeyringError(f"{path} exists; a keyring is never overwritten (choose another path)")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def create_keyring(path: str) -> LocalKeyring:
+    """A new keyring at `path` (never over an existing file): master key version 1 and a signing pair."""
+    path = os.path.abspath(os.path.expanduser(path))
+    if os.path.exists(path):
+        raise KeyringError(f"{path} exists; a keyring is never overwritten (choose another path)")
+    signer = Ed25519PrivateKey.generate()
+    record = {
+        "format": FORMAT,
+        "kind": KEYRING,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "master": {"1": _b64(AESGCM.generate_key(bit_length=256))},
+        "primary": 1,
+        "signing": {
+            "private": _b64(signer.private_bytes_raw()),
+            "public": _b64(signer.public_key().public_bytes_raw()),
+        },
+    }
+    _write_private(path, record, replace=False)
+    ring = open_keys(f"file:{path}")
+    assert isinstance(ring, LocalKeyring)
+    return ring
+
+
+def add_master_version(keyref: str) -> int:
+    """Rotate a keyring: a new master key version becomes primary (old ones stay, to unwrap); its number."""
+    path = _path_of(keyref)
+    record = _read_record(path, keyref, os.stat(path))
+    if record["kind"] != KEYRING:
+        raise KeyringError(f"{keyref} holds only a verification key; rotate the keyring it came from")
+    LocalKeyring(path, record)  # checked before it is changed
+    version = max(int(v) for v in record["master"]) + 1
+    record["master"][str(version)] = _b64(AESGCM.generate_key(bit_length=256))
+    record["primary"] = version
+    _write_private(path, record, replace=True)
+    return version
+
+
+def retire_versions(keyref: str, keep: int) -> list[int]:
+    """Drop every master key version but `keep` (after all data keys were re-wrapped); the dropped."""
+    path = _path_of(keyref)
+    record = _read_record(path, keyref, os.stat(path))
+    dropped = sorted(int(v) for v in record["master"] if int(v) != keep)
+    record["master"] = {str(keep): record["master"][str(keep)]}
+    record["primary"] = keep
+    _write_private(path, record, replace=True)
+    return dropped
+
+
+def export_public(keyref: str, out: str) -> str:
+    """Write the verification half of a keyring (mode 0644: it is not secret); its key id."""
+    ring = open_keys(keyref)
+    if not isinstance(ring, LocalKeyring):
+        raise KeyringError(f"{keyref}: only keyring files export a public key")
+    record = {"format": FORMAT, "kind": PUBLIC, "public": _b64(ring._public_raw), "key_id": ring.key_id}
+    out = os.path.abspath(os.path.expanduser(out))
+    if os.path.exists(out):
+        raise KeyringError(f"{out} exists; choose another path")
+    with open(out, "w") as handle:
+        json.dump(record, handle, indent=1)
+    return ring.key_id
+
+
+def encryption_keys(options: Any) -> KmsClient | None:
+    """The keys `storage.encryption.key` names, or None when nothing is encrypted."""
+    ref = getattr(options, "encryption_key", "") if options is not None else ""
+    return open_keys(ref) if ref else None
+
+
+def signing_keys(options: Any) -> KmsClient | None:
+    """The keys that sign and verify (`storage.signing.key`, else the encryption keyring), or None."""
+    ref = getattr(options, "signing_key", "") if options is not None else ""
+    return open_keys(ref) if ref else None

@@ -1,0 +1,80 @@
+"""Signed records: Ed25519 signatures over the exact bytes of the records that commit data.
+
+A checksum catches accidents; a signature catches someone who rewrites a file *and* its
+checksum. Records petatrain signs (a dataset's manifest, a checkpoint's state.json, the final
+weights' record) also carry the SHA-256 of every file they cover, since xxh3 is fast but not
+made to resist a forger. `{"key_id": "ed25519:…", "ed25519": base64}` sits beside or inside the
+record. Readers check a signature whenever they hold the key it names; with
+`storage.signing.verify: true` they also refuse records that are unsigned or signed by another key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from petatrain.errors import CorruptDataError
+from petatrain.storage.keys import signing_keys
+
+SHA256 = "sha256"
+
+
+def sha256_hex(data: bytes | memoryview) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: str, chunk: int = 8 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def canonical(record: dict[str, Any]) -> bytes:
+    """The bytes a record's signature covers: its JSON without the signature, keys sorted."""
+    return json.dumps({k: v for k, v in record.items() if k != "signature"}, sort_keys=True).encode()
+
+
+def signs(options: Any) -> bool:
+    """Whether records written with these options are signed (a signing key with its private half)."""
+    keys = signing_keys(options)
+    return keys is not None and keys.can_sign
+
+
+def sign(options: Any, data: bytes) -> dict[str, str] | None:
+    """The signature of `data` with the configured signing key; None when nothing signs."""
+    keys = signing_keys(options)
+    if keys is None or not keys.can_sign:
+        return None
+    return {"key_id": keys.key_id, "ed25519": keys.sign(data)}
+
+
+def check(options: Any, data: bytes, signature: Any, what: str) -> bool:
+    """Check the signature of a record (`what` names it in errors); True if one was verified.
+
+    CorruptDataError when a signature by the configured key does not verify, and, with
+    `storage.signing.verify`, when there is none or it is another key's."""
+    verify = bool(getattr(options, "verify_signatures", False)) if options is not None else False
+    keys = signing_keys(options)
+    if verify and keys is None:
+        raise CorruptDataError(
+            f"{what}: storage.signing.verify is on but no key is configured to verify with "
+            "(set storage.signing.key or storage.encryption.key)"
+        )
+    if signature is None:
+        if verify:
+            raise CorruptDataError(f"{what} is not signed, and storage.signing.verify refuses unsigned records")
+        return False
+    if not isinstance(signature, dict) or not all(isinstance(signature.get(k), str) for k in ("key_id", "ed25519")):
+        raise CorruptDataError(f"{what}: its signature record is malformed")
+    if keys is None:
+        return False
+    if signature["key_id"] != keys.key_id:
+        if verify:
+            raise CorruptDataError(f"{what} is signed by key {signature['key_id']}, not by {keys.key_id} ({keys.ref})")
+        return False
+    if not keys.verify(data, signature["ed25519"]):
+        raise CorruptDataError(f"{what}: its signature does not verify (the record was changed after it was signed)")
+    return True

@@ -1,0 +1,273 @@
+"""Encryption at rest and signatures: keyrings, sealed files, encrypted and signed checkpoints and
+final weights. Every bad key, loose key file, tampered chunk or swapped file is one line, and
+nothing is loaded from it."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import run_cli
+from helpers import tiny, train
+from petatrain.errors import CorruptDataError, PetatrainError
+from petatrain.storage import StorageOptions, keys, sealed
+
+
+@pytest.fixture(scope="module")
+def ring(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("keys") / "ring.json"
+    keys.create_keyring(str(path))
+    return f"file:{path}"
+
+
+@pytest.fixture(scope="module")
+def other_ring(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("keys-other") / "ring.json"
+    keys.create_keyring(str(path))
+    return f"file:{path}"
+
+
+def encrypted(keyref: str, *, verify: bool = False) -> StorageOptions:
+    return StorageOptions(encryption_key=keyref, signing_key=keyref, verify_signatures=verify)
+
+
+# ---- keyrings -------------------------------------------------------------------------------------
+
+
+def test_keys_create_writes_a_private_keyring_that_is_never_overwritten(tmp_path):
+    path = tmp_path / "ring.json"
+    made = run_cli("keys", "create", str(path), "--json")
+    assert made.returncode == 0, made.stderr
+    info = json.loads(made.stdout)
+    assert info["keyref"] == f"file:{path}" and info["primary"] == 1 and info["key_id"].startswith("ed25519:")
+    assert path.stat().st_mode & 0o777 == 0o600
+    record = json.loads(path.read_text())
+    assert not any(secret in made.stdout + made.stderr for secret in record["master"].values())
+    before = path.read_bytes()
+    again = run_cli("keys", "create", str(path))
+    assert again.returncode != 0 and again.stderr.count("\n") == 1 and "never overwritten" in again.stderr
+    assert path.read_bytes() == before
+
+
+@pytest.mark.parametrize("mode", [0o640, 0o604])
+def test_a_keyring_others_may_read_is_refused_naming_the_fix(tmp_path, mode):
+    path = tmp_path / "ring.json"
+    keys.create_keyring(str(path))
+    path.chmod(mode)
+    with pytest.raises(keys.KeyringError, match=r"may be read by group or others .*chmod 600"):
+        keys.open_keys(f"file:{path}")
+
+
+@pytest.mark.parametrize(
+    "keyref, message",
+    [
+        ("file:/nonexistent/ring.json", "does not exist"),
+        ("vault://127.0.0.1/transit/x", "no KMS client for 'vault:'"),
+        ("ring.json", "is not file:PATH or a KMS URL"),
+    ],
+)
+def test_bad_key_references_are_one_line_config_errors(tmp_path, keyref, message):
+    from petatrain import config
+
+    if "nonexistent" in keyref:
+        with pytest.raises(keys.KeyringError, match=message):
+            keys.open_keys(keyref)
+        return
+    with pytest.raises(PetatrainError, match=message):
+        config.load(None, [f"storage.encryption.key={keyref}"])
+
+
+def test_a_public_key_verifies_but_cannot_sign_or_decrypt(tmp_path, ring):
+    ring_keys = keys.open_keys(ring)
+    out = tmp_path / "pub.json"
+    keys.export_public(ring, str(out))
+    public = keys.open_keys(f"file:{out}")
+    signature = ring_keys.sign(b"record")
+    assert public.key_id == ring_keys.key_id and public.verify(b"record", signature)
+    assert not public.verify(b"record!", signature)
+    assert not public.can_sign
+    wrapped = ring_keys.wrap(b"k" * 32, "ctx")
+    with pytest.raises(keys.KeyringError, match="only a verification key"):
+        public.unwrap(wrapped, "ctx")
+
+
+def test_wrapped_keys_are_bound_to_their_context_and_keyring(ring, other_ring):
+    mine, theirs = keys.open_keys(ring), keys.open_keys(other_ring)
+    wrapped = mine.wrap(b"k" * 32, "run a/step 1/rank 0")
+    assert mine.unwrap(wrapped, "run a/step 1/rank 0") == b"k" * 32
+    with pytest.raises(keys.KeyringError, match="does not unwrap"):
+        mine.unwrap(wrapped, "run a/step 2/rank 0")
+    with pytest.raises(keys.KeyringError, match="does not unwrap"):
+        theirs.unwrap(wrapped, "run a/step 1/rank 0")
+
+
+# ---- sealed files ---------------------------------------------------------------------------------
+
+
+def test_sealed_files_detect_changed_cut_reordered_and_swapped_chunks():
+    key = os.urandom(32)
+    data = os.urandom(100)
+    blob = sealed.seal_bytes(data, key, "file a", chunk=16)
+    assert len(blob) == sealed.sealed_size(100, 16) and data not in blob
+    assert sealed.open_bytes(blob, key, "file a") == data
+    chunk = 16 + sealed.TAG
+    body = blob[sealed.HEADER :]
+    flipped = bytearray(blob)
+    flipped[40] ^= 1
+    cases = {
+        "changed": bytes(flipped),
+        "cut at a chunk boundary": blob[: sealed.HEADER + 3 * chunk + 16 + sealed.TAG],
+        "chunks swapped": blob[: sealed.HEADER] + body[chunk : 2 * chunk] + body[:chunk] + body[2 * chunk :],
+        "extended": blob + body[:chunk],
+    }
+    for what, bad in cases.items():
+        with pytest.raises(ValueError):
+            sealed.open_bytes(bad, key, "file a")
+            pytest.fail(what)
+    with pytest.raises(ValueError, match="does not authenticate"):
+        sealed.open_bytes(blob, key, "file b")  # the same bytes presented as another file
+    with pytest.raises(ValueError, match="does not authenticate"):
+        sealed.open_bytes(blob, os.urandom(32), "file a")
+    assert sealed.open_bytes(sealed.seal_bytes(b"", key, "empty"), key, "empty") == b""
+
+
+# ---- checkpoints and final weights ------------------------------------------------------------------
+
+
+def _checkpoint(run: str, step: int, options: StorageOptions, tensors: dict[str, torch.Tensor]) -> None:
+    from petatrain.train.checkpoint import CheckpointWriter, Snapshot
+
+    parts: dict = {}
+    writer = CheckpointWriter(
+        run,
+        options,
+        report_part=lambda s, r, f: parts.__setitem__((s, r), f),
+        wait_parts=lambda s, w, t: {n: i for (ps, _), f in parts.items() if ps == s for n, i in f.items()},
+        on_commit=lambda info: None,
+        keep_last=10,
+    )
+    groups = [{"lr": 0.001, "params": ["w"]}]
+    meta = {"loader": {"position": step}, "strategy": "ddp", "param_groups": groups}
+    for rank in (0, 1):
+        writer.submit(Snapshot(step=step, rank=rank, world_size=2, tensors=tensors if rank == 0 else {}, meta=meta))
+        writer.wait()
+    writer.close()
+    assert writer.error is None, writer.error
+
+
+def _load(run: str, step: int, options: StorageOptions) -> dict[str, torch.Tensor]:
+    from petatrain.train.checkpoint import read_rank_tensors, verify_checkpoint
+
+    return read_rank_tensors(run, verify_checkpoint(run, step, options), 0, options)
+
+
+def test_an_encrypted_checkpoint_holds_no_plaintext_and_reads_back_only_with_its_keyring(tmp_path, ring, other_ring):
+    from petatrain.train import run_dir
+
+    run = str(tmp_path / "run")
+    run_dir.claim(run)
+    marker = bytes(range(256)) * 64  # recognisable plaintext
+    tensors = {"model/w": torch.frombuffer(bytearray(marker), dtype=torch.uint8), "model/b": torch.arange(7.0)}
+    _checkpoint(run, 10, encrypted(ring), tensors)
+    stored = (tmp_path / "run/checkpoints/step-00000010/rank-00000.safetensors").read_bytes()
+    assert stored.startswith(sealed.MAGIC) and marker[:64] not in stored
+    loaded = _load(run, 10, encrypted(ring))
+    assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
+    with pytest.raises(PetatrainError, match=r"is encrypted; set storage\.encryption\.key") as missing:
+        _load(run, 10, StorageOptions())
+    with pytest.raises(keys.KeyringError, match=f"does not unwrap with keyring {other_ring}") as wrong:
+        _load(run, 10, encrypted(other_ring))
+    for exc in (missing, wrong):
+        assert "\n" not in str(exc.value)
+
+
+def test_a_tampered_or_swapped_encrypted_checkpoint_file_is_refused(tmp_path, ring):
+    from petatrain.train import run_dir
+    from petatrain.train.checkpoint import latest_verified
+
+    run = str(tmp_path / "run")
+    run_dir.claim(run)
+    options = encrypted(ring)
+    for step in (10, 20):
+        _checkpoint(run, step, options, {"model/w": torch.full((64, 64), float(step))})
+    folder = Path(run) / "checkpoints"
+    a, b = folder / "step-00000010/rank-00000.safetensors", folder / "step-00000020/rank-00000.safetensors"
+    original = b.read_bytes()
+    b.write_bytes(a.read_bytes())  # same size: another step's file (its data key is step 10's)
+    with pytest.raises(CorruptDataError, match="does not authenticate"):
+        _load(run, 20, options)
+    flipped = bytearray(original)
+    flipped[len(flipped) // 2] ^= 0x01
+    b.write_bytes(bytes(flipped))
+    with pytest.raises(CorruptDataError, match="step-00000020 does not verify"):
+        _load(run, 20, options)
+    b.write_bytes(original)
+    assert latest_verified(run, options).step == 20 and torch.equal(
+        _load(run, 20, options)["model/w"], torch.full((64, 64), 20.0)
+    )
+
+
+def test_a_checkpoint_rewritten_with_matching_checksums_is_refused_when_signed(tmp_path, ring):
+    """The forger rewrites a rank file and updates every checksum that covers it (state.json's
+    entry, COMMITTED's checksum of state.json): only the signature catches it."""
+    from petatrain.storage.checksum import checksum_bytes
+    from petatrain.train.checkpoint import latest_verified
+
+    run = str(tmp_path / "run")
+    options = StorageOptions(signing_key=ring)  # signed, not encrypted
+    _checkpoint(run, 10, options, {"model/w": torch.zeros(16)})
+    folder = Path(run) / "checkpoints/step-00000010"
+    forged_dir = tmp_path / "forged"
+    _checkpoint(str(forged_dir), 10, StorageOptions(), {"model/w": torch.ones(16)})
+    forged = (forged_dir / "checkpoints/step-00000010/rank-00000.safetensors").read_bytes()
+    (folder / "rank-00000.safetensors").write_bytes(forged)
+    state = json.loads((folder / "state.json").read_text())
+    state["files"]["rank-00000.safetensors"].update(bytes=len(forged), checksum=checksum_bytes(forged))
+    raw = json.dumps(state).encode()
+    (folder / "state.json").write_bytes(raw)
+    committed = json.loads((folder / "COMMITTED").read_text())
+    committed["state_checksum"] = checksum_bytes(raw)
+    (folder / "COMMITTED").write_text(json.dumps(committed))
+    with pytest.raises(CorruptDataError, match="signature does not verify"):
+        latest_verified(run, options, on_skip=lambda url, why: (_ for _ in ()).throw(CorruptDataError(why)))
+    assert latest_verified(run, StorageOptions()) is not None, "without a key the checksums alone are fooled"
+    # verify: true refuses what is unsigned (the forger simply drops the signature)
+    del committed["signature"]
+    (folder / "COMMITTED").write_text(json.dumps(committed))
+    strict = StorageOptions(signing_key=ring, verify_signatures=True)
+    with pytest.raises(CorruptDataError, match="is not signed"):
+        latest_verified(run, strict, on_skip=lambda url, why: (_ for _ in ()).throw(CorruptDataError(why)))
+
+
+@pytest.mark.slow
+def test_an_encrypted_signed_run_recovers_from_a_kill_with_the_plain_runs_weights(
+    token_dataset, baseline, tmp_path, ring
+):
+    """On Ray: every checkpoint and the final weights sealed and signed, a killed worker resumed from
+    an encrypted checkpoint, and the weights bit-identical to the unencrypted uninterrupted run's.
+    No file the run writes holds key material."""
+    from petatrain.train.checkpoint import read_final
+
+    cfg = tiny(token_dataset, f"storage.encryption.key={ring}", "storage.signing.verify=true")
+    run = tmp_path / "run"
+    summary = train(cfg, run, "kill@step=17,rank=1")
+    assert summary["attempts"] == 2
+    weights = (run / "final/model.safetensors").read_bytes()
+    assert weights.startswith(sealed.MAGIC)
+    tensors, record = read_final(str(run), cfg.storage.options())
+    assert record["signature"]["key_id"] == keys.open_keys(ring).key_id
+    plain, _ = read_final(str(baseline))
+    assert tensors.keys() == plain.keys() and all(torch.equal(tensors[k], plain[k]) for k in plain)
+    with pytest.raises(PetatrainError, match=r"is encrypted; set storage\.encryption\.key"):
+        read_final(str(run))
+    secrets = list(json.loads(Path(ring.removeprefix("file:")).read_text())["master"].values())
+    secrets.append(json.loads(Path(ring.removeprefix("file:")).read_text())["signing"]["private"])
+    for path in run.rglob("*"):
+        if path.is_file():
+            data = path.read_bytes()
+            assert not any(s.encode() in data for s in secrets), path
+    assert f"key: {ring}" in (run / "config.yaml").read_text()  # the reference, which readers use
