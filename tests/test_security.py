@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -252,7 +253,8 @@ def test_an_encrypted_signed_run_recovers_from_a_kill_with_the_plain_runs_weight
     No file the run writes holds key material."""
     from petatrain.train.checkpoint import read_final
 
-    cfg = tiny(token_dataset, f"storage.encryption.key={ring}", "storage.signing.verify=true")
+    # (not storage.signing.verify: the shared token dataset is unsigned, and verify would refuse it)
+    cfg = tiny(token_dataset, f"storage.encryption.key={ring}")
     run = tmp_path / "run"
     summary = train(cfg, run, "kill@step=17,rank=1")
     assert summary["attempts"] == 2
@@ -271,3 +273,185 @@ def test_an_encrypted_signed_run_recovers_from_a_kill_with_the_plain_runs_weight
             data = path.read_bytes()
             assert not any(s.encode() in data for s in secrets), path
     assert f"key: {ring}" in (run / "config.yaml").read_text()  # the reference, which readers use
+
+
+# ---- datasets: Parquet modular encryption ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def encrypted_tokens(tmp_path_factory, ring, ray_local):
+    """The same corpus ingested twice: plaintext and encrypted."""
+    from petatrain import config
+    from petatrain.data import synth
+    from petatrain.data.ingest import IngestJob, run
+
+    root = tmp_path_factory.mktemp("enc-tokens")
+    synth.generate(str(root / "corpus"), documents=300, files=2)
+    cfg = config.IngestConfig(tokenizer="bytes", pack_length=65, shard_size="60KB", dedup="exact")
+    for name, options in (("plain", StorageOptions()), ("enc", encrypted(ring))):
+        run(IngestJob(sources=[str(root / "corpus")], out=str(root / name), config=cfg, options=options))
+    return root
+
+
+def test_encrypted_shards_stream_the_same_samples_and_hold_no_plaintext(encrypted_tokens, ring):
+    import pyarrow.parquet as pq
+
+    from petatrain.data.index import read_manifest
+    from petatrain.data.stream import StreamingDataset
+
+    plain, enc = encrypted_tokens / "plain", encrypted_tokens / "enc"
+    manifest = read_manifest(str(enc))
+    assert manifest.encryption is not None and set(manifest.encryption["keys"]) == {"k1"}
+    shards = sorted((enc / "data").glob("*.parquet"))
+    assert len(shards) > 1
+    rows = pq.ParquetFile(plain / "data" / shards[0].name).read().column("tokens")[0].as_py()
+    for shard in shards:
+        data = shard.read_bytes()
+        assert data[-4:] == b"PARE", "encrypted footer (Parquet modular encryption's magic)"
+        assert rows[:32] not in data
+    for staged_text in (enc / "_rejects").rglob("records-*.parquet"):
+        assert staged_text.read_bytes()[-4:] == b"PARE", "rejects hold source text: encrypted too"
+    with pytest.raises(OSError):
+        pq.ParquetFile(shards[0]).read()  # any reader without the key
+    read = {}
+    for name, options in (("plain", StorageOptions()), ("enc", encrypted(ring))):
+        ds = StreamingDataset(str(encrypted_tokens / name), batch_size=16, seed=3, options=options)
+        read[name] = torch.cat([b["tokens"] for b in ds.iter_batches()])
+    assert torch.equal(read["plain"], read["enc"])
+
+
+def test_an_encrypted_dataset_without_or_with_the_wrong_key_is_one_line_and_nothing_is_read(
+    encrypted_tokens, other_ring, tmp_path
+):
+    from petatrain.data.stream import StreamingDataset
+
+    enc = str(encrypted_tokens / "enc")
+    with pytest.raises(PetatrainError, match=r"is encrypted; set storage\.encryption\.key") as missing:
+        StreamingDataset(enc)
+    with pytest.raises(keys.KeyringError, match=f"does not unwrap with keyring {other_ring}") as wrong:
+        StreamingDataset(enc, options=encrypted(other_ring))
+    for exc in (missing, wrong):
+        assert "\n" not in str(exc.value)
+    result = run_cli("inspect", enc, "--verify", "--set", f"storage.encryption.key={other_ring}")
+    assert result.returncode != 0 and "does not unwrap" in result.stderr and result.stderr.count("\n") == 1
+
+
+def test_a_replaced_encrypted_shard_with_a_matching_checksum_is_refused(encrypted_tokens, ring, tmp_path):
+    """Someone without the key swaps in another dataset's encrypted shard and fixes its checksum and
+    size in the index: the shard's footer does not decrypt with this dataset's key."""
+    import pyarrow as pa
+
+    from petatrain.data import index as idx
+    from petatrain.data.stream import StreamingDataset
+    from petatrain.storage.checksum import checksum_bytes
+
+    copy = tmp_path / "enc"
+    shutil.copytree(encrypted_tokens / "enc", copy)
+    other = tmp_path / "other"
+    from petatrain import config
+    from petatrain.data.ingest import IngestJob, run
+
+    cfg = config.IngestConfig(tokenizer="bytes", pack_length=65, shard_size="60KB", dedup="exact")
+    run(IngestJob(sources=[str(encrypted_tokens / "corpus")], out=str(other), config=cfg, options=encrypted(ring)))
+    foreign = (other / "data/part-000000.parquet").read_bytes()
+    (copy / "data/part-000000.parquet").write_bytes(foreign)
+    manifest = idx.read_manifest(str(copy))
+    table = idx.read_shard_index(str(copy), manifest)
+    checksums = table.column("checksum").to_pylist()
+    sizes = table.column("bytes").to_pylist()
+    checksums[0], sizes[0] = checksum_bytes(foreign), len(foreign)
+    table = table.set_column(table.schema.get_field_index("checksum"), "checksum", pa.array(checksums))
+    table = table.set_column(table.schema.get_field_index("bytes"), "bytes", pa.array(sizes, pa.int64()))
+    manifest.index = idx.write_shard_index(str(copy), table)
+    idx.write_manifest(str(copy), manifest)
+    ds = StreamingDataset(str(copy), batch_size=16, options=encrypted(ring), shuffle=False)
+    with pytest.raises(CorruptDataError, match="does not decrypt with"):
+        list(ds.iter_batches())
+
+
+def test_keys_rotate_rewraps_datasets_and_runs_without_rewriting_data(encrypted_tokens, tmp_path):
+    """After `keys rotate --retire` only the new master key version exists, and the dataset and the
+    run still read: their wrapped keys were re-wrapped, while every shard and sealed file kept its bytes."""
+    import safetensors.torch
+
+    from petatrain.data.stream import StreamingDataset
+    from petatrain.train import run_dir
+    from petatrain.train.checkpoint import latest_verified, read_final, write_final
+
+    keyring = tmp_path / "ring.json"
+    keys.create_keyring(str(keyring))
+    ref = f"file:{keyring}"
+    options = encrypted(ref, verify=True)
+    dataset = tmp_path / "ds"
+    from petatrain import config
+    from petatrain.data.ingest import IngestJob, run
+
+    cfg = config.IngestConfig(tokenizer="bytes", pack_length=65, shard_size="60KB", dedup="none")
+    run(IngestJob(sources=[str(encrypted_tokens / "corpus")], out=str(dataset), config=cfg, options=options))
+    run_url = str(tmp_path / "run")
+    run_dir.claim(run_url)
+    _checkpoint(run_url, 10, options, {"model/w": torch.arange(10.0)})
+    write_final(run_url, safetensors.torch.save({"w": torch.ones(3)}), 10, options)
+    data_files = {p: p.read_bytes() for p in [*dataset.rglob("data/*.parquet"), *Path(run_url).rglob("*.safetensors")]}
+    before = torch.cat(
+        [b["tokens"] for b in StreamingDataset(str(dataset), batch_size=64, options=options).iter_batches()]
+    )
+
+    result = run_cli("keys", "rotate", ref, str(dataset), run_url, "--retire", "--json")
+    assert result.returncode == 0, result.stderr
+    done = json.loads(result.stdout)
+    assert done["key_version"] == 2 and done["retired"] == [1]
+    assert keys.open_keys(ref).versions == [2]
+    assert all(p.read_bytes() == data for p, data in data_files.items()), "no data file rewritten"
+    after = torch.cat(
+        [b["tokens"] for b in StreamingDataset(str(dataset), batch_size=64, options=options).iter_batches()]
+    )
+    assert torch.equal(before, after)
+    state = latest_verified(run_url, options)
+    assert state is not None and all(k["key_version"] == 2 for k in state.keys.values())
+    assert torch.equal(_load(run_url, 10, options)["model/w"], torch.arange(10.0))
+    assert read_final(run_url, options)[1]["encryption"]["key_version"] == 2
+
+
+def test_a_signed_dataset_rewritten_with_matching_checksums_is_refused(encrypted_tokens, ring, tmp_path):
+    """The forger rewrites a shard, then its checksum and size in the index, then the index's in the
+    manifest: every xxh3 checksum matches, and only the manifest's signature (over the SHA-256 of the
+    index, which holds every shard's) says no."""
+    import pyarrow as pa
+
+    from petatrain import config
+    from petatrain.data import index as idx
+    from petatrain.data.ingest import IngestJob, run
+    from petatrain.data.stream import StreamingDataset
+    from petatrain.storage.checksum import checksum_bytes
+
+    signer = StorageOptions(signing_key=ring)
+    strict = StorageOptions(signing_key=ring, verify_signatures=True)
+    out = tmp_path / "signed"
+    cfg = config.IngestConfig(tokenizer="bytes", pack_length=65, shard_size="60KB", dedup="none")
+    run(IngestJob(sources=[str(encrypted_tokens / "corpus")], out=str(out), config=cfg, options=signer))
+    assert json.loads((out / "_index/manifest.json").read_text())["signature"]["key_id"] == keys.open_keys(ring).key_id
+    assert len(list(StreamingDataset(str(out), batch_size=8, options=strict).iter_batches())) > 0
+
+    shard = out / "data/part-000000.parquet"
+    forged = shard.read_bytes().replace(b"\x41\x00", b"\x42\x00")  # other tokens, same size
+    assert forged != shard.read_bytes()
+    shard.write_bytes(forged)
+    manifest = idx.read_manifest(str(out))
+    table = idx.read_shard_index(str(out), manifest)
+    checksums = table.column("checksum").to_pylist()
+    checksums[0] = checksum_bytes(forged)
+    table = table.set_column(table.schema.get_field_index("checksum"), "checksum", pa.array(checksums))
+    manifest.index = idx.write_shard_index(str(out), table)  # unsigned: the forger has no key
+    record = manifest.to_dict()
+    record["signature"] = json.loads((out / "_index/manifest.json").read_text())["signature"]  # the old one
+    (out / "_index/manifest.json").write_text(json.dumps(record))
+    with pytest.raises(CorruptDataError, match="signature does not verify"):
+        StreamingDataset(str(out), options=signer)
+    result = run_cli("inspect", str(out), "--verify", "--set", f"storage.signing.key={ring}")
+    assert result.returncode != 0 and "signature does not verify" in result.stderr
+    assert len(list(StreamingDataset(str(out), batch_size=8).iter_batches())) > 0, "checksums alone are fooled"
+    del record["signature"]
+    (out / "_index/manifest.json").write_text(json.dumps(record))
+    with pytest.raises(CorruptDataError, match="is not signed"):
+        StreamingDataset(str(out), options=strict)

@@ -512,3 +512,28 @@ def export_public_key(keyref: str, out: str) -> dict[str, Any]:
     from petatrain.storage import keys
 
     return {"path": os.path.abspath(out), "key_id": keys.export_public(keyref, out)}
+
+
+def rotate_keys(keyref: str, targets: Sequence[str], *, retire: bool = False) -> dict[str, Any]:
+    """`petatrain keys rotate`: a new master key version, then every target's data keys re-wrapped
+    with it (datasets: the manifest's dataset keys; runs: each checkpoint's and the final weights'
+    records); no data is rewritten. `retire` then drops the older versions from the keyring."""
+    from petatrain.data import index
+    from petatrain.storage import keys
+    from petatrain.storage.fs import exists, join
+    from petatrain.storage.lock import LEASE_FILE, Lease
+    from petatrain.train.checkpoint.rewrap import rewrap_run
+
+    version = keys.add_master_version(keyref)
+    options = StorageOptions(encryption_key=keyref, signing_key=keyref)
+    done = []
+    for target in targets:
+        if exists(join(target, index.MANIFEST), options):
+            done.append(index.rewrap_dataset(target, options))
+        elif exists(join(target, ".petatrain-run"), options) or exists(join(target, "checkpoints"), options):
+            with Lease(join(target, LEASE_FILE), kind="keys", what=target, options=options):
+                done.append(rewrap_run(target, options))
+        else:
+            raise ConfigError(f"{target} is neither a petatrain dataset nor a run; nothing was re-wrapped there")
+    retired = keys.retire_versions(keyref, version) if retire else []
+    return {"keyref": keyref, "key_version": version, "rewrapped": done, "retired": retired}

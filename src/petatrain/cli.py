@@ -124,6 +124,15 @@ def ingest(
     max_chars: Annotated[int | None, typer.Option(help="Reject records longer than this. (default: 1000000)")] = None,
     append: Annotated[bool, typer.Option("--append", help="Add new source files to an existing dataset.")] = False,
     register: Annotated[bool, typer.Option("--register", help="Index existing Parquet files in place.")] = False,
+    encrypt: Annotated[
+        str | None,
+        typer.Option(
+            "--encrypt",
+            metavar="KEYREF",
+            help="Encrypt the shards (Parquet modular encryption) with this keyring (file:PATH): "
+            "shorthand for --set storage.encryption.key=KEYREF.",
+        ),
+    ] = None,
     address: Address = "",
     local_cpus: Annotated[int, typer.Option(help="CPUs for the local Ray (0: all); ignored with --address.")] = 0,
     config: Annotated[
@@ -149,6 +158,8 @@ def ingest(
     def go():
         _claim_stdout(as_json)
         flags = [f"ingest.{k}={json.dumps(v)}" for k, v in given.items() if v is not None]
+        if encrypt is not None:
+            flags.append(f"storage.encryption.key={json.dumps(encrypt)}")
         job_cfg = config_mod.load(config, flags + list(set_ or []))
         logs = quiet.quiet_ray()
         summary = api.ingest(
@@ -567,6 +578,45 @@ def keys_public(
     def go():
         made = api.export_public_key(keyref, out_path)
         _print_json(made) if as_json else out.print(f"verification key {made['key_id']} -> {made['path']}")
+
+    _guarded(go)
+
+
+@keys_app.command("rotate")
+def keys_rotate(
+    keyref: Annotated[str, typer.Argument(help="KEYREF of the keyring (file:PATH).")],
+    targets: Annotated[
+        list[str] | None, typer.Argument(help="Datasets and runs whose data keys to re-wrap with the new version.")
+    ] = None,
+    retire: Annotated[
+        bool,
+        typer.Option(
+            "--retire",
+            help="Then drop the older master key versions: anything not re-wrapped here can no longer be read.",
+        ),
+    ] = False,
+    as_json: Json = False,
+) -> None:
+    """Add a master key version and re-wrap the data keys of the given datasets and runs with it.
+
+    Only the small records holding wrapped keys are rewritten (a manifest, each checkpoint's
+    COMMITTED, the final weights' record); no shard or checkpoint file is."""
+
+    def go():
+        done = api.rotate_keys(keyref, list(targets or []), retire=retire)
+        if as_json:
+            _print_json(done)
+            return
+        out.print(f"{keyref}: master key version {done['key_version']} is now primary", highlight=False)
+        for item in done["rewrapped"]:
+            what = item.get("dataset") or item.get("run")
+            out.print(
+                f"  re-wrapped {what}: {json.dumps({k: v for k, v in item.items() if k not in ('dataset', 'run')})}",
+                highlight=False,
+                soft_wrap=True,
+            )
+        if done["retired"]:
+            out.print(f"  retired versions {', '.join(map(str, done['retired']))}", highlight=False)
 
     _guarded(go)
 

@@ -29,6 +29,7 @@ from petatrain.errors import CorruptDataError, PetatrainError
 from petatrain.storage import StorageOptions, read_bytes
 from petatrain.storage.checksum import ALGORITHM, checksum_bytes
 from petatrain.storage.fs import is_local, resolve
+from petatrain.storage.signing import sha256_hex
 
 log = logging.getLogger(__name__)
 
@@ -52,12 +53,12 @@ class ShardCache:
         if self.dir:
             self.dir.mkdir(parents=True, exist_ok=True)
 
-    def open(self, url: str, checksum: str, size: int) -> pa.MemoryMappedFile:
+    def open(self, url: str, checksum: str, size: int, sha256: str = "") -> pa.MemoryMappedFile:
         """The shard's verified bytes, memory-mapped; fetched first if needed.
 
         The file is opened before the cache lock is released (or, for a hit, opened
         directly), so a concurrent eviction can only unlink it, never pull it from
-        under a reader.
+        under a reader. `sha256` (a signed dataset's) is checked wherever the checksum is.
         """
         if self.dir is None and is_local(url):
             # Read in place; hashed again whenever the file is not the one this process verified.
@@ -67,11 +68,11 @@ class ShardCache:
                 stat = os.stat(path)
             except FileNotFoundError:
                 raise CorruptDataError(f"shard missing: {url}") from None
-            key = (path, checksum, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
+            key = (path, checksum, sha256, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
             with self._lock:
                 done = key in self._verified
             if not done:
-                self._verify_local(url, mapped, checksum)
+                self._verify_local(url, mapped, checksum, sha256)
                 with self._lock:
                     self._verified.add(key)
             return mapped
@@ -79,16 +80,17 @@ class ShardCache:
             raise PetatrainError(f"{url} is remote: the loader needs a cache_dir")
         target = self.dir / self._name(url, checksum)
         with contextlib.suppress(FileNotFoundError):
-            handle = self._cached(target, checksum)
+            handle = self._cached(target, checksum, sha256)
             if handle is not None:
                 return handle
         with open(self.dir / ".lock", "a+b") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
-                handle = self._cached(target, checksum) if target.exists() else None  # fetched while we waited?
+                # fetched while we waited?
+                handle = self._cached(target, checksum, sha256) if target.exists() else None
                 if handle is None:
                     self._make_room(size)
-                    self._fetch(url, checksum, target)
+                    self._fetch(url, checksum, sha256, target)
                     os.utime(target)
                     handle = pa.memory_map(str(target))  # verified by _fetch before it was published
                 return handle
@@ -103,11 +105,12 @@ class ShardCache:
             raise CorruptDataError(f"the shard index lists {url} with a malformed checksum {checksum!r}")
         return f"{digest}.parquet"
 
-    def _cached(self, target: Path, checksum: str) -> pa.MemoryMappedFile | None:
+    def _cached(self, target: Path, checksum: str, sha256: str) -> pa.MemoryMappedFile | None:
         """The entry, mapped and verified; None (and the entry dropped) if its bytes changed on disk."""
         mapped = pa.memory_map(str(target))
-        actual = checksum_bytes(memoryview(mapped.read_buffer()))
-        if actual != checksum:
+        data = memoryview(mapped.read_buffer())
+        actual = checksum_bytes(data)
+        if actual != checksum or (sha256 and sha256_hex(data) != sha256):
             log.warning("cached shard %s changed on disk (checksum %s); fetching it again", target, actual)
             mapped.close()
             target.unlink(missing_ok=True)
@@ -117,15 +120,18 @@ class ShardCache:
         return mapped
 
     @staticmethod
-    def _verify_local(url: str, mapped: pa.MemoryMappedFile, checksum: str) -> None:
+    def _verify_local(url: str, mapped: pa.MemoryMappedFile, checksum: str, sha256: str) -> None:
         """Hash the mapping in place; the reader gets the same mapping, so the pages the hash
         faulted in are not faulted in again (no read() copy either)."""
-        actual = checksum_bytes(memoryview(mapped.read_buffer()))
+        data = memoryview(mapped.read_buffer())
+        actual = checksum_bytes(data)
         if actual != checksum:
             raise CorruptDataError(f"shard corrupt: {url} (checksum {actual} != recorded {checksum})")
+        if sha256 and sha256_hex(data) != sha256:
+            raise CorruptDataError(f"shard {url} does not match the SHA-256 of the signed dataset index")
         mapped.seek(0)
 
-    def _fetch(self, url: str, checksum: str, target: Path) -> None:
+    def _fetch(self, url: str, checksum: str, sha256: str, target: Path) -> None:
         started = time.perf_counter()
         try:
             data = read_bytes(url, self.options)
@@ -134,6 +140,8 @@ class ShardCache:
         actual = checksum_bytes(data)
         if actual != checksum:
             raise CorruptDataError(f"shard corrupt: {url} (checksum {actual} != recorded {checksum})")
+        if sha256 and sha256_hex(data) != sha256:
+            raise CorruptDataError(f"shard {url} does not match the SHA-256 of the signed dataset index")
         tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}")
         tmp.write_bytes(data)
         os.replace(tmp, target)

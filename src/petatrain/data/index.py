@@ -29,12 +29,17 @@ from petatrain.storage import (
     exists,
     folder,
     join,
+    parquet_crypt,
     read_bytes,
     remove_tree,
     resolve,
     retrying,
+    signing,
 )
 from petatrain.storage.checksum import checksum_bytes
+from petatrain.storage.keys import open_keys
+from petatrain.storage.lock import LEASE_FILE, Lease
+from petatrain.storage.parquet_crypt import DatasetKeys
 
 MANIFEST = "_index/manifest.json"
 SHARD_INDEX = "_index/shards.parquet"
@@ -47,6 +52,8 @@ SHARD_SCHEMA = pa.schema(
         ("bytes", pa.int64()),
         ("checksum", pa.string()),
         ("first_row", pa.int64()),
+        ("key", pa.string()),  # the dataset key that encrypts the shard ("": plaintext)
+        ("sha256", pa.string()),  # of the shard's bytes, when the dataset is signed ("" otherwise)
     ]
 )
 
@@ -95,10 +102,43 @@ def read_manifest(url: str, options: StorageOptions | None = None) -> Manifest |
         raise PetatrainError(f"{url} is not a petatrain dataset (manifest format {manifest.get('format')!r})")
     if not isinstance(manifest.get("version", 0), int) or manifest.get("version", 0) > VERSION:
         raise PetatrainError(f"{url} was written by a newer petatrain (format version {manifest['version']})")
+    signed = signing.check(options, signing.canonical(manifest), manifest.get("signature"), target)
     try:
-        return Manifest.from_dict(manifest)
+        parsed = Manifest.from_dict(manifest)
     except CorruptDataError as exc:
         raise CorruptDataError(f"corrupt manifest {target}: {exc}") from None
+    parsed.signed = signed
+    return parsed
+
+
+def dataset_keys(url: str, manifest: Manifest, options: StorageOptions | None) -> DatasetKeys | None:
+    """The keys that decrypt the dataset's shards (None: none is encrypted); one line if none is configured."""
+    if manifest.encryption is None:
+        return None
+    keyref = options.encryption_key if options is not None else ""
+    if not keyref:
+        raise PetatrainError(
+            f"{url} is encrypted; set storage.encryption.key to the keyring it was written with "
+            "(--set storage.encryption.key=file:PATH)"
+        )
+    return parquet_crypt.from_record(keyref, manifest.encryption, join(url, MANIFEST))
+
+
+def rewrap_dataset(url: str, options: StorageOptions) -> dict[str, Any]:
+    """Re-wrap the dataset keys in the manifest with the keyring's primary version (`keys rotate`);
+    no shard is rewritten. Holds the dataset's lease, so no ingest commits meanwhile."""
+    with Lease(join(url, LEASE_FILE), kind="keys", what=url, options=options):
+        manifest = read_manifest(url, options)
+        if manifest is None:
+            raise PetatrainError(f"no dataset at {url} (missing {MANIFEST})")
+        keys = dataset_keys(url, manifest, options)
+        if keys is None:
+            return {"dataset": url, "keys": 0}
+        fresh = keys.rewrapped()
+        previous = read_manifest(url, options)
+        manifest.encryption = fresh.record
+        commit_manifest(url, manifest, previous, options)
+        return {"dataset": url, "keys": len(fresh.wrapped), "key_version": open_keys(keys.keyref).primary}
 
 
 def open_dataset(url: str, options: StorageOptions | None = None, *, cache_dir: str | None = None) -> Dataset:
@@ -147,11 +187,11 @@ def read_shard_index(
     recorded = manifest.index  # datasets written before the index was checksummed have none
     target = join(url, _index_path(url, recorded))
     try:
-        source = _cached_index(local_copy, recorded) if local_copy else None
+        source = _cached_index(local_copy, recorded, signed=manifest.signed) if local_copy else None
         if source is None:
             data = read_bytes(target, options)
             if recorded:
-                _verify_index(data, recorded, target)
+                _verify_index(data, recorded, target, signed=manifest.signed)
             if local_copy:
                 os.makedirs(os.path.dirname(local_copy), exist_ok=True)
                 tmp = f"{local_copy}.{os.getpid()}.tmp"
@@ -169,20 +209,27 @@ def read_shard_index(
     if table.num_rows < count:
         raise CorruptDataError(f"{target} has {table.num_rows} rows; the manifest lists {count} shards")
     table = table.slice(0, count)
+    for name in ("key", "sha256"):  # an index written before shards could be encrypted or signed
+        if name not in table.column_names:
+            table = table.append_column(name, pa.array([""] * table.num_rows, pa.string()))
+    if manifest.signed and not all(table.column("sha256").to_pylist()):
+        raise CorruptDataError(f"{target}: a shard of the signed dataset has no SHA-256")
     _check_counts(table, manifest.totals.rows, target)
-    return table
+    return table.select(SHARD_SCHEMA.names)
 
 
-def _verify_index(data: bytes | memoryview, recorded: IndexFile, where: str) -> None:
+def _verify_index(data: bytes | memoryview, recorded: IndexFile, where: str, *, signed: bool = False) -> None:
     actual = checksum_bytes(data)
     if actual != recorded.checksum:
         raise CorruptDataError(
             f"the shard index {where} does not match its checksum in the manifest "
             f"({actual} != {recorded.checksum}); the index is corrupt or was changed"
         )
+    if signed and signing.sha256_hex(data) != recorded.sha256:
+        raise CorruptDataError(f"the shard index {where} does not match the SHA-256 in the signed manifest")
 
 
-def _cached_index(local_copy: str, recorded: IndexFile | None) -> pa.MemoryMappedFile | None:
+def _cached_index(local_copy: str, recorded: IndexFile | None, *, signed: bool) -> pa.MemoryMappedFile | None:
     """The node's copy of the index, verified against the manifest; None (refetch) if absent or stale."""
     try:
         mapped = pa.memory_map(local_copy)
@@ -190,7 +237,7 @@ def _cached_index(local_copy: str, recorded: IndexFile | None) -> pa.MemoryMappe
         return None
     if recorded:
         try:
-            _verify_index(memoryview(mapped.read_buffer()), recorded, local_copy)
+            _verify_index(memoryview(mapped.read_buffer()), recorded, local_copy, signed=signed)
         except CorruptDataError:
             os.unlink(local_copy)
             return None
@@ -235,8 +282,10 @@ def write_shard_index(url: str, table: pa.Table, options: StorageOptions | None 
     sink = pa.BufferOutputStream()
     pq.write_table(table.cast(SHARD_SCHEMA), sink)
     path = f"_index/shards-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:8]}.parquet"
-    checksum, size = atomic_write(join(url, path), sink.getvalue().to_pybytes(), options)
-    return IndexFile(path=path, checksum=checksum, bytes=size)
+    data = sink.getvalue().to_pybytes()
+    checksum, size = atomic_write(join(url, path), data, options)
+    sha = signing.sha256_hex(data) if signing.signs(options) else ""
+    return IndexFile(path=path, checksum=checksum, bytes=size, sha256=sha)
 
 
 def remove_old_indexes(url: str, manifest: Manifest, previous: Manifest | None, options=None) -> None:
@@ -262,7 +311,8 @@ def append_shards(
     first_row = manifest.totals.rows if manifest else 0
     rows = []
     for shard in shards:
-        rows.append({**{k: shard[k] for k in ("path", "rows", "bytes", "checksum")}, "first_row": first_row})
+        row = {k: shard[k] for k in ("path", "rows", "bytes", "checksum")}
+        rows.append({**row, "first_row": first_row, "key": shard.get("key", ""), "sha256": shard.get("sha256", "")})
         first_row += shard["rows"]
     return write_shard_index(url, pa.concat_tables([old, pa.Table.from_pylist(rows, schema=SHARD_SCHEMA)]), options)
 
@@ -293,18 +343,30 @@ def commit_manifest(
 
 
 def write_manifest(url: str, manifest: Manifest, options: StorageOptions | None = None) -> None:
+    """Publish the manifest, signed when a signing key is configured (over its canonical JSON, which
+    holds the index's SHA-256, which holds every shard's)."""
     manifest.updated = now()
-    atomic_write(join(url, MANIFEST), json.dumps(manifest.to_dict(), indent=2, sort_keys=True).encode(), options)
+    record = manifest.to_dict()
+    if signing.signs(options):
+        index = manifest.index
+        if index is not None and not index.sha256:
+            raise PetatrainError(f"{url}: cannot sign a manifest whose index has no SHA-256 (written unsigned)")
+        record["signature"] = signing.sign(options, signing.canonical(record))
+    atomic_write(join(url, MANIFEST), json.dumps(record, indent=2, sort_keys=True).encode(), options)
 
 
 def verify_shards(dataset: Dataset) -> list[str]:
-    """Re-hash every shard; returns one line per missing or corrupt shard."""
+    """Re-hash every shard; returns one line per missing or corrupt shard. An encrypted shard is
+    decrypted whole, so every page's authentication tag is checked too (the keyring is needed)."""
     problems = []
     shards = dataset.shards
-    for path, checksum, rows in zip(
+    crypt = dataset_keys(dataset.url, dataset.manifest, dataset.options)
+    for path, checksum, rows, key, sha in zip(
         shards.column("path").to_pylist(),
         shards.column("checksum").to_pylist(),
         shards.column("rows").to_pylist(),
+        shards.column("key").to_pylist(),
+        shards.column("sha256").to_pylist(),
         strict=True,
     ):
         try:
@@ -321,9 +383,15 @@ def verify_shards(dataset: Dataset) -> list[str]:
         if actual != checksum:
             problems.append(f"corrupt: {target} (checksum {actual} != recorded {checksum})")
             continue
+        if dataset.manifest.signed and signing.sha256_hex(data) != sha:
+            problems.append(f"corrupt: {target} does not match the SHA-256 of the signed index")
+            continue
         try:
-            stored = pq.ParquetFile(arrow_reader(data)).metadata.num_rows
-        except pa.ArrowException as exc:
+            if key:
+                stored = parquet_crypt.open_parquet(arrow_reader(data), crypt).read().num_rows
+            else:
+                stored = pq.ParquetFile(arrow_reader(data)).metadata.num_rows
+        except (pa.ArrowException, OSError) as exc:
             problems.append(f"corrupt: {target} is not readable Parquet ({exc})")
             continue
         if stored != rows:

@@ -30,8 +30,6 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, replace
 
-import pyarrow.parquet as pq
-
 from petatrain.config import parse_size
 from petatrain.data import dedup as dedup_mod
 from petatrain.data import index as idx
@@ -42,10 +40,11 @@ from petatrain.data.minhash import LSHParams
 from petatrain.data.register import register
 from petatrain.data.stages import FILE_BITS, ReadCleanSign, ShardWriter, plan_shards, read_parquet
 from petatrain.errors import PetatrainError
-from petatrain.storage import StorageOptions, atomic_write, join, listdir, read_verified, remove_tree
+from petatrain.storage import StorageOptions, atomic_write, join, listdir, parquet_crypt, read_verified, remove_tree
 from petatrain.storage.checksum import ChecksumMismatch
 from petatrain.storage.fs import SourceFile, copy, expand_sources, resolve
 from petatrain.storage.lock import LEASE_FILE, Lease
+from petatrain.storage.parquet_crypt import DatasetKeys, open_parquet
 
 log = logging.getLogger(__name__)
 
@@ -134,8 +133,9 @@ def _ingest(
     summary.files_new = len(files)
 
     # 1. read, clean, sign
+    crypt = _dataset_keys(job, manifest)
     items = [{"file_ord": first_file + i, "url": f.url, "size": f.size} for i, f in enumerate(files)]
-    stage_one = ReadCleanSign(staging=staging, cfg=cfg, options=options, lsh=lsh)
+    stage_one = ReadCleanSign(staging=staging, cfg=cfg, options=options, lsh=lsh, crypt=crypt)
     with _stage("read_clean_sign", summary, job):
         file_stats = sorted(_from_items(items).map(stage_one, num_cpus=1).take_all(), key=lambda r: r["file_ord"])
     for stat in file_stats:
@@ -157,7 +157,7 @@ def _ingest(
     tokenizer_json = None
     if cfg.tokenizer:
         with _stage("tokenizer", summary, job):
-            tokenizer_json = _tokenizer(job, manifest, staging, file_stats)
+            tokenizer_json = _tokenizer(job, manifest, staging, file_stats, crypt)
 
     # 4. shard plan and write (into the dataset's own folder: only while the lease is ours)
     lease.check()
@@ -172,6 +172,7 @@ def _ingest(
         tokenizer_json=tokenizer_json,
         batch=batch,
         keep_state=cfg.dedup != "none",
+        crypt=crypt,
     )
     with _stage("write", summary, job):
         written = sorted(
@@ -181,7 +182,7 @@ def _ingest(
     # 5. commit
     with _stage("commit", summary, job):
         new_manifest = _commit(
-            job, manifest, files, file_stats, written, staging, batch, first_file, lsh, tokenizer_json, summary
+            job, manifest, files, file_stats, written, staging, batch, first_file, lsh, tokenizer_json, summary, crypt
         )
         lease.check()
         idx.commit_manifest(job.out, new_manifest, manifest, options)
@@ -270,7 +271,9 @@ def _from_items(items: list[dict]):
     return ray.data.from_items(items, override_num_blocks=max(1, len(items)))
 
 
-def _tokenizer(job: IngestJob, manifest: Manifest | None, staging: str, file_stats: list[dict]) -> str:
+def _tokenizer(
+    job: IngestJob, manifest: Manifest | None, staging: str, file_stats: list[dict], crypt: DatasetKeys | None
+) -> str:
     """The dataset's tokenizer as JSON: the committed one for appends, else built now."""
     if manifest and manifest.tokenizer:
         meta = manifest.tokenizer
@@ -285,7 +288,7 @@ def _tokenizer(job: IngestJob, manifest: Manifest | None, staging: str, file_sta
         for stat in file_stats:
             if budget <= 0 or not stat["kept"]:
                 continue
-            docs = read_parquet(join(staging, "docs", f"f-{stat['file_ord']:08d}.parquet"), job.options).read(
+            docs = read_parquet(join(staging, "docs", f"f-{stat['file_ord']:08d}.parquet"), job.options, crypt).read(
                 columns=["text"]
             )
             for text in docs.column("text").to_pylist():
@@ -310,13 +313,14 @@ def _commit(
     lsh: LSHParams | None,
     tokenizer_json: str | None,
     summary: IngestSummary,
+    crypt: DatasetKeys | None,
 ) -> Manifest:
     """Move this batch's rejects, dedup state and tokenizer into place, extend the shard index,
     and return the manifest that commits them (the caller publishes it)."""
     out, options = job.out, job.options
     rejects, state, tokenizer = _place_batch_files(job, manifest, written, staging, batch, tokenizer_json)
     index = idx.append_shards(out, manifest, written, options)
-    schema = _schema_of(out, written, options) if written else (manifest.schema if manifest else [])
+    schema = _schema_of(out, written, options, crypt) if written else (manifest.schema if manifest else [])
     summary.rows_out = sum(w["rows"] for w in written)
     summary.shards = len(written)
     summary.bytes = sum(w["bytes"] for w in written)
@@ -356,6 +360,7 @@ def _commit(
         dedup_state=state,
         rejects=rejects,
         registered=False,
+        encryption=crypt.record if crypt else None,
     )
 
 
@@ -394,8 +399,27 @@ def _place_batch_files(
     return rejects, state, tokenizer
 
 
-def _schema_of(out: str, written: list[dict], options: StorageOptions | None) -> list[Column]:
+def _schema_of(
+    out: str, written: list[dict], options: StorageOptions | None, crypt: DatasetKeys | None
+) -> list[Column]:
     fs, path = resolve(join(out, written[0]["path"]), options)
     with fs.open(path, "rb") as handle:
-        schema = pq.read_schema(handle)
+        schema = open_parquet(handle, crypt).schema_arrow
     return [Column(f.name, str(f.type)) for f in schema]
+
+
+def _dataset_keys(job: IngestJob, manifest: Manifest | None) -> DatasetKeys | None:
+    """The keys this batch's shards are written with: the dataset's own if it has them, new ones if
+    `storage.encryption.key` turns encryption on; None writes plaintext (refused on an encrypted dataset)."""
+    keyref = job.options.encryption_key if job.options is not None else ""
+    recorded = manifest.encryption if manifest else None
+    if recorded is not None:
+        if not keyref:
+            raise PetatrainError(
+                f"{job.out} is encrypted; set storage.encryption.key (or --encrypt) to the keyring it was "
+                "written with, to add to it"
+            )
+        keys = parquet_crypt.from_record(keyref, recorded, join(job.out, idx.MANIFEST))
+        keys.check()  # a wrong keyring fails here, before anything is read
+        return keys
+    return parquet_crypt.new_keys(keyref) if keyref else None

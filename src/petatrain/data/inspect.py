@@ -6,11 +6,11 @@ import dataclasses
 from typing import Any
 
 import numpy as np
-import pyarrow.parquet as pq
 
 from petatrain.data import index as idx
 from petatrain.data.buffers import arrow_reader
 from petatrain.storage import StorageOptions, read_bytes
+from petatrain.storage.parquet_crypt import open_parquet
 
 
 def describe(
@@ -50,7 +50,10 @@ def _samples(dataset: idx.Dataset, n: int) -> list[dict[str, Any]]:
         return []
     first = dataset.shards.column("path")[0].as_py()
     try:
-        table = pq.read_table(arrow_reader(read_bytes(dataset.shard_url(first), dataset.options))).slice(0, n)
+        key = dataset.shards.column("key")[0].as_py()
+        crypt = idx.dataset_keys(dataset.url, dataset.manifest, dataset.options) if key else None
+        source = arrow_reader(read_bytes(dataset.shard_url(first), dataset.options))
+        table = open_parquet(source, crypt).read().slice(0, n)
     except Exception as exc:  # inspect must still report on a damaged dataset
         return [{"error": f"cannot read {first}: {exc}"}]
     tokenizer = dataset.manifest.tokenizer

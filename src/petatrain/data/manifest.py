@@ -62,6 +62,7 @@ class IndexFile:
     path: str
     checksum: str
     bytes: int
+    sha256: str = ""  # when the manifest is signed: xxh3 is not made to resist a forger
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -114,6 +115,12 @@ class Manifest:
     created: str = field(default_factory=now)
     updated: str = ""
     generation: int = 0  # how many commits made it: the fence of the next one
+    # Parquet modular encryption: the dataset keys, wrapped (`storage.parquet_crypt.DatasetKeys.record`);
+    # the shard index says which key each shard uses ("" for a plaintext shard). None: nothing encrypted.
+    encryption: dict[str, Any] | None = None
+    # Not in the JSON: whether a signature by the configured key was verified when this was read
+    # (then the index's and every shard's SHA-256 are checked as they are read).
+    signed: bool = field(default=False, compare=False)
 
     @property
     def pack_length(self) -> int:
@@ -123,7 +130,11 @@ class Manifest:
         return next((c.type for c in self.schema if c.name == name), None)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"format": FORMAT, "version": VERSION, **dataclasses.asdict(self)}
+        values = dataclasses.asdict(self)
+        del values["signed"]
+        if values["index"] is not None and not values["index"]["sha256"]:
+            del values["index"]["sha256"]
+        return {"format": FORMAT, "version": VERSION, **values}
 
     @classmethod
     def from_dict(cls, raw: Any) -> Manifest:
@@ -168,9 +179,16 @@ class Manifest:
                 created=str(raw.get("created", "")),
                 updated=str(raw.get("updated", "")),
                 generation=int(raw.get("generation", 0)),
+                encryption=_encryption(raw.get("encryption")),
             )
         except (TypeError, ValueError, KeyError) as exc:
             raise CorruptDataError(f"a field has the wrong shape ({exc})") from None
+
+
+def _encryption(raw: Any) -> dict[str, Any] | None:
+    if raw is not None and not (isinstance(raw, dict) and isinstance(raw.get("keys"), dict)):
+        raise CorruptDataError(f"encryption {str(raw)[:80]} is not a record of dataset keys")
+    return raw
 
 
 def _count(value: Any) -> bool:

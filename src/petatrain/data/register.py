@@ -17,7 +17,7 @@ from petatrain.data.buffers import arrow_reader
 from petatrain.data.job import IngestJob, IngestSummary
 from petatrain.data.manifest import Batch, Column, Lineage, Manifest, Source, Totals, now
 from petatrain.errors import PetatrainError
-from petatrain.storage import read_bytes
+from petatrain.storage import read_bytes, signing
 from petatrain.storage.checksum import checksum_bytes
 from petatrain.storage.fs import SourceFile
 from petatrain.storage.lock import Lease
@@ -34,6 +34,7 @@ def _describe(f: SourceFile, options) -> dict:
         "rows": meta.metadata.num_rows,
         "bytes": len(data),
         "checksum": checksum_bytes(data),
+        "sha256": signing.sha256_hex(data) if signing.signs(options) else "",
         "schema": meta.schema_arrow,
     }
 

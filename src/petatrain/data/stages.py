@@ -29,9 +29,10 @@ from petatrain.data import tokenize as tk
 from petatrain.data.buffers import arrow_reader
 from petatrain.data.minhash import LSHParams, signatures
 from petatrain.errors import PetatrainError
-from petatrain.storage import StorageOptions, atomic_write, join, read_bytes
+from petatrain.storage import StorageOptions, atomic_write, join, read_bytes, signing
 from petatrain.storage.checksum import checksum_bytes
 from petatrain.storage.fs import resolve
+from petatrain.storage.parquet_crypt import DatasetKeys, open_parquet
 from petatrain.storage.retry import retrying
 
 FILE_BITS = 36  # records per file < 2^36; files per dataset < 2^27
@@ -43,8 +44,16 @@ _SIGN_CHUNK = 2048  # documents per MinHash batch (bounds the (perms, shingles) 
 class ReadCleanSign:
     """Ray Data task body: one source file -> staged docs, signatures and rejects."""
 
-    def __init__(self, *, staging: str, cfg: IngestConfig, options: StorageOptions | None, lsh: LSHParams | None):
-        self.staging, self.cfg, self.options, self.lsh = staging, cfg, options, lsh
+    def __init__(
+        self,
+        *,
+        staging: str,
+        cfg: IngestConfig,
+        options: StorageOptions | None,
+        lsh: LSHParams | None,
+        crypt: DatasetKeys | None = None,
+    ):
+        self.staging, self.cfg, self.options, self.lsh, self.crypt = staging, cfg, options, lsh, crypt
 
     def __call__(self, item: dict[str, Any]) -> dict[str, Any]:
         url, file_ord = item["url"], int(item["file_ord"])
@@ -55,7 +64,10 @@ class ReadCleanSign:
         nbytes = np.fromiter((len(b) for b in encoded), dtype=np.int64, count=len(encoded))
         name = f"f-{file_ord:08d}.parquet"
         docs = pa.table({"ord": ords, "text": pa.array(records.text, pa.large_string())})
-        write_parquet(join(self.staging, "docs", name), docs, self.options, row_group_size=_STAGED_ROW_GROUP)
+        # Documents and rejects hold the sources' text: encrypted like the shards. Signatures are hashes.
+        write_parquet(
+            join(self.staging, "docs", name), docs, self.options, crypt=self.crypt, row_group_size=_STAGED_ROW_GROUP
+        )
         if self.cfg.dedup != "none":
             digests = [xxhash.xxh3_128_intdigest(b) for b in encoded]
             columns = {
@@ -80,7 +92,7 @@ class ReadCleanSign:
                     "raw": pa.array([r.raw for r in records.rejects], pa.large_binary()),
                 }
             )
-            write_parquet(join(self.staging, "rejects", name), rejects, self.options)
+            write_parquet(join(self.staging, "rejects", name), rejects, self.options, crypt=self.crypt)
         return {
             "file_ord": file_ord,
             "url": url,
@@ -122,14 +134,21 @@ def sign(texts: pa.ChunkedArray, lsh: LSHParams) -> pa.Array:
     )
 
 
-def write_parquet(url: str, table: pa.Table, options: StorageOptions | None, **kwargs) -> tuple[str, int]:
+def write_parquet(
+    url: str, table: pa.Table, options: StorageOptions | None, *, crypt: DatasetKeys | None = None, **kwargs
+) -> tuple[str, int]:
+    """Write `table` as Parquet at `url`, all or nothing; encrypted under `crypt`'s write key if given."""
+    return atomic_write(url, encode_parquet(table, crypt, **kwargs), options)
+
+
+def encode_parquet(table: pa.Table, crypt: DatasetKeys | None = None, **kwargs) -> bytes:
     sink = pa.BufferOutputStream()
-    pq.write_table(table, sink, **kwargs)
-    return atomic_write(url, sink.getvalue().to_pybytes(), options)
+    pq.write_table(table, sink, encryption_properties=crypt.encryption_properties() if crypt else None, **kwargs)
+    return sink.getvalue().to_pybytes()
 
 
-def read_parquet(url: str, options: StorageOptions | None) -> pq.ParquetFile:
-    return pq.ParquetFile(arrow_reader(read_bytes(url, options)))
+def read_parquet(url: str, options: StorageOptions | None, crypt: DatasetKeys | None = None) -> pq.ParquetFile:
+    return open_parquet(arrow_reader(read_bytes(url, options)), crypt)
 
 
 def plan_shards(file_stats: list[dict], drops: dict[int, dict], shard_bytes: int, *, first_shard: int) -> list[dict]:
@@ -178,8 +197,9 @@ class ShardWriter:
         tokenizer_json: str | None,
         batch: int,
         keep_state: bool,
+        crypt: DatasetKeys | None = None,
     ):
-        self.out, self.staging, self.cfg, self.options = out, staging, cfg, options
+        self.out, self.staging, self.cfg, self.options, self.crypt = out, staging, cfg, options, crypt
         self.num_groups, self.tokenizer_json, self.batch, self.keep_state = (
             num_groups,
             tokenizer_json,
@@ -209,13 +229,16 @@ class ShardWriter:
         text_arr = pa.chunked_array([c for t in texts for c in t.chunks], pa.large_string())
         table, tokens, left_over = self._table(ord_arr, text_arr)
         path = f"data/part-{shard:06d}.parquet"
-        checksum, size = write_parquet(join(self.out, path), table, self.options, **shard_layout(table))
+        data = encode_parquet(table, self.crypt, **shard_layout(table))
+        checksum, size = atomic_write(join(self.out, path), data, self.options)
         result = {
             "shard": shard,
             "path": path,
             "rows": table.num_rows,
             "bytes": size,
             "checksum": checksum,
+            "key": self.crypt.write_key if self.crypt else "",
+            "sha256": signing.sha256_hex(data) if signing.signs(self.options) else "",
             "docs": len(ord_arr),
             "tokens": tokens,
             "left_over": left_over,
@@ -238,7 +261,7 @@ class ShardWriter:
 
         def read() -> pa.Table:
             with fs.open(path, "rb") as handle:
-                parquet = pq.ParquetFile(handle)
+                parquet = open_parquet(handle, self.crypt if kind == "docs" else None)
                 groups: list[int] = []
                 first, offset = 0, 0
                 found = False

@@ -35,6 +35,7 @@ from petatrain.data.order import Deal, SampleOrder
 from petatrain.errors import CorruptDataError, PetatrainError
 from petatrain.storage import StorageOptions
 from petatrain.storage.fs import is_local
+from petatrain.storage.parquet_crypt import open_parquet
 
 log = logging.getLogger(__name__)
 
@@ -105,11 +106,18 @@ class StreamingDataset(IterableDataset):
         self._rows = _int64s(listed.column("rows"))
         self._bytes = _int64s(listed.column("bytes"))
         self._first_row = _int64s(listed.column("first_row"))
+        self._keys = listed.column("key").combine_chunks()
+        # A signed manifest's shards are checked against their SHA-256 too (as they are fetched).
+        self._sha256 = listed.column("sha256").combine_chunks() if manifest.signed else None
+        self.crypt = idx.dataset_keys(url, manifest, options)  # None: no shard is encrypted
+        if self.crypt is not None:
+            self.crypt.check()  # a wrong keyring: one line now, not in a prefetch thread later
         if self.shard_range is not None:  # a split: shards [start, stop) only, global row indexes kept
             lo, hi = self.shard_range
             if not 0 <= lo < hi <= len(self._rows):
                 raise ValueError(f"shards={self.shard_range} is not a range within the {len(self._rows)} shards")
-            self._paths, self._checksums = self._paths[lo:hi], self._checksums[lo:hi]
+            self._paths, self._checksums, self._keys = self._paths[lo:hi], self._checksums[lo:hi], self._keys[lo:hi]
+            self._sha256 = self._sha256[lo:hi] if self._sha256 is not None else None
             self._rows, self._bytes, self._first_row = self._rows[lo:hi], self._bytes[lo:hi], self._first_row[lo:hi]
         names = [c.name for c in manifest.schema]
         if columns is not None:
@@ -346,17 +354,25 @@ class _ShardReader:
     def _load(self, shard: int) -> _Shard:
         ds = self.ds
         url = _shard_url(ds, shard)
-        source = self.cache.open(url, ds._checksums[shard].as_py(), int(ds._bytes[shard]))
+        sha = ds._sha256[shard].as_py() if ds._sha256 is not None else ""
+        source = self.cache.open(url, ds._checksums[shard].as_py(), int(ds._bytes[shard]), sha)
+        # An encrypted shard's pages are decrypted by Parquet; its fixed-width tokens are then still
+        # viewed without a copy (`_Shard`), only not straight from the mapped file.
+        crypt = ds.crypt if ds._keys[shard].as_py() else None
         try:
-            meta = pq.ParquetFile(source).metadata
+            meta = open_parquet(source, crypt).metadata
             views = {}
-            for name in ds.columns:
+            for name in ds.columns if crypt is None else []:
                 view = _zero_copy_view(source, meta, name, ds.token_dtype)
                 if view is not None:
                     views[name] = view
             rest = [c for c in ds.columns if c not in views]
-            table = pq.ParquetFile(source).read(columns=rest) if rest else None
-        except (pa.ArrowException, OSError) as exc:
+            table = open_parquet(source, crypt).read(columns=rest) if rest else None
+        except (pa.ArrowException, OSError, PetatrainError) as exc:  # PetatrainError: from the key client
+            if crypt is not None:
+                raise CorruptDataError(
+                    f"shard {url} does not decrypt with {crypt.keyref} (changed, or not this dataset's): {exc}"
+                ) from None
             raise CorruptDataError(f"shard unreadable: {url} ({exc})") from None
         if meta.num_rows != ds._rows[shard]:
             raise CorruptDataError(f"shard {url} has {meta.num_rows} rows; the index says {ds._rows[shard]}")

@@ -145,6 +145,15 @@ def _checked(cfg: JobConfig, options: StorageOptions | None) -> JobConfig:
             f"no dataset at {cfg.data.dataset} (data.dataset); `petatrain demo` builds the demo dataset, "
             "`petatrain ingest SOURCES --out URL --tokenizer bytes --pack-length N` builds yours"
         )
+    from petatrain.data import index
+
+    try:
+        manifest = index.read_manifest(cfg.data.dataset, options)
+    except PetatrainError:  # a damaged manifest is the loader's to report, on the worker, as always
+        manifest = None
+    keys = index.dataset_keys(cfg.data.dataset, manifest, options) if manifest else None
+    if keys is not None:
+        keys.check()  # a missing or wrong keyring: one line here, not a fault on every worker
     constants.controller_mode()  # a bad PETATRAIN_CONTROLLER fails here, before anything starts
     return cfg
 

@@ -280,13 +280,15 @@ class CheckpointWriter:
                 log.warning("retention leaves %s: not a petatrain checkpoint that verifies", step_dir(self.run_url, s))
 
 
-def commit_record(state_bytes: bytes, state_sum: str, keys: dict[str, Any], options: StorageOptions | None) -> bytes:
+def commit_record(
+    state_bytes: bytes, state_sum: str, keys: dict[str, Any], options: StorageOptions | None, *, sign: bool = True
+) -> bytes:
     """COMMITTED: the checksum of state.json, the files' wrapped data keys when encrypted, and when
-    signing, state.json's SHA-256 and the signature over all of it."""
+    signing (`sign` and a signing key), state.json's SHA-256 and the signature over all of it."""
     record: dict[str, Any] = {"state_checksum": state_sum}
     if keys:
         record["keys"] = keys
-    if signing.signs(options):
+    if sign and signing.signs(options):
         record["state_sha256"] = signing.sha256_hex(state_bytes)
         record["signature"] = signing.sign(options, signing.canonical(record))
     return json.dumps(record).encode()

@@ -1,0 +1,160 @@
+"""What encryption at rest costs: loader, checkpoint and ingest, encrypted vs plaintext, one run.
+
+- loader: the same packed-token corpus ingested twice (plaintext; `--encrypt`, Parquet modular
+  encryption), then `StreamingDataset.iter_batches` over every sample for `--epochs` epochs,
+  single process, the runs interleaved (plain, encrypted, plain, ...) so drift hits both; the
+  best of `--repeats`. Peer row: pyarrow reading the encrypted shards directly with the same
+  decryption properties (what any Parquet reader holding the key pays). Goal: >= 70% of plaintext.
+- checkpoint: a GPT's weights + AdamW state through the real `CheckpointWriter` (single rank,
+  local disk): the loop's stall (submit) and the background write time, sealed (AES-256-GCM
+  chunks, signed) vs plain safetensors; median of `--repeats`.
+- ingest: `api.ingest` of the corpus (read, clean, exact dedup, byte tokenizer, pack) into a new
+  dataset, encrypted vs plaintext, on the local Ray; median of `--repeats`.
+
+    .venv/bin/python benchmarks/security.py [--documents 20000] [--epochs 5] [--repeats 3]
+
+Prints a table of ratios and writes benchmarks/results/security.json with the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import time
+
+import pyarrow as pa
+import torch
+
+from _common import WORK, write_results
+from petatrain import api, config
+from petatrain.data import synth
+from petatrain.data.index import dataset_keys, open_dataset
+from petatrain.data.stream import StreamingDataset
+from petatrain.storage import StorageOptions, keys
+from petatrain.storage.parquet_crypt import open_parquet
+
+
+def loader_rate(url: str, options: StorageOptions, epochs: int) -> float:
+    ds = StreamingDataset(url, batch_size=64, options=options, seed=1)
+    start, n = time.perf_counter(), 0
+    for epoch in range(epochs):
+        ds.set_epoch(epoch)
+        for batch in ds.iter_batches():
+            n += len(batch["tokens"])
+    return n / (time.perf_counter() - start)
+
+
+def pyarrow_rate(url: str, options: StorageOptions, epochs: int) -> float:
+    dataset = open_dataset(url, options)
+    crypt = dataset_keys(url, dataset.manifest, options)
+    paths = [dataset.shard_url(p) for p in dataset.shards.column("path").to_pylist()]
+    start, n = time.perf_counter(), 0
+    for _ in range(epochs):
+        for path in paths:
+            table = open_parquet(pa.memory_map(path), crypt).read()
+            n += table.num_rows
+    return n / (time.perf_counter() - start)
+
+
+def checkpoint_times(run: str, options: StorageOptions, params: int, repeats: int) -> dict[str, float]:
+    from petatrain.train.checkpoint import CheckpointWriter, Snapshot
+
+    tensors = {
+        "model/w": torch.randn(params),
+        "optim/w/exp_avg": torch.randn(params),
+        "optim/w/exp_avg_sq": torch.rand(params),
+    }
+    parts: dict = {}
+    writer = CheckpointWriter(
+        run,
+        options,
+        report_part=lambda s, r, f: parts.__setitem__(s, f),
+        wait_parts=lambda s, w, t: parts.get(s),
+        on_commit=lambda info: None,
+        keep_last=2,
+    )
+    stalls, writes = [], []
+    meta = {"loader": {"position": 0}, "strategy": "ddp", "param_groups": [{"lr": 0.1, "params": ["w"]}]}
+    for step in range(1, repeats + 1):
+        t0 = time.perf_counter()
+        writer.submit(Snapshot(step=step, rank=0, world_size=1, tensors=tensors, meta=meta))
+        stalls.append(time.perf_counter() - t0)
+        writer.wait()
+        assert writer.error is None, writer.error
+        writes.append(writer.last_write_s)
+    writer.close()
+    return {"stall_s": statistics.median(stalls), "write_s": statistics.median(writes)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--documents", type=int, default=20000)
+    parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--params", type=int, default=25_000_000, help="checkpointed floats per tensor (x3)")
+    args = parser.parse_args()
+    root = WORK / "security"
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    ring = root / "ring.json"
+    keys.create_keyring(str(ring))
+    ref = f"file:{ring}"
+    plain, sealed = StorageOptions(), StorageOptions(encryption_key=ref, signing_key=ref)
+    synth.generate(str(root / "corpus"), documents=args.documents, files=4, seed=5)
+    cfg = config.IngestConfig(tokenizer="bytes", pack_length=1025, shard_size="8MB", dedup="exact")
+
+    ingest_s: dict[str, list[float]] = {"plain": [], "encrypted": []}
+    for i in range(args.repeats):
+        for name, options in (("plain", plain), ("encrypted", sealed)):
+            out = root / f"{name}-{i}"
+            summary = api.ingest([str(root / "corpus")], str(out), config=cfg, options=options)
+            ingest_s[name].append(summary.seconds)
+    mb = sum(p.stat().st_size for p in (root / "corpus").iterdir()) / 1e6
+
+    rates: dict[str, list[float]] = {"plain": [], "encrypted": [], "pyarrow (encrypted)": []}
+    for _ in range(args.repeats):
+        rates["plain"].append(loader_rate(str(root / "plain-0"), plain, args.epochs))
+        rates["encrypted"].append(loader_rate(str(root / "encrypted-0"), sealed, args.epochs))
+        rates["pyarrow (encrypted)"].append(pyarrow_rate(str(root / "encrypted-0"), sealed, args.epochs))
+    best = {k: max(v) for k, v in rates.items()}
+
+    ckpt = {
+        "plain": checkpoint_times(str(root / "run-plain"), plain, args.params, args.repeats),
+        "encrypted": checkpoint_times(str(root / "run-sealed"), sealed, args.params, args.repeats),
+    }
+    gb = 3 * args.params * 4 / 1e9
+
+    print(f"\nloader: {args.epochs} epochs of packed 1025-token rows (best of {args.repeats})")
+    print(f"{'reader':<22}{'samples/s':>12}{'vs plain':>10}")
+    for name, rate in best.items():
+        print(f"{name:<22}{rate:>12.0f}{rate / best['plain']:>10.2f}")
+    print(f"\ncheckpoint of {gb:.2f} GB (median of {args.repeats})")
+    print(f"{'':<12}{'stall s':>10}{'write s':>10}{'GB/s':>8}")
+    for name, t in ckpt.items():
+        print(f"{name:<12}{t['stall_s']:>10.4f}{t['write_s']:>10.2f}{gb / t['write_s']:>8.2f}")
+    print(f"write time encrypted / plain: {ckpt['encrypted']['write_s'] / ckpt['plain']['write_s']:.2f}")
+    med = {k: statistics.median(v) for k, v in ingest_s.items()}
+    print(f"\ningest of {mb:.1f} MB (median of {args.repeats})")
+    for name, s in med.items():
+        print(f"{name:<12}{s:>8.2f} s {mb / s:>8.2f} MB/s")
+    print(f"ingest throughput encrypted / plain: {med['plain'] / med['encrypted']:.2f}")
+    write_results(
+        "security",
+        {
+            "args": vars(args),
+            "loader_samples_per_s": best,
+            "loader_ratio": best["encrypted"] / best["plain"],
+            "loader_goal": 0.70,
+            "checkpoint_gb": gb,
+            "checkpoint": ckpt,
+            "checkpoint_write_ratio": ckpt["encrypted"]["write_s"] / ckpt["plain"]["write_s"],
+            "ingest_mb": mb,
+            "ingest_s": med,
+            "ingest_ratio": med["plain"] / med["encrypted"],
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
