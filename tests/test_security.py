@@ -273,6 +273,12 @@ def test_an_encrypted_signed_run_recovers_from_a_kill_with_the_plain_runs_weight
             data = path.read_bytes()
             assert not any(s.encode() in data for s in secrets), path
     assert f"key: {ring}" in (run / "config.yaml").read_text()  # the reference, which readers use
+    from petatrain.serve import weights
+
+    served_options = weights.run_options(str(run), None)  # serve takes the run's keyring from its config
+    for checkpoint in ("final", "latest"):
+        served = weights.load(str(run), checkpoint, served_options)
+        assert all(torch.equal(served.weights[k], plain[k]) for k in plain)
 
 
 # ---- datasets: Parquet modular encryption ----------------------------------------------------------

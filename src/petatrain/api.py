@@ -431,12 +431,13 @@ def serve(
 
     if follow and checkpoint != "latest":
         raise ConfigError(f"--follow switches to each new checkpoint: use --checkpoint latest, not {checkpoint}")
+    options = weights.run_options(run, options)  # the run's keyring unless the command names one
     served = weights.load(run, checkpoint, options)
     settings = served.config.serve
     if overrides:
         values = config_mod.apply_overrides({"serve": dataclasses.asdict(settings)}, list(overrides))
         settings = config_mod.build(config_mod.ServeConfig, values["serve"], "serve.")
-    cluster.init_ray(address)
+    cluster.init_ray(address, tls=served.config.resources.tls)
     from petatrain.serve import app
 
     serve_options = app.ServeOptions(

@@ -303,10 +303,31 @@ class FaultsConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class RayTlsConfig:
+    """Ray's TLS (`RAY_USE_TLS`): PEM files of the cluster's CA and of this node's certificate and key
+    (`petatrain keys tls DIR` writes them). All three, or none (no TLS)."""
+
+    ca: str = ""
+    cert: str = ""
+    key: str = ""
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("ca", "cert", "key") if getattr(self, name)]
+        if given and len(given) != 3:
+            missing = ", ".join(f"resources.tls.{n}" for n in ("ca", "cert", "key") if n not in given)
+            raise ConfigError(f"Ray's TLS needs a CA, a certificate and a key: set {missing} too")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.ca)
+
+
+@dataclass(kw_only=True, slots=True)
 class ResourcesConfig:
     address: str = ""  # Ray address; "" starts a local Ray
     cpus_per_worker: float = 1.0
     accelerator: Literal["auto", "cpu", "gpu"] = "auto"
+    tls: RayTlsConfig = field(default_factory=RayTlsConfig)
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.cpus_per_worker) and self.cpus_per_worker >= 0):

@@ -204,6 +204,7 @@ class TwoNodeCluster:
         health_check: Mapping[str, int] | None = None,
         subnet: str = "10.231.0",
         keep_logs: bool = False,
+        node_env: Mapping[str, str] | None = None,
     ) -> None:
         if head_cpus < 0 or worker_cpus < 0:
             raise ValueError(f"head_cpus and worker_cpus must be >= 0, got {head_cpus} and {worker_cpus}")
@@ -232,6 +233,8 @@ class TwoNodeCluster:
             "GLOO_SOCKET_IFNAME": LINK_IF,  # Ray workers inherit the raylet's environment
             "NCCL_SOCKET_IFNAME": LINK_IF,
         }
+        # The nodes' `ray start` only (e.g. Ray's TLS variables); drivers are given theirs by the caller.
+        self.node_env = dict(node_env or {})
         self.start_s: float | None = None
         self._worker_starts = 0
         self._started = False
@@ -346,7 +349,7 @@ class TwoNodeCluster:
             f"--metrics-export-port={_METRICS_EXPORT_PORT}",
             "--disable-usage-stats",
         ]  # fmt: skip
-        env = {constants.RAY_USAGE_STATS_ENV: "0"}
+        env = {constants.RAY_USAGE_STATS_ENV: "0", **self.node_env}
         done = self.run(argv, node=node, env=env, capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             raise ClusterStartError(

@@ -7,22 +7,30 @@ import logging
 import os
 import signal
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from petatrain import constants
 from petatrain.errors import PetatrainError
 
+if TYPE_CHECKING:
+    from petatrain.config import RayTlsConfig
+
 log = logging.getLogger(__name__)
 
 
-def init_ray(address: str, local_cpus: int = 0) -> None:
-    """Connect to `address`, or start a local Ray; reuse one this process already started."""
+def init_ray(address: str, local_cpus: int = 0, tls: RayTlsConfig | None = None) -> None:
+    """Connect to `address`, or start a local Ray; reuse one this process already started. With
+    `tls`, Ray's TLS is on (the cluster joined must run with certificates of the same CA)."""
     import ray
 
     from petatrain.runtime._ray import local_only_cluster, silence_worker_logs
 
     if ray.is_initialized():
         return
+    if tls is not None and tls.enabled:
+        from petatrain.runtime.tls import TlsFiles, enable
+
+        enable(TlsFiles(ca=tls.ca, cert=tls.cert, key=tls.key))
     kwargs: dict[str, Any] = {"num_cpus": local_cpus} if local_cpus and not address else {}
     local: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
     if not address:

@@ -92,7 +92,7 @@ def _drive(job: TrainJob, held: contextlib.ExitStack) -> RunResult:
     # Before anything is written there: someone else's folder, or a run another driver holds, is refused.
     lease = held.enter_context(run_dir.held(run_url, job.options))
     constants.set_train_defaults()  # propagated to the controller and workers
-    cluster.init_ray(job.address or cfg.resources.address, job.local_cpus)
+    cluster.init_ray(job.address or cfg.resources.address, job.local_cpus, cfg.resources.tls)
     atomic_write(join(run_url, "config.yaml"), cfg.to_yaml().encode(), job.options)
     run_id = uuid.uuid4().hex[:8]
     hub = _start_hub(run_url, run_id, cfg, job.options)

@@ -63,6 +63,21 @@ def load(run_url: str, checkpoint: str = "final", options: StorageOptions | None
     )  # fmt: skip
 
 
+def run_options(run_url: str, options: StorageOptions | None) -> StorageOptions:
+    """`options` with the key references of the run's own config where `options` names none: an
+    encrypted run is served with the keyring it was trained with, as its config.yaml records it."""
+    import dataclasses
+
+    options = options or StorageOptions()
+    own = _run_config(run_url, options).storage.options()
+    return dataclasses.replace(
+        options,
+        encryption_key=options.encryption_key or own.encryption_key,
+        signing_key=options.signing_key or own.signing_key,
+        verify_signatures=options.verify_signatures or own.verify_signatures,
+    )
+
+
 def _run_config(run_url: str, options: StorageOptions | None) -> JobConfig:
     url = join(run_url, "config.yaml")
     if not exists(url, options):
