@@ -44,7 +44,7 @@ def s3_endpoint():
         os.environ["AWS_ENDPOINT_URL"] = external
         yield external
         return
-    state = os.environ.get("PETATRAIN_RGW_DIR", "/tmp/petatrain-rgw-test")
+    state = _rgw_state()
     started = subprocess.run(["bash", str(RGW), "start", state], capture_output=True, text=True)
     if started.returncode != 0:
         pytest.fail(f"could not start the S3 test server:\n{started.stdout[-3000:]}\n{started.stderr[-3000:]}")
@@ -57,6 +57,34 @@ def s3_endpoint():
         yield os.environ["AWS_ENDPOINT_URL"]
     finally:
         subprocess.run(["bash", str(RGW), "stop", state], capture_output=True, text=True)
+
+
+def _rgw_state() -> str:
+    return os.environ.get("PETATRAIN_RGW_DIR", "/tmp/petatrain-rgw-test")
+
+
+@pytest.fixture(scope="session")
+def s3_identity(s3_endpoint):
+    """NAME -> an S3 user besides the bucket owner (created on the test RGW by `rgw.sh user`):
+    {"key", "secret", "principal"}. The owner grants it access with a bucket policy."""
+    if os.environ.get("PETATRAIN_TEST_S3_ENDPOINT"):
+        pytest.skip("S3 users are created on the RGW the tests start (PETATRAIN_TEST_S3_ENDPOINT is set)")
+    made: dict[str, dict[str, str]] = {}
+
+    def identity(name: str) -> dict[str, str]:
+        if name not in made:
+            out = subprocess.run(["bash", str(RGW), "user", name, _rgw_state()], capture_output=True, text=True)
+            if out.returncode != 0:
+                pytest.fail(f"rgw.sh user {name} failed:\n{out.stderr[-2000:]}")
+            env = dict(line[len("export ") :].split("=", 1) for line in out.stdout.splitlines() if "=" in line)
+            made[name] = {
+                "key": env["AWS_ACCESS_KEY_ID"],
+                "secret": env["AWS_SECRET_ACCESS_KEY"],
+                "principal": env["PETATRAIN_TEST_S3_PRINCIPAL"],
+            }
+        return made[name]
+
+    return identity
 
 
 @pytest.fixture

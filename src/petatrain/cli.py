@@ -610,13 +610,66 @@ def keys_rotate(
         out.print(f"{keyref}: master key version {done['key_version']} is now primary", highlight=False)
         for item in done["rewrapped"]:
             what = item.get("dataset") or item.get("run")
-            out.print(
-                f"  re-wrapped {what}: {json.dumps({k: v for k, v in item.items() if k not in ('dataset', 'run')})}",
-                highlight=False,
-                soft_wrap=True,
-            )
+            rest = {k: v for k, v in item.items() if k not in ("dataset", "run")}
+            out.print(f"  re-wrapped {what}: {json.dumps(rest)}", highlight=False, soft_wrap=True)
         if done["retired"]:
             out.print(f"  retired versions {', '.join(map(str, done['retired']))}", highlight=False)
+
+    _guarded(go)
+
+
+# -- access: least-privilege policies for the ingest, train and serve identities (issue 22) --------
+access_app = typer.Typer(no_args_is_help=True, help="S3 access for the ingest, train and serve identities.")
+app.add_typer(access_app, name="access")
+
+
+@access_app.command("policy")
+def access_policy(
+    role: Annotated[str, typer.Option(help="ingest | train | serve")],
+    bucket: Annotated[str, typer.Option(help="The bucket the policy is for.")],
+    prefix: Annotated[
+        str, typer.Option(help="Datasets prefix: ingest writes it, train reads it, serve reads only its tokenizers.")
+    ] = "",
+    run_prefix: Annotated[
+        str, typer.Option(help="train: the run it writes; serve: the run whose committed models it reads.")
+    ] = "",
+    source: Annotated[
+        list[str] | None, typer.Option("--source", help="ingest: an s3:// source it reads (repeatable).")
+    ] = None,
+    principal: Annotated[
+        str, typer.Option(help="The identity's ARN: prints a bucket policy (else an IAM policy to attach to it).")
+    ] = "",
+    merge: Annotated[
+        Path | None, typer.Option(help="A policy JSON file (the bucket's current one) to add these statements to.")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the policy only, without the summary.")] = False,
+) -> None:
+    """Print the S3 policy (IAM JSON, 2012-10-17) that lets ROLE do exactly what it needs.
+
+    ingest: read --source, read/write/list/delete under --prefix. train: read/list --prefix,
+    read/write/list/delete only under --run-prefix, and never write the datasets. serve: read
+    the run's config.yaml, final/ and checkpoints/ and the datasets' tokenizers; no shard, no write.
+    Apply a bucket policy with `aws s3api put-bucket-policy --bucket B --policy file://policy.json`."""
+
+    def go():
+        from petatrain.errors import PetatrainError
+        from petatrain.storage import access
+
+        built = access.policy(
+            role, bucket=bucket, prefix=prefix, run_prefix=run_prefix, sources=list(source or []), principal=principal
+        )
+        document = built.to_dict()
+        if merge is not None:
+            try:
+                document = access.merge(json.loads(merge.read_text()), document)
+            except (OSError, ValueError) as exc:
+                raise PetatrainError(f"--merge {merge}: not a readable policy JSON file ({exc})") from None
+        if not as_json:
+            who = principal or "the identity this IAM policy is attached to"
+            _say(f"[bold]{role}[/bold] ({who}) in s3://{built.bucket}:")
+            for line in built.describe():
+                _say(f"  {escape(line)}")
+        _print_json(document)
 
     _guarded(go)
 

@@ -21,6 +21,7 @@ import yaml
 from petatrain.errors import ConfigError
 from petatrain.storage.fs import StorageOptions
 from petatrain.storage.keys import check_keyref
+from petatrain.storage.sse import ServerSideEncryption
 
 DedupMode = Literal["none", "exact", "near"]
 SourceFormat = Literal["auto", "jsonl", "parquet", "csv", "text", "webdataset"]
@@ -392,6 +393,11 @@ class StorageConfig:
     Leave the credentials out: empty keys come from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY
     (or AWS_PROFILE) and the rest of botocore's credential chain (instance or pod role, SSO),
     so no file holds them. Keys set here are used, but never written anywhere.
+
+    `sse` asks the store to encrypt what petatrain writes (SSE-S3, SSE-KMS or SSE-C; an SSE-C
+    key is named by reference, env:NAME or file:PATH, never written here). Encrypted data goes
+    over TLS only: a plain http:// endpoint is refused unless `allow_http` is true. `ca_bundle`
+    is the PEM file of the CAs trusted for the endpoint's certificate (default: the system's).
     """
 
     s3_endpoint_url: str = ""
@@ -399,13 +405,32 @@ class StorageConfig:
     s3_access_key_id: str = field(default="", repr=False)
     s3_secret_access_key: str = field(default="", repr=False)
     s3_anonymous: bool = False
+    ca_bundle: str = ""
+    sse: ServerSideEncryption = field(default_factory=ServerSideEncryption)
+    allow_http: bool = False
     encryption: EncryptionConfig = field(default_factory=EncryptionConfig)
     signing: SigningConfig = field(default_factory=SigningConfig)
 
+    def __post_init__(self) -> None:
+        if self.encrypted and not self.allow_http and self.s3_endpoint_url.lower().startswith("http://"):
+            why = f"storage.sse.mode is {self.sse.mode}" if self.sse.enabled else "storage.encryption.key is set"
+            raise ConfigError(
+                f"storage.s3_endpoint_url {self.s3_endpoint_url} is plain HTTP but {why}: encrypted data goes "
+                "over TLS only; use https://, or set storage.allow_http: true"
+            )
+
+    @property
+    def encrypted(self) -> bool:
+        """The data is meant to be encrypted: S3 must then be reached over TLS (unless allow_http)."""
+        return self.sse.enabled or bool(self.encryption.key)
+
     def options(self) -> StorageOptions:
-        plain = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name.startswith("s3_")}
+        values = {
+            f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("encryption", "signing")
+        }
         return StorageOptions(
-            **plain,
+            **values,
+            encrypted=self.encrypted,
             encryption_key=self.encryption.key,
             signing_key=self.signing.key or self.encryption.key,
             verify_signatures=self.signing.verify,
@@ -590,7 +615,7 @@ _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlist, _SHORT.maxdict, _SHORT.maxlev
 
 def _shown(key: str, value: Any) -> str:
     """`value` as an error message shows it: never a credential, never more than a line."""
-    if key.rpartition(".")[2] in SECRET_STORAGE_KEYS:
+    if key.rpartition(".")[2] in SECRET_STORAGE_KEYS or key.endswith("sse.customer_key"):
         return f"a {type(value).__name__} (not shown: a credential)"
     return _SHORT.repr(value)
 

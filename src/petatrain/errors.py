@@ -11,3 +11,12 @@ class ConfigError(PetatrainError):
 
 class CorruptDataError(PetatrainError):
     """A file petatrain wrote is missing or does not match its recorded checksum."""
+
+
+class StorageAccessError(PetatrainError, OSError):
+    """The object store refused a request for a reason the user fixes (a policy, credentials, a
+    certificate, an encryption key); the message names the object and what to change."""
+
+
+class AccessDeniedError(StorageAccessError, PermissionError):
+    """The identity in use may not do this (AccessDenied), or its credentials are not accepted."""

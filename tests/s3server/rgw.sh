@@ -7,13 +7,19 @@
 #   rgw.sh stop  [DIR]   kill the daemons started from DIR and remove DIR.
 #   rgw.sh env   [DIR]   print `export ...` lines for S3 clients.
 #   rgw.sh status [DIR]  exit 0 if the S3 endpoint answers, 1 otherwise.
+#   rgw.sh user NAME [DIR]  create S3 user NAME (if missing) on the running
+#                        gateway and print `export ...` lines with its keys.
 #
 # DIR defaults to /tmp/petatrain-rgw. Everything (config, mon/osd data, logs,
-# pid files, admin sockets) lives under DIR; /etc/ceph and /var/lib/ceph are
-# not used. Everything binds to 127.0.0.1 only; authentication is off.
+# pid files, admin sockets, the test CA) lives under DIR; /etc/ceph and
+# /var/lib/ceph are not used. Everything binds to 127.0.0.1 only; Ceph's own
+# authentication is off. The gateway serves S3 over plain HTTP and over TLS
+# (a certificate for 127.0.0.1/localhost issued by a CA created at start, in
+# DIR/tls/ca.pem), with SSE-C and SSE-KMS (the `testing` KMS backend) on.
 #
 # Environment:
 #   PETATRAIN_RGW_PORT      S3 HTTP port            (default 7480)
+#   PETATRAIN_RGW_TLS_PORT  S3 HTTPS port           (default: the HTTP port + 1)
 #   PETATRAIN_RGW_MON_PORT  monitor msgr2 port      (default 3300)
 #   PETATRAIN_RGW_TIMEOUT   seconds to wait for each daemon (default 120)
 #
@@ -23,8 +29,14 @@ set -euo pipefail
 
 PROG=$(basename "$0")
 CMD=${1:-}
-DIR=${2:-/tmp/petatrain-rgw}
+if [[ $CMD == user ]]; then
+    USER_NAME=${2:-}
+    DIR=${3:-/tmp/petatrain-rgw}
+else
+    DIR=${2:-/tmp/petatrain-rgw}
+fi
 PORT=${PETATRAIN_RGW_PORT:-7480}
+TLS_PORT=${PETATRAIN_RGW_TLS_PORT:-}
 MON_PORT=${PETATRAIN_RGW_MON_PORT:-3300}
 TIMEOUT=${PETATRAIN_RGW_TIMEOUT:-120}
 
@@ -32,6 +44,7 @@ ACCESS_KEY=petatrain
 SECRET_KEY=petatrain-secret
 RGW_UID=petatrain
 REGION=us-east-1
+KMS_KEY_IDS=(testkey-1 testkey-2)   # keys of the `testing` KMS backend (random key material per start)
 MARKER=.petatrain-rgw        # marks DIR as ours, so we only ever rm -rf our own dirs
 CONF=$DIR/ceph.conf
 CEPH_TIMEOUT=30              # per ceph CLI call
@@ -44,13 +57,18 @@ die() { echo "[$PROG] ERROR: $*" >&2; exit 1; }
 usage() {
     cat >&2 <<EOF
 usage: $PROG {start|stop|env|status} [DIR]
-  DIR defaults to /tmp/petatrain-rgw; port from PETATRAIN_RGW_PORT (default 7480)
+       $PROG user NAME [DIR]
+  DIR defaults to /tmp/petatrain-rgw; ports from PETATRAIN_RGW_PORT (default 7480)
+  and PETATRAIN_RGW_TLS_PORT (default: PETATRAIN_RGW_PORT + 1)
 EOF
     exit 2
 }
 
 check_args() {
     [[ $PORT =~ ^[0-9]+$ ]] || die "PETATRAIN_RGW_PORT must be a number, got '$PORT'"
+    TLS_PORT=${TLS_PORT:-$((PORT + 1))}
+    [[ $TLS_PORT =~ ^[0-9]+$ ]] || die "PETATRAIN_RGW_TLS_PORT must be a number, got '$TLS_PORT'"
+    ((TLS_PORT != PORT)) || die "PETATRAIN_RGW_TLS_PORT must differ from PETATRAIN_RGW_PORT ($PORT)"
     [[ $MON_PORT =~ ^[0-9]+$ ]] || die "PETATRAIN_RGW_MON_PORT must be a number, got '$MON_PORT'"
     [[ $TIMEOUT =~ ^[0-9]+$ ]] || die "PETATRAIN_RGW_TIMEOUT must be a number, got '$TIMEOUT'"
     [[ $DIR == /* ]] || DIR=$(pwd)/$DIR
@@ -67,6 +85,7 @@ check_args() {
 }
 
 endpoint() { echo "http://127.0.0.1:$PORT"; }
+tls_endpoint() { echo "https://127.0.0.1:$TLS_PORT"; }
 
 # 0 if something answers HTTP on the S3 port.
 port_answers() {
@@ -77,6 +96,14 @@ port_answers() {
 rgw_answers() {
     local body
     body=$(curl -s --max-time 3 "$(endpoint)/" 2>/dev/null) || return 1
+    [[ $body == *ListAllMyBucketsResult* || $body == *"<Error>"* ]]
+}
+
+# 0 if the TLS endpoint answers with a certificate the test CA verifies.
+tls_answers() {
+    local body
+    [[ -f $DIR/tls/ca.pem ]] || return 1
+    body=$(curl -s --max-time 3 --cacert "$DIR/tls/ca.pem" "$(tls_endpoint)/" 2>/dev/null) || return 1
     [[ $body == *ListAllMyBucketsResult* || $body == *"<Error>"* ]]
 }
 
@@ -172,6 +199,37 @@ wipe_dir() {
     rm -rf -- "$DIR"
 }
 
+# The test CA and the gateway's certificate (127.0.0.1 and localhost), in DIR/tls:
+# ca.pem is the bundle clients verify the TLS endpoint with. EC P-256 keys: ~10 ms.
+make_tls() {
+    local tls=$DIR/tls
+    mkdir -p "$tls"
+    openssl req -x509 -new -nodes -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 \
+        -keyout "$tls/ca.key" -out "$tls/ca.pem" -days 30 -subj "/CN=petatrain test CA (rgw.sh)" \
+        -addext "basicConstraints=critical,CA:TRUE" -addext "keyUsage=critical,keyCertSign,cRLSign" \
+        >>"$DIR/log/mkfs.log" 2>&1 || fail_start "openssl: creating the test CA failed"
+    openssl req -new -nodes -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 \
+        -keyout "$tls/server.key" -out "$tls/server.csr" -subj "/CN=127.0.0.1" \
+        >>"$DIR/log/mkfs.log" 2>&1 || fail_start "openssl: creating the server key failed"
+    printf '%s\n' "subjectAltName = IP:127.0.0.1, DNS:localhost" \
+        "basicConstraints = critical, CA:FALSE" "keyUsage = critical, digitalSignature, keyEncipherment" \
+        "extendedKeyUsage = serverAuth" "subjectKeyIdentifier = hash" "authorityKeyIdentifier = keyid, issuer" \
+        >"$tls/server.ext"
+    openssl x509 -req -in "$tls/server.csr" -CA "$tls/ca.pem" -CAkey "$tls/ca.key" -CAcreateserial \
+        -days 30 -extfile "$tls/server.ext" -out "$tls/server.pem" \
+        >>"$DIR/log/mkfs.log" 2>&1 || fail_start "openssl: signing the server certificate failed"
+    chmod 600 "$tls/ca.key" "$tls/server.key"
+}
+
+# `testing` KMS backend keys: "id=base64(32 bytes) ...", fresh random material per start
+kms_keys() {
+    local id out=()
+    for id in "${KMS_KEY_IDS[@]}"; do
+        out+=("$id=$(head -c 32 /dev/urandom | base64 -w0)")
+    done
+    echo "${out[*]}"
+}
+
 write_conf() {
     local fsid=$1
     cat >"$CONF" <<EOF
@@ -241,7 +299,15 @@ ms mon client mode = crc
 rgw init timeout = $((TIMEOUT > 30 ? TIMEOUT : 30))
 admin socket = $DIR/run/\$name.asok
 rgw data = $DIR/rgw
-rgw frontends = beast endpoint=127.0.0.1:$PORT
+# plain HTTP and TLS side by side; the certificate is issued by DIR/tls/ca.pem
+rgw frontends = beast endpoint=127.0.0.1:$PORT ssl_endpoint=127.0.0.1:$TLS_PORT ssl_certificate=$DIR/tls/server.pem ssl_private_key=$DIR/tls/server.key
+# server-side encryption: SSE-C, and SSE-KMS with the "testing" backend (keys named
+# in this file; never use it outside tests). RGW refuses SSE requests over plain
+# HTTP by default; off here so that a client's own refusal (petatrain's
+# storage.allow_http) is what a test sees.
+rgw crypt s3 kms backend = testing
+rgw crypt s3 kms encryption keys = $(kms_keys)
+rgw crypt require ssl = false
 rgw thread pool size = 32
 rgw dns name = localhost
 rgw enable usage log = false
@@ -287,11 +353,11 @@ ensure_user() {
 }
 
 # the user must also be usable through the HTTP endpoint (radosgw caches users)
-wait_user_ok() {
+wait_user_ok() { # wait_user_ok <uid> <access key> <secret key>; 1 if they fail for 30 s
     local t0=$SECONDS
     while :; do
         # /usr/bin/python3 is a dependency of the ceph CLI; stdlib only
-        if /usr/bin/python3 - "$(endpoint)" "$ACCESS_KEY" "$SECRET_KEY" <<'PY' 2>/dev/null; then
+        if /usr/bin/python3 - "$(endpoint)" "$2" "$3" <<'PY' 2>/dev/null; then
 import sys, hmac, hashlib, base64, email.utils, urllib.request
 ep, ak, sk = sys.argv[1:4]
 date = email.utils.formatdate(usegmt=True)
@@ -302,7 +368,7 @@ with urllib.request.urlopen(req, timeout=5) as r:
 PY
             return 0
         fi
-        ((SECONDS - t0 < 30)) || fail_start "user '$RGW_UID' exists but S3 requests with its keys fail"
+        ((SECONDS - t0 < 30)) || return 1
         sleep 0.5
     done
 }
@@ -316,6 +382,7 @@ cmd_start() {
         else
             log "warning: $CONF does not exist - this RGW was not started from $DIR"
         fi
+        tls_answers || log "warning: $(tls_endpoint) does not answer with a certificate from $DIR/tls/ca.pem"
         return 0
     fi
     # stale state from an earlier run: kill what it left behind, then wipe it
@@ -327,6 +394,9 @@ cmd_start() {
     if port_answers; then
         die "port $PORT is taken by something that is not RGW; set PETATRAIN_RGW_PORT"
     fi
+    if tcp_listening "$TLS_PORT"; then
+        die "TLS port 127.0.0.1:$TLS_PORT is taken; set PETATRAIN_RGW_TLS_PORT"
+    fi
     if tcp_listening "$MON_PORT"; then
         die "monitor port 127.0.0.1:$MON_PORT is taken (another Ceph cluster?); set PETATRAIN_RGW_MON_PORT"
     fi
@@ -337,6 +407,7 @@ cmd_start() {
     : >"$DIR/$MARKER"
     fsid=$(cat /proc/sys/kernel/random/uuid)
     write_conf "$fsid"
+    make_tls
     # with auth off the keyring is unused, but ceph-mon --mkfs wants one
     ceph-authtool --create-keyring "$DIR/keyring" --gen-key -n mon. --cap mon 'allow *' >/dev/null
 
@@ -384,9 +455,14 @@ cmd_start() {
         ((SECONDS - tw < TIMEOUT)) || fail_start "timed out after ${TIMEOUT}s waiting for $(endpoint)"
         sleep 0.5
     done
+    until tls_answers; do
+        ((SECONDS - tw < TIMEOUT)) || fail_start "timed out after ${TIMEOUT}s waiting for $(tls_endpoint)"
+        sleep 0.2
+    done
     ensure_user
-    wait_user_ok
-    log "RGW up at $(endpoint) in $((SECONDS - t0))s (state in $DIR; access key '$ACCESS_KEY')"
+    wait_user_ok "$RGW_UID" "$ACCESS_KEY" "$SECRET_KEY" ||
+        fail_start "user '$RGW_UID' exists but S3 requests with its keys fail"
+    log "RGW up at $(endpoint) and $(tls_endpoint) in $((SECONDS - t0))s (state in $DIR; access key '$ACCESS_KEY')"
 }
 
 cmd_stop() {
@@ -410,6 +486,36 @@ export AWS_REGION=$REGION
 export AWS_DEFAULT_REGION=$REGION
 export AWS_REQUEST_CHECKSUM_CALCULATION=WHEN_REQUIRED
 export AWS_RESPONSE_CHECKSUM_VALIDATION=WHEN_REQUIRED
+export PETATRAIN_TEST_S3_TLS_ENDPOINT=$(tls_endpoint)
+export PETATRAIN_TEST_S3_CA_BUNDLE=$DIR/tls/ca.pem
+export PETATRAIN_TEST_S3_KMS_KEY_ID=${KMS_KEY_IDS[0]}
+EOF
+}
+
+# An S3 identity besides the bucket owner (e.g. ingest, train, serve for role policies):
+# created with generated keys if missing; prints its keys and its principal ARN.
+cmd_user() {
+    need_root
+    [[ $USER_NAME =~ ^[a-z][a-z0-9-]{0,31}$ ]] ||
+        die "user NAME: lowercase letters, digits and '-', starting with a letter; got '$USER_NAME'"
+    [[ -f $CONF ]] || die "$CONF does not exist: start the gateway first ('$PROG start $DIR')"
+    rgw_answers || die "$(endpoint) does not answer: start the gateway first ('$PROG start $DIR')"
+    local info keys
+    if ! info=$(radosgw-admin -c "$CONF" user info --uid="$USER_NAME" 2>/dev/null); then
+        info=$(radosgw-admin -c "$CONF" user create --uid="$USER_NAME" \
+            --display-name="petatrain test identity $USER_NAME" 2>&1) ||
+            { echo "$info" >&2; die "radosgw-admin user create $USER_NAME failed"; }
+    fi
+    keys=$(/usr/bin/python3 -c '
+import json, sys
+key = json.load(sys.stdin)["keys"][0]
+print(key["access_key"], key["secret_key"])' <<<"$info") || die "cannot read the keys of user $USER_NAME"
+    set -- $keys
+    wait_user_ok "$USER_NAME" "$1" "$2" || die "user '$USER_NAME' exists but S3 requests with its keys fail"
+    cat <<EOF
+export AWS_ACCESS_KEY_ID=$1
+export AWS_SECRET_ACCESS_KEY=$2
+export PETATRAIN_TEST_S3_PRINCIPAL=arn:aws:iam:::user/$USER_NAME
 EOF
 }
 
@@ -436,6 +542,7 @@ case "$CMD" in
     stop) check_args; lock; cmd_stop ;;
     env) check_args; cmd_env ;;
     status) check_args; cmd_status ;;
+    user) check_args; lock; cmd_user ;;
     -h | --help | help) usage ;;
     *) usage ;;
 esac

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import functools
+import logging
 import os
+import shutil
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,9 +16,12 @@ from typing import Any
 import fsspec
 from fsspec.core import split_protocol
 
-from petatrain.errors import PetatrainError
+from petatrain.errors import PetatrainError, StorageAccessError
 from petatrain.storage.checksum import checksum_bytes, verify
 from petatrain.storage.retry import retrying
+from petatrain.storage.sse import ServerSideEncryption
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -27,6 +33,15 @@ class StorageOptions:
     s3_access_key_id: str = field(default="", repr=False)  # never shown: reprs reach logs and errors
     s3_secret_access_key: str = field(default="", repr=False)
     s3_anonymous: bool = False
+    ca_bundle: str = ""  # PEM file of the CAs that may issue the S3 endpoint's certificate ("" = the system's)
+    sse: ServerSideEncryption = field(default_factory=ServerSideEncryption)
+    # The data is meant to be encrypted (server-side encryption, or petatrain's own encryption):
+    # then S3 is reached over TLS only, unless allow_http says a plain-HTTP endpoint is fine.
+    encrypted: bool = False
+    allow_http: bool = False
+    # The SSE-C key itself, read from sse.customer_key by for_workers() so that workers on other
+    # nodes need no copy of the variable or file; never in a repr or a config.
+    sse_customer_key: bytes = field(default=b"", repr=False)
     extra: dict[str, Any] = field(default_factory=dict, repr=False)  # passed to fsspec as is; may hold secrets
     # Key references (`storage.encryption.key`, `storage.signing`): where the keys are, not keys.
     encryption_key: str = ""
@@ -34,13 +49,14 @@ class StorageOptions:
     verify_signatures: bool = False
 
     def __hash__(self) -> int:  # extra is a dict; options are compared, not mutated
-        return hash(
-            (self.s3_endpoint_url, self.s3_region, self.s3_access_key_id, self.s3_anonymous, self.encryption_key)
-        )
+        identity = (self.s3_endpoint_url, self.s3_region, self.s3_access_key_id, self.s3_anonymous)
+        return hash((*identity, self.ca_bundle, self.sse, self.encrypted, self.allow_http, self.encryption_key))
 
     @property
-    def encrypted(self) -> bool:
-        return bool(self.encryption_key)
+    def require_tls(self) -> bool:
+        """True when a plain-HTTP S3 endpoint must be refused: the data is encrypted (server-side, or
+        by petatrain with `storage.encryption.key`) and `allow_http` was not given."""
+        return (self.encrypted or bool(self.encryption_key) or self.sse.enabled) and not self.allow_http
 
     def for_workers(self) -> StorageOptions:
         """These options with the driver's AWS_* endpoint and credentials filled in.
@@ -50,11 +66,18 @@ class StorageOptions:
         """
         env = os.environ
         key = self.s3_access_key_id or env.get("AWS_ACCESS_KEY_ID", "")
+        customer_key = self.sse_customer_key
+        if self.sse.mode == "customer" and not customer_key:
+            from petatrain.storage.sse import read_customer_key
+
+            customer_key = read_customer_key(self.sse.customer_key)
         return dataclasses.replace(
             self,
             s3_endpoint_url=self.s3_endpoint_url or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL", ""),
             s3_access_key_id=key,
             s3_secret_access_key=self.s3_secret_access_key or (env.get("AWS_SECRET_ACCESS_KEY", "") if key else ""),
+            ca_bundle=self.ca_bundle or env.get("AWS_CA_BUNDLE", ""),
+            sse_customer_key=customer_key,
         )
 
     def fsspec_kwargs(self, protocol: str) -> dict[str, Any]:
@@ -63,6 +86,12 @@ class StorageOptions:
         endpoint = (
             self.s3_endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL", "")
         )
+        if endpoint.lower().startswith("http://") and self.require_tls:
+            why = f"storage.sse.mode is {self.sse.mode}" if self.sse.enabled else "the data is encrypted"
+            raise PetatrainError(
+                f"refusing the plain-HTTP S3 endpoint {endpoint}: {why}, so S3 is reached over TLS only; "
+                "use an https:// endpoint (storage.s3_endpoint_url), or set storage.allow_http: true"
+            )
         # AWS_REGION / AWS_DEFAULT_REGION are read by botocore itself; passing them on as
         # region_name would also make s3fs send a LocationConstraint when creating buckets,
         # which us-east-1 and S3-compatible stores reject.
@@ -73,13 +102,40 @@ class StorageOptions:
             client["endpoint_url"] = endpoint
         if region:
             client["region_name"] = region
+        if self.ca_bundle:
+            client["verify"] = checked_ca_bundle(self.ca_bundle)
         if client:
             kwargs["client_kwargs"] = client
         if self.s3_access_key_id:
             kwargs["key"] = self.s3_access_key_id
             kwargs["secret"] = self.s3_secret_access_key
         kwargs.update(self.extra)
+        encryption = self.sse.request_kwargs(self.sse_customer_key)
+        if encryption:
+            kwargs["s3_additional_kwargs"] = {**kwargs.get("s3_additional_kwargs", {}), **encryption}
         return kwargs
+
+
+def checked_ca_bundle(path: str) -> str:
+    """`path` made absolute, once it is known to be a readable PEM file with a certificate."""
+    path = os.path.abspath(os.path.expanduser(path))
+    try:
+        stat = os.stat(path)
+    except OSError as exc:
+        raise PetatrainError(f"storage.ca_bundle {path}: {exc.strerror} (a PEM file of CA certificates)") from None
+    return _pem_bundle(path, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=16)
+def _pem_bundle(path: str, mtime_ns: int, size: int) -> str:
+    try:
+        with open(path, "rb") as handle:
+            text = handle.read()
+    except OSError as exc:
+        raise PetatrainError(f"storage.ca_bundle {path}: {exc.strerror} (a PEM file of CA certificates)") from None
+    if b"-----BEGIN CERTIFICATE-----" not in text:
+        raise PetatrainError(f"storage.ca_bundle {path}: not a PEM file of CA certificates (no BEGIN CERTIFICATE)")
+    return path
 
 
 DEFAULT_OPTIONS = StorageOptions()
@@ -91,7 +147,13 @@ def resolve(url: str, options: StorageOptions | None = None) -> tuple[fsspec.Abs
     protocol = protocol or "file"
     options = options or DEFAULT_OPTIONS
     try:
-        fs = fsspec.filesystem(protocol, **options.fsspec_kwargs(protocol))
+        kwargs = options.fsspec_kwargs(protocol)
+        if protocol in ("s3", "s3a"):
+            from petatrain.storage._s3fs import S3FileSystem
+
+            fs = S3FileSystem(**kwargs)
+        else:
+            fs = fsspec.filesystem(protocol, **kwargs)
     except (ImportError, ValueError) as exc:
         raise PetatrainError(f"cannot open {url!r}: no filesystem for '{protocol}://' ({exc})") from None
     if protocol == "file":
@@ -169,11 +231,28 @@ def atomic_write(url: str, data: bytes, options: StorageOptions | None = None) -
         return checksum, len(data)
 
     retrying(f"write {url}", lambda: fs.pipe_file(path, data))
-    fs.invalidate_cache(path)
-    stored = retrying(f"stat {url}", lambda: fs.info(path)["size"])
-    if stored != len(data):
-        raise OSError(f"{url}: stored {stored} bytes, wrote {len(data)}")
+    _check_stored(fs, path, url, len(data), options)
     return checksum, len(data)
+
+
+def _check_stored(fs: Any, path: str, url: str, size: int, options: StorageOptions | None) -> None:
+    """After an upload: the object has the size written and, if SSE is configured, is encrypted so."""
+    fs.invalidate_cache(path)
+    sse = (options or DEFAULT_OPTIONS).sse
+    if sse.enabled:
+        bucket, key, _ = fs.split_path(path)
+        head = retrying(f"stat {url}", lambda: fs.call_s3("head_object", Bucket=bucket, Key=key))
+        stored = head["ContentLength"]
+        try:
+            sse.check_stored(head, url)
+        except PetatrainError:
+            with contextlib.suppress(Exception):  # not left readable in a form it was not meant to have
+                fs.rm_file(path)
+            raise
+    else:
+        stored = retrying(f"stat {url}", lambda: fs.info(path)["size"])
+    if stored != size:
+        raise OSError(f"{url}: stored {stored} bytes, wrote {size}")
 
 
 def local_staging_path(url: str) -> str:
@@ -210,10 +289,7 @@ def publish_file(
             os.replace(staged, path)
             return checksum, size
         retrying(f"upload {url}", lambda: fs.put_file(staged, path))
-        fs.invalidate_cache(path)
-        stored = retrying(f"stat {url}", lambda: fs.info(path)["size"])
-        if stored != size:
-            raise OSError(f"{url}: stored {stored} bytes, wrote {size}")
+        _check_stored(fs, path, url, size, options)
         return checksum, size
     finally:
         if consume and os.path.exists(staged):
@@ -221,14 +297,31 @@ def publish_file(
 
 
 def remove_tree(url: str, options: StorageOptions | None = None) -> None:
-    """Remove a folder and everything under it; a missing folder is fine."""
+    """Remove a folder and everything under it; a missing folder is fine.
+
+    On an object store the folder is listed again afterwards: a multi-object delete answers
+    per object, and s3fs drops those answers, so an object the store refused to delete (a
+    policy without s3:DeleteObject there) would otherwise stay without a word.
+    """
     fs, path = resolve(url, options)
     with contextlib.suppress(FileNotFoundError):
         retrying(f"remove {url}", lambda: fs.rm(path, recursive=True))
+    if not is_local(url):
+        fs.invalidate_cache(path)
+        left = retrying(f"list {url}", lambda: fs.find(path))
+        if left:
+            raise StorageAccessError(
+                f"remove {url}: {len(left)} object(s) still there after the delete, e.g. {to_url(fs, left[0])} "
+                "(did the store refuse them? the identity may need s3:DeleteObject there)"
+            )
 
 
 def copy(src: str, dst: str, options: StorageOptions | None = None) -> None:
-    """Server-side copy within one filesystem (atomic at the destination on object stores)."""
+    """Server-side copy within one filesystem (atomic at the destination on object stores).
+
+    A store that cannot copy encrypted objects (Ceph RGW before Reef answers NotImplemented)
+    gets the bytes read and written again through this process instead, encrypted the same way.
+    """
     fs, src_path = resolve(src, options)
     _, dst_path = resolve(dst, options)
     if is_local(dst):
@@ -236,8 +329,44 @@ def copy(src: str, dst: str, options: StorageOptions | None = None) -> None:
         tmp = f"{dst_path}.tmp-{uuid.uuid4().hex[:12]}"
         fs.copy(src_path, tmp)
         os.replace(tmp, dst_path)
-    else:
+        return
+    try:
         retrying(f"copy {src} -> {dst}", lambda: fs.copy(src_path, dst_path))
+    except OSError as exc:
+        if exc.errno != errno.ENOSYS or not (options or DEFAULT_OPTIONS).sse.enabled:
+            raise
+        _warn_copy_fallback(src)
+        retrying(f"copy {src} -> {dst}", lambda: _copy_through_client(fs, src_path, dst_path))
+    if (options or DEFAULT_OPTIONS).sse.enabled:
+        _check_stored(fs, dst_path, dst, retrying(f"stat {src}", lambda: fs.size(src_path)), options)
+
+
+def _copy_through_client(fs: Any, src_path: str, dst_path: str) -> None:
+    # A multipart upload, completed only once every byte is in (autocommit off: closing the
+    # file does not complete it): the copy is still all or nothing at the destination.
+    with fs.open(src_path, "rb") as source:
+        target = fs.open(dst_path, "wb", autocommit=False)
+        try:
+            shutil.copyfileobj(source, target, 8 * 2**20)
+            target.close()
+            target.commit()
+        except BaseException:
+            target.discard()
+            raise
+
+
+_warned_copy_fallback = False
+
+
+def _warn_copy_fallback(example: str) -> None:
+    global _warned_copy_fallback
+    if not _warned_copy_fallback:  # once per process
+        _warned_copy_fallback = True
+        log.warning(
+            "the object store cannot copy encrypted objects server-side (%s); copying through this process "
+            "instead (Ceph RGW before Reef does not implement it)",
+            example,
+        )
 
 
 @dataclass(slots=True, frozen=True)
