@@ -461,3 +461,71 @@ def test_a_signed_dataset_rewritten_with_matching_checksums_is_refused(encrypted
     (out / "_index/manifest.json").write_text(json.dumps(record))
     with pytest.raises(CorruptDataError, match="is not signed"):
         StreamingDataset(str(out), options=strict)
+
+
+# ---- Ray's TLS, on the two-node network-namespace cluster --------------------------------------------
+
+
+def test_ray_tls_settings_are_all_or_nothing_and_the_key_must_be_private(tmp_path):
+    from petatrain import config
+    from petatrain.runtime.tls import TlsFiles, make_certificates
+
+    with pytest.raises(PetatrainError, match=r"set resources\.tls\.cert, resources\.tls\.key too"):
+        config.load(None, ["resources.tls.ca=/x/ca.pem"])
+    files = make_certificates(str(tmp_path / "tls"), ["10.0.0.1"])
+    assert Path(files.key).stat().st_mode & 0o777 == 0o600
+    assert files.env()["RAY_USE_TLS"] == "1"
+    Path(files.key).chmod(0o644)
+    with pytest.raises(PetatrainError, match="may be read by group or others"):
+        files.env()
+    with pytest.raises(PetatrainError, match="does not exist"):
+        TlsFiles(ca=str(tmp_path / "nope.pem"), cert=files.cert, key=files.key).env()
+    with pytest.raises(PetatrainError, match="already holds"):
+        make_certificates(str(tmp_path / "tls"), [])
+
+
+@pytest.mark.slow
+@pytest.mark.chaos
+def test_training_joins_a_tls_cluster_with_the_configs_certificates_and_a_client_without_them_is_refused(
+    token_dataset, tmp_path
+):
+    """Both nodes run Ray with TLS (mutual: every gRPC peer shows a certificate of the cluster's CA)
+    and token authentication. `train --address` with `resources.tls` in its config joins and trains
+    across the nodes; a driver with the token but without the certificates cannot connect."""
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+    from petatrain.chaos.netns import TwoNodeCluster, netns_available
+    from petatrain.observe.ledger import read_events
+    from petatrain.runtime.tls import TlsFiles
+
+    if os.geteuid() != 0:
+        pytest.skip("network-namespace tests need root")
+    if reason := netns_available():
+        pytest.skip(f"network namespaces unavailable: {reason}")
+    head, worker = "10.233.0.1", "10.233.0.2"
+    made = run_cli("keys", "tls", str(tmp_path / "tls"), "--host", head, "--host", worker, "--json")
+    assert made.returncode == 0, made.stderr
+    files = TlsFiles(**json.loads(made.stdout)["config"])
+    with TwoNodeCluster(head_cpus=1, worker_cpus=1, subnet="10.233.0", node_env=files.env()) as cluster:
+        plain = {"RAY_USE_TLS": "0"}  # the driver's own environment has no TLS: the config must turn it on
+        argv = [sys.executable, "-m", "petatrain", "train", str(ROOT / "examples" / "tiny.yaml")]
+        for override in (f"data.dataset={token_dataset}", "train.steps=12", "parallel.workers=2"):
+            argv += ["--set", override]
+        tls = [f"resources.tls.ca={files.ca}", f"resources.tls.cert={files.cert}", f"resources.tls.key={files.key}"]
+        run_dir = tmp_path / "run"
+        done = cluster.run(
+            [*argv, *(a for t in tls for a in ("--set", t)), "--address", cluster.address, "--run-dir", str(run_dir)],
+            env=plain, timeout=300, capture_output=True, text=True,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert [e["step"] for e in read_events(str(run_dir)) if e["event"] == "step"][-1] == 12
+        # With the token but no certificate, a client never joins: Ray's gRPC handshake fails and its
+        # client retries until its own timeout (minutes), so the test waits 30 s and stops it.
+        probe = "import ray; ray.init(); print('joined', flush=True)"
+        try:
+            refused = cluster.run([sys.executable, "-c", probe], env=plain, timeout=30, capture_output=True, text=True)
+            assert refused.returncode != 0 and "joined" not in refused.stdout
+        except subprocess.TimeoutExpired as exc:
+            assert b"joined" not in (exc.stdout or b"")

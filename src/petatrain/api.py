@@ -500,6 +500,25 @@ def profile(config: JobConfig, *, steps: int = 5, use_dataset: bool = False, sav
     )
 
 
+def use_ray_tls(config: JobConfig) -> None:
+    """Turn Ray's TLS on in this process as `resources.tls` says (call it before anything loads Ray:
+    its core library reads the settings once); nothing when the config has none."""
+    tls = config.resources.tls
+    if tls.enabled:
+        from petatrain.runtime.tls import TlsFiles, enable
+
+        enable(TlsFiles(ca=tls.ca, cert=tls.cert, key=tls.key))
+
+
+def make_ray_tls(folder: str, hosts: Sequence[str]) -> dict[str, Any]:
+    """`petatrain keys tls`: a CA and a node certificate for Ray's TLS; the config and the environment."""
+    from petatrain.runtime.tls import make_certificates
+
+    files = make_certificates(folder, list(hosts))
+    config = {"ca": files.ca, "cert": files.cert, "key": files.key}
+    return {"folder": os.path.abspath(folder), "config": config, "env": files.env()}
+
+
 def create_keys(path: str) -> dict[str, Any]:
     """`petatrain keys create`: a new local keyring; what it holds (never the keys)."""
     from petatrain.storage import keys

@@ -161,6 +161,7 @@ def ingest(
         if encrypt is not None:
             flags.append(f"storage.encryption.key={json.dumps(encrypt)}")
         job_cfg = config_mod.load(config, flags + list(set_ or []))
+        api.use_ray_tls(job_cfg)  # before anything loads Ray
         logs = quiet.quiet_ray()
         summary = api.ingest(
             sources,
@@ -378,6 +379,7 @@ def _train(config, overrides, run_dir, address, specs, as_json, stop_after_s: fl
     cfg = config_mod.load(config, overrides)
     run_url = run_dir or os.path.join(DEMO_ROOT, "runs", time.strftime("%Y%m%d-%H%M%S"))
     _claim_stdout(as_json)
+    api.use_ray_tls(cfg)  # before anything loads Ray
     logs = quiet.quiet_ray()
     result = _run_training(cfg, run_url, address, specs, as_json, logs, stop_after_s)
     if as_json:
@@ -614,6 +616,32 @@ def keys_rotate(
             out.print(f"  re-wrapped {what}: {json.dumps(rest)}", highlight=False, soft_wrap=True)
         if done["retired"]:
             out.print(f"  retired versions {', '.join(map(str, done['retired']))}", highlight=False)
+
+    _guarded(go)
+
+
+@keys_app.command("tls")
+def keys_tls(
+    folder: Annotated[str, typer.Argument(help="An empty folder for ca.pem, ca.key, node.pem, node.key.")],
+    hosts: Annotated[
+        list[str] | None, typer.Option("--host", help="A node's address or name (repeatable; localhost is always in).")
+    ] = None,
+    as_json: Json = False,
+) -> None:
+    """Certificates for Ray's TLS: a new CA and a node certificate for every --host, then the settings
+    (`resources.tls.*` for petatrain, the RAY_TLS_* variables for each node's `ray start`)."""
+
+    def go():
+        made = api.make_ray_tls(folder, list(hosts or []))
+        if as_json:
+            _print_json(made)
+            return
+        out.print(f"wrote {made['folder']}: ca.pem, node.pem, and keys ca.key, node.key (mode 0600)", highlight=False)
+        out.print("job config:", highlight=False)
+        for key, value in made["config"].items():
+            out.print(f"  resources.tls.{key}: {value}", highlight=False, soft_wrap=True)
+        out.print("every node, before `ray start`:", highlight=False)
+        out.print("  export " + " ".join(f"{k}={v}" for k, v in made["env"].items()), highlight=False, soft_wrap=True)
 
     _guarded(go)
 

@@ -21,16 +21,16 @@ log = logging.getLogger(__name__)
 def init_ray(address: str, local_cpus: int = 0, tls: RayTlsConfig | None = None) -> None:
     """Connect to `address`, or start a local Ray; reuse one this process already started. With
     `tls`, Ray's TLS is on (the cluster joined must run with certificates of the same CA)."""
+    if tls is not None and tls.enabled:  # before Ray's core library loads: it reads them once
+        from petatrain.runtime.tls import TlsFiles, enable
+
+        enable(TlsFiles(ca=tls.ca, cert=tls.cert, key=tls.key))
     import ray
 
     from petatrain.runtime._ray import local_only_cluster, silence_worker_logs
 
     if ray.is_initialized():
         return
-    if tls is not None and tls.enabled:
-        from petatrain.runtime.tls import TlsFiles, enable
-
-        enable(TlsFiles(ca=tls.ca, cert=tls.cert, key=tls.key))
     kwargs: dict[str, Any] = {"num_cpus": local_cpus} if local_cpus and not address else {}
     local: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
     if not address:

@@ -14,6 +14,7 @@ import datetime
 import ipaddress
 import os
 import stat
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,8 +49,18 @@ class TlsFiles:
 def enable(files: TlsFiles | None) -> None:
     """Export Ray's TLS variables in this process before Ray starts or is joined (a local Ray's
     processes inherit them); nothing when `files` is None."""
-    if files is not None:
-        os.environ.update(files.env())
+    if files is None:
+        return
+    wanted = files.env()
+    if "ray._raylet" in sys.modules and any(os.environ.get(k) != v for k, v in wanted.items()):
+        # Ray's core library reads these once, when it loads: set later, they would be ignored and
+        # the connection would hang on a TLS cluster instead of failing.
+        raise PetatrainError(
+            "resources.tls: Ray was loaded in this process before its TLS settings were known; export "
+            + " ".join(f"{k}={v}" for k, v in wanted.items())
+            + " before starting it"
+        )
+    os.environ.update(wanted)
 
 
 def make_certificates(folder: str, hosts: list[str], *, days: int = 365) -> TlsFiles:
