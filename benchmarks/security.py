@@ -10,8 +10,12 @@
   chunks, signed) vs plain safetensors; median of `--repeats`.
 - ingest: `api.ingest` of the corpus (read, clean, exact dedup, byte tokenizer, pack) into a new
   dataset, encrypted vs plaintext, on the local Ray; median of `--repeats`.
+- Ray's TLS (`--ray-tls`, needs root for network namespaces): the two-node network-namespace
+  cluster started plain, then with TLS on every node; on each, `petatrain train` of a small GPT on
+  2 workers (one per node, so every step's gradients cross the link), rank 1 killed at step 15.
+  Median step time (steps 5-14, before the kill) and the restart time the report measures.
 
-    .venv/bin/python benchmarks/security.py [--documents 20000] [--epochs 5] [--repeats 3]
+    .venv/bin/python benchmarks/security.py [--documents 20000] [--epochs 5] [--repeats 3] [--ray-tls]
 
 Prints a table of ratios and writes benchmarks/results/security.json with the machine.
 """
@@ -87,12 +91,56 @@ def checkpoint_times(run: str, options: StorageOptions, params: int, repeats: in
     return {"stall_s": statistics.median(stalls), "write_s": statistics.median(writes)}
 
 
+def ray_tls_rows(corpus: str, folder: str) -> dict[str, dict[str, float]]:
+    """Step and restart time of the same short training on the two-node cluster, plain and TLS."""
+    import json
+    import sys
+
+    from _common import ROOT
+    from petatrain.chaos.netns import TwoNodeCluster
+    from petatrain.observe.ledger import read_events
+    from petatrain.runtime.tls import make_certificates
+
+    dataset = f"{folder}/tokens65"  # examples/tiny.yaml's 64-token context
+    cfg = config.IngestConfig(tokenizer="bytes", pack_length=65, shard_size="2MB", dedup="none")
+    api.ingest([corpus], dataset, config=cfg)
+    import ray
+
+    ray.shutdown()  # the training runs on the two-node cluster, not on this process's local Ray
+    files = make_certificates(f"{folder}/tls", ["10.234.0.1", "10.234.0.2"])
+    rows = {}
+    for name, node_env in (("plain", {}), ("tls", files.env())):
+        run_dir = f"{folder}/ray-{name}"
+        with TwoNodeCluster(head_cpus=1, worker_cpus=1, subnet="10.234.0", node_env=node_env) as cluster:
+            argv = [sys.executable, "-m", "petatrain", "train", str(ROOT / "examples" / "tiny.yaml"), "--json"]
+            overrides = [f"data.dataset={dataset}", "train.steps=30", "parallel.workers=2", "checkpoint.every=10"]
+            if node_env:
+                overrides += [
+                    f"resources.tls.{k}={v}" for k, v in (("ca", files.ca), ("cert", files.cert), ("key", files.key))
+                ]
+            for override in overrides:
+                argv += ["--set", override]
+            argv += ["--address", cluster.address, "--run-dir", run_dir, "--inject", "kill@step=15,rank=1"]
+            done = cluster.run(argv, env={"RAY_USE_TLS": "0"}, timeout=600, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise SystemExit(f"{name}: {done.stderr[-2000:]}")
+        steps = [e["step_s"] for e in read_events(run_dir) if e["event"] == "step" and 5 <= e["step"] < 15]
+        fault = json.loads(done.stdout)["report"]["faults"][0]
+        rows[name] = {
+            "step_s": statistics.median(steps),
+            "restart_s": fault["restart_s"],
+            "recovered_s": fault["recovered_after_s"],
+        }
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--documents", type=int, default=20000)
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--params", type=int, default=25_000_000, help="checkpointed floats per tensor (x3)")
+    parser.add_argument("--ray-tls", action="store_true", help="also Ray's TLS on the two-node cluster (root)")
     args = parser.parse_args()
     root = WORK / "security"
     shutil.rmtree(root, ignore_errors=True)
@@ -139,6 +187,13 @@ def main() -> None:
     for name, s in med.items():
         print(f"{name:<12}{s:>8.2f} s {mb / s:>8.2f} MB/s")
     print(f"ingest throughput encrypted / plain: {med['plain'] / med['encrypted']:.2f}")
+    ray_tls = ray_tls_rows(str(root / "corpus"), str(root)) if args.ray_tls else None
+    if ray_tls:
+        print("\nRay's TLS, two-node cluster, 2 workers (one per node)")
+        print(f"{'':<8}{'step s':>10}{'restart s':>11}{'recovered s':>13}")
+        for name, row in ray_tls.items():
+            print(f"{name:<8}{row['step_s']:>10.3f}{row['restart_s']:>11.2f}{row['recovered_s']:>13.2f}")
+        print(f"step time tls / plain: {ray_tls['tls']['step_s'] / ray_tls['plain']['step_s']:.2f}")
     write_results(
         "security",
         {
@@ -152,6 +207,7 @@ def main() -> None:
             "ingest_mb": mb,
             "ingest_s": med,
             "ingest_ratio": med["plain"] / med["encrypted"],
+            "ray_tls": ray_tls,
         },
     )
 

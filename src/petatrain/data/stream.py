@@ -282,7 +282,9 @@ class _Shard:
         if table is None:
             return
         for name in table.column_names:
-            array = table.column(name).combine_chunks()
+            column = table.column(name)
+            # One chunk (as `_load` leaves it) is taken as it is: combine_chunks would copy it.
+            array = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
             kind = array.type
             if pa.types.is_fixed_size_binary(kind):
                 width = kind.byte_width // token_dtype.itemsize
@@ -360,14 +362,15 @@ class _ShardReader:
         # viewed without a copy (`_Shard`), only not straight from the mapped file.
         crypt = ds.crypt if ds._keys[shard].as_py() else None
         try:
-            meta = open_parquet(source, crypt).metadata
+            parquet = open_parquet(source, crypt)  # the footer is decrypted (and its keys unwrapped) once
+            meta = parquet.metadata
             views = {}
             for name in ds.columns if crypt is None else []:
                 view = _zero_copy_view(source, meta, name, ds.token_dtype)
                 if view is not None:
                     views[name] = view
             rest = [c for c in ds.columns if c not in views]
-            table = open_parquet(source, crypt).read(columns=rest) if rest else None
+            table = parquet.read(columns=rest) if rest else None
         except (pa.ArrowException, OSError, PetatrainError) as exc:  # PetatrainError: from the key client
             if crypt is not None:
                 raise CorruptDataError(
