@@ -324,6 +324,11 @@ def test_encrypted_shards_stream_the_same_samples_and_hold_no_plaintext(encrypte
         ds = StreamingDataset(str(encrypted_tokens / name), batch_size=16, seed=3, options=options)
         read[name] = torch.cat([b["tokens"] for b in ds.iter_batches()])
     assert torch.equal(read["plain"], read["enc"])
+    from petatrain.data.inspect import describe
+
+    shown = describe(str(enc), options=encrypted(ring), verify=True)
+    assert shown["verified"] and shown["encryption"]["keys"]["k1"]["shards"] == len(shards)
+    assert shown["signature"] == {"key_id": keys.open_keys(ring).key_id, "verified": True}
 
 
 def test_an_encrypted_dataset_without_or_with_the_wrong_key_is_one_line_and_nothing_is_read(

@@ -363,10 +363,7 @@ class EncryptionConfig:
 
     def __post_init__(self) -> None:
         if self.key:
-            try:
-                check_keyref(self.key, "storage.encryption.key")
-            except ValueError as exc:
-                raise ConfigError(str(exc)) from None
+            check_keyref(self.key, "storage.encryption.key")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -380,10 +377,7 @@ class SigningConfig:
 
     def __post_init__(self) -> None:
         if self.key:
-            try:
-                check_keyref(self.key, "storage.signing.key")
-            except ValueError as exc:
-                raise ConfigError(str(exc)) from None
+            check_keyref(self.key, "storage.signing.key")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -59,6 +59,14 @@ def inspect(r: dict[str, Any]) -> None:
     if r.get("tokenizer"):
         t = r["tokenizer"]
         table.add_row("tokenizer", f"{t['spec']} (vocab {t['vocab_size']}, {t['dtype']}, eos {t['eos_id']})")
+    if r.get("encryption"):
+        e = r["encryption"]
+        keys = ", ".join(f"{k}: {v['shards']} shards, master key v{v['key_version']}" for k, v in e["keys"].items())
+        plain = f"; {e['plaintext_shards']} plaintext shards" if e["plaintext_shards"] else ""
+        table.add_row("encrypted", f"{e['algorithm']} ({keys}{plain})")
+    if r.get("signature"):
+        s = r["signature"]
+        table.add_row("signed", f"{s['key_id']} ({'verified' if s['verified'] else 'not verified: no key configured'})")
     if r["verified"] is not None:
         table.add_row("verify", "all shards match their checksums" if r["verified"] else "FAILED")
     out.print(table)

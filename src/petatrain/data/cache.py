@@ -34,6 +34,19 @@ from petatrain.storage.signing import sha256_hex
 log = logging.getLogger(__name__)
 
 
+# Files this process hashed and found matching, by path, expected digests and what `stat` says of
+# them (inode, size, mtime, ctime): a file rewritten since has another stat and is hashed again. So
+# each shard is hashed once per process, not once per epoch (SHA-256 of a signed dataset's shards
+# cost as much as decrypting them).
+_VERIFIED: set[tuple] = set()
+_VERIFIED_LOCK = threading.Lock()
+
+
+def _stat_key(path: Path | str, checksum: str, sha256: str) -> tuple:
+    stat = os.stat(path)
+    return (str(path), checksum, sha256, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
+
+
 def default_cache_dir(dataset_url: str) -> str:
     root = os.environ.get("PETATRAIN_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "petatrain"
@@ -48,7 +61,6 @@ class ShardCache:
         self.dir = Path(cache_dir) if cache_dir else None
         self.limit = limit_bytes
         self.options = options
-        self._verified: set[tuple] = set()
         self._lock = threading.Lock()
         if self.dir:
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -65,16 +77,15 @@ class ShardCache:
             _, path = resolve(url)
             try:
                 mapped = pa.memory_map(path)
-                stat = os.stat(path)
+                key = _stat_key(path, checksum, sha256)
             except FileNotFoundError:
                 raise CorruptDataError(f"shard missing: {url}") from None
-            key = (path, checksum, sha256, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
-            with self._lock:
-                done = key in self._verified
+            with _VERIFIED_LOCK:
+                done = key in _VERIFIED
             if not done:
                 self._verify_local(url, mapped, checksum, sha256)
-                with self._lock:
-                    self._verified.add(key)
+                with _VERIFIED_LOCK:
+                    _VERIFIED.add(key)
             return mapped
         if self.dir is None:
             raise PetatrainError(f"{url} is remote: the loader needs a cache_dir")
@@ -108,15 +119,19 @@ class ShardCache:
     def _cached(self, target: Path, checksum: str, sha256: str) -> pa.MemoryMappedFile | None:
         """The entry, mapped and verified; None (and the entry dropped) if its bytes changed on disk."""
         mapped = pa.memory_map(str(target))
-        data = memoryview(mapped.read_buffer())
-        actual = checksum_bytes(data)
-        if actual != checksum or (sha256 and sha256_hex(data) != sha256):
-            log.warning("cached shard %s changed on disk (checksum %s); fetching it again", target, actual)
-            mapped.close()
-            target.unlink(missing_ok=True)
-            return None
+        with _VERIFIED_LOCK:
+            done = _stat_key(target, checksum, sha256) in _VERIFIED
+        if not done:
+            data = memoryview(mapped.read_buffer())
+            if checksum_bytes(data) != checksum or (sha256 and sha256_hex(data) != sha256):
+                log.warning("cached shard %s changed on disk; fetching it again", target)
+                mapped.close()
+                target.unlink(missing_ok=True)
+                return None
         mapped.seek(0)
-        os.utime(target)  # recency for LRU eviction
+        os.utime(target)  # recency for LRU eviction (a new stat: remembered as verified after it)
+        with _VERIFIED_LOCK:
+            _VERIFIED.add(_stat_key(target, checksum, sha256))
         return mapped
 
     @staticmethod

@@ -87,6 +87,15 @@ def shard_url(url: str, manifest: Manifest, path: str) -> str:
     return join(url, path)
 
 
+def raw_manifest(url: str, options: StorageOptions | None = None) -> Any:
+    """The manifest's JSON as written (signature included), unchecked; None if there is none."""
+    target = join(url, MANIFEST)
+    try:
+        return json.loads(read_bytes(target, options))
+    except (FileNotFoundError, ValueError):
+        return None
+
+
 def read_manifest(url: str, options: StorageOptions | None = None) -> Manifest | None:
     """The manifest of the dataset at `url`, or None if there is no committed dataset."""
     target = join(url, MANIFEST)

@@ -35,6 +35,8 @@ def describe(
         "tokenizer": dataclasses.asdict(m.tokenizer) if m.tokenizer else None,
         "sources": len(m.lineage.sources),
         "updated": m.updated,
+        "encryption": _encryption(dataset),
+        "signature": _signature(url, m, options),
         "samples": _samples(dataset, samples) if samples else [],
         "verified": None,
         "problems": [],
@@ -43,6 +45,27 @@ def describe(
         report["problems"] = idx.verify_shards(dataset)
         report["verified"] = not report["problems"]
     return report
+
+
+def _encryption(dataset: idx.Dataset) -> dict[str, Any] | None:
+    """Which dataset keys encrypt how many shards, and the master key version each is wrapped with."""
+    record = dataset.manifest.encryption
+    if record is None:
+        return None
+    keys = dataset.shards.column("key").to_pylist()
+    return {
+        "algorithm": record.get("algorithm"),
+        "keys": {k: {"key_version": v.get("key_version"), "shards": keys.count(k)} for k, v in record["keys"].items()},
+        "plaintext_shards": keys.count(""),
+    }
+
+
+def _signature(url: str, manifest: Any, options: StorageOptions | None) -> dict[str, Any] | None:
+    raw = idx.raw_manifest(url, options)
+    signature = raw.get("signature") if isinstance(raw, dict) else None
+    if not isinstance(signature, dict):
+        return None
+    return {"key_id": signature.get("key_id"), "verified": manifest.signed}
 
 
 def _samples(dataset: idx.Dataset, n: int) -> list[dict[str, Any]]:

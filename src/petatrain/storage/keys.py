@@ -38,7 +38,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from petatrain.errors import PetatrainError
+from petatrain.errors import ConfigError, PetatrainError
 
 FORMAT = 1
 KEYRING = "petatrain-keyring"
@@ -218,11 +218,11 @@ def _path_of(keyref: str) -> str:
 
 
 def check_keyref(keyref: str, what: str) -> None:
-    """ValueError naming `what` (a config key) unless `keyref` has a form petatrain can use."""
+    """ConfigError naming `what` (a config key) unless `keyref` has a form petatrain can use."""
     try:
         _path_of(keyref)
     except KeyringError as exc:
-        raise ValueError(f"{what}: {exc}") from None
+        raise ConfigError(f"{what}: {exc}") from None
 
 
 _cache: dict[tuple[str, int, int, int, int, int], LocalKeyring] = {}
