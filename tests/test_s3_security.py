@@ -162,6 +162,9 @@ def test_the_customer_key_is_named_by_reference_and_never_shown(monkeypatch):
     cfg = config.load(None, ["storage.sse.mode=customer", f"storage.sse.customer_key=env:{SSEC_ENV}"])
     assert f"customer_key: env:{SSEC_ENV}" in cfg.to_yaml()
     monkeypatch.setenv(SSEC_ENV, SSEC_B64)
+    # An https endpoint, whatever the S3 tests before this one exported (the test server's is http://).
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "https://s3.example")
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
     resolved = cfg.storage.options().for_workers()
     assert resolved.sse_customer_key == SSEC_RAW  # what a worker on another node is handed
     assert not any(mark in repr(resolved) + repr(cfg) + cfg.to_yaml() for mark in SECRET_MARKS)
