@@ -534,3 +534,19 @@ def test_training_joins_a_tls_cluster_with_the_configs_certificates_and_a_client
             assert refused.returncode != 0 and "joined" not in refused.stdout
         except subprocess.TimeoutExpired as exc:
             assert b"joined" not in (exc.stdout or b"")
+
+
+def test_a_shard_changed_after_it_was_verified_is_caught_at_its_next_read(encrypted_tokens, tmp_path):
+    """Shards are hashed once per process (not once per epoch); a shard rewritten in place after
+    that, same size, has another stat and is hashed again."""
+    from petatrain.data.stream import StreamingDataset
+
+    copy = tmp_path / "plain"
+    shutil.copytree(encrypted_tokens / "plain", copy)
+    assert len(list(StreamingDataset(str(copy), batch_size=64).iter_batches())) > 0
+    shard = sorted((copy / "data").glob("*.parquet"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CorruptDataError, match="shard corrupt"):
+        list(StreamingDataset(str(copy), batch_size=64).iter_batches())

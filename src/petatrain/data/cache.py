@@ -21,6 +21,7 @@ import os
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from pathlib import Path
 
 import pyarrow as pa
@@ -38,8 +39,30 @@ log = logging.getLogger(__name__)
 # them (inode, size, mtime, ctime): a file rewritten since has another stat and is hashed again. So
 # each shard is hashed once per process, not once per epoch (SHA-256 of a signed dataset's shards
 # cost as much as decrypting them).
-_VERIFIED: set[tuple] = set()
 _VERIFIED_LOCK = threading.Lock()
+_VERIFIED_MAX = 1 << 16  # a bound: a process reading millions of shards re-hashes the oldest ones
+
+
+class _Verified:
+    """The set of verified file keys, least recently used ones dropped past `_VERIFIED_MAX`."""
+
+    def __init__(self) -> None:
+        self._keys: OrderedDict[tuple, None] = OrderedDict()
+
+    def __contains__(self, key: tuple) -> bool:
+        if key in self._keys:
+            self._keys.move_to_end(key)
+            return True
+        return False
+
+    def add(self, key: tuple) -> None:
+        self._keys[key] = None
+        self._keys.move_to_end(key)
+        while len(self._keys) > _VERIFIED_MAX:
+            self._keys.popitem(last=False)
+
+
+_VERIFIED = _Verified()
 
 
 def _stat_key(path: Path | str, checksum: str, sha256: str) -> tuple:
