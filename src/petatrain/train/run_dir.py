@@ -12,7 +12,6 @@ a second driver on the same run fails at once instead of interleaving its checkp
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 from collections.abc import Iterator
 
@@ -72,15 +71,8 @@ def _has_run_start(run_url: str, options: StorageOptions | None) -> bool:
     return False
 
 
-@functools.lru_cache(maxsize=256)
-def _run_id(run_url: str, options: StorageOptions | None) -> str:
-    return folder.identity(run_url, MARKER, options)
-
-
 def run_id(run_url: str, options: StorageOptions | None = None) -> str:
     """The run's id from its marker (written once, when train first claims the folder); "" for a
-    run marked before markers carried one. Encrypted checkpoints are bound to it."""
-    found = _run_id(run_url, options)
-    if not found:
-        _run_id.cache_clear()  # not marked yet, maybe: look again next time
-    return found
+    run marked before markers carried one. Encrypted checkpoints are bound to it. Read each time
+    (one small read per checkpoint file): a folder removed and claimed again has a new id."""
+    return folder.identity(run_url, MARKER, options)

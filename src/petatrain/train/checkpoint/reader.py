@@ -147,14 +147,15 @@ def read_rank_tensors(
     url = join(folder, name)
     fs, path = resolve(url, options)
     sealed = state.keys.get(name)
-    key = _data_key(run_url, state.step, name, sealed, options) if sealed is not None else None
+    context = file_context(run_url, state.step, name, options) if sealed is not None else ""
+    key = _data_key(folder, sealed, context, options) if sealed is not None else None
 
     def attempt() -> dict[str, torch.Tensor]:
         with fs.open(path, "rb") as raw:
             handle = HashingReader(raw, sha256=SHA256 in info)
             size = int(info["bytes"])
             if key is not None:
-                opened = SealReader(handle, size, key, file_context(run_url, state.step, name, options))
+                opened = SealReader(handle, size, key, context)
                 tensors = read_safetensors(opened, opened.size)
             else:
                 tensors = read_safetensors(handle, size)
@@ -172,14 +173,13 @@ def file_context(run_url: str, step: int, name: str, options: StorageOptions | N
     return f"run {run_id(run_url, options)}/checkpoints/step-{step:08d}/{name}"
 
 
-def _data_key(run_url: str, step: int, name: str, sealed: Any, options: StorageOptions | None) -> bytes:
+def _data_key(folder: str, sealed: Any, context: str, options: StorageOptions | None) -> bytes:
     keys = encryption_keys(options)
-    folder = step_dir(run_url, step)
     if keys is None:
         raise CorruptDataError(
             f"checkpoint {folder} is encrypted; set storage.encryption.key to the keyring it was written with"
         )
-    return data_key(keys, sealed, file_context(run_url, step, name, options))
+    return data_key(keys, sealed, context)
 
 
 class HashingReader:
