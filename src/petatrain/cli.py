@@ -540,7 +540,7 @@ def profile_cmd(
 
 
 keys_app = typer.Typer(
-    no_args_is_help=True, help="Keyrings: create one, export its public half, rotate its master key."
+    no_args_is_help=True, help="Keyrings (create, export the public half, rotate) and Ray's TLS certificates."
 )
 app.add_typer(keys_app, name="keys")
 
@@ -574,8 +574,9 @@ def keys_public(
     out_path: Annotated[str, typer.Option("--out", help="Where to write the verification key.")],
     as_json: Json = False,
 ) -> None:
-    """Write the keyring's public signing key alone: readers given it as `storage.signing.key` can
-    verify signatures (`storage.signing.verify: true`) but neither sign nor decrypt."""
+    """Write the keyring's public signing key alone, for readers that verify but neither sign nor decrypt.
+
+    Give it to them as `storage.signing.key` (with `storage.signing.verify: true`)."""
 
     def go():
         made = api.export_public_key(keyref, out_path)
@@ -628,8 +629,9 @@ def keys_tls(
     ] = None,
     as_json: Json = False,
 ) -> None:
-    """Certificates for Ray's TLS: a new CA and a node certificate for every --host, then the settings
-    (`resources.tls.*` for petatrain, the RAY_TLS_* variables for each node's `ray start`)."""
+    """Certificates for Ray's TLS: a new CA and a node certificate for the --host addresses.
+
+    Prints the settings: `resources.tls.*` for petatrain, the RAY_TLS_* variables for each node's `ray start`."""
 
     def go():
         made = api.make_ray_tls(folder, list(hosts or []))
