@@ -93,3 +93,30 @@ def kinds(run_dir) -> list[str]:
         assert "schema_error" not in line, line
         events.parse(line)
     return [e["event"] for e in lines]
+
+
+def write_checkpoint(
+    run: str, step: int, tensors: dict, *, options=None, world_size: int = 1, keep_last: int = 10, keep_every: int = 0
+) -> None:
+    """Commit a checkpoint of `tensors` (rank 0's; the other ranks write none) through the real
+    CheckpointWriter, its hub faked in process, as the training loop records it."""
+    from petatrain.train.checkpoint import CheckpointWriter, Snapshot
+
+    parts: dict = {}
+    writer = CheckpointWriter(
+        run,
+        options,
+        report_part=lambda s, r, f: parts.__setitem__((s, r), f),
+        wait_parts=lambda s, w, t: {n: i for (ps, _), f in parts.items() if ps == s for n, i in f.items()},
+        on_commit=lambda info: None,
+        keep_last=keep_last,
+        keep_every=keep_every,
+    )
+    groups = [{"lr": 0.001, "weight_decay": 0.1, "params": ["w"]}]
+    meta = {"loader": {"position": step}, "strategy": "ddp", "param_groups": groups, "config_digest": "0123abcd"}
+    for rank in range(world_size):
+        snap = Snapshot(step=step, rank=rank, world_size=world_size, tensors=tensors if rank == 0 else {}, meta=meta)
+        writer.submit(snap)
+        writer.wait()
+    writer.close()
+    assert writer.error is None, writer.error

@@ -21,22 +21,9 @@ def _meta(position: int) -> dict:
 def _write_checkpoint(run: str, step: int, value: float, keep_last: int = 10, keep_every: int = 0) -> None:
     import torch
 
-    from petatrain.train.checkpoint import CheckpointWriter, Snapshot
+    from helpers import write_checkpoint
 
-    parts: dict = {}
-    writer = CheckpointWriter(
-        run,
-        None,
-        report_part=lambda s, r, f: parts.__setitem__((s, r), f),
-        wait_parts=lambda s, w, t: {n: i for (ps, _), f in parts.items() if ps == s for n, i in f.items()},
-        on_commit=lambda info: None,
-        keep_last=keep_last,
-        keep_every=keep_every,
-    )
-    tensors = {"model/w": torch.full((4, 4), value)}
-    writer.submit(Snapshot(step=step, rank=0, world_size=1, tensors=tensors, meta=_meta(step)))
-    writer.close()
-    assert writer.error is None
+    write_checkpoint(run, step, {"model/w": torch.full((4, 4), value)}, keep_last=keep_last, keep_every=keep_every)
 
 
 def test_torn_truncated_and_corrupt_checkpoints_are_never_loaded(tmp_path):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import run_cli
-from helpers import tiny, train
+from helpers import tiny, train, write_checkpoint
 from petatrain.errors import CorruptDataError, PetatrainError
 from petatrain.storage import StorageOptions, keys, sealed
 
@@ -140,24 +140,7 @@ def test_sealed_files_detect_changed_cut_reordered_and_swapped_chunks():
 
 
 def _checkpoint(run: str, step: int, options: StorageOptions, tensors: dict[str, torch.Tensor]) -> None:
-    from petatrain.train.checkpoint import CheckpointWriter, Snapshot
-
-    parts: dict = {}
-    writer = CheckpointWriter(
-        run,
-        options,
-        report_part=lambda s, r, f: parts.__setitem__((s, r), f),
-        wait_parts=lambda s, w, t: {n: i for (ps, _), f in parts.items() if ps == s for n, i in f.items()},
-        on_commit=lambda info: None,
-        keep_last=10,
-    )
-    groups = [{"lr": 0.001, "params": ["w"]}]
-    meta = {"loader": {"position": step}, "strategy": "ddp", "param_groups": groups}
-    for rank in (0, 1):
-        writer.submit(Snapshot(step=step, rank=rank, world_size=2, tensors=tensors if rank == 0 else {}, meta=meta))
-        writer.wait()
-    writer.close()
-    assert writer.error is None, writer.error
+    write_checkpoint(run, step, tensors, options=options, world_size=2)
 
 
 def _load(run: str, step: int, options: StorageOptions) -> dict[str, torch.Tensor]:
@@ -408,6 +391,10 @@ def test_keys_rotate_rewraps_datasets_and_runs_without_rewriting_data(encrypted_
         [b["tokens"] for b in StreamingDataset(str(dataset), batch_size=64, options=options).iter_batches()]
     )
 
+    ring_before = keyring.read_bytes()
+    refused = run_cli("keys", "rotate", ref, str(dataset), str(tmp_path / "not-a-run"))
+    assert refused.returncode != 0 and "neither a petatrain dataset nor a run" in refused.stderr
+    assert keyring.read_bytes() == ring_before, "a refused rotation changes nothing"
     result = run_cli("keys", "rotate", ref, str(dataset), run_url, "--retire", "--json")
     assert result.returncode == 0, result.stderr
     done = json.loads(result.stdout)

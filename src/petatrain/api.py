@@ -503,11 +503,9 @@ def profile(config: JobConfig, *, steps: int = 5, use_dataset: bool = False, sav
 def use_ray_tls(config: JobConfig) -> None:
     """Turn Ray's TLS on in this process as `resources.tls` says (call it before anything loads Ray:
     its core library reads the settings once); nothing when the config has none."""
-    tls = config.resources.tls
-    if tls.enabled:
-        from petatrain.runtime.tls import TlsFiles, enable
+    from petatrain.runtime.tls import enable
 
-        enable(TlsFiles(ca=tls.ca, cert=tls.cert, key=tls.key))
+    enable(config.resources.tls)
 
 
 def make_ray_tls(folder: str, hosts: Sequence[str]) -> dict[str, Any]:
@@ -544,16 +542,20 @@ def rotate_keys(keyref: str, targets: Sequence[str], *, retire: bool = False) ->
     from petatrain.storage.lock import LEASE_FILE, Lease
     from petatrain.train.checkpoint.rewrap import rewrap_run
 
-    version = keys.add_master_version(keyref)
     options = StorageOptions(encryption_key=keyref, signing_key=keyref)
+    keys.open_keys(keyref)  # a missing or loose keyring: refused before anything changes
+    datasets = [t for t in targets if exists(join(t, index.MANIFEST), options)]
+    for target in targets:  # every target checked before the keyring gets its new version
+        is_run = exists(join(target, ".petatrain-run"), options) or exists(join(target, "checkpoints"), options)
+        if target not in datasets and not is_run:
+            raise ConfigError(f"{target} is neither a petatrain dataset nor a run; nothing was changed")
+    version = keys.add_master_version(keyref)
     done = []
     for target in targets:
-        if exists(join(target, index.MANIFEST), options):
+        if target in datasets:
             done.append(index.rewrap_dataset(target, options))
-        elif exists(join(target, ".petatrain-run"), options) or exists(join(target, "checkpoints"), options):
+        else:
             with Lease(join(target, LEASE_FILE), kind="keys", what=target, options=options):
                 done.append(rewrap_run(target, options))
-        else:
-            raise ConfigError(f"{target} is neither a petatrain dataset nor a run; nothing was re-wrapped there")
     retired = keys.retire_versions(keyref, version) if retire else []
     return {"keyref": keyref, "key_version": version, "rewrapped": done, "retired": retired}

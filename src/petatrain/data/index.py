@@ -87,15 +87,6 @@ def shard_url(url: str, manifest: Manifest, path: str) -> str:
     return join(url, path)
 
 
-def raw_manifest(url: str, options: StorageOptions | None = None) -> Any:
-    """The manifest's JSON as written (signature included), unchecked; None if there is none."""
-    target = join(url, MANIFEST)
-    try:
-        return json.loads(read_bytes(target, options))
-    except (FileNotFoundError, ValueError):
-        return None
-
-
 def read_manifest(url: str, options: StorageOptions | None = None) -> Manifest | None:
     """The manifest of the dataset at `url`, or None if there is no committed dataset."""
     target = join(url, MANIFEST)
@@ -116,7 +107,9 @@ def read_manifest(url: str, options: StorageOptions | None = None) -> Manifest |
         parsed = Manifest.from_dict(manifest)
     except CorruptDataError as exc:
         raise CorruptDataError(f"corrupt manifest {target}: {exc}") from None
+    signature = manifest.get("signature")
     parsed.signed = signed
+    parsed.signed_by = str(signature.get("key_id", "")) if isinstance(signature, dict) else ""
     return parsed
 
 

@@ -36,7 +36,7 @@ def describe(
         "sources": len(m.lineage.sources),
         "updated": m.updated,
         "encryption": _encryption(dataset),
-        "signature": _signature(url, m, options),
+        "signature": {"key_id": m.signed_by, "verified": m.signed} if m.signed_by else None,
         "samples": _samples(dataset, samples) if samples else [],
         "verified": None,
         "problems": [],
@@ -58,14 +58,6 @@ def _encryption(dataset: idx.Dataset) -> dict[str, Any] | None:
         "keys": {k: {"key_version": v.get("key_version"), "shards": keys.count(k)} for k, v in record["keys"].items()},
         "plaintext_shards": keys.count(""),
     }
-
-
-def _signature(url: str, manifest: Any, options: StorageOptions | None) -> dict[str, Any] | None:
-    raw = idx.raw_manifest(url, options)
-    signature = raw.get("signature") if isinstance(raw, dict) else None
-    if not isinstance(signature, dict):
-        return None
-    return {"key_id": signature.get("key_id"), "verified": manifest.signed}
 
 
 def _samples(dataset: idx.Dataset, n: int) -> list[dict[str, Any]]:

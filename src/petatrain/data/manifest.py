@@ -121,6 +121,7 @@ class Manifest:
     # Not in the JSON: whether a signature by the configured key was verified when this was read
     # (then the index's and every shard's SHA-256 are checked as they are read).
     signed: bool = field(default=False, compare=False)
+    signed_by: str = field(default="", compare=False)  # the key id of its signature, verified or not
 
     @property
     def pack_length(self) -> int:
@@ -131,7 +132,7 @@ class Manifest:
 
     def to_dict(self) -> dict[str, Any]:
         values = dataclasses.asdict(self)
-        del values["signed"]
+        del values["signed"], values["signed_by"]
         if values["index"] is not None and not values["index"]["sha256"]:
             del values["index"]["sha256"]
         return {"format": FORMAT, "version": VERSION, **values}

@@ -21,10 +21,10 @@ log = logging.getLogger(__name__)
 def init_ray(address: str, local_cpus: int = 0, tls: RayTlsConfig | None = None) -> None:
     """Connect to `address`, or start a local Ray; reuse one this process already started. With
     `tls`, Ray's TLS is on (the cluster joined must run with certificates of the same CA)."""
-    if tls is not None and tls.enabled:  # before Ray's core library loads: it reads them once
-        from petatrain.runtime.tls import TlsFiles, enable
+    if tls is not None:  # before Ray's core library loads: it reads them once
+        from petatrain.runtime.tls import enable
 
-        enable(TlsFiles(ca=tls.ca, cert=tls.cert, key=tls.key))
+        enable(tls)
     import ray
 
     from petatrain.runtime._ray import local_only_cluster, silence_worker_logs

@@ -17,8 +17,12 @@ import stat
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from petatrain.errors import PetatrainError
+
+if TYPE_CHECKING:
+    from petatrain.config import RayTlsConfig
 
 USE_TLS = "RAY_USE_TLS"
 CA = "RAY_TLS_CA_CERT"
@@ -46,12 +50,12 @@ class TlsFiles:
         return {USE_TLS: "1", CA: self.ca, CERT: self.cert, KEY: self.key}
 
 
-def enable(files: TlsFiles | None) -> None:
-    """Export Ray's TLS variables in this process before Ray starts or is joined (a local Ray's
-    processes inherit them); nothing when `files` is None."""
-    if files is None:
+def enable(tls: RayTlsConfig) -> None:
+    """Export Ray's TLS variables in this process, as `resources.tls` says, before Ray starts or is
+    joined (a local Ray's processes inherit them); nothing when the config has none."""
+    if not tls.enabled:
         return
-    wanted = files.env()
+    wanted = TlsFiles(ca=tls.ca, cert=tls.cert, key=tls.key).env()
     if "ray._raylet" in sys.modules and any(os.environ.get(k) != v for k, v in wanted.items()):
         # Ray's core library reads these once, when it loads: set later, they would be ignored and
         # the connection would hang on a TLS cluster instead of failing.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import xxhash
 
 ALGORITHM = "xxh3-128"
@@ -38,10 +40,14 @@ def _compare(actual: str, expected: str, where: str) -> None:
         raise ChecksumMismatch(f"{prefix}checksum {actual} does not match recorded {expected}")
 
 
-def checksum_file(path: str, chunk: int = 8 << 20) -> str:
+def checksum_file(path: str) -> str:
     """Checksum of a local file, read in chunks (large checkpoints never sit in memory twice)."""
-    digest = new_digest()
+    return checksum_of(hash_file(path, new_digest()))
+
+
+def hash_file(path: str, digest: Any, chunk: int = 8 << 20) -> Any:
+    """`digest` (any hashlib-like object) updated with a local file's bytes, read in chunks."""
     with open(path, "rb") as handle:
         while block := handle.read(chunk):
             digest.update(block)
-    return checksum_of(digest)
+    return digest

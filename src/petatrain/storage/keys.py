@@ -152,7 +152,7 @@ class LocalKeyring:
     def unwrap(self, wrapped: str, context: str) -> bytes:
         if not self._master:
             raise KeyringError(f"{self.ref} holds only a verification key; it cannot decrypt {context}")
-        version, blob = _split_wrapped(wrapped, self.ref, context)
+        version, blob = _split_wrapped(wrapped, context)
         master = self._master.get(version)
         if master is None:
             held = ", ".join(str(v) for v in self.versions)
@@ -189,7 +189,7 @@ class LocalKeyring:
         return True
 
 
-def _split_wrapped(wrapped: Any, ref: str, context: str) -> tuple[int, bytes]:
+def _split_wrapped(wrapped: Any, context: str) -> tuple[int, bytes]:
     if isinstance(wrapped, str) and wrapped.startswith("v") and ":" in wrapped:
         version, _, text = wrapped[1:].partition(":")
         if version.isdigit():

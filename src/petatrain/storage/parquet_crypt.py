@@ -92,11 +92,10 @@ class DatasetKeys:
 def new_keys(keyref: str) -> DatasetKeys:
     """A first dataset key (id "k1"), wrapped by the keyring's primary version."""
     keys = open_keys(keyref)
-    ring_id = secrets.token_hex(8)
-    made = DatasetKeys(keyref=keyref, id=ring_id)
+    made = DatasetKeys(keyref=keyref, id=secrets.token_hex(8), write_key="k1")
     key = AESGCM.generate_key(bit_length=256)
-    record = {"key": keys.wrap(key, made.context("k1")), "key_version": keys.primary}
-    return DatasetKeys(keyref=keyref, id=ring_id, wrapped={"k1": record}, write_key="k1")
+    made.wrapped["k1"] = {"key": keys.wrap(key, made.context("k1")), "key_version": keys.primary}
+    return made
 
 
 def from_record(keyref: str, record: Any, where: str) -> DatasetKeys:

@@ -20,6 +20,7 @@ Rules that make it safe to use, written down (STYLE: no format without them):
 
 from __future__ import annotations
 
+import io
 import struct
 from typing import Any
 
@@ -189,8 +190,6 @@ class SealReader:
 
 
 def seal_bytes(data: bytes, key: bytes, context: str, *, chunk: int = CHUNK) -> bytes:
-    import io
-
     sink = io.BytesIO()
     writer = SealWriter(sink, key, context, chunk=chunk)
     writer.write(data)
@@ -199,6 +198,4 @@ def seal_bytes(data: bytes, key: bytes, context: str, *, chunk: int = CHUNK) -> 
 
 
 def open_bytes(blob: bytes, key: bytes, context: str) -> bytes:
-    import io
-
     return SealReader(io.BytesIO(blob), len(blob), key, context).read()

@@ -15,6 +15,7 @@ import json
 from typing import Any
 
 from petatrain.errors import CorruptDataError
+from petatrain.storage.checksum import hash_file
 from petatrain.storage.keys import signing_keys
 
 SHA256 = "sha256"
@@ -24,12 +25,8 @@ def sha256_hex(data: bytes | memoryview) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def sha256_file(path: str, chunk: int = 8 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
+def sha256_file(path: str) -> str:
+    return hash_file(path, hashlib.sha256()).hexdigest()
 
 
 def canonical(record: dict[str, Any]) -> bytes:
