@@ -313,9 +313,14 @@ class TwoNodeCluster:
         _sh([_ip(), "-n", self.worker_ns, "link", "set", "dev", LINK_IF, "up"])
 
     def restart_worker(self) -> None:
-        """Restore the link and start a fresh worker node (a partitioned one cannot rejoin)."""
-        self.restore()
+        """Start a fresh worker node (a partitioned one cannot rejoin) on the restored link.
+
+        The old node's processes are killed while the link is still down, as a replaced machine's
+        would be: killed after it, a rank blocked in a run-hub call during the partition gets its
+        answer once the link is up and can fire its own `partition` spec, cutting the link again
+        under the new node's `ray start` (seen in CI: the start waited 120 s for the GCS)."""
         _kill_namespace_processes(self.worker_ns)
+        self.restore()
         self._start_worker()
 
     # internals
