@@ -267,11 +267,14 @@ def train(
     on_event: Callable[[Event], None] | None = None,
     stop_after_s: float | None = None,
     options: StorageOptions | None = None,
+    resume: bool = False,
 ) -> TrainResult:
     """Train `config` in `run_dir` (default `.petatrain/runs/DATE-TIME`), recovering from faults.
 
     `injections`: faults such as "kill@step=17,rank=1". `on_event` receives every event of
     the run's ledger as it is written (steps from every rank included), in ledger order.
+    `resume`: continue the run `run_dir` holds (same run, next attempt, newest checkpoint);
+    without it a run directory that holds a run is refused.
     """
     from petatrain.chaos.inject import parse
     from petatrain.runtime.driver import TrainJob
@@ -286,6 +289,7 @@ def train(
         address=address,
         injections=[parse(s) for s in injections],
         stop_after_s=stop_after_s,
+        resume=resume,
     )
     follower = _LedgerFollower(run_url, options, on_event) if on_event else None
     try:
@@ -308,8 +312,8 @@ def train(
 
 class _LedgerFollower:
     """Reads the run's `events.jsonl` as it grows (a thread) and hands each new event to
-    `on_event`, from this run's `run_start` on: what was in the ledger before (an earlier run
-    resumed) is skipped, and so is what a driver that still holds the folder writes before
+    `on_event`, from this driver's `run_start` (or `run_continue`) on: what was in the ledger
+    before (an earlier driver of the run) is skipped, and so is what a driver that still holds the folder writes before
     this one is refused.
 
     A local ledger is read from where the last read ended, every half second. One on an object
@@ -362,7 +366,7 @@ class _LedgerFollower:
     def _poll(self) -> None:
         try:
             for event in self._new_events():
-                self._started = self._started or event.get("event") == "run_start"
+                self._started = self._started or event.get("event") in ("run_start", "run_continue")
                 if self._started:
                     self.on_event(event)
         except Exception:  # progress is best effort; the run's outcome does not depend on it

@@ -280,19 +280,26 @@ def _run_training(
     as_json: bool,
     logs: quiet.RayLogs | None,
     stop_after_s: float | None = None,
+    resume: bool = False,
 ) -> api.TrainResult:
     """api.train with progress on the console, and Ray's driver log in RUN/logs once the run exists."""
     progress = quiet.TrainProgress(_say, total_steps=cfg.train.steps)
     log_path = api.driver_log_path(run_dir, cfg.storage.options())
 
     def on_event(event: dict[str, Any]) -> None:
-        if logs and log_path and event.get("event") == "run_start":  # the run has claimed its folder
+        if logs and log_path and event.get("event") in ("run_start", "run_continue"):  # the run holds its folder
             logs.attach(log_path)
         if not as_json:
             progress(event)
 
     result = api.train(
-        cfg, run_dir=run_dir, address=address, injections=specs, on_event=on_event, stop_after_s=stop_after_s
+        cfg,
+        run_dir=run_dir,
+        address=address,
+        injections=specs,
+        on_event=on_event,
+        stop_after_s=stop_after_s,
+        resume=resume,
     )
     if logs:
         result = dataclasses.replace(result, ray_log=logs.finish("petatrain-driver.log"))
@@ -342,10 +349,18 @@ def train(
     run_dir: RunDir = None,
     address: Address = "",
     inject: Injects = None,
+    resume: Annotated[
+        bool,
+        typer.Option(
+            "--resume",
+            help="Continue the run --run-dir holds (same run, next attempt, newest checkpoint); "
+            "starts it if the folder is new. A RayJob's entrypoint uses it.",
+        ),
+    ] = False,
     as_json: Json = False,
 ) -> None:
     """Train on Ray Train (DDP or FSDP), checkpointing asynchronously and recovering from faults."""
-    _guarded(lambda: _train(config, list(set_ or []), run_dir, address, list(inject or []), as_json))
+    _guarded(lambda: _train(config, list(set_ or []), run_dir, address, list(inject or []), as_json, resume=resume))
 
 
 @app.command()
@@ -373,7 +388,9 @@ def chaos(
     _guarded(go)
 
 
-def _train(config, overrides, run_dir, address, specs, as_json, stop_after_s: float | None = None) -> None:
+def _train(
+    config, overrides, run_dir, address, specs, as_json, stop_after_s: float | None = None, resume: bool = False
+) -> None:
     import time
 
     cfg = config_mod.load(config, overrides)
@@ -381,7 +398,7 @@ def _train(config, overrides, run_dir, address, specs, as_json, stop_after_s: fl
     _claim_stdout(as_json)
     api.use_ray_tls(cfg)  # before anything loads Ray
     logs = quiet.quiet_ray()
-    result = _run_training(cfg, run_url, address, specs, as_json, logs, stop_after_s)
+    result = _run_training(cfg, run_url, address, specs, as_json, logs, stop_after_s, resume)
     if as_json:
         _print_json(result.to_dict())
         return

@@ -8,6 +8,7 @@ describes a whole job from the start.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import reprlib
 import types
@@ -339,11 +340,19 @@ class ResourcesConfig:
 class ObserveConfig:
     metrics_port: int = 0  # 0 picks a free port (written to the ledger's run_start)
     metrics_host: str = "127.0.0.1"  # "" turns the Prometheus endpoint off
+    # The driver's health endpoint (runtime/health.py: GET /livez, /readyz), what a Kubernetes
+    # probe of the head pod asks; "" turns it off, port 0 picks a free one (in the ledger's run_start).
+    health_host: str = "127.0.0.1"
+    health_port: int = 0
+    health_window_s: float = 300.0  # /livez fails once no step completed (nor attempt started) for this long
 
     def __post_init__(self) -> None:
-        if not 0 <= self.metrics_port <= 65535:
+        for key in ("metrics_port", "health_port"):
+            if not 0 <= getattr(self, key) <= 65535:
+                raise ConfigError(f"observe.{key} must be in [0, 65535] (0 picks a free one), got {getattr(self, key)}")
+        if not (math.isfinite(self.health_window_s) and self.health_window_s > 0):
             raise ConfigError(
-                f"observe.metrics_port must be in [0, 65535] (0 picks a free one), got {self.metrics_port}"
+                f"observe.health_window_s must be a positive number of seconds, got {self.health_window_s}"
             )
 
 
@@ -521,6 +530,37 @@ class JobConfig:
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+# What a driver continuing a run (`train --resume`) may change: how far it trains, on what,
+# and how it is watched and stored. Anything else (data, model, the recipe, the strategy)
+# would make a different run, so it is refused with the difference named.
+RESUMABLE = (
+    "train.steps", "parallel.workers", "checkpoint", "faults", "resources", "observe", "storage",
+    "plan", "serve", "ingest",
+)  # fmt: skip
+
+
+def resume_differences(before: dict[str, Any], after: JobConfig) -> list[str]:
+    """The fields where `after` differs from a run's config (`before`, as `to_dict` wrote it) that a
+    continuing run may not change: "train.lr: 0.001 in the run, 0.002 here". Fields the run's
+    config predates are not compared."""
+    old, new = _flat(before), _flat(json.loads(json.dumps(after.to_dict(), default=str)))  # as the ledger has it
+    changed = []
+    for key, value in new.items():
+        if key in old and old[key] != value and not any(key == r or key.startswith(r + ".") for r in RESUMABLE):
+            changed.append(f"{key}: {old[key]!r} in the run, {value!r} here")
+    return changed
+
+
+def _flat(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 _SIZE_UNITS = {

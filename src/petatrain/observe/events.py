@@ -33,6 +33,20 @@ class RunStart(Event):
     steps: int
     config: dict[str, Any]  # the resolved config, credentials left out
     metrics: str = ""  # the Prometheus endpoint, "" when off
+    health: str = ""  # the driver's health endpoint (/livez, /readyz), "" when off
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class RunContinue(Event):
+    """A new driver (`train --resume`: a RayJob retry, a lost head pod, a new cluster) continues the run."""
+
+    kind: ClassVar[str] = "run_continue"
+    run_id: str
+    attempt: int  # the attempt the new driver starts with
+    previous: str  # how the previous driver ended: interrupted (no end event) | ok | failed
+    steps: int  # the config's train.steps for this driver (a run may be extended)
+    metrics: str = ""
+    health: str = ""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -194,7 +208,7 @@ class FaultInjected(Event):
 class Failure(Event):
     kind: ClassVar[str] = "failure"
     attempt: int
-    cause: str  # kill | exception | hang | node_lost | preempt | resize | nonfinite | error | unknown
+    cause: str  # kill | exception | hang | node_lost | driver_lost | preempt | resize | nonfinite | error | unknown
     detail: str
     rank: int | None = None
 
@@ -220,6 +234,7 @@ KINDS: dict[str, type[Event]] = {
     cls.kind: cls
     for cls in (
         RunStart,
+        RunContinue,
         AttemptStart,
         WorkerStart,
         Resume,

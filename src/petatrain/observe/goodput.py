@@ -197,13 +197,19 @@ def account(events: list[dict[str, Any]]) -> Goodput:
         return g
 
     start_event = next((e for e in events if e.get("event") == "run_start"), None)
-    end_event = next((e for e in reversed(events) if e.get("event") == "end"), None)
+    # A run continued by a later driver (`train --resume`) counts to that driver's end and target.
+    begun = [i for i, e in enumerate(events) if e.get("event") in ("run_start", "run_continue")]
+    latest = events[begun[-1]] if begun else None
+    end_event = next(
+        (e for i, e in reversed(list(enumerate(events))) if e.get("event") == "end" and i > (begun or [-1])[-1]), None
+    )
     t0 = _t(start_event) if start_event else min(_t(e) for e in events)
     t_end = _t(end_event) if end_event else max(_t(e) for e in events)
     g.wall_s = max(t_end - t0, 0.0)
     if start_event:
         g.run_id = start_event.get("run_id")
-        g.steps_target = _int(start_event.get("steps"))
+    if latest:
+        g.steps_target = _int(latest.get("steps"))
     if end_event:
         g.status = str(end_event.get("status") or "failed")
 

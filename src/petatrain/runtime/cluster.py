@@ -37,6 +37,8 @@ def init_ray(address: str, local_cpus: int = 0, tls: RayTlsConfig | None = None)
         constants.set_local_cluster_defaults()
         kwargs["_node_ip_address"] = "127.0.0.1"  # listen on loopback only (see local_only_cluster)
         local = local_only_cluster()
+    elif address.rpartition(":")[0] in ("127.0.0.1", "localhost"):
+        local = local_only_cluster()  # else ray.init swaps 127.0.0.1 for this machine's address: unreachable
     try:
         with local:
             from petatrain.console import ray_output_to_console

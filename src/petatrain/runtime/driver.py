@@ -24,7 +24,7 @@ from typing import Any
 from petatrain import constants
 from petatrain.chaos.inject import Injection
 from petatrain.config import JobConfig
-from petatrain.errors import PetatrainError
+from petatrain.errors import ConfigError, PetatrainError
 from petatrain.runtime import cluster
 from petatrain.runtime.failures import CAUSES, AttemptFailed, Failure, FailureCause
 from petatrain.runtime.supervisor import AttemptOutcome, RestartPolicy, Supervisor, WorldSizePolicy
@@ -32,8 +32,13 @@ from petatrain.runtime.trainer import Standby, fit, make_trainer
 from petatrain.runtime.watchdog import Watchdog
 from petatrain.storage import StorageOptions, join
 from petatrain.storage.fs import atomic_write, is_local, resolve
+from petatrain.storage.lock import DEFAULT_TTL_S
 
 log = logging.getLogger(__name__)
+
+# A driver continuing a run waits this long for the lease of the driver before it: a dead
+# driver's lease expires within its TTL (storage.lock.DEFAULT_TTL_S); a live one keeps it.
+RESUME_LEASE_WAIT_S = DEFAULT_TTL_S + 15
 
 
 @dataclass(kw_only=True, slots=True)
@@ -46,6 +51,10 @@ class TrainJob:
     on_event: Callable[[dict[str, Any]], None] | None = None  # progress for the CLI
     local_cpus: int = 0
     stop_after_s: float | None = None  # end the run (checkpointed, final weights) this long after it started
+    # Continue the run the run directory holds (a RayJob retry, a lost head pod, a new cluster):
+    # same run id, the next attempt number, from its newest committed checkpoint. Without it, a
+    # run directory that holds a run is refused.
+    resume: bool = False
 
 
 @dataclass(kw_only=True, slots=True)
@@ -90,12 +99,19 @@ def _drive(job: TrainJob, held: contextlib.ExitStack) -> RunResult:
     if is_local(run_url):
         run_url = os.path.abspath(resolve(run_url)[1])
     # Before anything is written there: someone else's folder, or a run another driver holds, is refused.
-    lease = held.enter_context(run_dir.held(run_url, job.options))
+    # A continuing driver first waits out the lease of a previous driver that died (it stops renewing).
+    lease = held.enter_context(run_dir.held(run_url, job.options, wait_s=RESUME_LEASE_WAIT_S if job.resume else 0))
+    prior = run_dir.prior_run(run_url, job.options)
+    if prior is not None:
+        _may_continue(prior, cfg, run_url, job.resume)
+        if prior.ended == "ok" and prior.step >= cfg.train.steps:
+            log.info("%s already trained to step %d: nothing to do", prior.describe(), prior.step)
+            return _finished(prior, run_url)
     constants.set_train_defaults()  # propagated to the controller and workers
     cluster.init_ray(job.address or cfg.resources.address, job.local_cpus, cfg.resources.tls)
     atomic_write(join(run_url, "config.yaml"), cfg.to_yaml().encode(), job.options)
-    run_id = uuid.uuid4().hex[:8]
-    hub = _start_hub(run_url, run_id, cfg, job.options)
+    run_id = prior.run_id if prior else uuid.uuid4().hex[:8]
+    hub = _start_hub(run_url, run_id, cfg, job.options, fired=prior.fired if prior else [])
     policy, alive = WorldSizePolicy(cfg), cluster.RayCluster()
     attempts = RayAttempts(job, cfg, run_url, run_id, hub, grow=lambda world: policy.larger(world, *alive.resources()))
     try:
@@ -104,10 +120,18 @@ def _drive(job: TrainJob, held: contextlib.ExitStack) -> RunResult:
         metrics = hub.call("metrics_url")
         if metrics:
             log.info("metrics: %s", metrics)
-        attempts.emit(
-            "run_start", run_id=run_id, workers=[lo, hi], steps=cfg.train.steps, metrics=metrics,
-            config=cfg.to_dict(), t=started,
-        )  # fmt: skip
+        health = _health_server(hub, cfg)
+        if health is not None:
+            held.callback(health.close)
+            log.info("health: %s/livez, %s/readyz", health.url, health.url)
+        health_url = health.url if health is not None else ""
+        if prior is None:
+            attempts.emit(
+                "run_start", run_id=run_id, workers=[lo, hi], steps=cfg.train.steps, metrics=metrics,
+                config=cfg.to_dict(), t=started, health=health_url,
+            )  # fmt: skip
+        else:
+            _continue(prior, attempts, cfg, metrics, health_url)
         supervisor = Supervisor(
             attempts=attempts,
             cluster=alive,
@@ -116,6 +140,7 @@ def _drive(job: TrainJob, held: contextlib.ExitStack) -> RunResult:
             emit=attempts.emit,
             # A driver that stalled past its lease must not start writing beside the new holder.
             before_attempt=lease.check,
+            attempt=prior.next_attempt if prior else 0,
         )
         failures = supervisor.run()
         final = join(run_url, "final", "model.safetensors")
@@ -129,6 +154,66 @@ def _drive(job: TrainJob, held: contextlib.ExitStack) -> RunResult:
     finally:
         attempts.close()
         hub.close()
+
+
+def _may_continue(prior: Any, cfg: JobConfig, run_url: str, resume: bool) -> None:
+    """A run directory holding a run is continued only when asked to, and only with the same run's config."""
+    from petatrain.config import resume_differences
+
+    if not resume:
+        raise ConfigError(
+            f"--run-dir {run_url} holds {prior.describe()}: pass --resume to continue it, or give a new --run-dir"
+        )
+    changed = resume_differences(prior.config, cfg)
+    if changed:
+        raise ConfigError(
+            f"--run-dir {run_url} holds a run with another config ({'; '.join(changed)}); "
+            "on --resume only train.steps, parallel.workers and the checkpoint, faults, resources, observe "
+            "and storage sections may change"
+        )
+
+
+def _health_server(hub: HubHandle, cfg: JobConfig) -> Any:
+    """The driver's /livez and /readyz (runtime.health), or None when observe.health_host is ""."""
+    if not cfg.observe.health_host:
+        return None
+    from petatrain.runtime.health import HealthServer
+
+    try:
+        return HealthServer(hub.actor, cfg.observe.health_host, cfg.observe.health_port, cfg.observe.health_window_s)
+    except OSError as exc:
+        where = f"{cfg.observe.health_host}:{cfg.observe.health_port}"
+        raise ConfigError(
+            f"observe.health_host/health_port: cannot serve the health endpoint on {where}: {exc}"
+        ) from None
+
+
+def _continue(prior: Any, attempts: RayAttempts, cfg: JobConfig, metrics: str | None, health: str) -> None:
+    """The ledger's record of a new driver taking the run over: the lost driver's attempt as a failure."""
+    attempts.emit(
+        "run_continue", run_id=prior.run_id, attempt=prior.next_attempt, previous=prior.ended or "interrupted",
+        steps=cfg.train.steps, metrics=metrics or "", health=health,
+    )  # fmt: skip
+    if not prior.ended:
+        attempts.emit(
+            "failure", attempt=prior.next_attempt - 1, cause=FailureCause.DRIVER_LOST.value, rank=None,
+            detail=f"the driver stopped at step {prior.step} without ending the run; a new driver continues it",
+        )  # fmt: skip
+        attempts.emit("restart", attempt=prior.next_attempt, reason=FailureCause.DRIVER_LOST.value)
+
+
+def _finished(prior: Any, run_url: str) -> RunResult:
+    failures = []
+    for f in prior.failures:
+        try:
+            cause = FailureCause(f.get("cause"))
+        except ValueError:
+            cause = FailureCause.UNKNOWN
+        failures.append(Failure(cause, str(f.get("detail") or ""), f.get("rank")))
+    return RunResult(
+        run=run_url, final=join(run_url, "final", "model.safetensors"), steps=prior.step,
+        attempts=prior.next_attempt, failures=failures, wall_s=0.0,
+    )  # fmt: skip
 
 
 def _checked(cfg: JobConfig, options: StorageOptions | None) -> JobConfig:
@@ -179,17 +264,21 @@ class HubHandle:
             log.debug("hub close failed", exc_info=True)
 
 
-def _start_hub(run_url: str, run_id: str, cfg: JobConfig, options: StorageOptions | None) -> HubHandle:
-    """The run hub, on the driver's node: its metrics endpoint is on this machine's 127.0.0.1."""
+def _start_hub(
+    run_url: str, run_id: str, cfg: JobConfig, options: StorageOptions | None, fired: list[str]
+) -> HubHandle:
+    """The run hub, on the driver's node: its metrics endpoint is on this machine's 127.0.0.1.
+    `fired`: injected faults that fired under an earlier driver of the run (none fires again)."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from petatrain.runtime.hub import RunHub
 
     # mypy keeps a decorated class's own type: it cannot see that @ray.remote made RunHub an actor class.
     actor = RunHub.options(  # type: ignore[attr-defined]
-        name=f"petatrain-hub-{run_id}",
+        # Unique per driver: a lost driver's hub may still be going away when the next one starts.
+        name=f"petatrain-hub-{run_id}-{uuid.uuid4().hex[:6]}",
         scheduling_strategy=NodeAffinitySchedulingStrategy(cluster.this_node(), soft=False),
-    ).remote(run_url, _for_workers(options), cfg.observe.metrics_host, cfg.observe.metrics_port)
+    ).remote(run_url, _for_workers(options), cfg.observe.metrics_host, cfg.observe.metrics_port, fired)
     return HubHandle(actor)
 
 

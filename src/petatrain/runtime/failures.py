@@ -24,6 +24,7 @@ class FailureCause(enum.StrEnum):
     EXCEPTION = "exception"  # a rank raised
     HANG = "hang"  # no step progress within faults.hang_timeout_s (the watchdog)
     NODE_LOST = "node_lost"  # a node of the cluster died during the attempt
+    DRIVER_LOST = "driver_lost"  # the driver stopped mid-run (head pod lost, RayJob retry); a new one continues
     PREEMPT = "preempt"  # a preemption notice, after the checkpoint of the current step
     RESIZE = "resize"  # the cluster grew back: more workers, after the checkpoint of the current step
     NONFINITE = "nonfinite"  # a NaN/inf loss with faults.nonfinite=rollback

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 import ray
 
@@ -23,7 +23,14 @@ class RunHub:
     """Ledger writes run on one thread ("ledger") so events land in the order they were sent;
     checkpoint-part waits and the watchdog's long poll block threads of their own ("parts", "watch")."""
 
-    def __init__(self, run_url: str, options: StorageOptions | None, metrics_host: str = "", metrics_port: int = 0):
+    def __init__(
+        self,
+        run_url: str,
+        options: StorageOptions | None,
+        metrics_host: str = "",
+        metrics_port: int = 0,
+        fired: list[str] | None = None,
+    ):
         from petatrain.observe.metrics import MetricsServer
 
         self.log = EventLog(run_url, options)
@@ -35,19 +42,55 @@ class RunHub:
         self.lost: set[int] = set()  # ranks of the ending attempt that are gone (attempt_failed)
         self.draining = False  # the attempt failed and its survivors finish their checkpoint writes
         self.parts: dict[tuple[int, int], dict[int, dict | None]] = {}  # (attempt, step) -> rank -> files
-        self.fired: set[str] = set()
+        self.fired: set[str] = set(fired or ())  # an earlier driver's are in the ledger
         self.resize_to: dict[int, int] = {}  # attempt -> the worker count the driver asked it to restart on
         self.last_flush = time.time()
+        # What the health endpoint reports (runtime.health), kept from the events as they pass.
+        self.phase = {"state": "starting", "started_t": time.time(), "attempt_t": None, "step": None}
 
     # -- ledger ------------------------------------------------------------------------------
     @ray.method(concurrency_group="ledger")
     def emit(self, event: str, fields: dict[str, Any]) -> dict[str, Any]:
         record = self.log.emit(event, **fields)
+        self._track(record)
         if self.metrics is not None:
             self.metrics.observe(record)
         if time.time() - self.last_flush > 5:
             self.flush()
         return record
+
+    # The state each event puts the run in (an end: finished or failed).
+    _STATES: ClassVar[dict[str, str]] = {
+        "run_start": "starting",
+        "run_continue": "starting",
+        "attempt_start": "starting",
+        "step": "training",
+        "checkpoint_snapshot": "checkpointing",
+        "checkpoint_commit": "training",
+        "checkpoint_skipped": "training",
+        "failure": "restarting",
+        "restart": "restarting",
+    }
+
+    def _track(self, record: dict[str, Any]) -> None:
+        event = record.get("event", "")
+        with self._lock:
+            if event == "end":
+                self.phase["state"] = "finished" if record.get("status") == "ok" else "failed"
+            elif event == "attempt_start" and self.phase["state"] == "restarting":
+                pass  # restarting until the new attempt's first step
+            elif event in self._STATES:
+                self.phase["state"] = self._STATES[event]
+            if event == "attempt_start":
+                self.phase["attempt_t"] = record.get("t")
+            if event == "step" and isinstance(record.get("step"), int):
+                self.phase["step"] = max(self.phase["step"] or 0, record["step"])
+
+    def health(self) -> dict[str, Any]:
+        """The run's state for the driver's health endpoint: state, attempt, newest step and when."""
+        with self._lock:
+            beats = [b["t"] for b in self.beats.values() if b["step"] >= 0]
+            return {**self.phase, "attempt": self.attempt, "last_step_t": max(beats, default=None)}
 
     @ray.method(concurrency_group="ledger")
     def emit_many(self, events: list[tuple[str, dict[str, Any]]]) -> None:

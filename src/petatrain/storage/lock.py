@@ -4,9 +4,10 @@ The lease is one small JSON object (`owner`, `host`, `pid`, `since`, `expires`) 
 only if absent: `O_EXCL` semantics on a local disk (a complete temporary file hard-linked
 to the final name, so a reader never sees it half-written), `If-None-Match: *` on S3
 (honoured by AWS S3 and by Ceph's RADOS Gateway). The holder renews it in a background
-thread; a holder that died stops renewing, and once its lease has expired the next writer
-takes the folder over. Taking over is itself a create-if-absent (a `.break-OWNER` marker),
-so of two writers that find the same expired lease only one removes it.
+thread; a holder that died stops renewing, and once its lease has expired (at once when it
+ran on this host and its process is gone) the next writer takes the folder over. Taking over
+is itself a create-if-absent (a `.break-OWNER` marker), so of two writers that find the same
+expired lease only one removes it.
 
 Before it publishes anything that makes its work visible (a manifest, a checkpoint commit),
 the holder calls `check()`: if its lease was lost (it stalled past `ttl_s` and another
@@ -57,6 +58,19 @@ class LeaseRecord:
         started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since))
         return f"{self.kind} pid {self.pid} on {self.host}, since {started}"
 
+    def died_here(self) -> bool:
+        """The holder ran on this host and its process is gone: it can renew nothing, so its lease
+        need not be waited out. Elsewhere (another pod, another machine) only expiry tells."""
+        if self.host != socket.gethostname() or self.pid == os.getpid():
+            return False
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+
 
 class _Exists(Exception):
     """Create-if-absent found the object already there."""
@@ -93,8 +107,21 @@ class Lease:
     def __exit__(self, *exc: object) -> None:
         self.release()
 
-    def acquire(self) -> None:
-        """Take the lease, or raise `LeaseHeld` naming the live holder."""
+    def acquire(self, wait_s: float = 0.0) -> None:
+        """Take the lease, or raise `LeaseHeld` naming the live holder. With `wait_s`, a held lease is
+        waited for that long first: one whose holder died (it stopped renewing) expires within `ttl_s`,
+        while a live holder keeps renewing and is still refused."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                return self._acquire_once()
+            except LeaseHeld as held:
+                if time.monotonic() >= deadline:
+                    raise
+                log.warning("%s; waiting up to %.0f s", held, deadline - time.monotonic())
+                time.sleep(min(2.0, max(0.1, deadline - time.monotonic())))
+
+    def _acquire_once(self) -> None:
         self._since = time.time()
         for _ in range(3):  # a takeover race lost to a third writer is retried a couple of times
             try:
@@ -103,7 +130,7 @@ class Lease:
                 held = self._read()
                 if held is None:
                     continue  # released between our create and our read
-                if held.expires > time.time():
+                if held.expires > time.time() and not held.died_here():
                     raise LeaseHeld(
                         f"{self.what} is in use by another {held.describe()}; wait for it to finish "
                         f"(if it died, its lease expires in {max(0.0, held.expires - time.time()):.0f} s)"

@@ -14,8 +14,10 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
-from petatrain.observe.ledger import EVENTS_FILE
+from petatrain.observe.ledger import EVENTS_FILE, read_events
 from petatrain.storage import StorageOptions, folder, join
 from petatrain.storage.fs import resolve
 from petatrain.storage.lock import LEASE_FILE, Lease
@@ -26,13 +28,18 @@ VERSION = 1
 
 
 @contextlib.contextmanager
-def held(run_url: str, options: StorageOptions | None = None) -> Iterator[Lease]:
+def held(run_url: str, options: StorageOptions | None = None, *, wait_s: float = 0.0) -> Iterator[Lease]:
     """Refuse someone else's folder, then hold the run's lease (marking the folder a run) until
-    the block ends; `LeaseHeld` (one line: host, pid, since when) while another driver holds it."""
+    the block ends; `LeaseHeld` (one line: host, pid, since when) while another driver holds it,
+    after waiting up to `wait_s` for it (a driver that died stops renewing its lease)."""
     _check(run_url, options)
-    with Lease(join(run_url, LEASE_FILE), kind="train", what=f"--run-dir {run_url}", options=options) as lease:
+    lease = Lease(join(run_url, LEASE_FILE), kind="train", what=f"--run-dir {run_url}", options=options)
+    lease.acquire(wait_s)
+    try:
         folder.mark(run_url, MARKER, kind=FORMAT, options=options)
         yield lease
+    finally:
+        lease.release()
 
 
 def claim(run_url: str, options: StorageOptions | None = None) -> None:
@@ -76,3 +83,48 @@ def run_id(run_url: str, options: StorageOptions | None = None) -> str:
     run marked before markers carried one. Encrypted checkpoints are bound to it. Read each time
     (one small read per checkpoint file): a folder removed and claimed again has a new id."""
     return folder.identity(run_url, MARKER, options)
+
+
+@dataclass(frozen=True, slots=True)
+class PriorRun:
+    """What a run directory's ledger says about the run it holds (`train --resume` continues it)."""
+
+    run_id: str
+    config: dict[str, Any]  # the config the run started with (its run_start event)
+    next_attempt: int  # the attempt number a continuing driver starts with
+    step: int  # the newest step any rank reached
+    ended: str  # "" when the last driver stopped without an end event; else the end's status (ok | failed)
+    fired: list[str]  # injected faults that fired already (none fires again)
+    failures: list[dict[str, Any]]  # the failure events so far
+
+    def describe(self) -> str:
+        how = {"": "interrupted", "ok": "finished", "failed": "failed"}.get(self.ended, self.ended)
+        return f"run {self.run_id} ({how} at step {self.step}, {self.next_attempt} attempt(s))"
+
+
+def prior_run(run_url: str, options: StorageOptions | None = None) -> PriorRun | None:
+    """The run this folder's ledger holds, or None for a new folder (or a run that never started)."""
+    try:
+        events = read_events(run_url, options)
+    except FileNotFoundError:
+        return None
+    start = next((e for e in events if e.get("event") == "run_start"), None)
+    if start is None:
+        return None
+    attempts = [int(e["attempt"]) for e in events if isinstance(e.get("attempt"), int)]
+    steps = [int(e["step"]) for e in events if e.get("event") == "step" and isinstance(e.get("step"), int)]
+    end = None
+    for e in events:
+        if e.get("event") == "end":
+            end = e
+        elif e.get("event") in ("run_continue", "attempt_start"):
+            end = None  # an end before a later driver's start belongs to an earlier driver
+    return PriorRun(
+        run_id=str(start.get("run_id") or ""),
+        config=start.get("config") or {},
+        next_attempt=max(attempts, default=-1) + 1,
+        step=max(steps, default=0),
+        ended=str(end.get("status") or "failed") if end else "",
+        fired=sorted({str(e["key"]) for e in events if e.get("event") == "fault_injected" and e.get("key")}),
+        failures=[e for e in events if e.get("event") == "failure"],
+    )
