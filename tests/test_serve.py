@@ -139,11 +139,10 @@ def test_serve_settings_become_the_deployments_options():
     bad settings are one line."""
     from petatrain.config import ServeConfig
     from petatrain.errors import ConfigError
-    from petatrain.serve.app import deployment_options
 
-    fixed = deployment_options(ServeConfig(replicas="2", max_batch=8))
+    fixed = ServeConfig(replicas="2", max_batch=8).deployment_options()
     assert fixed["num_replicas"] == 2 and fixed["max_ongoing_requests"] == 16 and "autoscaling_config" not in fixed
-    scaled = deployment_options(ServeConfig(replicas="1-4", upscale_delay_s=2, downscale_delay_s=30))
+    scaled = ServeConfig(replicas="1-4", upscale_delay_s=2, downscale_delay_s=30).deployment_options()
     assert scaled["autoscaling_config"] == {
         "min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 16, "upscale_delay_s": 2,
         "downscale_delay_s": 30,

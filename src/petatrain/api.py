@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from petatrain.config import IngestConfig, JobConfig
 from petatrain.data.job import IngestJob, IngestSummary
-from petatrain.errors import ConfigError
+from petatrain.errors import ConfigError, PetatrainError
 from petatrain.storage import StorageOptions
 
 if TYPE_CHECKING:
@@ -563,3 +563,95 @@ def rotate_keys(keyref: str, targets: Sequence[str], *, retire: bool = False) ->
                 done.append(rewrap_run(target, options))
     retired = keys.retire_versions(keyref, version) if retire else []
     return {"keyref": keyref, "key_version": version, "rewrapped": done, "retired": retired}
+
+
+@dataclass(frozen=True, slots=True)
+class Deployment:
+    """What `deploy_k8s` wrote: the files, the sizes chosen and why."""
+
+    files: list[str]
+    kind: str
+    workers: tuple[int, int]
+    worker_pods: tuple[int, int]
+    accelerator: str
+    devices_per_node: int
+    sized_by: str  # "config" | "plan: ..." | "--count"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "files": self.files, "kind": self.kind, "workers": list(self.workers),
+            "worker_pods": list(self.worker_pods), "accelerator": self.accelerator,
+            "devices_per_node": self.devices_per_node, "sized_by": self.sized_by,
+        }  # fmt: skip
+
+
+def deploy_k8s(config: JobConfig, target: Any, out: str, *, from_plan: bool = False, count: int = 0) -> Deployment:
+    """Write KubeRay manifests for `config` into `out` (one YAML file per document, dumped once).
+
+    `target`: a `petatrain.deploy.manifests.Target`. Sizes: `count` accelerators (or workers on CPU),
+    else with `from_plan` `plan`'s recommendation on `target.accelerator` (any when ""), else the
+    config's `parallel.workers`. Every file is validated before it is written."""
+    import dataclasses as dc
+
+    import yaml
+
+    from petatrain import config as config_mod
+    from petatrain.deploy import manifests
+    from petatrain.deploy.validate import validate_documents
+    from petatrain.plan.catalog import load_catalog
+
+    sized_by = "config"
+    if from_plan:
+        chosen = plan(config, accelerator=target.accelerator, count=count).recommended
+        if chosen is None:
+            raise PetatrainError("plan found no accelerator and count that fits this job: see `petatrain plan`")
+        target = dc.replace(target, accelerator=chosen.accelerator)
+        count = chosen.count
+        # The job runs as planned: its strategy and, for a pipeline, the layout plan chose.
+        layout = [f"parallel.strategy={chosen.strategy}", f"parallel.workers={count}"]
+        if chosen.layout:
+            shape = chosen.layout
+            layout += [
+                f"parallel.pipeline.stages={shape['stages']}",
+                f"parallel.pipeline.microbatches={shape['microbatches']}",
+                f"train.micro_batch={shape['micro_batch']}", f"train.activation_checkpointing={shape['recompute']}",
+                f"parallel.pipeline.data={shape.get('data', 'ddp')}",
+            ]  # fmt: skip
+        config = config_mod.build(JobConfig, config_mod.apply_overrides(config.to_dict(), layout))
+        sized_by = f"plan: {chosen.accelerator} x{chosen.count} {chosen.strategy}" + (
+            f" {chosen.layout['stages']}x{chosen.layout['replicas']}" if chosen.layout else ""
+        )
+    elif count:
+        sized_by = "--count"
+    if target.accelerator:
+        catalog = load_catalog(config.plan)
+        if target.accelerator not in catalog:
+            raise ConfigError(f"--accelerator {target.accelerator!r}: not in the catalog ({', '.join(catalog)})")
+        per_node = catalog[target.accelerator].node_devices
+        target = dc.replace(target, devices_per_node=min(per_node, count or per_node))
+    if count:
+        target = dc.replace(target, workers=(count, count))
+    documents = manifests.build(config, target)
+    problems = validate_documents(documents, source="generated")
+    if problems:  # a bug in the builder, never the user's: say all of it
+        raise PetatrainError("the generated manifests do not validate: " + "; ".join(problems))
+    os.makedirs(out, exist_ok=True)
+    files = []
+    for number, doc in enumerate(documents):
+        path = os.path.join(out, f"{number:02d}-{doc['kind'].lower()}.yaml")
+        with open(path, "w", encoding="utf-8") as handle:
+            yaml.safe_dump(doc, handle, sort_keys=False)
+        files.append(path)
+    lo, hi = target.workers if target.workers != (0, 0) else config.parallel.worker_range()
+    per_pod = target.devices_per_node or 1
+    return Deployment(
+        files=files, kind=target.kind, workers=(lo, hi), worker_pods=(-(-lo // per_pod), -(-hi // per_pod)),
+        accelerator=target.accelerator or "cpu", devices_per_node=target.devices_per_node, sized_by=sized_by,
+    )  # fmt: skip
+
+
+def validate_k8s(folder: str) -> list[str]:
+    """Every problem of the manifests under `folder`, one line each ([] when all are valid)."""
+    from petatrain.deploy.validate import validate_dir
+
+    return validate_dir(folder)

@@ -464,6 +464,26 @@ class ServeConfig:
         if self.follow_poll_s <= 0:
             raise ConfigError(f"serve.follow_poll_s must be > 0, got {self.follow_poll_s}")
 
+    def deployment_options(self) -> dict[str, Any]:
+        """Ray Serve's deployment options (for `serve.deployment(...).options` and a RayService's
+        serveConfigV2): replicas, fixed or Serve's autoscaling between min and max on ongoing
+        requests; CPUs; as many requests in flight per replica as two batches."""
+        low, high = self.replica_range()
+        scale: dict[str, Any] = {"num_replicas": low}
+        if high > low:
+            scale = {
+                "autoscaling_config": {
+                    "min_replicas": low, "max_replicas": high,
+                    "target_ongoing_requests": self.target_ongoing_requests or self.max_batch,
+                    "upscale_delay_s": self.upscale_delay_s, "downscale_delay_s": self.downscale_delay_s,
+                }
+            }  # fmt: skip
+        return {
+            **scale,
+            "ray_actor_options": {"num_cpus": self.cpus_per_replica},
+            "max_ongoing_requests": 2 * self.max_batch,
+        }
+
     def replica_range(self) -> tuple[int, int]:
         """(min, max) replicas: `N` or `MIN-MAX`."""
         low, _, high = str(self.replicas).partition("-")

@@ -65,3 +65,7 @@ def controller_mode() -> str:
     if mode not in CONTROLLER_MODES:
         raise ConfigError(f"{CONTROLLER_ENV}={mode!r}: driver (the default) or actor")
     return mode
+
+
+# The Ray Serve application `petatrain serve` runs (and a RayService's serveConfigV2 names).
+SERVE_APP = "petatrain"

@@ -18,13 +18,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from petatrain.config import ServeConfig
+from petatrain.constants import SERVE_APP
 from petatrain.serve import engine as engine_mod
 from petatrain.serve import http
 from petatrain.storage import StorageOptions
 
 log = logging.getLogger(__name__)
 
-APP = "petatrain"
+APP = SERVE_APP
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,26 +176,6 @@ class _Metrics:
             self.tokens.inc(tokens)
 
 
-def deployment_options(settings: ServeConfig) -> dict[str, Any]:
-    """Replicas (fixed, or Serve's autoscaling between min and max on ongoing requests), CPUs, and
-    as many requests in flight per replica as two batches."""
-    low, high = settings.replica_range()
-    scale: dict[str, Any] = {"num_replicas": low}
-    if high > low:
-        scale = {
-            "autoscaling_config": {
-                "min_replicas": low, "max_replicas": high,
-                "target_ongoing_requests": settings.target_ongoing_requests or settings.max_batch,
-                "upscale_delay_s": settings.upscale_delay_s, "downscale_delay_s": settings.downscale_delay_s,
-            }
-        }  # fmt: skip
-    return {
-        **scale,
-        "ray_actor_options": {"num_cpus": settings.cpus_per_replica},
-        "max_ongoing_requests": 2 * settings.max_batch,
-    }
-
-
 def start(options: ServeOptions) -> str:
     """Deploy on the connected Ray cluster and return the URL; returns once the replicas answer."""
     from petatrain.console import ray_output_to_console
@@ -203,9 +184,20 @@ def start(options: ServeOptions) -> str:
         logging.getLogger("ray.serve").setLevel(logging.WARNING)
     serve.start(http_options={"host": options.host, "port": options.port})
     deployment: Any = Completions  # a serve.Deployment once decorated
-    app = deployment.options(**deployment_options(options.settings)).bind(options)
+    app = deployment.options(**options.settings.deployment_options()).bind(options)
     serve.run(app, name=APP, route_prefix="/")
     return f"http://{options.host}:{options.port}"
+
+
+def build_app(args: dict[str, Any]) -> Any:
+    """The application builder a RayService's `serveConfigV2` names (`petatrain.serve.app:build_app`,
+    args `run` and `checkpoint`); its deployment's replicas and autoscaling come from that config."""
+    if not isinstance(args, dict) or not args.get("run"):
+        raise ValueError("petatrain.serve.app:build_app needs args: {run: RUN_URL, checkpoint: final|latest|STEP}")
+    checkpoint = str(args.get("checkpoint", "final"))
+    options = ServeOptions(run_url=str(args["run"]), checkpoint=checkpoint, follow=checkpoint == "latest")
+    deployment: Any = Completions
+    return deployment.bind(options)
 
 
 def stop() -> None:

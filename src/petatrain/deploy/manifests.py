@@ -1,0 +1,323 @@
+"""KubeRay manifests for a job config: built as data, dumped once (`petatrain deploy k8s`).
+
+`build(cfg, Target) -> list[dict]` returns the documents, in the order `kubectl apply -f DIR`
+should meet them: the ServiceAccount, the ConfigMap with the resolved job config, the RayJob
+(with its `rayClusterSpec`) or RayCluster, and the Prometheus Operator PodMonitor.
+
+- Sizes: one Ray worker pod is one node. On an accelerator, a node holds the catalog's
+  `node_devices` (e.g. 8 H100s); the worker group has as many pods as the worker count
+  needs, `minReplicas`/`maxReplicas` from a `parallel.workers` range (in-tree autoscaling on
+  when they differ), GPUs requested and limited, a node selector on the GPU product label and
+  a toleration for the GPU taint. On CPU, a pod holds one training worker.
+- Secrets by reference only: the S3 credentials come from a Secret's keys (`secretKeyRef`), a
+  keyring file (`storage.encryption.key: file:PATH`) from a Secret mounted read-only where the
+  config names it. No value of either is ever written here.
+- The node-local shard cache (`PETATRAIN_CACHE_DIR`) is an `emptyDir` with a size limit, or,
+  with a storage class (local NVMe), a generic ephemeral volume: a PVC per pod, gone with it.
+  `/dev/shm` is a memory-backed `emptyDir` for the loader's buffers and Ray's object store.
+- The RayJob's entrypoint is `petatrain train ... --resume` against the run directory on the
+  object store: a retry (`backoffLimit`), a lost head pod or a new cluster continues the run
+  from its newest committed checkpoint. The driver serves /livez and /readyz on
+  `HEALTH_PORT`; the head's liveness probe asks it (deploy/probe.py).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import shlex
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from petatrain import __version__
+from petatrain.config import JobConfig
+from petatrain.constants import SERVE_APP
+from petatrain.deploy.probe import HEALTH_PORT
+from petatrain.errors import ConfigError
+
+RAY_VERSION = "2.60.0"
+METRICS_PORT = 8078  # the driver's Prometheus endpoint (observe.metrics_port)
+RAY_METRICS_PORT = 8080  # Ray's own metrics export port on every node
+CONFIG_PATH = "/etc/petatrain/job.yaml"
+CACHE_PATH = "/var/cache/petatrain"
+# The label NVIDIA's GPU feature discovery puts on a node, per catalog accelerator; AMD's for MI300X.
+GPU_PRODUCT = {
+    "H100-SXM": ("nvidia.com/gpu.product", "NVIDIA-H100-80GB-HBM3"),
+    "H100-PCIe": ("nvidia.com/gpu.product", "NVIDIA-H100-PCIe"),
+    "H200": ("nvidia.com/gpu.product", "NVIDIA-H200"),
+    "B200": ("nvidia.com/gpu.product", "NVIDIA-B200"),
+    "A100-40GB": ("nvidia.com/gpu.product", "NVIDIA-A100-SXM4-40GB"),
+    "A100-80GB": ("nvidia.com/gpu.product", "NVIDIA-A100-SXM4-80GB"),
+    "L40S": ("nvidia.com/gpu.product", "NVIDIA-L40S"),
+    "L4": ("nvidia.com/gpu.product", "NVIDIA-L4"),
+    "A10G": ("nvidia.com/gpu.product", "NVIDIA-A10G"),
+    "MI300X": ("amd.com/gpu.product-name", "AMD_Instinct_MI300X_OAM"),
+}
+
+
+@dataclass(kw_only=True, slots=True)
+class Target:
+    """Where and how the job runs on Kubernetes (the `deploy k8s` options)."""
+
+    name: str
+    run_dir: str  # the run directory on the object store (s3://...): what a retry continues, or what is served
+    checkpoint: str = "final"  # rayservice: final, latest (follows new checkpoints) or a step
+    image: str = f"petatrain:{__version__}"
+    namespace: str = "default"
+    kind: Literal["rayjob", "raycluster", "rayservice"] = "rayjob"
+    accelerator: str = ""  # a catalog name (H100-SXM, ...); "" trains on CPU pods
+    devices_per_node: int = 0  # accelerators a node holds (the catalog's node_devices)
+    workers: tuple[int, int] = (0, 0)  # training workers, min-max; (0, 0): the config's parallel.workers
+    s3_secret: str = ""  # Secret with AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY; "" = NAME-s3
+    keyring_secret: str = ""  # Secret holding the keyring file; "" = NAME-keyring (when the config encrypts)
+    cache_size: str = "100Gi"
+    cache_storage_class: str = ""  # "" = emptyDir; else a per-pod ephemeral PVC of this class
+    shm_size: str = "8Gi"
+    cpu_per_device: int = 12
+    memory_per_device: str = "160Gi"
+    backoff_limit: int = 3
+    active_deadline_s: int = 7 * 24 * 3600
+    idle_timeout_s: int = 120
+
+
+def check_name(name: str) -> str:
+    """A RayJob/RayCluster name: DNS-1035 label, short enough for the names KubeRay derives from it."""
+    if not re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", name) or len(name) > 47:
+        raise ConfigError(
+            f"--name {name!r}: a Kubernetes name of at most 47 characters: lower-case letters, digits and '-', "
+            "starting with a letter"
+        )
+    return name
+
+
+def name_from(path: str) -> str:
+    """A valid default name from a config file's stem ("examples/tiny.yaml" -> "petatrain-tiny")."""
+    stem = re.sub(r"[^a-z0-9-]+", "-", path.rsplit("/", 1)[-1].rsplit(".", 1)[0].lower()).strip("-")
+    return check_name(f"petatrain-{stem}"[:47].rstrip("-"))
+
+
+def build(cfg: JobConfig, target: Target) -> list[dict[str, Any]]:
+    """Every document `deploy k8s` writes, as data."""
+    check_name(target.name)
+    if target.kind != "raycluster" and not target.run_dir.startswith(("s3://", "gs://", "abfs://")):
+        raise ConfigError(
+            f"--run-dir {target.run_dir!r}: the run directory must be on an object store (s3://...), "
+            "where every pod (and a retried job on a new cluster) finds it"
+        )
+    if target.kind == "rayservice":  # a pod per Serve replica, as many as Serve may autoscale to
+        lo, hi = target.workers if target.workers != (0, 0) else cfg.serve.replica_range()
+    else:
+        lo, hi = target.workers if target.workers != (0, 0) else cfg.parallel.worker_range()
+    per_pod = target.devices_per_node if target.accelerator else 1
+    pods = (math.ceil(lo / per_pod), math.ceil(hi / per_pod))
+    labels = {"app.kubernetes.io/name": "petatrain", "app.kubernetes.io/instance": target.name}
+    meta = {"name": target.name, "namespace": target.namespace, "labels": labels}
+    documents: list[dict[str, Any]] = [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta, "automountServiceAccountToken": False},
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {**meta, "name": f"{target.name}-config"},
+            "data": {"job.yaml": cfg.to_yaml()},  # to_dict leaves the credentials out
+        },
+    ]
+    cluster = _cluster_spec(cfg, target, pods, labels)
+    if target.kind == "rayjob":
+        documents.append(
+            {
+                "apiVersion": "ray.io/v1",
+                "kind": "RayJob",
+                "metadata": meta,
+                "spec": {
+                    "entrypoint": _entrypoint(target),
+                    "shutdownAfterJobFinishes": True,
+                    "ttlSecondsAfterFinished": 600,
+                    # Each retry is a new cluster whose driver continues the run (train --resume).
+                    "backoffLimit": target.backoff_limit,
+                    "activeDeadlineSeconds": target.active_deadline_s,
+                    "rayClusterSpec": cluster,
+                },
+            }
+        )
+    elif target.kind == "rayservice":
+        spec = {"serveConfigV2": _serve_config(cfg, target), "rayClusterConfig": cluster}
+        documents.append({"apiVersion": "ray.io/v1", "kind": "RayService", "metadata": meta, "spec": spec})
+    else:
+        documents.append({"apiVersion": "ray.io/v1", "kind": "RayCluster", "metadata": meta, "spec": cluster})
+    documents.append(_pod_monitor(target, meta, labels))
+    return documents
+
+
+def _entrypoint(target: Target) -> str:
+    argv = [
+        "petatrain", "train", CONFIG_PATH, "--run-dir", target.run_dir, "--address", "auto", "--resume",
+        "--set", "observe.metrics_host=0.0.0.0", "--set", f"observe.metrics_port={METRICS_PORT}",
+        "--set", f"observe.health_port={HEALTH_PORT}",
+    ]  # fmt: skip
+    return shlex.join(argv)
+
+
+def _serve_config(cfg: JobConfig, target: Target) -> str:
+    """Serve's config file (a YAML string, as RayService takes it): the app builder, the run to serve,
+    and the deployment's replicas or autoscaling from the config's `serve` section."""
+    import yaml
+
+    deployment = {"name": "completions", **cfg.serve.deployment_options()}
+    app = {
+        "name": SERVE_APP,
+        "import_path": "petatrain.serve.app:build_app",
+        "route_prefix": "/",
+        "args": {"run": target.run_dir, "checkpoint": target.checkpoint},
+        "deployments": [deployment],
+    }
+    return yaml.safe_dump({"http_options": {"host": "0.0.0.0", "port": 8000}, "applications": [app]}, sort_keys=False)
+
+
+def _cluster_spec(cfg: JobConfig, target: Target, pods: tuple[int, int], labels: dict[str, str]) -> dict[str, Any]:
+    autoscale = pods[0] != pods[1]
+    spec: dict[str, Any] = {
+        "rayVersion": RAY_VERSION,
+        "authOptions": {"mode": "token"},  # KubeRay makes the token Secret; clients need it to reach Ray
+        "enableInTreeAutoscaling": autoscale,
+        "headGroupSpec": {
+            "serviceType": "ClusterIP",
+            # The head schedules no training worker: its CPUs are the driver's, the hub's and Ray's.
+            "rayStartParams": {"num-cpus": "0", "metrics-export-port": str(RAY_METRICS_PORT)},
+            "template": _pod(cfg, target, labels, head=True),
+        },
+        "workerGroupSpecs": [
+            {
+                "groupName": "train",
+                "replicas": pods[0],
+                "minReplicas": pods[0],
+                "maxReplicas": pods[1],
+                "rayStartParams": {"metrics-export-port": str(RAY_METRICS_PORT)},
+                "template": _pod(cfg, target, labels, head=False),
+            }
+        ],
+    }
+    if autoscale:
+        spec["autoscalerOptions"] = {"upscalingMode": "Default", "idleTimeoutSeconds": target.idle_timeout_s}
+    return spec
+
+
+def _pod(cfg: JobConfig, target: Target, labels: dict[str, str], *, head: bool) -> dict[str, Any]:
+    role = "head" if head else "worker"
+    devices = 0 if head or not target.accelerator else target.devices_per_node
+    resource = "amd.com/gpu" if target.accelerator == "MI300X" else "nvidia.com/gpu"
+    if devices:
+        cpu, memory = str(target.cpu_per_device * devices), _times(target.memory_per_device, devices)
+    else:
+        cpu, memory = ("4", "16Gi") if head else (str(max(1, math.ceil(cfg.resources.cpus_per_worker)) + 1), "8Gi")
+    resources: dict[str, Any] = {"requests": {"cpu": cpu, "memory": memory}, "limits": {"cpu": cpu, "memory": memory}}
+    if devices:
+        resources["requests"][resource] = str(devices)
+        resources["limits"][resource] = str(devices)
+    mounts: list[dict[str, Any]] = [
+        {"name": "shm", "mountPath": "/dev/shm"},
+        {"name": "shard-cache", "mountPath": CACHE_PATH},
+    ]
+    volumes: list[dict[str, Any]] = [
+        {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": target.shm_size}},
+        _cache_volume(target),
+    ]
+    if head:
+        mounts.append({"name": "job-config", "mountPath": "/etc/petatrain", "readOnly": True})
+        volumes.append({"name": "job-config", "configMap": {"name": f"{target.name}-config"}})
+    keyref = cfg.storage.encryption.key
+    if keyref.startswith("file:"):
+        path = keyref.removeprefix("file:")
+        folder, _, file = path.rpartition("/")
+        mounts.append({"name": "keyring", "mountPath": folder or "/", "readOnly": True})
+        secret = target.keyring_secret or f"{target.name}-keyring"
+        volumes.append(
+            {
+                "name": "keyring",
+                "secret": {"secretName": secret, "defaultMode": 0o400, "items": [{"key": file, "path": file}]},
+            }
+        )
+    ports = [{"name": "ray-metrics", "containerPort": RAY_METRICS_PORT}]
+    if head:
+        ports += [
+            {"name": "gcs", "containerPort": 6379},
+            {"name": "dashboard", "containerPort": 8265},
+            {"name": "client", "containerPort": 10001},
+            {"name": "train-metrics", "containerPort": METRICS_PORT},
+        ]
+        if target.kind == "rayservice":
+            ports.append({"name": "serve", "containerPort": 8000})
+    container: dict[str, Any] = {
+        "name": f"ray-{role}",
+        "image": target.image,
+        "imagePullPolicy": "IfNotPresent",
+        "resources": resources,
+        "env": _env(cfg, target),
+        "ports": ports,
+        "volumeMounts": mounts,
+    }
+    if head:
+        probe = ["python", "-m", "petatrain.deploy.probe"]
+        container["livenessProbe"] = {
+            "exec": {"command": [*probe, "live", str(HEALTH_PORT)]},
+            "initialDelaySeconds": 30, "periodSeconds": 30, "timeoutSeconds": 20, "failureThreshold": 3,
+        }  # fmt: skip
+        container["readinessProbe"] = {
+            "exec": {"command": [*probe, "ready"]},
+            "initialDelaySeconds": 10, "periodSeconds": 10, "timeoutSeconds": 15, "failureThreshold": 6,
+        }  # fmt: skip
+    pod_spec: dict[str, Any] = {
+        "serviceAccountName": target.name,
+        "containers": [container],
+        "volumes": volumes,
+    }
+    if devices:
+        key, value = GPU_PRODUCT.get(target.accelerator, (f"{resource}.product", target.accelerator))
+        pod_spec["nodeSelector"] = {key: value}
+        pod_spec["tolerations"] = [{"key": resource, "operator": "Exists", "effect": "NoSchedule"}]
+    return {"metadata": {"labels": {**labels, "petatrain.io/role": role}}, "spec": pod_spec}
+
+
+def _env(cfg: JobConfig, target: Target) -> list[dict[str, Any]]:
+    secret = target.s3_secret or f"{target.name}-s3"
+    env: list[dict[str, Any]] = [
+        {"name": "PETATRAIN_CACHE_DIR", "value": CACHE_PATH},
+        {"name": "RAY_USAGE_STATS_ENABLED", "value": "0"},
+    ]
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        env.append({"name": key, "valueFrom": {"secretKeyRef": {"name": secret, "key": key, "optional": True}}})
+    if cfg.storage.s3_endpoint_url:
+        env.append({"name": "AWS_ENDPOINT_URL", "value": cfg.storage.s3_endpoint_url})
+    return env
+
+
+def _cache_volume(target: Target) -> dict[str, Any]:
+    if not target.cache_storage_class:
+        return {"name": "shard-cache", "emptyDir": {"sizeLimit": target.cache_size}}
+    claim = {
+        "accessModes": ["ReadWriteOnce"],
+        "storageClassName": target.cache_storage_class,
+        "resources": {"requests": {"storage": target.cache_size}},
+    }
+    return {"name": "shard-cache", "ephemeral": {"volumeClaimTemplate": {"spec": claim}}}
+
+
+def _pod_monitor(target: Target, meta: dict[str, Any], labels: dict[str, str]) -> dict[str, Any]:
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PodMonitor",
+        "metadata": meta,
+        "spec": {
+            "selector": {"matchLabels": labels},
+            "podMetricsEndpoints": [
+                {"port": "ray-metrics", "path": "/metrics", "interval": "15s"},
+                {"port": "train-metrics", "path": "/metrics", "interval": "15s"},
+            ],
+        },
+    }
+
+
+def _times(quantity: str, n: int) -> str:
+    number = re.match(r"\d+", quantity)
+    if number is None:
+        raise ConfigError(f"cannot read the quantity {quantity!r} (e.g. 160Gi)")
+    return f"{int(number.group()) * n}{quantity[number.end() :]}"

@@ -1,0 +1,209 @@
+"""`petatrain deploy k8s`: KubeRay manifests from a job config and its plan, validated offline.
+
+No Kubernetes runs here; what the manifests say is checked as data (sizes, secrets by reference,
+the entrypoint that continues a run), against the schemas (deploy/validate.py), and the
+committed examples/k8s/ are what the command writes today.
+"""
+
+from __future__ import annotations
+
+import filecmp
+import http.server
+import json
+import threading
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+import yaml
+from petatrain.deploy.validate import validate_dir, validate_documents
+
+from conftest import run_cli
+from helpers import ROOT
+from petatrain import api, config
+from petatrain.deploy import manifests, probe
+from petatrain.deploy.manifests import Target
+
+# What examples/k8s/ holds, and the command that writes each (the README shows them).
+EXAMPLES = {
+    "tiny": ["examples/tiny.yaml", "--run-dir", "s3://petatrain/runs/tiny", "--set", "parallel.workers=2-4"],
+    "plan-70b-64xh100": [
+        "examples/plan-70b.yaml", "--from-plan", "--accelerator", "H100-SXM", "--count", "64",
+        "--run-dir", "s3://petatrain/runs/70b", "--image", "registry.example.com/petatrain:0.1.0",
+    ],
+}  # fmt: skip
+
+
+def _docs(folder: Path) -> dict[str, dict]:
+    return {d["kind"]: d for f in sorted(folder.glob("*.yaml")) for d in yaml.safe_load_all(f.read_text())}
+
+
+def _tiny(*overrides: str):
+    return config.load(ROOT / "examples" / "tiny.yaml", list(overrides))
+
+
+def test_a_rayjob_continues_its_run_and_scales_between_the_worker_range():
+    docs = manifests.build(_tiny("parallel.workers=2-4"), Target(name="tiny", run_dir="s3://b/runs/tiny"))
+    assert [d["kind"] for d in docs] == ["ServiceAccount", "ConfigMap", "RayJob", "PodMonitor"]
+    assert validate_documents(docs) == []
+    job = docs[2]["spec"]
+    assert job["entrypoint"].startswith("petatrain train /etc/petatrain/job.yaml --run-dir s3://b/runs/tiny")
+    assert "--resume" in job["entrypoint"].split() and "observe.health_port=8079" in job["entrypoint"]
+    assert job["shutdownAfterJobFinishes"] is True and job["backoffLimit"] >= 1
+    cluster = job["rayClusterSpec"]
+    assert cluster["authOptions"] == {"mode": "token"}
+    assert cluster["enableInTreeAutoscaling"] is True and cluster["autoscalerOptions"]["idleTimeoutSeconds"] > 0
+    group = cluster["workerGroupSpecs"][0]
+    assert (group["replicas"], group["minReplicas"], group["maxReplicas"]) == (2, 2, 4)
+    head = cluster["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert head["livenessProbe"]["exec"]["command"] == ["python", "-m", "petatrain.deploy.probe", "live", "8079"]
+    # The ConfigMap holds the resolved config: what the driver reads back is the config deployed.
+    assert config.from_yaml(docs[1]["data"]["job.yaml"], "job.yaml") == _tiny("parallel.workers=2-4")
+
+
+def test_a_fixed_worker_count_does_not_autoscale():
+    docs = manifests.build(_tiny(), Target(name="tiny", run_dir="s3://b/r"))
+    cluster = docs[2]["spec"]["rayClusterSpec"]
+    assert cluster["enableInTreeAutoscaling"] is False and "autoscalerOptions" not in cluster
+
+
+def test_secrets_are_referenced_never_written(tmp_path, monkeypatch):
+    """Credentials in the environment and in the config, and an encryption keyring: none of their
+    values is in any file written; the pods read them from Secrets by name."""
+    secret = "s3cr3t-VALUE-never-written"
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+    cfg = _tiny(f"storage.s3_secret_access_key={secret}", "storage.s3_access_key_id=AKIAEXAMPLE",
+                "storage.encryption.key=file:/var/run/petatrain/keyring.json")  # fmt: skip
+    target = Target(name="tiny", run_dir="s3://b/r", s3_secret="team-s3")
+    api.deploy_k8s(cfg, target, str(tmp_path))
+    written = "".join(p.read_text() for p in tmp_path.iterdir())
+    assert secret not in written and "AKIAEXAMPLE" not in written
+    pod = _docs(tmp_path)["RayJob"]["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"]
+    env = {e["name"]: e for e in pod["containers"][0]["env"]}
+    assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "team-s3"
+    keyring = next(v for v in pod["volumes"] if v["name"] == "keyring")
+    assert keyring["secret"] == {
+        "secretName": "tiny-keyring", "defaultMode": 0o400, "items": [{"key": "keyring.json", "path": "keyring.json"}]
+    }  # fmt: skip
+    mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "keyring")
+    assert mount == {"name": "keyring", "mountPath": "/var/run/petatrain", "readOnly": True}
+
+
+def test_sizes_from_the_plan_on_gpus(tmp_path):
+    """64 H100s as plan lays the 70B model out: 8 nodes of 8 GPUs, each pod asking for and limited
+    to its node's GPUs, placed on H100 nodes, and the job config set to the planned layout."""
+    cfg = config.load(ROOT / "examples" / "plan-70b.yaml")
+    target = Target(name="llm", run_dir="s3://b/r", accelerator="H100-SXM")
+    done = api.deploy_k8s(cfg, target, str(tmp_path), from_plan=True, count=64)
+    assert (done.worker_pods, done.devices_per_node, done.accelerator) == ((8, 8), 8, "H100-SXM")
+    assert done.sized_by.startswith("plan: H100-SXM x64 pipeline")
+    docs = _docs(tmp_path)
+    group = docs["RayJob"]["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]
+    pod = group["template"]["spec"]
+    resources = pod["containers"][0]["resources"]
+    assert resources["limits"]["nvidia.com/gpu"] == resources["requests"]["nvidia.com/gpu"] == "8"
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
+    shm = next(v for v in pod["volumes"] if v["name"] == "shm")
+    assert shm["emptyDir"]["medium"] == "Memory"
+    deployed = config.from_yaml(docs["ConfigMap"]["data"]["job.yaml"], "job.yaml")
+    assert deployed.parallel.strategy == "pipeline" and deployed.parallel.workers == "64"
+    assert deployed.parallel.pipeline.stages * (64 // deployed.parallel.pipeline.stages) == 64
+
+
+def test_a_rayservice_carries_serves_autoscaling():
+    cfg = _tiny("serve.replicas=1-3", "serve.max_batch=8")
+    docs = manifests.build(cfg, Target(name="tiny-serve", run_dir="s3://b/r", kind="rayservice"))
+    assert validate_documents(docs) == []
+    service = docs[2]["spec"]
+    app = yaml.safe_load(service["serveConfigV2"])["applications"][0]
+    assert app["import_path"] == "petatrain.serve.app:build_app" and app["args"] == {
+        "run": "s3://b/r",
+        "checkpoint": "final",
+    }
+    scaling = app["deployments"][0]["autoscaling_config"]
+    assert (scaling["min_replicas"], scaling["max_replicas"], scaling["target_ongoing_requests"]) == (1, 3, 8)
+    assert service["rayClusterConfig"]["workerGroupSpecs"][0]["maxReplicas"] == 3
+
+
+def test_bad_targets_are_one_line_errors():
+    from petatrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="must be on an object store"):
+        manifests.build(_tiny(), Target(name="tiny", run_dir="/tmp/run"))
+    with pytest.raises(ConfigError, match="--name 'Tiny_Job'"):
+        manifests.build(_tiny(), Target(name="Tiny_Job", run_dir="s3://b/r"))
+    assert manifests.name_from("examples/My Job.v2.yaml") == "petatrain-my-job-v2"
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_the_committed_examples_are_what_deploy_writes_today(tmp_path, name):
+    """examples/k8s/NAME is regenerated and compared byte for byte (regenerate with the command below)."""
+    done = run_cli("deploy", "k8s", *EXAMPLES[name], "--out", str(tmp_path), timeout=120)
+    assert done.returncode == 0, done.stderr
+    committed = ROOT / "examples" / "k8s" / name
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert sorted(p.name for p in committed.glob("*.yaml")) == files
+    _, mismatch, errors = filecmp.cmpfiles(committed, tmp_path, files, shallow=False)
+    command = " ".join(["petatrain deploy k8s", *EXAMPLES[name], "--out", f"examples/k8s/{name}"])
+    assert not mismatch and not errors, f"examples/k8s/{name} is stale: {command}"
+    assert validate_dir(str(committed)) == []
+
+
+def test_validate_names_the_path_of_a_mistake_in_one_line(tmp_path):
+    for f in (ROOT / "examples" / "k8s" / "tiny").glob("*.yaml"):
+        (tmp_path / f.name).write_text(f.read_text())
+    job = next(tmp_path.glob("*-rayjob.yaml"))
+    text = job.read_text().replace("minReplicas:", "minReplica:")
+    job.write_text(text.replace("shutdownAfterJobFinishes: true", "shutdownAfterJobFinishes: 'yes'"))
+    done = run_cli("deploy", "k8s", "--validate", str(tmp_path), timeout=60)
+    assert done.returncode == 1
+    lines = done.stdout.strip().splitlines()
+    assert any("spec.rayClusterSpec.workerGroupSpecs[0].minReplica" in line for line in lines), lines
+    assert any("spec.shutdownAfterJobFinishes" in line for line in lines), lines
+    ok = run_cli("deploy", "k8s", "--validate", str(ROOT / "examples" / "k8s" / "tiny"), "--json", timeout=60)
+    assert ok.returncode == 0 and json.loads(ok.stdout)["problems"] == []
+
+
+class _Answers(http.server.BaseHTTPRequestHandler):
+    routes: ClassVar[dict[str, tuple[int, bytes]]] = {}
+
+    def do_GET(self):
+        code, body = self.routes.get(self.path, (404, b"no"))
+        self.send_response(code)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_the_liveness_probe_asks_ray_and_the_driver(monkeypatch):
+    """Ray healthy and no driver: live. A driver whose run stopped advancing: not live, with its reason.
+    Readiness is Ray's alone. A raylet that does not answer: neither."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Answers)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    monkeypatch.setattr(probe, "RAYLET", f"{base}/raylet")
+    monkeypatch.setattr(probe, "GCS", f"{base}/gcs")
+    _Answers.routes = {"/raylet": (200, b"success"), "/gcs": (200, b"success")}
+    try:
+        assert probe.check("live", _unused_port()) == ""  # nothing listens on the health port: no driver
+        _Answers.routes["/livez"] = (503, b'{"reason": "no step completed for 400 s"}')
+        port = server.server_address[1]
+        assert probe.check("live", port).startswith("training does not advance: ")
+        assert probe.check("ready", port) == ""
+        _Answers.routes["/raylet"] = (500, b"")
+        assert probe.check("ready", port).endswith("/raylet: 500")
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _unused_port() -> int:
+    """A port nothing listens on (bound, then closed)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
