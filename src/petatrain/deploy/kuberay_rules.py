@@ -7,11 +7,12 @@ ray-operator/pkg/webhooks/v1/raycluster_webhook.go) at KubeRay v1.7.0, commit
 Differences from the operator, on purpose:
 - The operator stops at the first failed check and records it in an event; here every failed
   check is returned.
-- Each function takes a document that already passed its CRD schema, with the schema's defaults
-  applied as the API server applies them, so every field present has its declared type.
+- Each function takes a document that already passed its schema (built-in or CRD), with the
+  schema's defaults applied as the API server applies them, so every field present has its
+  declared type.
 - Checks that need the live cluster are not ported: status checks (ValidateRayClusterStatus,
   ValidateRayJobStatus), cert-manager being installed, the RayCluster a clusterSelector names
-  existing, and RayCronJob (its CRD is not among the vendored ones).
+  existing, and RayCronJob (behind the RayCronJob feature gate, off in v1.7.0).
 - Feature gates are read from FEATURE_GATES, the defaults of KubeRay v1.7.0's
   pkg/features/features.go: an operator started with other --feature-gates accepts more.
 """
