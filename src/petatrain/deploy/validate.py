@@ -1,22 +1,34 @@
 """Offline validation of Kubernetes manifests (`petatrain deploy k8s --validate DIR`): what
 `kubectl apply --validate=strict` and the KubeRay operator would refuse, found without a cluster.
 
-- KubeRay's RayCluster, RayJob and RayService (`ray.io/v1`, and the deprecated `v1alpha1`) are
-  checked against the CRDs of KubeRay v1.7.0, vendored in crds/kuberay-v1.7.0/ from
-  ray-project/kuberay tag v1.7.0 (commit 59d663aeec13760646da3db9c1cf8cfe883e30b7), then against
-  the operator's own rules (kuberay_rules, ported from its Go code). PodMonitor and ServiceMonitor
-  (prometheus-operator v0.93.0) and KEDA's ScaledObject (v2.20.2) are checked against their CRDs
-  the same way. Each CRD version's openAPIV3Schema is read as the API server reads it: its
-  defaults are applied first, fields it does not declare are errors, and its
-  x-kubernetes-int-or-string, nullable, x-kubernetes-preserve-unknown-fields,
-  x-kubernetes-list-type and the CEL rules these CRDs carry (x-kubernetes-validations) are honoured.
+- KubeRay's RayCluster, RayJob and RayService (`ray.io/v1`) are checked against petatrain's own
+  schema of the KubeRay v1.7.0 API (kuberay_schema, written from its Go API types; pod templates
+  and the other Kubernetes types they embed against Kubernetes' own definitions), then against
+  the operator's own rules (kuberay_rules, ported from its v1.7.0 Go code). PodMonitor
+  (`monitoring.coreos.com/v1`, prometheus-operator v0.93.0) and KEDA's ScaledObject
+  (`keda.sh/v1alpha1`, KEDA v2.20.2) are checked the same way, for the fields petatrain writes.
+- The real CRDs are used instead when given: `crds` names a file or a directory of
+  CustomResourceDefinition YAML (one CRD per document, or `kind: List` documents of CRDs), and
+  falls back to the environment variable PETATRAIN_K8S_CRDS. Get them from the cluster the
+  manifests are meant for with
+
+      kubectl get crd rayclusters.ray.io rayjobs.ray.io rayservices.ray.io \
+          podmonitors.monitoring.coreos.com scaledobjects.keda.sh -o yaml > crds.yaml
+
+  Every kind that has a CRD there is checked against it (any version it serves, `ray.io/v1alpha1`
+  included); the others keep the built-in schemas. A CRD version's openAPIV3Schema is read as the
+  API server reads it: fields set to null are dropped and its defaults applied first, fields it
+  does not declare are errors, and its x-kubernetes-int-or-string, nullable,
+  x-kubernetes-preserve-unknown-fields, x-kubernetes-list-type and the CEL rules of these CRDs
+  (x-kubernetes-validations, ported to Python in _CEL_RULES; other rules are not checked) are
+  honoured. The built-in schemas are read the same way.
 - Built-in kinds (ConfigMap, Secret, Service, PersistentVolumeClaim, Role, ...) are checked
   against the strict JSON schemas that the kubernetes-validate package ships for Kubernetes
   KUBERNETES_VERSION, the version of k8s.io/api that KubeRay v1.7.0 is built with. The package's
   own validate() stops at the first error and re-reads its 1.5 MB of definitions for every
   document, so its schema files are read here once and every error is reported.
 - Every document's metadata: a name that is valid for its kind, the namespace, label keys and
-  values, and (for the CRD kinds, whose schemas leave metadata open) the ObjectMeta schema.
+  values, and (for the custom kinds, whose schemas leave metadata open) the ObjectMeta schema.
 
 Each problem is one line, `FILE: KIND/NAME: PATH: MESSAGE`, with PATH in the document as
 `spec.workerGroupSpecs[0].minReplicas`. Nothing here reaches the network.
@@ -27,12 +39,12 @@ from __future__ import annotations
 import copy
 import difflib
 import json
+import os
 import reprlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
-from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any
 
@@ -40,21 +52,22 @@ import jsonschema
 import yaml
 from referencing import Registry, Resource
 
-from petatrain.deploy import k8s_names, kuberay_rules
+from petatrain.deploy import k8s_names, kuberay_rules, kuberay_schema
 from petatrain.deploy.kuberay_rules import Finding
 from petatrain.errors import PetatrainError
 
-KUBERAY_VERSION = "v1.7.0"
+KUBERAY_VERSION = kuberay_schema.KUBERAY_VERSION
 KUBERNETES_VERSION = "v1.36.0"
+CRDS_ENV = "PETATRAIN_K8S_CRDS"
 
-_CRDS = resources.files("petatrain.deploy") / "crds"
 _K8S_SCHEMAS = resources.files("kubernetes_validate") / "kubernetes-json-schema" / f"{KUBERNETES_VERSION}-local-strict"
-_K8S_DEFINITIONS = "https://kubernetes.io/api/_definitions.json"
+_K8S_DEFINITIONS = kuberay_schema.K8S_DEFINITIONS
 _KUBERAY_KINDS = ("RayCluster", "RayJob", "RayService")
 
-# The CEL rules (x-kubernetes-validations) in the vendored CRDs, as Python. Rules that compare
-# with oldSelf only apply to updates and are skipped; tests fail when a vendored CRD carries a
-# rule missing here.
+# The CEL rules (x-kubernetes-validations) of the built-in schemas and of the KubeRay v1.7.0,
+# prometheus-operator v0.93.0 and KEDA v2.20.2 CRDs, as Python. Rules that compare with oldSelf
+# only apply to updates and are skipped, as are rules missing here (a CRD of another release may
+# carry some).
 _CEL_RULES: dict[str, Callable[[Any], bool]] = {
     "self in ['ray.io/kuberay-operator', 'kueue.x-k8s.io/multikueue']": lambda s: (
         s in ("ray.io/kuberay-operator", "kueue.x-k8s.io/multikueue")
@@ -77,28 +90,35 @@ _CEL_RULES: dict[str, Callable[[Any], bool]] = {
 }
 
 
-def validate_documents(docs: list[dict], source: str = "") -> list[str]:
-    """Every problem in these manifests, one line each; [] when all valid."""
+def validate_documents(docs: list[Any], source: str = "", crds: str | None = None) -> list[str]:
+    """Every problem in these manifests, one line each; [] when all valid. `crds`: a file or a
+    directory of CustomResourceDefinitions to check custom kinds against (default: the
+    environment variable PETATRAIN_K8S_CRDS; without either, the built-in schemas)."""
+    crds = _crds_path(crds)
     lines = []
     for number, doc in enumerate(docs, start=1):
         if doc is None:  # an empty document between two '---'
             continue
-        label, findings = _check_document(doc, number)
+        label, findings = _check_document(doc, number, crds)
         lines += [_line(source, label, path, message) for path, message in dict.fromkeys(findings)]
     return lines
 
 
-def validate_file(path: str) -> list[str]:
+def validate_file(path: str, crds: str | None = None) -> list[str]:
     """Every problem in a YAML file of one or more documents ('---'), one line each."""
+    crds = _crds_path(crds)
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         return [f"{path}: cannot read: {getattr(exc, 'strerror', None) or exc}"]
-    return _validate_text(text, path)
+    return _validate_text(text, path, crds)
 
 
-def validate_dir(path: str) -> list[str]:
+def validate_dir(path: str, crds: str | None = None) -> list[str]:
     """Every problem in every *.yaml and *.yml under path (sorted; named relative to path)."""
+    crds = _crds_path(crds)
+    if crds is not None:
+        _given_crds(crds)  # a bad CRD path is refused before any manifest is read
     root = Path(path)
     if not root.is_dir():
         raise PetatrainError(f"{path}: not a directory of Kubernetes manifests")
@@ -113,8 +133,12 @@ def validate_dir(path: str) -> list[str]:
         except (OSError, UnicodeDecodeError) as exc:
             lines.append(f"{source}: cannot read: {getattr(exc, 'strerror', None) or exc}")
             continue
-        lines += _validate_text(text, source)
+        lines += _validate_text(text, source, crds)
     return lines
+
+
+def _crds_path(crds: str | None) -> str | None:
+    return crds or os.environ.get(CRDS_ENV) or None
 
 
 # --- reading YAML ----------------------------------------------------------------------------
@@ -144,7 +168,7 @@ class _ManifestLoader(_BaseLoader):
 _ManifestLoader.add_constructor("tag:yaml.org,2002:timestamp", _ManifestLoader.construct_yaml_str)
 
 
-def _validate_text(text: str, source: str) -> list[str]:
+def _validate_text(text: str, source: str, crds: str | None) -> list[str]:
     loader = _ManifestLoader(text)
     docs: list[Any] = []
     broken = None
@@ -162,14 +186,14 @@ def _validate_text(text: str, source: str) -> list[str]:
         f"{source}: line {line}: duplicate key {key!r} (only the last one would be kept)"
         for line, key in loader.duplicates
     ]
-    lines += validate_documents(docs, source)
+    lines += validate_documents(docs, source, crds)
     return [*lines, broken] if broken else lines
 
 
 # --- one document -----------------------------------------------------------------------------
 
 
-def _check_document(doc: Any, number: int) -> tuple[str, list[Finding]]:
+def _check_document(doc: Any, number: int, crds: str | None) -> tuple[str, list[Finding]]:
     """(how the problem lines name the document, its findings)."""
     if not isinstance(doc, dict):
         return f"document {number}", [((), f"a YAML {type(doc).__name__}, not a mapping with apiVersion and kind")]
@@ -184,7 +208,7 @@ def _check_document(doc: Any, number: int) -> tuple[str, list[Finding]]:
     assert isinstance(api_version, str) and isinstance(kind, str)
     group, _, version = api_version.rpartition("/")
 
-    custom = _custom_resource(group, version, kind)
+    custom = _custom_resource(crds, group, version, kind)
     if isinstance(custom, str):
         return label, [(("apiVersion",), custom)]
     if custom is not None:
@@ -200,7 +224,8 @@ def _check_document(doc: Any, number: int) -> tuple[str, list[Finding]]:
 
     builtin = _builtin_validator(group, version, kind)
     if builtin is None:
-        known = ", ".join(f"{g}/{k}" for g, k in sorted(_crd_files()))
+        custom_kinds = {*kuberay_schema.SCHEMAS, *(_given_crds(crds) if crds is not None else ())}
+        known = ", ".join(f"{g}/{k}" for g, k in sorted(custom_kinds))
         return label, [
             (
                 ("kind",),
@@ -258,55 +283,102 @@ def _name_rule(kind: str) -> Callable[[str], list[str]]:
 
 @dataclass(frozen=True, slots=True)
 class _CustomResource:
-    """One served version of a vendored CRD: its schema as written (for defaults) and as JSON Schema."""
+    """One served version of a custom kind: its schema as written (for defaults) and as JSON Schema."""
 
     openapi: Mapping[str, Any]
     validator: jsonschema.protocols.Validator
 
 
+@dataclass(frozen=True, slots=True)
+class _CRD:
+    """A CustomResourceDefinition given in `crds`: its name, where it was read, and the
+    openAPIV3Schema of each version it serves."""
+
+    name: str
+    file: str
+    versions: Mapping[str, Mapping[str, Any]]
+
+
 @cache
-def _crd_files() -> dict[tuple[str, str], Traversable]:
-    """(group, kind) → its vendored CRD file. Only each file's head is parsed here: the schemas
-    run to a megabyte each, and are parsed when a document needs one."""
-    found = {}
-    for folder in sorted(_CRDS.iterdir(), key=lambda t: t.name) if _CRDS.is_dir() else []:
-        for file in sorted(folder.iterdir(), key=lambda t: t.name) if folder.is_dir() else []:
-            if file.name.endswith(".yaml"):
-                text = file.read_text(encoding="utf-8")
-                # controller-gen writes spec's keys sorted: group, names, scope, then versions.
-                head, sep, _ = text.partition("\n  versions:\n")
-                crd = yaml.load(head if sep else text, Loader=_BaseLoader)
-                found[(crd["spec"]["group"], crd["spec"]["names"]["kind"])] = file
+def _given_crds(path: str) -> dict[tuple[str, str], _CRD]:
+    """(group, kind) → its CRD, from a file or a directory (*.yaml, *.yml, *.json) of
+    CustomResourceDefinitions, one a document or in `kind: List` documents (`kubectl get crd ...
+    -o yaml`). Refuses what is not a CRD: a wrong path must not quietly mean the built-in schemas."""
+    root = Path(path)
+    if root.is_dir():
+        files = sorted(p for p in root.rglob("*") if p.suffix in (".yaml", ".yml", ".json") and p.is_file())
+    elif root.is_file():
+        files = [root]
+    else:
+        raise PetatrainError(f"{path}: no such file or directory of CustomResourceDefinitions ({CRDS_ENV})")
+    found: dict[tuple[str, str], _CRD] = {}
+    for file in files:
+        try:
+            docs = list(yaml.load_all(file.read_text(encoding="utf-8"), Loader=_BaseLoader))
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+            reason = getattr(exc, "strerror", None) or " ".join(str(exc).split())
+            raise PetatrainError(f"{file}: cannot read CustomResourceDefinitions: {reason}") from exc
+        for number, doc in enumerate(docs, start=1):
+            if doc is None:
+                continue
+            listed = isinstance(doc, dict) and str(doc.get("kind", "")).endswith("List") and "items" in doc
+            for item in (doc.get("items") or []) if listed else [doc]:
+                crd = _read_crd(item, f"{file}: document {number}")
+                key = (crd["spec"]["group"], crd["spec"]["names"]["kind"])
+                if key in found:
+                    raise PetatrainError(f"{file}: {key[1]}.{key[0]} is defined again (first in {found[key].file})")
+                versions = {
+                    v["name"]: v["schema"]["openAPIV3Schema"]
+                    for v in crd["spec"]["versions"]
+                    if v.get("served") and isinstance((v.get("schema") or {}).get("openAPIV3Schema"), dict)
+                }
+                found[key] = _CRD(name=crd["metadata"]["name"], file=str(file), versions=versions)
+    if not found:
+        raise PetatrainError(f"{path}: holds no CustomResourceDefinition ({CRDS_ENV})")
     return found
 
 
-@cache
-def _crd_versions(group: str, kind: str) -> dict[str, Mapping[str, Any]]:
-    """Served version name → its openAPIV3Schema; {} when no CRD for (group, kind) is vendored."""
-    file = _crd_files().get((group, kind))
-    if file is None:
-        return {}
-    crd = yaml.load(file.read_text(encoding="utf-8"), Loader=_BaseLoader)
-    return {v["name"]: v["schema"]["openAPIV3Schema"] for v in crd["spec"]["versions"] if v.get("served")}
+def _read_crd(item: Any, where: str) -> Mapping[str, Any]:
+    if not isinstance(item, dict) or item.get("kind") != "CustomResourceDefinition":
+        what = item.get("kind") if isinstance(item, dict) else type(item).__name__
+        raise PetatrainError(f"{where}: a {what}, not a CustomResourceDefinition")
+    if item.get("apiVersion") != "apiextensions.k8s.io/v1":
+        version = item.get("apiVersion")
+        raise PetatrainError(f"{where}: a CustomResourceDefinition of {version}, not apiextensions.k8s.io/v1")
+    try:
+        item["metadata"]["name"], item["spec"]["group"], item["spec"]["names"]["kind"]
+        iter(item["spec"]["versions"])
+    except (KeyError, TypeError) as exc:
+        raise PetatrainError(f"{where}: a CustomResourceDefinition without {exc}") from exc
+    return item
 
 
 @cache
-def _custom_resource(group: str, version: str, kind: str) -> _CustomResource | str | None:
-    """The vendored CRD's schema for this apiVersion and kind, a problem when the CRD exists but
-    does not serve this version, None when no vendored CRD has this kind."""
-    if (group, kind) not in _crd_files():
+def _custom_resource(crds: str | None, group: str, version: str, kind: str) -> _CustomResource | str | None:
+    """The schema for this apiVersion and kind: its CRD in `crds`, else the built-in one; a problem
+    when the kind is known but not in this version; None for a kind neither has."""
+    given = _given_crds(crds).get((group, kind)) if crds is not None else None
+    if given is not None:
+        versions, registry = given.versions, None
+        where = f"the CRD {given.name} in {given.file} serves {', '.join(versions)}"
+    elif (group, kind) in kuberay_schema.SCHEMAS:
+        versions, registry = kuberay_schema.SCHEMAS[(group, kind)], _embedded_registry()
+        where = (
+            f"petatrain's built-in schema, from {kuberay_schema.SOURCES[group]}, covers {group}/"
+            f"{', '.join(versions)}; give the cluster's CRDs ({CRDS_ENV}) to check others"
+        )
+    else:
         return None
-    versions = _crd_versions(group, kind)
     if version not in versions:
-        folder = _crd_files()[(group, kind)].name
-        return f"{kind} is not served as {group}/{version} (the CRD {folder} serves {', '.join(versions)})"
+        return f"{kind} is not served as {group}/{version} ({where})"
     openapi = versions[version]
     schema = _json_schema(openapi)
     schema["properties"]["metadata"] = {"type": "object"}  # checked against ObjectMeta in _metadata
-    return _CustomResource(openapi=openapi, validator=_CRDValidator(schema))
+    validator = _CRDValidator(schema) if registry is None else _CRDValidator(schema, registry=registry)
+    return _CustomResource(openapi=openapi, validator=validator)
 
 
-# Keys of an OpenAPI v3 (CRD) schema node that JSON Schema draft 7 does not validate with.
+# Keys of an OpenAPI v3 (CRD) schema node that JSON Schema does not validate with.
 _NOT_VALIDATING = {
     "description",
     "default",
@@ -352,11 +424,14 @@ def _json_schema(node: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _apply_defaults(instance: Any, node: Mapping[str, Any]) -> None:
-    """The API server's defaulting: a missing field whose schema has a default gets it, at every
-    level that is present, before validation (so `required` fields with defaults may be left out)."""
+    """The API server's pruning of nulls and defaulting: a field set to null is dropped unless its
+    schema is nullable, and a missing field whose schema has a default gets it, at every level
+    that is present, before validation (so `required` fields with defaults may be left out)."""
     if isinstance(instance, dict):
         properties = node.get("properties") or {}
         for name, sub in properties.items():
+            if name in instance and instance[name] is None and not sub.get("nullable"):
+                del instance[name]
             if name not in instance and "default" in sub:
                 instance[name] = copy.deepcopy(sub["default"])
             if name in instance:
@@ -405,7 +480,7 @@ def _list_type(
 
 
 _CRDValidator = jsonschema.validators.extend(
-    jsonschema.Draft7Validator,
+    jsonschema.Draft202012Validator,
     {"x-kubernetes-validations": _cel_rules, "x-kubernetes-list-type": _list_type},
 )
 
@@ -414,9 +489,22 @@ _CRDValidator = jsonschema.validators.extend(
 
 
 @cache
+def _k8s_definitions() -> dict[str, Any]:
+    definitions: dict[str, Any] = json.loads((_K8S_SCHEMAS / "_definitions.json").read_text(encoding="utf-8"))
+    return definitions
+
+
+@cache
 def _k8s_registry() -> Registry:
-    definitions = json.loads((_K8S_SCHEMAS / "_definitions.json").read_text(encoding="utf-8"))
-    return Registry().with_resource(_K8S_DEFINITIONS, Resource.from_contents(definitions))
+    return Registry().with_resource(_K8S_DEFINITIONS, Resource.from_contents(_k8s_definitions()))
+
+
+@cache
+def _embedded_registry() -> Registry:
+    """Kubernetes' definitions as a CRD embeds them, for the built-in schemas' `$ref`s."""
+    definitions = _k8s_definitions()
+    embedded = {**definitions, "$defs": kuberay_schema.embedded_kubernetes_definitions(definitions["$defs"])}
+    return Registry().with_resource(_K8S_DEFINITIONS, Resource.from_contents(embedded))
 
 
 @cache
@@ -459,13 +547,26 @@ def _explain(error: jsonschema.ValidationError, prefix: tuple[str | int, ...]) -
         for key in error.instance:
             if key not in known:
                 hint = difflib.get_close_matches(str(key), known, n=1)
-                yield (*path, key), "unknown field" + (f" (did you mean {hint[0]!r}?)" if hint else "")
+                if hint:
+                    yield (*path, key), f"unknown field (did you mean {hint[0]!r}?)"
+                elif schema.get("x-petatrain-partial"):
+                    yield (
+                        (*path, key),
+                        (
+                            "unknown field: petatrain's built-in schema covers only the fields petatrain writes here; "
+                            f"give the cluster's CRDs ({CRDS_ENV}) to check the others"
+                        ),
+                    )
+                else:
+                    yield (*path, key), "unknown field"
     elif error.validator == "required":
         for name in error.validator_value:
             if name not in error.instance:
                 yield (*path, name), "required field is missing"
     elif error.validator == "type":
         yield path, f"{_short(error.instance)} is not of type {_type_names(error.validator_value)}"
+    elif error.validator == "pattern" and error.validator_value == kuberay_schema.QUANTITY_PATTERN:
+        yield path, f"{_short(error.instance)} is not a quantity (such as 500m, 2Gi, 1.5 or 1e3)"
     elif error.validator in ("anyOf", "oneOf") and all(set(s) == {"type"} for s in error.validator_value):
         types = [t for s in error.validator_value for t in ([s["type"]] if isinstance(s["type"], str) else s["type"])]
         yield path, f"{_short(error.instance)} is not of type {_type_names(types)}"
