@@ -17,8 +17,8 @@ validate.py reads it as it reads a real CRD (defaults applied first, unknown fie
 Service, ResourceRequirements, an EnvVar, a LabelSelector, ...) the schema refers (`$ref`) to
 Kubernetes' own definition in kubernetes-validate's schemas, so containers, volumes, probes and
 resources are checked by the real Kubernetes schema, strictly, read as a CRD embeds it
-(embedded_kubernetes_definitions: quantities are integers or strings, embedded ObjectMeta keeps
-five fields).
+(embedded_kubernetes_definitions: nothing is nullable, quantities are integers or strings,
+embedded ObjectMeta keeps five fields).
 
 Objects marked `x-petatrain-partial` cover only part of their type (PodMonitor and ScaledObject):
 a field petatrain does not write is reported as unknown there. When the cluster's CRDs are given
@@ -112,6 +112,8 @@ def embedded_kubernetes_definitions(definitions: Mapping[str, Schema]) -> dict[s
     """Kubernetes' definitions (the `$defs` of kubernetes-validate's _definitions.json) as a CRD
     embeds them, which is how the API server reads a pod template inside a RayCluster:
 
+    - nothing is nullable: the API server drops a field or a map value set to null before it
+      validates (validate.py does too), and refuses null anywhere else (a list item),
     - a resource.Quantity is an integer or a string of QUANTITY_PATTERN (`cpu: 0.5` is refused;
       a Pod of the built-in kind accepts it),
     - embedded ObjectMeta keeps name, namespace, labels, annotations and finalizers only
@@ -119,32 +121,40 @@ def embedded_kubernetes_definitions(definitions: Mapping[str, Schema]) -> dict[s
       the rest),
     - an embedded object's apiVersion and kind are any strings (a CRD does not pin them).
     """
-    out = dict(definitions)
-    for name, definition in definitions.items():
-        properties = definition.get("properties") or {}
-        if any("enum" in properties.get(field, {}) for field in ("apiVersion", "kind")):
-            unpinned = {
-                field: {k: v for k, v in sub.items() if k != "enum"} if field in ("apiVersion", "kind") else sub
-                for field, sub in properties.items()
-            }
-            out[name] = {**definition, "properties": unpinned}
-    out["io.k8s.apimachinery.pkg.api.resource.Quantity"] = {
-        "anyOf": [{"type": "integer"}, {"type": "string"}, {"type": "null"}],
-        "pattern": QUANTITY_PATTERN,
-    }
-    string_map = {"type": ["object", "null"], "additionalProperties": {"type": "string"}}
-    out["io.k8s.apimachinery.pkg.apis.meta.v1.ObjectMeta"] = {
-        "type": ["object", "null"],
-        "properties": {
-            "annotations": string_map,
-            "finalizers": {"type": ["array", "null"], "items": {"type": "string"}},
-            "labels": string_map,
-            "name": {"type": ["string", "null"]},
-            "namespace": {"type": ["string", "null"]},
-        },
-        "additionalProperties": False,
-    }
+    out = {name: _not_null(definition) for name, definition in definitions.items()}
+    for definition in out.values():
+        for field in ("apiVersion", "kind"):
+            (definition.get("properties") or {}).get(field, {}).pop("enum", None)
+    out["io.k8s.apimachinery.pkg.api.resource.Quantity"] = _quantity()
+    out["io.k8s.apimachinery.pkg.apis.meta.v1.ObjectMeta"] = {**_embedded_meta(), "additionalProperties": False}
     return out
+
+
+def _not_null(node: Any) -> Any:
+    """A copy of a JSON schema in which null is no type."""
+    if isinstance(node, list):
+        return [_not_null(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    out = {key: _not_null(value) for key, value in node.items()}
+    types = node.get("type")
+    if isinstance(types, list):
+        types = [t for t in types if t != "null"]
+        out["type"] = types[0] if len(types) == 1 else types
+    return out
+
+
+def _embedded_meta() -> Schema:
+    """metav1.ObjectMeta embedded in a CRD: what controller-gen keeps of it."""
+    return _obj(
+        {
+            "annotations": _string_map(),
+            "finalizers": _array(_string()),
+            "labels": _string_map(),
+            "name": _string(),
+            "namespace": _string(),
+        }
+    )
 
 
 def _root(spec: Schema, *, spec_required: bool = False) -> Schema:

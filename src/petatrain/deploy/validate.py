@@ -213,7 +213,7 @@ def _check_document(doc: Any, number: int, crds: str | None) -> tuple[str, list[
         return label, [(("apiVersion",), custom)]
     if custom is not None:
         doc = copy.deepcopy(doc)
-        _apply_defaults(doc, custom.openapi)
+        _apply_defaults(doc, custom.openapi, custom.resolve)
         schema_findings = _schema_findings(custom.validator, doc)
         findings = [*_metadata(doc, kind, _object_meta_validator()), *schema_findings]
         if group == "ray.io":
@@ -287,6 +287,7 @@ class _CustomResource:
 
     openapi: Mapping[str, Any]
     validator: jsonschema.protocols.Validator
+    resolve: Callable[[str], Mapping[str, Any]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -359,10 +360,10 @@ def _custom_resource(crds: str | None, group: str, version: str, kind: str) -> _
     when the kind is known but not in this version; None for a kind neither has."""
     given = _given_crds(crds).get((group, kind)) if crds is not None else None
     if given is not None:
-        versions, registry = given.versions, None
+        versions, registry, resolve = given.versions, None, _no_refs
         where = f"the CRD {given.name} in {given.file} serves {', '.join(versions)}"
     elif (group, kind) in kuberay_schema.SCHEMAS:
-        versions, registry = kuberay_schema.SCHEMAS[(group, kind)], _embedded_registry()
+        versions, registry, resolve = kuberay_schema.SCHEMAS[(group, kind)], _embedded_registry(), _embedded_definition
         where = (
             f"petatrain's built-in schema, from {kuberay_schema.SOURCES[group]}, covers {group}/"
             f"{', '.join(versions)}; give the cluster's CRDs ({CRDS_ENV}) to check others"
@@ -375,7 +376,7 @@ def _custom_resource(crds: str | None, group: str, version: str, kind: str) -> _
     schema = _json_schema(openapi)
     schema["properties"]["metadata"] = {"type": "object"}  # checked against ObjectMeta in _metadata
     validator = _CRDValidator(schema) if registry is None else _CRDValidator(schema, registry=registry)
-    return _CustomResource(openapi=openapi, validator=validator)
+    return _CustomResource(openapi=openapi, validator=validator, resolve=resolve)
 
 
 # Keys of an OpenAPI v3 (CRD) schema node that JSON Schema does not validate with.
@@ -423,27 +424,39 @@ def _json_schema(node: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _apply_defaults(instance: Any, node: Mapping[str, Any]) -> None:
-    """The API server's pruning of nulls and defaulting: a field set to null is dropped unless its
-    schema is nullable, and a missing field whose schema has a default gets it, at every level
-    that is present, before validation (so `required` fields with defaults may be left out)."""
+def _apply_defaults(instance: Any, node: Mapping[str, Any], resolve: Callable[[str], Mapping[str, Any]]) -> None:
+    """The API server's pruning of nulls and defaulting, before it validates: a field or a map
+    value set to null is dropped unless its schema is nullable or has a default, and a missing
+    (or null) field whose schema has a default gets it, at every level that is present (so
+    `required` fields with defaults may be left out). `resolve` reads a `$ref`."""
+    while "$ref" in node:
+        node = resolve(node["$ref"])
     if isinstance(instance, dict):
         properties = node.get("properties") or {}
+        extra = node.get("additionalProperties")
+        for name in list(instance):
+            sub = properties.get(name, extra if isinstance(extra, dict) else None)
+            if instance[name] is None and sub is not None:
+                while "$ref" in sub:
+                    sub = resolve(sub["$ref"])
+                if "default" in sub:
+                    instance[name] = copy.deepcopy(sub["default"])
+                elif not sub.get("nullable"):
+                    del instance[name]
         for name, sub in properties.items():
-            if name in instance and instance[name] is None and not sub.get("nullable"):
-                del instance[name]
             if name not in instance and "default" in sub:
                 instance[name] = copy.deepcopy(sub["default"])
-            if name in instance:
-                _apply_defaults(instance[name], sub)
-        extra = node.get("additionalProperties")
-        if isinstance(extra, dict):
-            for name, value in instance.items():
-                if name not in properties:
-                    _apply_defaults(value, extra)
+        for name, value in instance.items():
+            sub = properties.get(name, extra if isinstance(extra, dict) else None)
+            if sub is not None:
+                _apply_defaults(value, sub, resolve)
     elif isinstance(instance, list) and isinstance(node.get("items"), dict):
         for item in instance:
-            _apply_defaults(item, node["items"])
+            _apply_defaults(item, node["items"], resolve)
+
+
+def _no_refs(ref: str) -> Mapping[str, Any]:
+    raise AssertionError(f"a CRD's schema has no $ref, got {ref}")
 
 
 def _has(obj: Any, field: str) -> bool:
@@ -456,7 +469,11 @@ def _cel_rules(
 ) -> Iterator[jsonschema.ValidationError]:
     for rule in rules:
         check = _CEL_RULES.get(rule["rule"])
-        if check is not None and not check(instance):
+        try:
+            failed = check is not None and not check(instance)
+        except TypeError:  # a field of the wrong type, reported by the schema: CEL would not run either
+            continue
+        if failed:
             yield jsonschema.ValidationError(rule.get("message") or f"failed rule: {rule['rule']}")
 
 
@@ -500,11 +517,24 @@ def _k8s_registry() -> Registry:
 
 
 @cache
-def _embedded_registry() -> Registry:
+def _embedded_definitions() -> dict[str, Any]:
     """Kubernetes' definitions as a CRD embeds them, for the built-in schemas' `$ref`s."""
     definitions = _k8s_definitions()
-    embedded = {**definitions, "$defs": kuberay_schema.embedded_kubernetes_definitions(definitions["$defs"])}
-    return Registry().with_resource(_K8S_DEFINITIONS, Resource.from_contents(embedded))
+    return {**definitions, "$defs": kuberay_schema.embedded_kubernetes_definitions(definitions["$defs"])}
+
+
+@cache
+def _embedded_registry() -> Registry:
+    return Registry().with_resource(_K8S_DEFINITIONS, Resource.from_contents(_embedded_definitions()))
+
+
+def _embedded_definition(ref: str) -> Mapping[str, Any]:
+    """The definition a `$ref` of a built-in schema (or of a definition) names."""
+    base, _, name = ref.partition("#/$defs/")
+    if base not in ("", _K8S_DEFINITIONS) or not name:
+        raise AssertionError(f"not a reference to a Kubernetes definition: {ref}")
+    definition: Mapping[str, Any] = _embedded_definitions()["$defs"][name]
+    return definition
 
 
 @cache
