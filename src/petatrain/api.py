@@ -642,7 +642,8 @@ def deploy_k8s(config: JobConfig, target: Any, out: str, *, from_plan: bool = Fa
         with open(path, "w", encoding="utf-8") as handle:
             yaml.safe_dump(doc, handle, sort_keys=False)
         files.append(path)
-    lo, hi = target.workers if target.workers != (0, 0) else config.parallel.worker_range()
+    configured = config.serve.replica_range() if target.kind == "rayservice" else config.parallel.worker_range()
+    lo, hi = target.workers if target.workers != (0, 0) else configured
     per_pod = target.devices_per_node or 1
     return Deployment(
         files=files, kind=target.kind, workers=(lo, hi), worker_pods=(-(-lo // per_pod), -(-hi // per_pod)),

@@ -734,7 +734,9 @@ app.add_typer(deploy_app, name="deploy")
 @deploy_app.command("k8s")
 def deploy_k8s(
     config: Annotated[Path | None, typer.Argument(help="Job config YAML (not needed with --validate).")] = None,
-    out: Annotated[str, typer.Option(help="Folder the manifests are written to (one YAML file each).")] = "",
+    out_dir: Annotated[
+        str, typer.Option("--out", help="Folder the manifests are written to (one YAML file each).")
+    ] = "",
     run_dir: Annotated[
         str, typer.Option("--run-dir", help="The run directory on the object store (s3://...): what a retry continues.")
     ] = "",
@@ -776,13 +778,13 @@ def deploy_k8s(
             if as_json:
                 _print_json({"folder": validate, "problems": problems})
             for line in problems if not as_json else []:
-                _say(escape(line))
+                out.print(escape(line), highlight=False, soft_wrap=True)
             if problems:
                 raise typer.Exit(1)
             if not as_json:
-                _say(f"{validate}: every manifest is valid")
+                out.print(f"{escape(validate)}: every manifest is valid", highlight=False, soft_wrap=True)
             return
-        if config is None or not out:
+        if config is None or not out_dir:
             raise ConfigError("deploy k8s needs a CONFIG and --out DIR (or --validate DIR)")
         if kind not in ("rayjob", "raycluster", "rayservice"):
             raise ConfigError(f"--kind {kind!r}: rayjob, raycluster or rayservice")
@@ -798,7 +800,7 @@ def deploy_k8s(
             raise ConfigError(
                 f"--run-dir s3://BUCKET/runs/NAME: a {kind} trains into (or serves) a run directory on the object store"
             )
-        done = api.deploy_k8s(cfg, target, out, from_plan=from_plan, count=count)
+        done = api.deploy_k8s(cfg, target, out_dir, from_plan=from_plan, count=count)
         if as_json:
             _print_json(done.to_dict())
             return
@@ -808,6 +810,6 @@ def deploy_k8s(
         _say(f"{done.kind}: {pods} worker pod(s){per}, sized by {escape(done.sized_by)}")
         for path in done.files:
             _say(f"  {path}")
-        _say(f"apply: kubectl apply -f {out}   watch: kubectl get {done.kind} -n {namespace} -w")
+        _say(f"apply: kubectl apply -f {out_dir}   watch: kubectl get {done.kind} -n {namespace} -w")
 
     _guarded(go)
