@@ -250,3 +250,31 @@ def test_run_result_is_typed_and_still_reads_as_the_old_summary():
         "wall_s": 12.5,
     }
     assert result["failures"] == summary["failures"] and result["steps"] == 40
+
+
+def test_a_cluster_too_small_is_waited_for_then_refused():
+    """After a lost pod the cluster has no room until its replacement joins: the supervisor waits
+    (faults.capacity_wait_s, polling), then schedules; a cluster that never grows fails naming the wait."""
+    from petatrain.runtime import supervisor as sup
+
+    class Growing:
+        def __init__(self, cpus: list[float]):
+            self.cpus = cpus
+
+        def resources(self):
+            return (self.cpus.pop(0) if len(self.cpus) > 1 else self.cpus[0]), 0.0
+
+    slept: list[float] = []
+    machine = sup.Supervisor(
+        attempts=None, cluster=Growing([0, 0, 2]), restart=sup.RestartPolicy(3),
+        world_size=WorldSizePolicy(job("parallel.workers=2")), emit=lambda *a, **k: None,
+        sleep=slept.append, capacity_wait_s=10,
+    )  # fmt: skip
+    assert machine._room() == 2 and slept == [sup.CAPACITY_POLL_S] * 2
+    never = sup.Supervisor(
+        attempts=None, cluster=Growing([0]), restart=sup.RestartPolicy(3),
+        world_size=WorldSizePolicy(job("parallel.workers=2")), emit=lambda *a, **k: None,
+        sleep=lambda s: None, capacity_wait_s=5,
+    )  # fmt: skip
+    with pytest.raises(PetatrainError, match=r"can host 0 worker.*after waiting 6 s, faults.capacity_wait_s"):
+        never._room()

@@ -296,8 +296,13 @@ class FaultsConfig:
     # idle priority, so a restart's ranks skip Python, Ray, torch and Ray Train start-up
     # (petatrain.train.spares).
     spares: bool = True
+    # On a cluster petatrain joined (--address): how long an attempt waits for room for the smallest
+    # worker count (a replaced pod, the autoscaler's new node) before the run fails. A local Ray never grows.
+    capacity_wait_s: float = 600.0
 
     def __post_init__(self) -> None:
+        if not (math.isfinite(self.capacity_wait_s) and self.capacity_wait_s >= 0):
+            raise ConfigError(f"faults.capacity_wait_s must be a number of seconds >= 0, got {self.capacity_wait_s}")
         if self.max_restarts < 0 or self.hang_timeout_s <= 0 or self.mtbf_hours <= 0:
             raise ConfigError("faults.max_restarts must be >= 0, faults.hang_timeout_s and faults.mtbf_hours > 0")
         if not math.isfinite(self.hang_timeout_s):

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import json
 import logging
 import os
@@ -48,8 +49,10 @@ import re
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -205,6 +208,8 @@ class TwoNodeCluster:
         subnet: str = "10.231.0",
         keep_logs: bool = False,
         node_env: Mapping[str, str] | None = None,
+        head_args: Sequence[str] = (),
+        worker_args: Sequence[str] = (),
     ) -> None:
         if head_cpus < 0 or worker_cpus < 0:
             raise ValueError(f"head_cpus and worker_cpus must be >= 0, got {head_cpus} and {worker_cpus}")
@@ -235,6 +240,9 @@ class TwoNodeCluster:
         }
         # The nodes' `ray start` only (e.g. Ray's TLS variables); drivers are given theirs by the caller.
         self.node_env = dict(node_env or {})
+        # More `ray start` flags per node (a pod's rayStartParams): `--name=value` replaces the harness's own.
+        self.head_args, self.worker_args = list(head_args), list(worker_args)
+        self._forwarders: list[socket.socket] = []
         self.start_s: float | None = None
         self._worker_starts = 0
         self._started = False
@@ -269,6 +277,9 @@ class TwoNodeCluster:
             return
         self._started = False
         atexit.unregister(self.stop)
+        for listener in self._forwarders:
+            with contextlib.suppress(OSError):
+                listener.close()
         for name in (self.worker_ns, self.head_ns):
             _delete_namespace(name)
         if not self.keep_logs:
@@ -299,6 +310,40 @@ class TwoNodeCluster:
     def pids(self) -> dict[str, list[int]]:
         """Live processes per namespace (for checks that nothing is left behind)."""
         return {name: [p for p in _netns_pids(name) if _running(p)] for name in (self.head_ns, self.worker_ns)}
+
+    def expose(self, target: str, port: int) -> str:
+        """Make a TCP service of the host (e.g. the S3 server at 127.0.0.1:7480) reachable from both
+        nodes at `HEAD_IP:port`; returns that address. A forwarder in this process: its listening
+        socket is made inside the head's namespace (by a thread that enters it alone), and each
+        connection it accepts is relayed to `target` from the host's namespace."""
+        host, _, target_port = target.rpartition(":")
+        listener = _listen_in(self.head_ns, self.head_ip, port)
+        self._forwarders.append(listener)
+
+        def relay(conn: socket.socket) -> None:
+            try:
+                upstream = socket.create_connection((host, int(target_port)), timeout=10)
+            except OSError:
+                conn.close()
+                return
+            upstream.settimeout(None)
+            sending = threading.Thread(target=_pump, args=(conn, upstream), daemon=True)
+            sending.start()
+            _pump(upstream, conn)
+            sending.join()
+            conn.close()
+            upstream.close()
+
+        def serve() -> None:
+            while True:
+                try:
+                    conn, _ = listener.accept()
+                except OSError:  # closed by stop()
+                    return
+                threading.Thread(target=relay, args=(conn,), daemon=True).start()
+
+        threading.Thread(target=serve, name=f"expose-{port}", daemon=True).start()
+        return f"{self.head_ip}:{port}"
 
     # faults
 
@@ -347,6 +392,9 @@ class TwoNodeCluster:
     def _ray_start(self, node: Node, args: list[str], temp_dir: Path) -> None:
         temp_dir.parent.mkdir(parents=True, exist_ok=True)
         ray = str(Path(sys.executable).with_name("ray"))
+        extra = self.head_args if node == "head" else self.worker_args
+        replaced = {a.split("=", 1)[0] for a in extra}
+        args = [a for a in args if a.split("=", 1)[0] not in replaced] + extra
         argv = [
             ray, "start", *args,
             f"--object-store-memory={self.object_store_bytes}",
@@ -388,6 +436,50 @@ class TwoNodeCluster:
             ],
             self.temp_root / f"work{self._worker_starts}",
         )
+
+
+_CLONE_NEWNET = 0x40000000
+
+
+def _listen_in(namespace: str, ip: str, port: int) -> socket.socket:
+    """A listening TCP socket on ip:port inside network namespace `namespace`. setns(2) moves only
+    the calling thread, so a short-lived thread enters the namespace, makes the socket and ends;
+    the socket stays in the namespace it was made in."""
+    made: dict[str, Any] = {}
+
+    def inside() -> None:
+        fd = os.open(NETNS_DIR / namespace, os.O_RDONLY)
+        try:
+            if ctypes.CDLL(None, use_errno=True).setns(fd, _CLONE_NEWNET) != 0:
+                raise OSError(ctypes.get_errno(), f"setns into {namespace} failed")
+            listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind((ip, port))
+            listener.listen(64)
+            made["socket"] = listener
+        except OSError as exc:
+            made["error"] = exc
+        finally:
+            os.close(fd)
+
+    thread = threading.Thread(target=inside, name=f"listen-in-{namespace}")
+    thread.start()
+    thread.join()
+    if "error" in made:
+        raise PetatrainError(f"cannot listen on {ip}:{port} in {namespace}: {made['error']}")
+    return made["socket"]
+
+
+def _pump(source: socket.socket, sink: socket.socket) -> None:
+    """Copy bytes until `source` ends, then end `sink`'s sending side."""
+    try:
+        while data := source.recv(65536):
+            sink.sendall(data)
+    except OSError:
+        pass
+    finally:
+        with contextlib.suppress(OSError):
+            sink.shutdown(socket.SHUT_WR)
 
 
 def _own_namespace() -> str | None:

@@ -141,6 +141,7 @@ def _drive(job: TrainJob, held: contextlib.ExitStack) -> RunResult:
             # A driver that stalled past its lease must not start writing beside the new holder.
             before_attempt=lease.check,
             attempt=prior.next_attempt if prior else 0,
+            capacity_wait_s=0.0 if attempts.local else cfg.faults.capacity_wait_s,
         )
         failures = supervisor.run()
         final = join(run_url, "final", "model.safetensors")

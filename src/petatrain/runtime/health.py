@@ -14,7 +14,7 @@ every rank's step heartbeats and every event of the run:
                   ended. The body says which: {"state": "training" | "checkpointing" |
                   "starting" | "restarting" | "finished" | "failed", ...}
 
-Both answer JSON with the state, the attempt, the newest step and how long ago it completed.
+Both answer JSON with the state, the attempt, its newest step and how long ago progress was made.
 """
 
 from __future__ import annotations

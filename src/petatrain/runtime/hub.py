@@ -82,7 +82,7 @@ class RunHub:
             elif event in self._STATES:
                 self.phase["state"] = self._STATES[event]
             if event == "attempt_start":
-                self.phase["attempt_t"] = record.get("t")
+                self.phase["attempt_t"], self.phase["step"] = record.get("t"), None  # steps of this attempt
             if event == "step" and isinstance(record.get("step"), int):
                 self.phase["step"] = max(self.phase["step"] or 0, record["step"])
 

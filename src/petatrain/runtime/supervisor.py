@@ -27,6 +27,7 @@ from petatrain.runtime.failures import AttemptFailed, Failure, FailureCause, cla
 log = logging.getLogger(__name__)
 
 NODE_LOST_SETTLE_S = 1.0  # after a lost node: let the cluster's view of resources settle
+CAPACITY_POLL_S = 2.0  # how often a cluster too small for the next attempt is asked again
 
 
 class State(enum.Enum):
@@ -71,6 +72,10 @@ class RestartPolicy:
         return failure.detail if failure.cause is FailureCause.ERROR else f"gave up after {self.used - 1} restarts"
 
 
+class TooSmall(PetatrainError):
+    """The alive cluster cannot host the smallest worker count the job allows."""
+
+
 class WorldSizePolicy:
     """The largest worker count in parallel.workers that the alive cluster can host and that divides the
     batch (for a pipeline: a multiple of its stages whose replicas x micro-batches divide it)."""
@@ -88,7 +93,7 @@ class WorldSizePolicy:
         for n in range(min(hi, fit), lo - 1, -1):
             if cfg.parallel.runs_on(n, cfg.train.global_batch):
                 return n
-        raise PetatrainError(
+        raise TooSmall(
             f"the cluster can host {fit} worker(s) of {per} CPU; parallel.workers={cfg.parallel.workers} "
             f"and train.global_batch={cfg.train.global_batch} need at least {lo} (and a count dividing the batch)"
         )
@@ -141,6 +146,9 @@ class Supervisor:
     world_size: WorldSizePolicy
     emit: Callable[..., Any]  # emit(event, **fields): the ledger
     before_attempt: Callable[[], None] = lambda: None  # e.g. the run directory's lease is still ours
+    # On a cluster that can grow (KubeRay replacing a lost pod, the autoscaler adding nodes): how
+    # long to wait for room for the smallest worker count before giving up; 0 on a local Ray.
+    capacity_wait_s: float = 0.0
     sleep: Callable[[float], None] = time.sleep
     state: State = State.SCHEDULING
     attempt: int = 0
@@ -154,7 +162,7 @@ class Supervisor:
         while self.state is not State.FINISHED:
             if self.state is State.SCHEDULING:
                 # Totals of the alive nodes: the failed attempt's workers are still being released.
-                self.world = self.world_size.choose(*self.cluster.resources())
+                self.world = self._room()
                 nodes_before = self.cluster.alive_nodes()
                 self.before_attempt()
                 self.state = State.RUNNING
@@ -166,6 +174,23 @@ class Supervisor:
                 self._recover(self._classify(outcome, nodes_before))
                 self.state = State.SCHEDULING
         return self.failures
+
+    def _room(self) -> int:
+        """The next attempt's worker count, once the cluster can host the smallest one (or TooSmall)."""
+        waited, told = 0.0, False
+        while True:
+            try:
+                return self.world_size.choose(*self.cluster.resources())
+            except TooSmall as small:
+                if waited >= self.capacity_wait_s:
+                    if told:
+                        raise TooSmall(f"{small} (after waiting {waited:.0f} s, faults.capacity_wait_s)") from None
+                    raise
+                if not told:
+                    log.warning("%s; waiting up to %.0f s for the cluster to grow", small, self.capacity_wait_s)
+                    told = True
+                self.sleep(CAPACITY_POLL_S)
+                waited += CAPACITY_POLL_S
 
     def _classify(self, outcome: AttemptOutcome, nodes_before: set[str]) -> Failure:
         error = outcome.error
