@@ -22,7 +22,13 @@ def test_placement_group_of_a_dead_controller_is_removed_between_attempts(ray_lo
     from petatrain.runtime.cluster import remove_leftover_placement_groups
     from petatrain.runtime.trainer import trainer_class
 
+    # Tasks of earlier tests (a session fixture's Ray Data ingest) may still be giving their CPUs back.
+    total = ray_local.cluster_resources().get("CPU", 0)
+    deadline = time.monotonic() + 30
+    while ray_local.available_resources().get("CPU", 0) < total and time.monotonic() < deadline:
+        time.sleep(0.1)
     free = ray_local.available_resources().get("CPU", 0)
+    assert free == total, "the session's Ray never became idle"
     group = placement_group([{"CPU": 1}])
     ray_local.get(group.ready(), timeout=30)
     assert ray_local.available_resources().get("CPU", 0) == free - 1

@@ -19,37 +19,38 @@ QUALIFIED_NAME_MAX = 63
 LABEL_VALUE_MAX = 63
 
 
+def _name(value: str, pattern: re.Pattern[str], limit: int, rule: str) -> list[str]:
+    errs = [] if len(value) <= limit else [f"must be no more than {limit} characters"]
+    if not pattern.fullmatch(value):
+        errs.append(rule)
+    return errs
+
+
 def dns1123_label(value: str) -> list[str]:
     """IsDNS1123Label: a namespace, a worker group name under a network policy."""
-    errs = [] if len(value) <= DNS1123_LABEL_MAX else [f"must be no more than {DNS1123_LABEL_MAX} characters"]
-    if not _DNS1123_LABEL.fullmatch(value):
-        errs.append(
-            "a lowercase RFC 1123 label must consist of lower case alphanumeric characters or '-', "
-            "and must start and end with an alphanumeric character (e.g. 'my-name', or '123-abc')"
-        )
-    return errs
+    return _name(
+        value, _DNS1123_LABEL, DNS1123_LABEL_MAX,
+        "a lowercase RFC 1123 label must consist of lower case alphanumeric characters or '-', "
+        "and must start and end with an alphanumeric character (e.g. 'my-name', or '123-abc')",
+    )  # fmt: skip
 
 
 def dns1123_subdomain(value: str) -> list[str]:
     """IsDNS1123Subdomain: the name of most kinds (ConfigMap, Secret, PersistentVolumeClaim, ...)."""
-    errs = [] if len(value) <= DNS1123_SUBDOMAIN_MAX else [f"must be no more than {DNS1123_SUBDOMAIN_MAX} characters"]
-    if not _DNS1123_SUBDOMAIN.fullmatch(value):
-        errs.append(
-            "a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.', "
-            "and must start and end with an alphanumeric character (e.g. 'example.com')"
-        )
-    return errs
+    return _name(
+        value, _DNS1123_SUBDOMAIN, DNS1123_SUBDOMAIN_MAX,
+        "a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.', "
+        "and must start and end with an alphanumeric character (e.g. 'example.com')",
+    )  # fmt: skip
 
 
 def dns1035_label(value: str) -> list[str]:
     """IsDNS1035Label: a Service name, and KubeRay's RayCluster, RayJob and RayService names."""
-    errs = [] if len(value) <= DNS1035_LABEL_MAX else [f"must be no more than {DNS1035_LABEL_MAX} characters"]
-    if not _DNS1035_LABEL.fullmatch(value):
-        errs.append(
-            "a DNS-1035 label must consist of lower case alphanumeric characters or '-', start with an "
-            "alphabetic character, and end with an alphanumeric character (e.g. 'my-name', or 'abc-123')"
-        )
-    return errs
+    return _name(
+        value, _DNS1035_LABEL, DNS1035_LABEL_MAX,
+        "a DNS-1035 label must consist of lower case alphanumeric characters or '-', start with an "
+        "alphabetic character, and end with an alphanumeric character (e.g. 'my-name', or 'abc-123')",
+    )  # fmt: skip
 
 
 def path_segment_name(value: str) -> list[str]:
@@ -84,10 +85,8 @@ def qualified_name(value: str) -> list[str]:
 
 def label_value(value: str) -> list[str]:
     """IsValidLabelValue: empty, or up to 63 characters of [-A-Za-z0-9_.] in alphanumerics."""
-    errs = [] if len(value) <= LABEL_VALUE_MAX else [f"must be no more than {LABEL_VALUE_MAX} characters"]
-    if not _LABEL_VALUE.fullmatch(value):
-        errs.append(
-            "a valid label must be an empty string or consist of alphanumeric characters, '-', '_' or '.', "
-            "and must start and end with an alphanumeric character"
-        )
-    return errs
+    return _name(
+        value, _LABEL_VALUE, LABEL_VALUE_MAX,
+        "a valid label must be an empty string or consist of alphanumeric characters, '-', '_' or '.', "
+        "and must start and end with an alphanumeric character",
+    )  # fmt: skip

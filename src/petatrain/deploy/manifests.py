@@ -81,12 +81,13 @@ class Target:
 
 
 def check_name(name: str) -> str:
-    """A RayJob/RayCluster name: DNS-1035 label, short enough for the names KubeRay derives from it."""
-    if not re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", name) or len(name) > 47:
-        raise ConfigError(
-            f"--name {name!r}: a Kubernetes name of at most 47 characters: lower-case letters, digits and '-', "
-            "starting with a letter"
-        )
+    """A RayJob/RayCluster/RayService name: a DNS-1035 label short enough for the names KubeRay derives
+    from it (47 characters: deploy/kuberay_rules.py)."""
+    from petatrain.deploy.k8s_names import dns1035_label
+
+    problems = dns1035_label(name) + ([] if len(name) <= 47 else ["must be no more than 47 characters"])
+    if problems:
+        raise ConfigError(f"--name {name!r}: {'; '.join(problems)}")
     return name
 
 
