@@ -16,13 +16,13 @@ from typing import ClassVar
 
 import pytest
 import yaml
-from petatrain.deploy.validate import validate_dir, validate_documents
 
 from conftest import run_cli
 from helpers import ROOT
 from petatrain import api, config
 from petatrain.deploy import manifests, probe
 from petatrain.deploy.manifests import Target
+from petatrain.deploy.validate import validate_dir, validate_documents
 
 # What examples/k8s/ holds, and the command that writes each (the README shows them).
 EXAMPLES = {
