@@ -10,6 +10,7 @@ from __future__ import annotations
 import filecmp
 import http.server
 import json
+import math
 import threading
 from pathlib import Path
 from typing import ClassVar
@@ -105,7 +106,8 @@ def test_sizes_from_the_plan_on_gpus(tmp_path):
     assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
     assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
     shm = next(v for v in pod["volumes"] if v["name"] == "shm")
-    assert shm["emptyDir"]["medium"] == "Memory"
+    # Ray's object store lives in /dev/shm: as large as Ray makes it, 30% of the pod's 8 x 160 GiB.
+    assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": f"{math.ceil(8 * 160 * 1024 * 0.3)}Mi"}
     deployed = config.from_yaml(docs["ConfigMap"]["data"]["job.yaml"], "job.yaml")
     assert deployed.parallel.strategy == "pipeline" and deployed.parallel.workers == "64"
     assert deployed.parallel.pipeline.stages * (64 // deployed.parallel.pipeline.stages) == 64

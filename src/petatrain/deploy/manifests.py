@@ -14,7 +14,8 @@ should meet them: the ServiceAccount, the ConfigMap with the resolved job config
   config names it. No value of either is ever written here.
 - The node-local shard cache (`PETATRAIN_CACHE_DIR`) is an `emptyDir` with a size limit, or,
   with a storage class (local NVMe), a generic ephemeral volume: a PVC per pod, gone with it.
-  `/dev/shm` is a memory-backed `emptyDir` for the loader's buffers and Ray's object store.
+  `/dev/shm` is a memory-backed `emptyDir` as large as Ray's object store, which lives there (30% of
+  the pod's memory, Ray's default; Kubernetes' own 64 MiB would make Ray fall back to disk).
 - The RayJob's entrypoint is `petatrain train ... --resume` against the run directory on the
   object store: a retry (`backoffLimit`), a lost head pod or a new cluster continues the run
   from its newest committed checkpoint. The driver serves /livez and /readyz on
@@ -72,7 +73,7 @@ class Target:
     keyring_secret: str = ""  # Secret holding the keyring file; "" = NAME-keyring (when the config encrypts)
     cache_size: str = "100Gi"
     cache_storage_class: str = ""  # "" = emptyDir; else a per-pod ephemeral PVC of this class
-    shm_size: str = "8Gi"
+    shm_size: str = ""  # "" = Ray's object store: 30% of the pod's memory
     cpu_per_device: int = 12
     memory_per_device: str = "160Gi"
     backoff_limit: int = 3
@@ -219,7 +220,7 @@ def _pod(cfg: JobConfig, target: Target, labels: dict[str, str], *, head: bool) 
         {"name": "shard-cache", "mountPath": CACHE_PATH},
     ]
     volumes: list[dict[str, Any]] = [
-        {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": target.shm_size}},
+        {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": target.shm_size or _share(memory, 0.3)}},
         _cache_volume(target),
     ]
     if head:
@@ -315,6 +316,15 @@ def _pod_monitor(target: Target, meta: dict[str, Any], labels: dict[str, str]) -
             ],
         },
     }
+
+
+def _share(quantity: str, fraction: float) -> str:
+    """`fraction` of a Gi/Mi quantity, rounded up to whole Mi ("16Gi", 0.3 -> "4916Mi")."""
+    number = re.fullmatch(r"(\d+)(Gi|Mi)", quantity)
+    if number is None:
+        raise ConfigError(f"cannot read the quantity {quantity!r} (e.g. 160Gi)")
+    mib = int(number.group(1)) * (1024 if number.group(2) == "Gi" else 1)
+    return f"{math.ceil(mib * fraction)}Mi"
 
 
 def _times(quantity: str, n: int) -> str:
