@@ -742,7 +742,9 @@ def deploy_k8s(
     ] = "",
     image: Annotated[str, typer.Option(help="Container image with petatrain installed.")] = "",
     namespace: Annotated[str, typer.Option(help="Kubernetes namespace.")] = "default",
-    name: Annotated[str, typer.Option(help="Name of the RayJob/RayCluster (default: petatrain-CONFIG).")] = "",
+    name: Annotated[
+        str, typer.Option(help="Name of the RayJob/RayCluster/RayService (default: petatrain-CONFIG).")
+    ] = "",
     accelerator: Annotated[str, typer.Option(help="Catalog accelerator (H100-SXM, ...); default: CPU pods.")] = "",
     count: Annotated[int, typer.Option(help="Accelerators (or CPU workers) to train on; default: the config's.")] = 0,
     from_plan: Annotated[
@@ -767,8 +769,8 @@ def deploy_k8s(
     set_: Sets = None,
     as_json: Json = False,
 ) -> None:
-    """Write KubeRay manifests (RayJob or RayCluster, ServiceAccount, ConfigMap, PodMonitor) sized from
-    the config or its plan; the RayJob's driver continues the run on a retry. --validate DIR checks them."""
+    """Write KubeRay manifests (a RayJob, RayCluster or RayService, with its ServiceAccount, ConfigMap and
+    PodMonitor) sized from the config or its plan; a RayJob's retry continues the run. --validate DIR checks them."""
 
     def go():
         from petatrain.errors import ConfigError
