@@ -199,7 +199,8 @@ class Lease:
         try:
             current = self._read()
             if current is not None and current.owner == stale.owner:
-                log.warning("taking over %s from an expired lease (%s)", self.what, stale.describe())
+                why = "whose holder's process is gone" if stale.died_here() else "that expired"
+                log.warning("taking over %s from a lease %s (%s)", self.what, why, stale.describe())
                 self._remove(self.url)
         finally:
             self._remove(marker)
