@@ -75,9 +75,10 @@ def tiny(dataset: str, *overrides: str) -> config.JobConfig:
 
 
 def train(cfg, run_dir, *injections: str) -> dict:
+    """A driver on `run_dir`, as `train --resume` runs one: it starts a new run, or continues the one there."""
     from petatrain.runtime.driver import TrainJob, run
 
-    return run(TrainJob(config=cfg, run_url=str(run_dir), injections=[parse(i) for i in injections]))
+    return run(TrainJob(config=cfg, run_url=str(run_dir), injections=[parse(i) for i in injections], resume=True))
 
 
 def sha256(path: Path) -> str:

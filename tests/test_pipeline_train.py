@@ -108,7 +108,7 @@ def test_resume_at_another_strategy(direction, pipeline_run, baseline, token_dat
     overrides = [] if direction == "pipeline -> ddp" else PIPELINE
     run_dir = _from_checkpoint(source, tmp_path / "run", 20)
     summary = train(tiny(token_dataset, *overrides), run_dir)
-    assert summary["attempts"] == 1
+    assert summary["failures"] == []  # the run's second driver continued it without a fault
     resumed, reference = _losses(run_dir), _losses(target)
     assert max(abs(resumed[s] - reference[s]) for s in range(21, 31)) < 1e-5
     ours = load_file(run_dir / "final" / "model.safetensors")
@@ -157,7 +157,7 @@ def test_fsdp_and_pipeline_checkpoints_resume_in_each_other(pipeline_run, baseli
     for source, overrides, name in [(tmp_path / "fsdp", PIPELINE, "to-pipeline"), (pipeline_run, fsdp, "to-fsdp")]:
         run_dir = _from_checkpoint(source, tmp_path / name, 20)
         summary = train(tiny(token_dataset, *overrides), run_dir)
-        assert summary["attempts"] == 1
+        assert summary["failures"] == []  # the run's second driver continued it without a fault
         resumed = _losses(run_dir)
         assert max(abs(resumed[s] - reference[s]) for s in range(21, 31)) < 1e-5, name
         ours = load_file(run_dir / "final" / "model.safetensors")

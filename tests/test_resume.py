@@ -91,6 +91,8 @@ def test_a_finished_run_resumed_is_left_as_it_is(tmp_path, token_dataset, no_ray
         {"event": "step", "step": 30, "attempt": 1},
         {"event": "end", "status": "ok", "step": 30},
     )  # fmt: skip
+    (tmp_path / "final").mkdir()
+    (tmp_path / "final" / "COMMITTED").write_text("{}")  # its final weights are committed
     before = (tmp_path / "events.jsonl").read_bytes()
     result = run(_job(cfg, tmp_path, resume=True))
     assert (result.steps, result.attempts, [f.cause.value for f in result.failures]) == (30, 2, ["kill"])

@@ -557,12 +557,15 @@ class JobConfig:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
 
-# What a driver continuing a run (`train --resume`) may change: how far it trains, on what,
-# and how it is watched and stored. Anything else (data, model, the recipe, the strategy)
-# would make a different run, so it is refused with the difference named.
+# What a driver continuing a run (`train --resume`) may change: how far it trains, how it is
+# spread (checkpoints are saved per named parameter and the loader's position is global, so a
+# run resumes on another strategy, world size or pipeline shape with the same next steps; the
+# micro-batch and recompute change the accumulation, not the step), and how it is watched and
+# stored. Anything else (data, model, the optimisation) would make a different run, so it is
+# refused with the difference named.
 RESUMABLE = (
-    "train.steps", "parallel.workers", "checkpoint", "faults", "resources", "observe", "storage",
-    "plan", "serve", "ingest",
+    "train.steps", "train.micro_batch", "train.activation_checkpointing", "parallel", "checkpoint", "faults",
+    "resources", "observe", "storage", "plan", "serve", "ingest",
 )  # fmt: skip
 
 

@@ -104,7 +104,7 @@ def _drive(job: TrainJob, held: contextlib.ExitStack) -> RunResult:
     prior = run_dir.prior_run(run_url, job.options)
     if prior is not None:
         _may_continue(prior, cfg, run_url, job.resume)
-        if prior.ended == "ok" and prior.step >= cfg.train.steps:
+        if prior.ended == "ok" and prior.step >= cfg.train.steps and _has_final(run_url, job.options):
             log.info("%s already trained to step %d: nothing to do", prior.describe(), prior.step)
             return _finished(prior, run_url)
     constants.set_train_defaults()  # propagated to the controller and workers
@@ -169,8 +169,8 @@ def _may_continue(prior: Any, cfg: JobConfig, run_url: str, resume: bool) -> Non
     if changed:
         raise ConfigError(
             f"--run-dir {run_url} holds a run with another config ({'; '.join(changed)}); "
-            "on --resume only train.steps, parallel.workers and the checkpoint, faults, resources, observe "
-            "and storage sections may change"
+            "on --resume only train.steps, train.micro_batch, train.activation_checkpointing and the parallel, "
+            "checkpoint, faults, resources, observe and storage sections may change"
         )
 
 
@@ -201,6 +201,14 @@ def _continue(prior: Any, attempts: RayAttempts, cfg: JobConfig, metrics: str | 
             detail=f"the driver stopped at step {prior.step} without ending the run; a new driver continues it",
         )  # fmt: skip
         attempts.emit("restart", attempt=prior.next_attempt, reason=FailureCause.DRIVER_LOST.value)
+
+
+def _has_final(run_url: str, options: StorageOptions | None) -> bool:
+    """The run's final weights are committed (a run whose ledger ended but whose final/ is gone is not done)."""
+    from petatrain.storage.fs import exists
+    from petatrain.train.checkpoint.final import RECORD, final_dir
+
+    return exists(join(final_dir(run_url), RECORD), options)
 
 
 def _finished(prior: Any, run_url: str) -> RunResult:
