@@ -151,6 +151,8 @@ def build(cfg: JobConfig, target: Target) -> list[dict[str, Any]]:
 
 
 def _entrypoint(target: Target) -> str:
+    # The driver's metrics on the pod's own address (its network namespace is the pod's), where the
+    # PodMonitor's Prometheus scrapes them; the health endpoint stays on loopback: the probe runs in the pod.
     argv = [
         "petatrain", "train", CONFIG_PATH, "--run-dir", target.run_dir, "--address", "auto", "--resume",
         "--set", "observe.metrics_host=0.0.0.0", "--set", f"observe.metrics_port={METRICS_PORT}",
@@ -172,6 +174,7 @@ def _serve_config(cfg: JobConfig, target: Target) -> str:
         "args": {"run": target.run_dir, "checkpoint": target.checkpoint},
         "deployments": [deployment],
     }
+    # Serve's proxy on the pod's address: KubeRay's serve Service sends the requests there.
     return yaml.safe_dump({"http_options": {"host": "0.0.0.0", "port": 8000}, "applications": [app]}, sort_keys=False)
 
 
