@@ -50,6 +50,10 @@ def test_a_rayjob_continues_its_run_and_scales_between_the_worker_range():
     job = docs[2]["spec"]
     assert job["entrypoint"].startswith("petatrain train /etc/petatrain/job.yaml --run-dir s3://b/runs/tiny")
     assert "--resume" in job["entrypoint"].split() and "observe.health_port=8079" in job["entrypoint"]
+    # The driver's metrics listen on the pod's IP only (the downward API's status.podIP), not on every interface.
+    assert job["entrypoint"].endswith('--set "observe.metrics_host=$POD_IP"')
+    head_env = job["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["env"]
+    assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in head_env
     assert job["shutdownAfterJobFinishes"] is True and job["backoffLimit"] >= 1
     cluster = job["rayClusterSpec"]
     assert cluster["authOptions"] == {"mode": "token"}

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shlex
 import socket
 import sys
@@ -39,12 +40,15 @@ def _flags(group: dict) -> list[str]:
     return [f"--{key}={value}" for key, value in params.items()]
 
 
-def _env(group: dict, secrets: dict[str, dict[str, str]], cache: Path) -> dict[str, str]:
-    """A container's environment as the kubelet resolves it: values, and Secret keys by reference."""
+def _env(group: dict, secrets: dict[str, dict[str, str]], cache: Path, pod_ip: str) -> dict[str, str]:
+    """A container's environment as the kubelet resolves it: values, Secret keys by reference, the pod's IP."""
     env = {}
     for var in group["template"]["spec"]["containers"][0]["env"]:
         if "value" in var:
             env[var["name"]] = var["value"].replace(CACHE_PATH, str(cache))
+        elif "fieldRef" in var["valueFrom"]:
+            assert var["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+            env[var["name"]] = pod_ip
         else:
             ref = var["valueFrom"]["secretKeyRef"]
             if ref["key"] in secrets.get(ref["name"], {}):
@@ -92,12 +96,15 @@ def test_the_manifests_pods_survive_a_worker_pod_and_a_head_pod_loss(baseline, t
     head, workers = cluster_spec["headGroupSpec"], cluster_spec["workerGroupSpecs"][0]
     secrets = {"tiny-s3": {k: os.environ[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}}
     (tmp_path / "cache").mkdir()
-    pod_env = _env(workers, secrets, tmp_path / "cache")
+    pod_env = _env(workers, secrets, tmp_path / "cache", "10.231.0.2")
     config_file = tmp_path / "job.yaml"  # the ConfigMap, mounted
     config_file.write_text(docs["ConfigMap"]["data"]["job.yaml"])
-    argv = shlex.split(docs["RayJob"]["spec"]["entrypoint"].replace(CONFIG_PATH, str(config_file)))
+    head_env = _env(head, secrets, tmp_path / "cache", "10.231.0.1")
+    # The entrypoint is a shell command line (Ray's job supervisor runs it with a shell): expand as it would.
+    line = re.sub(r"\$(\w+)", lambda m: head_env[m.group(1)], docs["RayJob"]["spec"]["entrypoint"])
+    argv = shlex.split(line.replace(CONFIG_PATH, str(config_file)))
     argv[0] = str(Path(sys.executable).with_name(argv[0]))
-    assert "--resume" in argv
+    assert "--resume" in argv and "observe.metrics_host=10.231.0.1" in argv
 
     def pods() -> TwoNodeCluster:
         # One pod of the worker group: its 2-CPU limit holds both training workers (parallel.workers 2).
@@ -106,8 +113,7 @@ def test_the_manifests_pods_survive_a_worker_pod_and_a_head_pod_loss(baseline, t
     def entrypoint(cluster: TwoNodeCluster, name: str):
         cluster.expose(os.environ["AWS_ENDPOINT_URL"].removeprefix("http://"), port)
         out, err = (tmp_path / f"{name}.out").open("w"), (tmp_path / f"{name}.err").open("w")
-        env = _env(head, secrets, tmp_path / "cache")
-        return cluster.popen(argv, env=env, stdout=out, stderr=err, text=True)
+        return cluster.popen(argv, env=head_env, stdout=out, stderr=err, text=True)
 
     with pods() as cluster:
         driver = entrypoint(cluster, "first")

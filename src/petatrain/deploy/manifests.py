@@ -151,14 +151,14 @@ def build(cfg: JobConfig, target: Target) -> list[dict[str, Any]]:
 
 
 def _entrypoint(target: Target) -> str:
-    # The driver's metrics on the pod's own address (its network namespace is the pod's), where the
-    # PodMonitor's Prometheus scrapes them; the health endpoint stays on loopback: the probe runs in the pod.
+    """A shell command line (Ray's job supervisor runs it with a shell). The driver's metrics listen on
+    the pod's IP only (`POD_IP`, from the downward API), where the PodMonitor's Prometheus scrapes
+    them; the health endpoint stays on loopback: the probe runs in the pod."""
     argv = [
         "petatrain", "train", CONFIG_PATH, "--run-dir", target.run_dir, "--address", "auto", "--resume",
-        "--set", "observe.metrics_host=0.0.0.0", "--set", f"observe.metrics_port={METRICS_PORT}",
-        "--set", f"observe.health_port={HEALTH_PORT}",
+        "--set", f"observe.metrics_port={METRICS_PORT}", "--set", f"observe.health_port={HEALTH_PORT}",
     ]  # fmt: skip
-    return shlex.join(argv)
+    return shlex.join(argv) + ' --set "observe.metrics_host=$POD_IP"'
 
 
 def _serve_config(cfg: JobConfig, target: Target) -> str:
@@ -174,7 +174,9 @@ def _serve_config(cfg: JobConfig, target: Target) -> str:
         "args": {"run": target.run_dir, "checkpoint": target.checkpoint},
         "deployments": [deployment],
     }
-    # Serve's proxy on the pod's address: KubeRay's serve Service sends the requests there.
+    # Serve's proxy runs on every node of the cluster, so one config cannot name each pod's IP: it
+    # listens on the pod's interfaces (its network namespace is the pod's), where KubeRay's serve
+    # Service sends the requests. Serving over the network is what `--kind rayservice` asks for.
     return yaml.safe_dump({"http_options": {"host": "0.0.0.0", "port": 8000}, "applications": [app]}, sort_keys=False)
 
 
@@ -285,6 +287,7 @@ def _pod(cfg: JobConfig, target: Target, labels: dict[str, str], *, head: bool) 
 def _env(cfg: JobConfig, target: Target) -> list[dict[str, Any]]:
     secret = target.s3_secret or f"{target.name}-s3"
     env: list[dict[str, Any]] = [
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},  # what the driver binds
         {"name": "PETATRAIN_CACHE_DIR", "value": CACHE_PATH},
         {"name": "RAY_USAGE_STATS_ENABLED", "value": "0"},
     ]
