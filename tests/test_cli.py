@@ -178,12 +178,12 @@ def test_a_resize_is_one_line_and_the_resume_says_on_how_many_workers():
 def test_the_ledger_follower_hands_on_each_new_event_once_and_skips_an_earlier_runs(tmp_path):
     import time
 
-    from petatrain.api import _LedgerFollower
+    from petatrain.observe.ledger import LedgerFollower
 
     ledger = tmp_path / "events.jsonl"
     ledger.write_text(json.dumps({"event": "end", "status": "ok"}) + "\n")  # a finished run, resumed
     seen: list[dict] = []
-    follower = _LedgerFollower(str(tmp_path), None, seen.append)
+    follower = LedgerFollower(str(tmp_path), None, seen.append)
     with ledger.open("a") as handle:
         handle.write(json.dumps({"event": "step", "step": 9}) + "\n")  # another driver's, before ours starts
         handle.write(json.dumps({"event": "run_start"}) + "\n" + '{"event": "st')  # a line half written

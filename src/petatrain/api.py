@@ -16,11 +16,10 @@ callbacks (`on_stage` for ingest, `on_event` for train, every ledger event as it
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import json
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -29,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from petatrain.config import IngestConfig, JobConfig
 from petatrain.data.job import IngestJob, IngestSummary
 from petatrain.errors import ConfigError, PetatrainError
+from petatrain.observe.ledger import LedgerFollower
 from petatrain.storage import StorageOptions
 
 if TYPE_CHECKING:
@@ -268,6 +268,7 @@ def train(
     stop_after_s: float | None = None,
     options: StorageOptions | None = None,
     resume: bool = False,
+    branch: str | None = None,
 ) -> TrainResult:
     """Train `config` in `run_dir` (default `.petatrain/runs/DATE-TIME`), recovering from faults.
 
@@ -275,6 +276,9 @@ def train(
     the run's ledger as it is written (steps from every rank included), in ledger order.
     `resume`: continue the run `run_dir` holds (same run, next attempt, newest checkpoint);
     without it a run directory that holds a run is refused.
+    `branch`: "RUN" or "RUN@STEP": start from that run's checkpoint (its newest, or of step
+    STEP): weights, optimizer, loader position and RNG, trained on with this config (a new
+    learning rate, more steps).
     """
     from petatrain.chaos.inject import parse
     from petatrain.runtime.driver import TrainJob
@@ -282,6 +286,7 @@ def train(
 
     options = options or config.storage.options()
     run_url = run_dir or os.path.join(".petatrain", "runs", time.strftime("%Y%m%d-%H%M%S"))
+    fork = _branch(branch, options) if branch else None
     job = TrainJob(
         config=config,
         run_url=run_url,
@@ -290,8 +295,9 @@ def train(
         injections=[parse(s) for s in injections],
         stop_after_s=stop_after_s,
         resume=resume,
+        branch=fork,
     )
-    follower = _LedgerFollower(run_url, options, on_event) if on_event else None
+    follower = LedgerFollower(run_url, options, on_event) if on_event else None
     try:
         launched = launch(job)
     finally:
@@ -310,76 +316,50 @@ def train(
     )
 
 
-class _LedgerFollower:
-    """Reads the run's `events.jsonl` as it grows (a thread) and hands each new event to
-    `on_event`, from this driver's `run_start` (or `run_continue`) on: what was in the ledger
-    before (an earlier driver of the run) is skipped, and so is what a driver that still holds the folder writes before
-    this one is refused.
+def _branch(spec: str, options: StorageOptions | None) -> Any:
+    """ "RUN" or "RUN@STEP" -> runtime.driver.Branch, the step checked against RUN's committed checkpoints."""
+    from petatrain.runtime.driver import Branch
+    from petatrain.storage.fs import is_local
+    from petatrain.train.checkpoint.branch import source_step
 
-    A local ledger is read from where the last read ended, every half second. One on an object
-    store is uploaded whole by the hub every few seconds, so it is read whole as often."""
+    source, at, step = spec.rpartition("@")
+    if not at or not step.isdigit():
+        source, step = spec, ""
+    if is_local(source):
+        source = os.path.abspath(source)
+    chosen = source_step(source, int(step) if step else None, options)
+    return Branch(source=source, step=chosen, label=f"{source}@{chosen}")
 
-    def __init__(self, run_url: str, options: StorageOptions | None, on_event: Callable[[Event], None]):
-        from petatrain.observe.ledger import EVENTS_FILE
-        from petatrain.storage import join
-        from petatrain.storage.fs import is_local, resolve
 
-        self.run_url, self.options, self.on_event = run_url, options, on_event
-        self._path = resolve(join(run_url, EVENTS_FILE), options)[1] if is_local(run_url) else None
-        self.every_s = 0.5 if self._path else 5.0
-        self._offset = os.path.getsize(self._path) if self._path and os.path.exists(self._path) else 0
-        self._seen = 0 if self._path else len(self._remote_events())
-        self._started = False
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._follow, name="petatrain-ledger-follower", daemon=True)
-        self._thread.start()
+def tune(
+    config: JobConfig,
+    out: str,
+    *,
+    params: Sequence[str] = (),
+    address: str = "",
+    injections: Sequence[str] = (),
+    on_progress: Callable[[str], None] | None = None,
+    options: StorageOptions | None = None,
+) -> dict[str, Any]:
+    """A hyperparameter search on Ray Tune: `config.tune` says how (scheduler, trials, metric),
+    `params` ("train.lr=loguniform:1e-4:1e-2") add to or replace its `tune.params`. Each trial is
+    a training run in OUT/trials/<id>/; the best trial's config is written to OUT/best.yaml and
+    the search's table, curves and decisions to OUT/tune.json and OUT/tune.html. On an OUT that
+    holds the same search, the search is resumed. Returns tune.json's content."""
+    from petatrain.tune import space
+    from petatrain.tune.search import SearchJob, run
 
-    def _remote_events(self) -> list[Event]:
-        from petatrain.observe.ledger import read_events
-
-        try:
-            return read_events(self.run_url, self.options)
-        except (FileNotFoundError, OSError):
-            return []
-
-    def _new_events(self) -> list[Event]:
-        if self._path is None:
-            events = self._remote_events()
-            fresh, self._seen = events[self._seen :], max(self._seen, len(events))
-            return fresh
-        try:
-            with open(self._path, "rb") as handle:
-                handle.seek(self._offset)
-                data = handle.read()
-        except FileNotFoundError:
-            return []
-        complete = data[: data.rfind(b"\n") + 1]  # a line still being written waits for the next read
-        self._offset += len(complete)
-        fresh = []
-        for line in complete.splitlines():
-            try:
-                fresh.append(json.loads(line))
-            except ValueError:
-                continue
-        return fresh
-
-    def _poll(self) -> None:
-        try:
-            for event in self._new_events():
-                self._started = self._started or event.get("event") in ("run_start", "run_continue")
-                if self._started:
-                    self.on_event(event)
-        except Exception:  # progress is best effort; the run's outcome does not depend on it
-            log.debug("ledger follower", exc_info=True)
-
-    def _follow(self) -> None:
-        while not self._done.wait(self.every_s):
-            self._poll()
-
-    def stop(self) -> None:
-        self._done.set()
-        self._thread.join()
-        self._poll()  # the events written since the last poll, the run's end among them
+    given = {s.key: str(s) for s in map(space.parse, params)}
+    settings = dataclasses.replace(config.tune, params={**config.tune.params, **given})
+    job = SearchJob(
+        config=dataclasses.replace(config, tune=settings),
+        out=out,
+        address=address,
+        injections=list(injections),
+        options=options,
+        on_progress=on_progress,
+    )
+    return run(job)
 
 
 def report(run: str, *, options: StorageOptions | None = None) -> RunReport:

@@ -13,6 +13,7 @@ import math
 import reprlib
 import types
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -64,6 +65,9 @@ class DataConfig:
     dataset: str = ".petatrain/datasets/demo"
     seed: int = 0
     eval_shards: int = 1  # the dataset's last shards held out for evaluation (when it has more)
+    # The node-local shard cache of a remote dataset; "" is the node's own (PETATRAIN_CACHE_DIR, else
+    # ~/.cache/petatrain), shared by every job and trial on the node, so a shard crosses the network once.
+    cache_dir: str = ""
 
     def __post_init__(self) -> None:
         if self.eval_shards < 0:
@@ -530,6 +534,55 @@ class PlanConfig:
         parse_size(self.checkpoint_bandwidth.removesuffix("/s"), "plan.checkpoint_bandwidth")
 
 
+TUNE_SCHEDULERS = ("asha", "pbt", "none")
+TUNE_SEARCHES = ("random", "optuna")
+TUNE_METRICS = ("eval_loss", "train_loss")  # what each trial reports at every evaluation
+
+
+@dataclass(kw_only=True, slots=True)
+class TuneConfig:
+    """`petatrain tune`: a hyperparameter search on Ray Tune, each trial a training run of this
+    config with `params` sampled (its command-line flags override these)."""
+
+    # Config field -> space: "loguniform:1e-4:1e-2", "uniform:0:0.1", "choice:64,128,256", "randint:1:8".
+    params: dict[str, str] = field(default_factory=dict)
+    trials: int = 4
+    scheduler: str = "asha"  # asha | pbt | none
+    search: str = "random"  # random | optuna (Tune's OptunaSearch; not with pbt)
+    metric: str = "eval_loss"
+    mode: str = "min"  # min | max
+    max_steps: int = 0  # steps per trial; 0: train.steps
+    concurrent: int = 0  # trials at once; 0: as many as the cluster's CPUs/GPUs hold whole
+    grace_evals: int = 1  # asha: evaluations a trial runs before it may be stopped
+    reduction_factor: int = 2  # asha: 1/reduction_factor of the trials go on at each rung; pbt: quantile
+    perturbation_evals: int = 1  # pbt: evaluations between exploits
+    max_failures: int = 2  # times Tune restarts a trial whose driver died (it resumes from its checkpoint)
+    seed: int = 0  # of the sampling (and of pbt's choices)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.params, dict) or not all(isinstance(k, str) for k in self.params):
+            raise ConfigError("tune.params: expected a mapping of field -> space (train.lr: loguniform:1e-4:1e-2)")
+        self.params = {k: str(v) for k, v in self.params.items()}
+        for key, allowed in (("scheduler", TUNE_SCHEDULERS), ("search", TUNE_SEARCHES), ("mode", ("min", "max"))):
+            if getattr(self, key) not in allowed:
+                raise ConfigError(f"tune.{key}: {getattr(self, key)!r} is not one of {', '.join(allowed)}")
+        if self.metric not in TUNE_METRICS:
+            raise ConfigError(
+                f"tune.metric: {self.metric!r} is never reported; a trial reports {', '.join(TUNE_METRICS)} "
+                "at each evaluation"
+            )
+        for key in ("trials", "grace_evals", "perturbation_evals"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"tune.{key} must be >= 1, got {getattr(self, key)}")
+        if self.reduction_factor < 2:
+            raise ConfigError(f"tune.reduction_factor must be >= 2, got {self.reduction_factor}")
+        for key in ("max_steps", "concurrent", "max_failures"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"tune.{key} must be >= 0, got {getattr(self, key)}")
+        if self.scheduler == "pbt" and self.search == "optuna":
+            raise ConfigError("tune.search: optuna chooses each trial's parameters once; pbt mutates them (use random)")
+
+
 @dataclass(kw_only=True, slots=True)
 class JobConfig:
     data: DataConfig = field(default_factory=DataConfig)
@@ -544,6 +597,7 @@ class JobConfig:
     storage: StorageConfig = field(default_factory=StorageConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
+    tune: TuneConfig = field(default_factory=TuneConfig)
 
     def to_dict(self) -> dict[str, Any]:
         """The config as plain data, less the storage credentials that are set."""
@@ -565,18 +619,19 @@ class JobConfig:
 # refused with the difference named.
 RESUMABLE = (
     "train.steps", "train.micro_batch", "train.activation_checkpointing", "parallel", "checkpoint", "faults",
-    "resources", "observe", "storage", "plan", "serve", "ingest",
+    "resources", "observe", "storage", "plan", "serve", "ingest", "tune", "data.cache_dir",
 )  # fmt: skip
 
 
-def resume_differences(before: dict[str, Any], after: JobConfig) -> list[str]:
+def resume_differences(before: dict[str, Any], after: JobConfig, may_change: Sequence[str] = ()) -> list[str]:
     """The fields where `after` differs from a run's config (`before`, as `to_dict` wrote it) that a
     continuing run may not change: "train.lr: 0.001 in the run, 0.002 here". Fields the run's
-    config predates are not compared."""
+    config predates are not compared; `may_change` adds to `RESUMABLE` (dotted fields or sections)."""
     old, new = _flat(before), _flat(json.loads(json.dumps(after.to_dict(), default=str)))  # as the ledger has it
+    free = (*RESUMABLE, *may_change)
     changed = []
     for key, value in new.items():
-        if key in old and old[key] != value and not any(key == r or key.startswith(r + ".") for r in RESUMABLE):
+        if key in old and old[key] != value and not any(key == r or key.startswith(r + ".") for r in free):
             changed.append(f"{key}: {old[key]!r} in the run, {value!r} here")
     return changed
 

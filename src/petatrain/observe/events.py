@@ -34,6 +34,7 @@ class RunStart(Event):
     config: dict[str, Any]  # the resolved config, credentials left out
     metrics: str = ""  # the Prometheus endpoint, "" when off
     health: str = ""  # the driver's health endpoint (/livez, /readyz), "" when off
+    source: dict[str, Any] | None = None  # a branch: {"from": RUN@STEP or "trial ID", "step": S}
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -47,6 +48,10 @@ class RunContinue(Event):
     steps: int  # the config's train.steps for this driver (a run may be extended)
     metrics: str = ""
     health: str = ""
+    # A branch: the run goes on from another run's (a better trial's) checkpoint, {"from", "step"},
+    # with `config` (its hyperparameters mutated); what the previous driver was doing is abandoned.
+    source: dict[str, Any] | None = None
+    config: dict[str, Any] | None = None
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -67,6 +72,7 @@ class WorkerStart(Event):
     node: str
     warm_up: dict[str, Any] | None = None  # a spare's warm-up (started, ready, idle, CPU s); None if none
     torch_threads: int | None = None
+    placement_group: str = ""  # the attempt's Ray placement group (removed if its driver died)
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -224,7 +230,7 @@ class Restart(Event):
 @dataclass(kw_only=True, slots=True, frozen=True)
 class End(Event):
     kind: ClassVar[str] = "end"
-    status: str  # ok | failed
+    status: str  # ok | failed | stopped (a search's scheduler stopped the trial)
     step: int | None
     detail: str = ""
     final: str | None = None  # URL of the final weights

@@ -14,6 +14,7 @@ import os
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -84,3 +85,69 @@ def read_events(run_url: str, options: StorageOptions | None = None) -> list[dic
         except json.JSONDecodeError:
             continue
     return events
+
+
+class LedgerFollower:
+    """Reads the run's `events.jsonl` as it grows (a thread) and hands each new event to
+    `on_event`, from this driver's `run_start` (or `run_continue`) on: what was in the ledger
+    before (an earlier driver of the run) is skipped, and so is what a driver that still holds the folder writes before
+    this one is refused.
+
+    A local ledger is read from where the last read ended, every half second. One on an object
+    store is uploaded whole by the hub every few seconds, so it is read whole as often."""
+
+    def __init__(self, run_url: str, options: StorageOptions | None, on_event: Callable[[dict[str, Any]], None]):
+        self.run_url, self.options, self.on_event = run_url, options, on_event
+        self._path = resolve(join(run_url, EVENTS_FILE), options)[1] if is_local(run_url) else None
+        self.every_s = 0.5 if self._path else 5.0
+        self._offset = os.path.getsize(self._path) if self._path and os.path.exists(self._path) else 0
+        self._seen = 0 if self._path else len(self._remote_events())
+        self._started = False
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._follow, name="petatrain-ledger-follower", daemon=True)
+        self._thread.start()
+
+    def _remote_events(self) -> list[dict[str, Any]]:
+        try:
+            return read_events(self.run_url, self.options)
+        except (FileNotFoundError, OSError):
+            return []
+
+    def _new_events(self) -> list[dict[str, Any]]:
+        if self._path is None:
+            events = self._remote_events()
+            fresh, self._seen = events[self._seen :], max(self._seen, len(events))
+            return fresh
+        try:
+            with open(self._path, "rb") as handle:
+                handle.seek(self._offset)
+                data = handle.read()
+        except FileNotFoundError:
+            return []
+        complete = data[: data.rfind(b"\n") + 1]  # a line still being written waits for the next read
+        self._offset += len(complete)
+        fresh = []
+        for line in complete.splitlines():
+            try:
+                fresh.append(json.loads(line))
+            except ValueError:
+                continue
+        return fresh
+
+    def _poll(self) -> None:
+        try:
+            for event in self._new_events():
+                self._started = self._started or event.get("event") in ("run_start", "run_continue")
+                if self._started:
+                    self.on_event(event)
+        except Exception:  # progress is best effort; the run's outcome does not depend on it
+            log.debug("ledger follower", exc_info=True)
+
+    def _follow(self) -> None:
+        while not self._done.wait(self.every_s):
+            self._poll()
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join()
+        self._poll()  # the events written since the last poll, the run's end among them

@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING, Any
 
 from petatrain import constants
@@ -83,16 +84,27 @@ def this_node() -> str:
     return ray.get_runtime_context().get_node_id()
 
 
-def remove_leftover_placement_groups() -> None:
+def remove_leftover_placement_groups(only: Collection[str] | None = None) -> None:
     """Remove this job's placement groups a failed attempt left behind (its controller died
-    before releasing them), so the next attempt's workers can be scheduled."""
+    before releasing them), so the next attempt's workers can be scheduled. `only`: just these
+    (a run that shares its Ray job with others, a search's trial, removes its own alone)."""
+    import ray
+    from ray.util.placement_group import placement_group_table
+
+    job = ray.get_runtime_context().get_job_id()
+    leftovers = [pg_id for pg_id in placement_group_table() if pg_id.endswith(job)] if only is None else only
+    remove_placement_groups(leftovers, "left by the failed attempt")
+
+
+def remove_placement_groups(ids: Iterable[str], why: str) -> None:
+    """Remove the placement groups `ids` that still hold or wait for resources (any job's)."""
     import ray
     from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
 
-    job = ray.get_runtime_context().get_job_id()
-    for pg_id, info in placement_group_table().items():
-        if pg_id.endswith(job) and info.get("state") in ("CREATED", "PENDING", "RESCHEDULING"):
-            log.warning("removing placement group %s left by the failed attempt", pg_id)
+    table = placement_group_table()
+    for pg_id in sorted(set(ids)):
+        if table.get(pg_id, {}).get("state") in ("CREATED", "PENDING", "RESCHEDULING"):
+            log.warning("removing placement group %s %s", pg_id, why)
             with contextlib.suppress(Exception):
                 remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
 

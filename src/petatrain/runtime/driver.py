@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -55,6 +56,45 @@ class TrainJob:
     # same run id, the next attempt number, from its newest committed checkpoint. Without it, a
     # run directory that holds a run is refused.
     resume: bool = False
+    # Start from another run's checkpoint instead (`train --from`, PBT's exploit in petatrain.tune).
+    branch: Branch | None = None
+    # Hold the run after each evaluation until the gate releases it (a search's trial, petatrain.tune).
+    gate: EvalGate | None = None
+
+
+class EvalGate:
+    """The run waits after each evaluation until `release(step)`: a search's trial lets it go on
+    once Tune has taken the evaluation, so the run never trains past a decision it has not had
+    (ASHA stopping it, PBT replacing its state)."""
+
+    def __init__(self) -> None:
+        self._hub: Any = None
+        self._connected = threading.Event()
+
+    def connect(self, hub: Any) -> None:
+        self._hub = hub
+        self._connected.set()
+
+    def release(self, step: int) -> None:
+        self._connected.wait()
+        self._hub.release.remote(step)
+
+
+@dataclass(frozen=True, slots=True)
+class Branch:
+    """Continue from checkpoint `step` of `source` (a run, or a folder laid out as one): its weights,
+    optimizer, loader position and RNG, with this job's config. `label` names the source in the
+    ledger ("trial 3f2a_00001", "RUN@STEP"). With `resume`, the run directory may hold a run
+    already (a trial that exploits another): `may_change` are the config fields (dotted, or a
+    section) that may then differ from that run's, besides what a resume may change."""
+
+    source: str
+    step: int
+    label: str
+    may_change: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"from": self.label, "step": self.step}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -103,15 +143,25 @@ def _drive(job: TrainJob, held: contextlib.ExitStack) -> RunResult:
     lease = held.enter_context(run_dir.held(run_url, job.options, wait_s=RESUME_LEASE_WAIT_S if job.resume else 0))
     prior = run_dir.prior_run(run_url, job.options)
     if prior is not None:
-        _may_continue(prior, cfg, run_url, job.resume)
-        if prior.ended == "ok" and prior.step >= cfg.train.steps and _has_final(run_url, job.options):
+        _may_continue(prior, cfg, run_url, job.resume, job.branch.may_change if job.branch else ())
+        finished = prior.ended == "ok" and prior.step >= cfg.train.steps and _has_final(run_url, job.options)
+        if finished and job.branch is None:
             log.info("%s already trained to step %d: nothing to do", prior.describe(), prior.step)
             return _finished(prior, run_url)
     constants.set_train_defaults()  # propagated to the controller and workers
     cluster.init_ray(job.address or cfg.resources.address, job.local_cpus, cfg.resources.tls)
+    if prior is not None:  # a driver that died left its attempt's workers' reservation behind
+        cluster.remove_placement_groups(prior.placement_groups, f"of {prior.describe()}: its driver is gone")
     atomic_write(join(run_url, "config.yaml"), cfg.to_yaml().encode(), job.options)
+    if job.branch is not None:
+        from petatrain.train.checkpoint.branch import adopt
+
+        adopt(job.branch.source, job.branch.step, run_url, job.options)
+        log.info("branch: from %s at step %d", job.branch.label, job.branch.step)
     run_id = prior.run_id if prior else uuid.uuid4().hex[:8]
     hub = _start_hub(run_url, run_id, cfg, job.options, fired=prior.fired if prior else [])
+    if job.gate is not None:
+        job.gate.connect(hub.actor)
     policy, alive = WorldSizePolicy(cfg), cluster.RayCluster()
     attempts = RayAttempts(job, cfg, run_url, run_id, hub, grow=lambda world: policy.larger(world, *alive.resources()))
     try:
@@ -125,13 +175,14 @@ def _drive(job: TrainJob, held: contextlib.ExitStack) -> RunResult:
             held.callback(health.close)
             log.info("health: %s/livez, %s/readyz", health.url, health.url)
         health_url = health.url if health is not None else ""
+        source = job.branch.to_dict() if job.branch else None
         if prior is None:
             attempts.emit(
                 "run_start", run_id=run_id, workers=[lo, hi], steps=cfg.train.steps, metrics=metrics,
-                config=cfg.to_dict(), t=started, health=health_url,
+                config=cfg.to_dict(), t=started, health=health_url, source=source,
             )  # fmt: skip
         else:
-            _continue(prior, attempts, cfg, metrics, health_url)
+            _continue(prior, attempts, cfg, metrics, health_url, source)
         supervisor = Supervisor(
             attempts=attempts,
             cluster=alive,
@@ -157,15 +208,16 @@ def _drive(job: TrainJob, held: contextlib.ExitStack) -> RunResult:
         hub.close()
 
 
-def _may_continue(prior: Any, cfg: JobConfig, run_url: str, resume: bool) -> None:
-    """A run directory holding a run is continued only when asked to, and only with the same run's config."""
+def _may_continue(prior: Any, cfg: JobConfig, run_url: str, resume: bool, may_change: tuple[str, ...]) -> None:
+    """A run directory holding a run is continued only when asked to, and only with the same run's
+    config (but for `may_change`: the hyperparameters a search's exploit mutates)."""
     from petatrain.config import resume_differences
 
     if not resume:
         raise ConfigError(
             f"--run-dir {run_url} holds {prior.describe()}: pass --resume to continue it, or give a new --run-dir"
         )
-    changed = resume_differences(prior.config, cfg)
+    changed = resume_differences(prior.config, cfg, may_change)
     if changed:
         raise ConfigError(
             f"--run-dir {run_url} holds a run with another config ({'; '.join(changed)}); "
@@ -189,13 +241,18 @@ def _health_server(hub: HubHandle, cfg: JobConfig) -> Any:
         ) from None
 
 
-def _continue(prior: Any, attempts: RayAttempts, cfg: JobConfig, metrics: str | None, health: str) -> None:
-    """The ledger's record of a new driver taking the run over: the lost driver's attempt as a failure."""
+def _continue(
+    prior: Any, attempts: RayAttempts, cfg: JobConfig, metrics: str | None, health: str, source: dict[str, Any] | None
+) -> None:
+    """The ledger's record of a new driver taking the run over: the lost driver's attempt as a
+    failure. A branch (`source`) abandons what that driver was doing: no failure, and the config
+    the run goes on with is recorded (its hyperparameters may differ from the run's start)."""
     attempts.emit(
         "run_continue", run_id=prior.run_id, attempt=prior.next_attempt, previous=prior.ended or "interrupted",
-        steps=cfg.train.steps, metrics=metrics or "", health=health,
+        steps=cfg.train.steps, metrics=metrics or "", health=health, source=source,
+        config=cfg.to_dict() if source else None,
     )  # fmt: skip
-    if not prior.ended:
+    if not prior.ended and source is None:
         attempts.emit(
             "failure", attempt=prior.next_attempt - 1, cause=FailureCause.DRIVER_LOST.value, rank=None,
             detail=f"the driver stopped at step {prior.step} without ending the run; a new driver continues it",
@@ -338,7 +395,7 @@ class RayAttempts:
             "attempt_start", attempt=attempt, world_size=world, controller="driver" if in_driver else "actor",
             warm_controller=warm,
         )  # fmt: skip
-        error = fit(trainer, attempt, world, self.watch)
+        error = fit(trainer, attempt, world, self.watch, shared_job=self.job.gate is not None)
         if error is None:
             return AttemptOutcome()
         return AttemptOutcome(error=attempt_failed(error, self.causes), hang=self.watch.verdict)
@@ -367,4 +424,5 @@ class RayAttempts:
             run_started=self.started,
             injections=list(job.injections),  # the workers leave out those that fired already
             stop_at=self.started + job.stop_after_s if job.stop_after_s else None,
+            hold_at_eval=job.gate is not None,
         )

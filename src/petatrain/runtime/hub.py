@@ -44,6 +44,10 @@ class RunHub:
         self.parts: dict[tuple[int, int], dict[int, dict | None]] = {}  # (attempt, step) -> rank -> files
         self.fired: set[str] = set(fired or ())  # an earlier driver's are in the ledger
         self.resize_to: dict[int, int] = {}  # attempt -> the worker count the driver asked it to restart on
+        # Evaluations the run waits at (Payload.hold_at_eval): the step held, the newest released.
+        self.holding: int | None = None
+        self.released = -1
+        self.groups: set[str] = set()  # the attempts' placement groups (worker_start events)
         self.last_flush = time.time()
         # What the health endpoint reports (runtime.health), kept from the events as they pass.
         self.phase = {"state": "starting", "started_t": time.time(), "attempt_t": None, "step": None}
@@ -83,8 +87,14 @@ class RunHub:
                 self.phase["state"] = self._STATES[event]
             if event == "attempt_start":
                 self.phase["attempt_t"], self.phase["step"] = record.get("t"), None  # steps of this attempt
+            if event == "worker_start" and record.get("placement_group"):
+                self.groups.add(str(record["placement_group"]))
             if event == "step" and isinstance(record.get("step"), int):
                 self.phase["step"] = max(self.phase["step"] or 0, record["step"])
+
+    def placement_groups(self) -> list[str]:
+        with self._lock:
+            return sorted(self.groups)
 
     def health(self) -> dict[str, Any]:
         """The run's state for the driver's health endpoint: state, attempt, newest step and when."""
@@ -183,13 +193,33 @@ class RunHub:
                 due, last = end, None
                 # No beat yet (the attempt is starting) or draining (a failed attempt's survivors
                 # finish their checkpoint writes): nothing to call hung.
-                if beats and not self.draining:
+                if beats and not self.draining and self.holding is None:
                     last = max(b["t"] for b in beats.values())
                     due = min(end, last + (timeout_s if stepped else 3 * timeout_s))
                 stale_s = now - last if last is not None and now >= due and due < end else None  # None unless hung
                 if attempt != self.attempt or (stepped and not announced) or stale_s is not None or now >= end:
                     return {"beats": dict(beats), "stepped": stepped, "stale_s": stale_s}
                 self._lock.wait(due - now)
+
+    # -- holds at evaluations -------------------------------------------------------------------
+    @ray.method(concurrency_group="parts")
+    def hold(self, attempt: int, step: int) -> None:
+        """Rank 0 waits here after the evaluation of `step` until `release(step)`: no hang meanwhile.
+        A step released before (an attempt that trains it again after a restart) is not held."""
+        with self._lock:
+            self.holding = step
+            self._lock.notify_all()
+            while self.released < step and attempt == self.attempt:
+                self._lock.wait(1.0)
+            self.holding = None
+            for rank in self.beats:  # the hang clock starts again from the release
+                self.beats[rank]["t"] = time.time()
+            self._lock.notify_all()
+
+    def release(self, step: int) -> None:
+        with self._lock:
+            self.released = max(self.released, step)
+            self._lock.notify_all()
 
     # -- checkpoint parts ----------------------------------------------------------------------
     @ray.method(concurrency_group="parts")

@@ -70,14 +70,18 @@ def entry(config: dict[str, Any]) -> None:
     train_worker(payload, RankEnv.from_ray(payload.hub, payload.attempt))
 
 
-def fit(trainer: Any, attempt: int, world: int, watch: Watchdog) -> BaseException | None:
-    """One attempt; returns its error or None. The watchdog runs while it trains."""
+def fit(trainer: Any, attempt: int, world: int, watch: Watchdog, *, shared_job: bool = False) -> BaseException | None:
+    """One attempt; returns its error or None. The watchdog runs while it trains. `shared_job`: other
+    runs train in this Ray job (a search's trials): only this run's placement groups are removed."""
     watch.start(attempt, world)
     try:
         trainer.fit()
         return None
     except Exception as exc:
-        cluster.remove_leftover_placement_groups()
+        import ray
+
+        own = ray.get(watch.hub.placement_groups.remote()) if shared_job else None
+        cluster.remove_leftover_placement_groups(own)
         return exc
     finally:
         watch.pause()

@@ -111,6 +111,12 @@ class Telemetry:
 
             ray.get(ref)
 
+    def hold(self, step: int) -> None:
+        """Return once the hub released the evaluation of `step` (a search took it)."""
+        import ray
+
+        ray.get(self.hub.hold.remote(self.attempt, step))
+
     def resize_requested(self) -> int | None:
         """The worker count the driver asked for, from the hub's answers to the flushes so far (never waits)."""
         import ray
@@ -186,6 +192,7 @@ class RankEnv:
     node_id: str
     hub: HubChannel
     accelerator: Callable[[], Any] | None = None  # the device Ray Train assigned this rank (torch.device)
+    placement_group: str = ""  # the id of the attempt's placement group the rank runs in ("" if none)
 
     @classmethod
     def from_ray(cls, hub: Any, attempt: int) -> RankEnv:
@@ -204,6 +211,7 @@ class RankEnv:
             node_id=node_id,
             hub=HubChannel(hub, attempt, rank, node_id),
             accelerator=_ray_train_device,
+            placement_group=_placement_group_id(),
         )
 
     def device(self, accelerator: str) -> Any:
@@ -232,3 +240,12 @@ def _ray_train_device() -> Any:
     import ray.train.torch
 
     return ray.train.torch.get_device()
+
+
+def _placement_group_id() -> str:
+    """The attempt's placement group: recorded so that a driver that outlives it (the next driver
+    of the run, a search that stopped the trial) can remove it if the driver that made it died."""
+    from ray.util import get_current_placement_group
+
+    group = get_current_placement_group()
+    return group.id.hex() if group is not None else ""

@@ -39,6 +39,7 @@ class TokenBatches:
             shards=(0, n_shards - held),
             columns=["tokens"],
             options=options,
+            cache_dir=cfg.data.cache_dir or None,
         )
         self.eval = (
             StreamingDataset(
@@ -50,6 +51,7 @@ class TokenBatches:
                 shards=(n_shards - held, n_shards),
                 columns=["tokens"],
                 options=options,
+                cache_dir=cfg.data.cache_dir or None,
             )
             if held
             else None

@@ -56,6 +56,9 @@ class Payload:
     run_started: float
     injections: list[inject.Injection]
     stop_at: float | None = None  # unix time: stop at the first step boundary after it (soak windows)
+    # Wait after each evaluation until the driver's owner has taken it (a search's trial: Tune may
+    # stop the trial there, or PBT replace its state), so the run never trains past a decision.
+    hold_at_eval: bool = False
 
 
 @dataclass(slots=True)
@@ -93,6 +96,7 @@ def train_worker(payload: Payload, env: RankEnv) -> None:
         node=env.node_id,
         warm_up=env.warm_up(),
         torch_threads=torch.get_num_threads(),
+        placement_group=env.placement_group,
     )
     hub.beat(-1)
 
@@ -269,6 +273,8 @@ def _train(r: Rank, start: int, preemption: PreemptionNotice, chaos: inject.Rank
             _leave_for_restart(r, step, preempt=preempt)
         if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
             _evaluate(r, step)
+            if r.payload.hold_at_eval:
+                _hold(r, step)
         last_end, wait_mark = time.perf_counter(), r.data.wait_s
         if stop:
             break
@@ -460,6 +466,15 @@ def _evaluate(r: Rank, step: int) -> None:
     dist.all_reduce(total)
     if r.rank == 0 and total[1] > 0:
         r.telemetry.record("eval", step=step, loss=float(total[0] / total[1]))
+
+
+def _hold(r: Rank, step: int) -> None:
+    """Wait, every rank, until the evaluation of `step` has been taken (`RunHub.release`). The hub
+    keeps the watchdog from calling the wait a hang."""
+    if r.rank == 0:
+        r.telemetry.flush(wait=True)  # the evaluation is in the ledger, where the driver's owner reads it
+        r.telemetry.hold(step)
+    dist.barrier()
 
 
 def _save_final(steps: Any, payload: Payload, rank: int, step: int) -> None:

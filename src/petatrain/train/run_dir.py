@@ -90,12 +90,13 @@ class PriorRun:
     """What a run directory's ledger says about the run it holds (`train --resume` continues it)."""
 
     run_id: str
-    config: dict[str, Any]  # the config the run started with (its run_start event)
+    config: dict[str, Any]  # the config the run started with, or a branch's since (run_start, run_continue)
     next_attempt: int  # the attempt number a continuing driver starts with
-    step: int  # the newest step any rank reached
+    step: int  # the step the run last reached
     ended: str  # "" when the last driver stopped without an end event; else the end's status (ok | failed)
     fired: list[str]  # injected faults that fired already (none fires again)
     failures: list[dict[str, Any]]  # the failure events so far
+    placement_groups: list[str]  # of its attempts (worker_start events): a dead driver's stay reserved
 
     def describe(self) -> str:
         how = {"": "interrupted", "ok": "finished", "failed": "failed"}.get(self.ended, self.ended)
@@ -113,18 +114,21 @@ def prior_run(run_url: str, options: StorageOptions | None = None) -> PriorRun |
         return None
     attempts = [int(e["attempt"]) for e in events if isinstance(e.get("attempt"), int)]
     steps = [int(e["step"]) for e in events if e.get("event") == "step" and isinstance(e.get("step"), int)]
-    end = None
+    end, config = None, start.get("config") or {}
     for e in events:
         if e.get("event") == "end":
             end = e
         elif e.get("event") in ("run_continue", "attempt_start"):
             end = None  # an end before a later driver's start belongs to an earlier driver
+        if e.get("event") == "run_continue" and isinstance(e.get("config"), dict):
+            config = e["config"]  # a branch went on with other hyperparameters
     return PriorRun(
         run_id=str(start.get("run_id") or ""),
-        config=start.get("config") or {},
+        config=config,
         next_attempt=max(attempts, default=-1) + 1,
-        step=max(steps, default=0),
+        step=steps[-1] if steps else 0,  # a branch may have gone back to an earlier step
         ended=str(end.get("status") or "failed") if end else "",
         fired=sorted({str(e["key"]) for e in events if e.get("event") == "fault_injected" and e.get("key")}),
         failures=[e for e in events if e.get("event") == "failure"],
+        placement_groups=sorted({str(e["placement_group"]) for e in events if e.get("placement_group")}),
     )
