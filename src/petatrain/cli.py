@@ -281,6 +281,7 @@ def _run_training(
     logs: quiet.RayLogs | None,
     stop_after_s: float | None = None,
     resume: bool = False,
+    branch: str | None = None,
 ) -> api.TrainResult:
     """api.train with progress on the console, and Ray's driver log in RUN/logs once the run exists."""
     progress = quiet.TrainProgress(_say, total_steps=cfg.train.steps)
@@ -300,6 +301,7 @@ def _run_training(
         on_event=on_event,
         stop_after_s=stop_after_s,
         resume=resume,
+        branch=branch,
     )
     if logs:
         result = dataclasses.replace(result, ray_log=logs.finish("petatrain-driver.log"))
@@ -357,10 +359,80 @@ def train(
             "starts it if the folder is new. A RayJob's entrypoint uses it.",
         ),
     ] = False,
+    branch: Annotated[
+        str | None,
+        typer.Option(
+            "--from",
+            help="Start from another run's checkpoint, RUN or RUN@STEP (its newest, or of step STEP): "
+            "weights, optimizer, loader position and RNG, trained on with this config (a new lr, more steps).",
+        ),
+    ] = None,
     as_json: Json = False,
 ) -> None:
     """Train on Ray Train (DDP or FSDP), checkpointing asynchronously and recovering from faults."""
-    _guarded(lambda: _train(config, list(set_ or []), run_dir, address, list(inject or []), as_json, resume=resume))
+    _guarded(
+        lambda: _train(
+            config, list(set_ or []), run_dir, address, list(inject or []), as_json, resume=resume, branch=branch
+        )
+    )
+
+
+@app.command("tune")
+def tune_cmd(
+    config: Annotated[Path, typer.Argument(help="Job config YAML each trial trains (its tune: section, if any).")],
+    out: Annotated[str, typer.Option("--out", help="Folder of the search: trials/, best.yaml, tune.html.")],
+    param: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--param",
+            help="KEY=SPACE, e.g. train.lr=loguniform:1e-4:1e-2, model.d_model=choice:64,128, "
+            "train.warmup_steps=randint:0:20, train.weight_decay=uniform:0:0.1 (repeatable).",
+        ),
+    ] = None,
+    trials: Annotated[int | None, typer.Option(help="Trials to run (tune.trials).")] = None,
+    scheduler: Annotated[str | None, typer.Option(help="asha, pbt or none (tune.scheduler).")] = None,
+    search: Annotated[str | None, typer.Option(help="random or optuna (tune.search).")] = None,
+    metric: Annotated[str | None, typer.Option(help="eval_loss or train_loss (tune.metric).")] = None,
+    mode: Annotated[str | None, typer.Option(help="min or max (tune.mode).")] = None,
+    max_steps: Annotated[int | None, typer.Option(help="Steps per trial (tune.max_steps; 0: train.steps).")] = None,
+    concurrent: Annotated[
+        int | None, typer.Option(help="Trials at once (tune.concurrent; default: as many as the cluster holds).")
+    ] = None,
+    set_: Sets = None,
+    address: Address = "",
+    inject: Injects = None,
+    as_json: Json = False,
+) -> None:
+    """Search hyperparameters on Ray Tune: every trial a fault-tolerant training run, ASHA or PBT.
+
+    Run it again with the same arguments on the same --out to resume an interrupted search."""
+
+    def go():
+        flags = {
+            "trials": trials, "scheduler": scheduler, "search": search, "metric": metric, "mode": mode,
+            "max_steps": max_steps, "concurrent": concurrent,
+        }  # fmt: skip
+        overrides = list(set_ or []) + [f"tune.{k}={v}" for k, v in flags.items() if v is not None]
+        cfg = config_mod.load(config, overrides)
+        _claim_stdout(as_json)
+        api.use_ray_tls(cfg)  # before anything loads Ray
+        logs = quiet.quiet_ray()
+        summary = api.tune(
+            cfg,
+            out,
+            params=list(param or []),
+            address=address,
+            injections=list(inject or []),
+            on_progress=None if as_json else _say,
+        )
+        if logs:
+            logs.finish("petatrain-tune.log")
+        if as_json:
+            _print_json(summary)
+        else:
+            render.search(summary)
+
+    _guarded(go)
 
 
 @app.command()
@@ -389,7 +461,15 @@ def chaos(
 
 
 def _train(
-    config, overrides, run_dir, address, specs, as_json, stop_after_s: float | None = None, resume: bool = False
+    config,
+    overrides,
+    run_dir,
+    address,
+    specs,
+    as_json,
+    stop_after_s: float | None = None,
+    resume: bool = False,
+    branch: str | None = None,
 ) -> None:
     import time
 
@@ -398,7 +478,7 @@ def _train(
     _claim_stdout(as_json)
     api.use_ray_tls(cfg)  # before anything loads Ray
     logs = quiet.quiet_ray()
-    result = _run_training(cfg, run_url, address, specs, as_json, logs, stop_after_s, resume)
+    result = _run_training(cfg, run_url, address, specs, as_json, logs, stop_after_s, resume, branch)
     if as_json:
         _print_json(result.to_dict())
         return

@@ -333,3 +333,33 @@ def _bytes(n: float) -> str:
         if n >= size:
             return f"{n / size:.1f} {unit}"
     return f"{n:.0f} B"
+
+
+def search(s: dict[str, Any]) -> None:
+    """`petatrain tune`: the trials, best first, and where the best config and the page are."""
+    metric, keys = s["metric"], list(s["params"])
+    sign = 1 if s["mode"] == "min" else -1
+    best = s["best"]["trial"] if s["best"] else None
+    table = Table(title=f"{len(s['trials'])} trials, {metric} ({s['mode']}), {s['scheduler']}")
+    for column in ("trial", *keys, metric, "step", "status", "goodput"):
+        table.add_column(column, justify="left" if column in ("trial", "status") else "right")
+
+    def order(t: dict[str, Any]) -> tuple[bool, float]:
+        value = t[metric]
+        return (not isinstance(value, int | float), sign * value if isinstance(value, int | float) else 0.0)
+
+    for t in sorted(s["trials"], key=order):
+        table.add_row(
+            t["trial"] + (" *" if t["trial"] == best else ""),
+            *[_or_dash(t["params"].get(k), "{:.4g}" if isinstance(t["params"].get(k), float) else "{}") for k in keys],
+            _or_dash(t[metric], "{:.4f}"),
+            _or_dash(t["step"]),
+            t["status"] + (f": {t['error']}" if t.get("error") else ""),
+            _or_dash(None if t["goodput"] is None else 100 * t["goodput"], "{:.1f}%"),
+        )
+    out.print(table)
+    if best:
+        out.print(f"best: trial {best}, {metric} {s['best'][metric]:.4f}: {s['best_config']}", highlight=False)
+    else:
+        out.print("[yellow]no trial reported the metric[/yellow]")
+    out.print(f"search: {s['html']} ({s['wall_s']:.1f} s)", highlight=False)

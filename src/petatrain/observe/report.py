@@ -355,3 +355,115 @@ def _png(fig: Any) -> bytes:
     fig.tight_layout()
     fig.savefig(buffer, format="png")
     return buffer.getvalue()
+
+
+# -- a search's page (petatrain tune) -------------------------------------------------------------
+
+
+def write_search_report(summary: dict[str, Any], url: str, options: StorageOptions | None = None) -> str:
+    """`OUT/tune.html`: the trials' table and every trial's evaluation curve on one plot, with the
+    scheduler's decisions marked (a trial ASHA stopped, a trial PBT continued from another)."""
+    page = render_search_html(summary, plot_search(summary))
+    atomic_write(url, page.encode("utf-8"), options)
+    return url
+
+
+def plot_search(summary: dict[str, Any]) -> bytes:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(9, 5), dpi=100)
+    metric = summary["metric"]
+    try:
+        colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+        color = {t["trial"]: colors[i % len(colors)] for i, t in enumerate(summary["trials"])}
+        for t in summary["trials"]:
+            if t["curve"]:
+                best = summary["best"] and summary["best"]["trial"] == t["trial"]
+                xs, ys = zip(*t["curve"], strict=True)
+                label = f"{t['trial']}{' (best)' if best else ''}"
+                ax.plot(xs, ys, "o-", ms=3, lw=2.4 if best else 1.2, color=color[t["trial"]], label=label)
+        at = {t["trial"]: dict((s, v) for s, v in t["curve"]) for t in summary["trials"]}
+        marked: set[str] = set()
+        for d in summary["decisions"]:
+            value = at.get(d["trial"], {}).get(d["step"])
+            if value is None:
+                continue
+            if d["decision"] == "stopped":
+                kind = f"stopped ({d['by']})"
+                ax.plot([d["step"]], [value], "X", ms=11, color="black", label=None if kind in marked else kind)
+            else:
+                kind = "exploit (pbt)"
+                ax.plot(
+                    [d["step"]], [value], "*", ms=14, mfc="none", mec="black", label=None if kind in marked else kind
+                )
+                ax.annotate(
+                    f"← {d['from']}", (d["step"], value), fontsize=7, xytext=(6, -10), textcoords="offset points"
+                )
+            marked.add(kind)
+        if any(t["curve"] for t in summary["trials"]):
+            ax.legend(loc="upper right", fontsize=8)
+        else:
+            ax.text(0.5, 0.5, "no evaluation reported", ha="center", va="center", transform=ax.transAxes)
+        ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(_integer_ticks())
+        ax.set_ylabel(metric)
+        ax.set_title(f"{metric} of every trial — {summary['scheduler']}, {summary['search']}")
+        ax.grid(alpha=0.3)
+        return _png(fig)
+    finally:
+        plt.close(fig)
+
+
+def render_search_html(summary: dict[str, Any], png: bytes) -> str:
+    e = html.escape
+    metric, keys = summary["metric"], list(summary["params"])
+    best = summary["best"]["trial"] if summary["best"] else None
+    rows = [
+        [
+            t["trial"] + (" (best)" if t["trial"] == best else ""),
+            *[_param(t["params"].get(k)) for k in keys],
+            _param(t[metric]),
+            _cell(t["step"]),
+            t["status"],
+            "–" if t["goodput"] is None else f"{100 * t['goodput']:.1f}%",
+            t["run"],
+        ]
+        for t in summary["trials"]
+    ]
+    decisions = [
+        [d["trial"], str(d["step"]), d["decision"], d.get("from") or d.get("by") or ""] for d in summary["decisions"]
+    ]
+    spaces = [[k, v] for k, v in summary["params"].items()]
+    parts = [
+        "<!doctype html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>petatrain search — {e(summary['out'])}</title>",
+        f"<style>{_CSS}</style></head><body>",
+        f"<h1>Search — {e(summary['out'])}</h1>",
+        _table(
+            ["", ""],
+            [
+                ["metric", f"{metric} ({summary['mode']})"],
+                ["scheduler, search", f"{summary['scheduler']}, {summary['search']}"],
+                ["trials, at once", f"{len(summary['trials'])}, {summary['concurrent']}"],
+                ["steps per trial", str(summary["steps"])],
+                ["wall time", f"{summary['wall_s']:.1f} s"],
+                ["best", f"{best} ({_param(summary['best'][metric])})" if best else "–"],
+            ],
+            cls="summary",
+        ),
+        "<h2>Spaces</h2>",
+        _table(["field", "space"], spaces),
+        "<h2>Trials</h2>",
+        _table(["trial", *keys, metric, "step", "status", "goodput", "run"], rows),
+        _img(f"{metric} of every trial", png),
+        "<h2>Scheduler decisions</h2>",
+        _table(["trial", "step", "decision", "from / by"], decisions) if decisions else "<p>None.</p>",
+        "</body></html>\n",
+    ]
+    return "\n".join(parts)
+
+
+def _param(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return _cell(value)

@@ -1,0 +1,412 @@
+"""`petatrain tune`: a hyperparameter search on Ray Tune over job-config fields.
+
+Each trial is a petatrain training run (`tune/trial.py`) in `OUT/trials/<trial id>/`. Ray Tune
+samples the parameters (random, or Optuna through Tune's `OptunaSearch`), runs as many trials at
+once as the cluster holds whole (every trial's gang of workers, from `parallel.workers` and the
+cluster's CPUs and GPUs, so gangs never sit half-placed), and its ASHA or PBT scheduler stops
+or exploits trials on the metric they report at each evaluation. Tune's own state is in
+`OUT/tune/`; `petatrain tune` on the same OUT restores it and goes on.
+
+When the search ends: each trial's run gets its goodput report, a trial ASHA stopped gets an
+`end` event saying so, the best trial's config is written as `OUT/best.yaml` (a config `train`
+runs as is), and `OUT/tune.json` and `OUT/tune.html` hold the table of trials, every trial's
+evaluation curve and the scheduler's decisions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from petatrain.config import JobConfig, TuneConfig
+from petatrain.errors import ConfigError, PetatrainError
+from petatrain.observe.ledger import EventLog, read_events
+from petatrain.storage import StorageOptions, join
+from petatrain.storage.fs import atomic_write, exists, is_local, read_bytes, resolve
+from petatrain.tune import space as spaces
+from petatrain.tune.trial import TrialSetup, configure, run_trial, trial_dir
+
+log = logging.getLogger(__name__)
+
+EXPERIMENT = "tune"  # Ray Tune's experiment folder in OUT
+SEARCH_FILE = "search.json"  # what the search is: a later `tune` on OUT must ask for the same
+BEST_FILE = "best.yaml"
+SUMMARY_FILE = "tune.json"
+HTML_FILE = "tune.html"
+
+
+@dataclass(kw_only=True)
+class SearchJob:
+    config: JobConfig  # the base config; config.tune says how to search
+    out: str
+    address: str = ""
+    injections: list[str] = field(default_factory=list)  # faults every trial's run is given
+    options: StorageOptions | None = None
+    on_progress: Callable[[str], None] | None = None  # one line per evaluation and decision
+
+
+def check(job: SearchJob) -> tuple[list[spaces.Space], int]:
+    """The spaces and the steps per trial; ConfigError (one line) for anything a trial would fail on."""
+    cfg, settings = job.config, job.config.tune
+    parsed = [spaces.parse_space(key, text) for key, text in settings.params.items()]
+    spaces.check(cfg, parsed)
+    steps = settings.max_steps or cfg.train.steps
+    if settings.scheduler != "none" and not cfg.train.eval_every:
+        raise ConfigError(
+            f"--scheduler {settings.scheduler} acts on the metric each evaluation reports, and train.eval_every is 0 "
+            "(one evaluation, at the end): set --set train.eval_every=N"
+        )
+    if cfg.train.eval_every and cfg.train.eval_every > steps:
+        raise ConfigError(f"train.eval_every {cfg.train.eval_every} is beyond the {steps} steps of a trial")
+    if settings.search == "optuna":
+        try:
+            import optuna  # noqa: F401
+        except ImportError:
+            raise ConfigError("--search optuna needs the optuna package: pip install 'petatrain[optuna]'") from None
+    return parsed, steps
+
+
+def trial_shape(cfg: JobConfig, cpus: float, gpus: float) -> tuple[float, float]:
+    """CPUs and GPUs one trial's largest gang of workers holds."""
+    workers = cfg.parallel.worker_range()[1]
+    use_gpu = cfg.resources.accelerator == "gpu" or (cfg.resources.accelerator == "auto" and gpus > 0)
+    return workers * cfg.resources.cpus_per_worker, float(workers) if use_gpu else 0.0
+
+
+def concurrency(cfg: JobConfig, cpus: float, gpus: float) -> int:
+    """Trials at once: as many whole gangs as the cluster holds (at least one, else ConfigError)."""
+    need_cpu, need_gpu = trial_shape(cfg, cpus, gpus)
+    fits = [int(cpus // need_cpu) if need_cpu else math.inf, int(gpus // need_gpu) if need_gpu else math.inf]
+    count = min(fits)
+    if count < 1:
+        raise ConfigError(
+            f"a trial needs {need_cpu:g} CPU(s) and {need_gpu:g} GPU(s) (parallel.workers x resources); "
+            f"the cluster has {cpus:g} and {gpus:g}"
+        )
+    return int(min(count, cfg.tune.trials))
+
+
+def run(job: SearchJob) -> dict[str, Any]:
+    """Run (or resume) the search; returns the summary also written to OUT/tune.json."""
+    from ray import tune
+
+    from petatrain.runtime import cluster
+
+    options = job.options or job.config.storage.options()
+    out = os.path.abspath(job.out) if is_local(job.out) else job.out.rstrip("/")
+    if is_local(job.config.data.dataset):  # trials run in folders of Tune's choosing
+        data = dataclasses.replace(job.config.data, dataset=os.path.abspath(job.config.data.dataset))
+        job = dataclasses.replace(job, config=dataclasses.replace(job.config, data=data))
+    parsed, steps = check(job)
+    settings = job.config.tune
+    description = _description(job.config, parsed, steps, job.injections)
+    scheduler = _scheduler(settings, parsed, steps, job.config.train.eval_every)
+    _search(settings, 1)  # a missing optuna fails before the folder is claimed
+    resuming = _claim(out, description, options)
+    cluster.init_ray(job.address or job.config.resources.address, 0, job.config.resources.tls)
+    import ray
+
+    totals = ray.cluster_resources()
+    concurrent = settings.concurrent or concurrency(job.config, totals.get("CPU", 0), totals.get("GPU", 0))
+    setup = TrialSetup(
+        base=job.config,
+        out=out,
+        keys=tuple(s.key for s in parsed),
+        steps=steps,
+        checkpoints=settings.scheduler == "pbt",
+        injections=tuple(job.injections),
+        options=options,
+    )
+    # The trial actor runs the run's driver: it computes nothing, so it holds no CPU (its workers
+    # do); Tune needs some resource in a trial's request, so it asks for one byte of memory.
+    trainable = tune.with_resources(tune.with_parameters(run_trial, setup=setup), {"cpu": 0, "memory": 1})
+    storage_path, filesystem = _tune_storage(out, options)
+    say = job.on_progress or (lambda line: None)
+    started = time.time()
+    path = f"{storage_path.rstrip('/')}/{EXPERIMENT}"
+    if resuming and tune.Tuner.can_restore(path, storage_filesystem=filesystem):
+        say(f"resuming the search in {out}")
+        tuner = tune.Tuner.restore(
+            path, trainable, resume_unfinished=True, resume_errored=True, storage_filesystem=filesystem
+        )
+    else:
+        tuner = tune.Tuner(
+            trainable,
+            param_space={s.key: s.domain() for s in parsed},
+            tune_config=tune.TuneConfig(
+                metric=settings.metric,
+                mode=settings.mode,
+                num_samples=settings.trials,
+                max_concurrent_trials=concurrent if settings.search != "random" else None,
+                scheduler=scheduler,
+                search_alg=_search(settings, concurrent),
+            ),
+            run_config=tune.RunConfig(
+                name=EXPERIMENT,
+                storage_path=storage_path,
+                storage_filesystem=filesystem,
+                failure_config=tune.FailureConfig(max_failures=settings.max_failures),
+                checkpoint_config=tune.CheckpointConfig(num_to_keep=4),
+                callbacks=[_Progress(say, steps, settings.metric, out, options)],
+                verbose=0,
+            ),
+        )
+        say(
+            f"searching {len(parsed)} parameter(s) over {settings.trials} trials of {steps} steps, "
+            f"{concurrent} at once ({settings.scheduler}, {settings.search})"
+        )
+    with contextlib.redirect_stdout(_ToLog()):  # Tune prints its own tables; petatrain's lines are `say`'s
+        grid = tuner.fit()
+    return _conclude(job.config, grid, out, options, parsed, steps, concurrent, time.time() - started)
+
+
+class _ToLog(io.TextIOBase):
+    """What Tune prints, as log records of `ray.tune` (in Ray's log file, or on the console with --verbose)."""
+
+    def write(self, text: str) -> int:
+        for line in text.splitlines():
+            if line.strip():
+                logging.getLogger("ray.tune").info(line)
+        return len(text)
+
+
+def _description(cfg: JobConfig, parsed: list[spaces.Space], steps: int, injections: list[str]) -> dict[str, Any]:
+    base = cfg.to_dict()
+    base.pop("tune")
+    settings = dataclasses.asdict(cfg.tune)
+    settings.pop("params")
+    return {
+        "params": {s.key: str(s) for s in parsed},
+        "settings": settings,
+        "steps": steps,
+        "config": base,
+        "injections": list(injections),
+    }
+
+
+def _claim(out: str, description: dict[str, Any], options: StorageOptions | None) -> bool:
+    """Record what the search is in OUT; True when OUT holds this search already (it is resumed).
+    A folder holding another search, or anything else, is refused."""
+    record = join(out, SEARCH_FILE)
+    if exists(record, options):
+        before = json.loads(read_bytes(record, options))
+        changed = [k for k in ("params", "settings", "steps", "config") if before.get(k) != description[k]]
+        if changed:
+            raise ConfigError(
+                f"--out {out} holds another search (its {', '.join(changed)} differ): give a new --out, "
+                "or the same arguments to resume it"
+            )
+        return True
+    if exists(out, options):
+        fs, path = resolve(out, options)
+        if fs.ls(path, detail=False):
+            raise ConfigError(f"--out {out} is not empty and holds no search: give a new or empty folder")
+    atomic_write(record, (json.dumps(description, indent=2, default=str) + "\n").encode(), options)
+    return False
+
+
+def _tune_storage(out: str, options: StorageOptions | None) -> tuple[str, Any]:
+    """Where Tune keeps its state: OUT itself; an object store through a pyarrow wrapper of
+    petatrain's own filesystem (the same credentials and endpoint)."""
+    if is_local(out):
+        return out, None
+    import pyarrow.fs as pafs
+
+    fs, path = resolve(out, options)
+    return path, pafs.PyFileSystem(pafs.FSSpecHandler(fs))
+
+
+def _scheduler(settings: TuneConfig, parsed: list[spaces.Space], steps: int, eval_every: int) -> Any:
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, PopulationBasedTraining
+
+    if settings.scheduler == "asha":
+        return ASHAScheduler(
+            time_attr="step",
+            max_t=steps,
+            grace_period=min(steps, settings.grace_evals * eval_every),
+            reduction_factor=settings.reduction_factor,
+        )
+    if settings.scheduler == "pbt":
+        return PopulationBasedTraining(
+            time_attr="step",
+            perturbation_interval=settings.perturbation_evals * eval_every,
+            hyperparam_mutations={s.key: s.domain() for s in parsed},
+            quantile_fraction=1.0 / settings.reduction_factor,
+        )
+    return FIFOScheduler()
+
+
+def _search(settings: TuneConfig, concurrent: int) -> Any:
+    """Tune's search algorithm. Random sampling limits its own concurrency (Tune ignores
+    `max_concurrent_trials` for it); Optuna's is limited by Tune through `max_concurrent_trials`."""
+    from ray.tune.search.basic_variant import BasicVariantGenerator
+
+    if settings.search == "optuna":
+        from ray.tune.search.optuna import OptunaSearch
+
+        return OptunaSearch(seed=settings.seed)
+    return BasicVariantGenerator(random_state=settings.seed, max_concurrent=concurrent)
+
+
+class _Progress:
+    """Tune callback: one console line per evaluation a trial reports, and per trial that ends. A
+    trial that ends (stopped, failed) has its workers' placement group removed: its driver was
+    stopped with the trial actor, and a placement group outlives the actor that made it."""
+
+    def __new__(
+        cls, say: Callable[[str], None], steps: int, metric: str, out: str, options: StorageOptions | None
+    ) -> Any:
+        from ray.tune import Callback
+
+        from petatrain.runtime.cluster import remove_placement_groups
+
+        def release(trial: Any) -> None:
+            groups = {e.get("placement_group") for e in _events(trial_dir(out, trial.trial_id), options)}
+            remove_placement_groups(groups - {None, ""}, f"of trial {trial.trial_id}: the trial ended")
+
+        class Progress(Callback):
+            def on_trial_result(self, iteration, trials, trial, result, **info):
+                value = result.get(metric)
+                shown = f"{value:.4f}" if isinstance(value, int | float) else "-"
+                say(f"trial {trial.trial_id}: step {result.get('step')}/{steps}, {metric} {shown}")
+
+            def on_trial_complete(self, iteration, trials, trial, **info):
+                last = (trial.last_result or {}).get("step")
+                how = "finished" if last == steps else f"stopped by the scheduler at step {last}"
+                say(f"trial {trial.trial_id}: {how}")
+                release(trial)
+
+            def on_trial_error(self, iteration, trials, trial, **info):
+                say(f"trial {trial.trial_id}: failed ({trial.num_failures} failure(s)); see {trial.path}")
+                release(trial)
+
+        return Progress()
+
+
+def _conclude(
+    base: JobConfig,
+    grid: Any,
+    out: str,
+    options: StorageOptions | None,
+    parsed: list[spaces.Space],
+    steps: int,
+    concurrent: int,
+    wall_s: float,
+) -> dict[str, Any]:
+    """Reports per trial, stopped trials' end events, best.yaml, tune.json and tune.html."""
+    from petatrain.observe.report import write_report, write_search_report
+
+    settings = base.tune
+    sign = 1 if settings.mode == "min" else -1
+    trials, decisions = [], []
+    for result in grid:
+        metrics = result.metrics or {}
+        trial_id = metrics.get("trial_id") or os.path.basename(str(result.path)).split("_")[-2:]
+        trial_id = trial_id if isinstance(trial_id, str) else "_".join(trial_id)
+        run_url = trial_dir(out, trial_id)
+        history = result.metrics_dataframe
+        curve = []
+        if history is not None and "step" in history:
+            curve = [
+                [int(s), float(v)]
+                for s, v in zip(history["step"], history[settings.metric], strict=False)
+                if v == v  # not NaN
+            ]
+        step = int(metrics["step"]) if metrics.get("step") is not None else None
+        status = "error" if result.error else "finished" if step == steps else "stopped"
+        events = _events(run_url, options)
+        if status == "stopped":
+            decisions.append({"trial": trial_id, "step": step, "decision": "stopped", "by": settings.scheduler})
+            _record_stop(run_url, events, step, settings.scheduler, options)
+        for e in events:
+            if e.get("event") == "run_continue" and e.get("source"):
+                source = e["source"]
+                decisions.append(
+                    {"trial": trial_id, "step": source["step"], "decision": "exploit", "from": source["from"]}
+                )
+        goodput = None
+        if events:
+            try:
+                goodput = write_report(run_url, options)["goodput"]
+            except PetatrainError as exc:
+                log.warning("no report for trial %s: %s", trial_id, exc)
+        value = metrics.get(settings.metric)
+        trials.append(
+            {
+                "trial": trial_id,
+                "params": {k: result.config.get(k) for k in (s.key for s in parsed)},
+                settings.metric: value,
+                "step": step,
+                "status": status,
+                "goodput": goodput,
+                "run": run_url,
+                "curve": curve,
+                "error": str(result.error).strip().splitlines()[-1] if result.error else None,
+            }
+        )
+    scores = {t["trial"]: float(v) for t in trials if isinstance(v := t[settings.metric], int | float) and v == v}
+    best = min((t for t in trials if t["trial"] in scores), key=lambda t: sign * scores[t["trial"]], default=None)
+    summary: dict[str, Any] = {
+        "out": out,
+        "metric": settings.metric,
+        "mode": settings.mode,
+        "scheduler": settings.scheduler,
+        "search": settings.search,
+        "steps": steps,
+        "concurrent": concurrent,
+        "wall_s": wall_s,
+        "params": {s.key: str(s) for s in parsed},
+        "trials": sorted(trials, key=lambda t: t["trial"]),
+        "decisions": decisions,
+        "best": None,
+    }
+    if best is not None:
+        summary["best"] = {"trial": best["trial"], settings.metric: best[settings.metric], "params": best["params"]}
+        summary["best_config"] = join(out, BEST_FILE)
+        atomic_write(summary["best_config"], _best_yaml(base, best, steps).encode(), options)
+    atomic_write(join(out, SUMMARY_FILE), (json.dumps(summary, indent=2, default=str) + "\n").encode(), options)
+    summary["html"] = write_search_report(summary, join(out, HTML_FILE), options)
+    return summary
+
+
+def _events(run_url: str, options: StorageOptions | None) -> list[dict[str, Any]]:
+    try:
+        return read_events(run_url, options)
+    except FileNotFoundError:
+        return []
+
+
+def _record_stop(run_url: str, events: list[dict[str, Any]], step: int | None, by: str, options: Any) -> None:
+    """The ledger of a trial the scheduler stopped ends saying so (its driver was stopped with it)."""
+    last = next((e for e in reversed(events) if e.get("event") in ("end", "run_start", "run_continue")), None)
+    if last is None or last.get("event") == "end":
+        return
+    ledger = EventLog(run_url, options)
+    try:
+        ledger.emit("end", status="stopped", step=step, detail=f"stopped by the search's {by} scheduler at step {step}")
+    finally:
+        ledger.close()
+
+
+def _best_yaml(base: JobConfig, best: dict[str, Any], steps: int) -> str:
+    """The best trial's config as `train` runs it: the base with its parameters and step count."""
+    import yaml
+
+    setup = TrialSetup(base=base, out="", keys=tuple(best["params"]), steps=steps, checkpoints=False)
+    cfg = configure(setup, best["params"])
+    values = cfg.to_dict()
+    values.pop("tune")
+    header = (
+        f"# The best trial of a petatrain search: trial {best['trial']} ({best['run']}).\n"
+        f"#   petatrain train {BEST_FILE} --run-dir RUN\n"
+    )
+    return header + yaml.safe_dump(values, sort_keys=False)
