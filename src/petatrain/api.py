@@ -182,9 +182,11 @@ def ingest(
     options: StorageOptions | None = None,
     on_stage: Callable[[str, str], None] | None = None,
 ) -> IngestSummary:
-    """Ingest `sources` into the dataset at `out` (on Ray Data); `on_stage(stage, "start"|"done")`."""
+    """Ingest `sources` into the dataset at `out` (on Ray Data); `on_stage(stage, "start"|"done")`.
+
+    Through Ray Client (`address="ray://..."`) the ingest's driver runs on the cluster, as a task."""
     from petatrain.data.ingest import run
-    from petatrain.runtime.cluster import init_ray
+    from petatrain.runtime.cluster import init_ray, is_client_address
 
     job = IngestJob(
         sources=list(sources),
@@ -196,6 +198,13 @@ def ingest(
         options=options,
         on_stage=on_stage,
     )
+    if is_client_address(address):
+        from petatrain.console import ray_output_to_console
+        from petatrain.constants import RAY_ADDRESS_ENV
+        from petatrain.runtime.ingest_task import run_on_cluster
+
+        job.connect = functools.partial(init_ray, address or os.environ[RAY_ADDRESS_ENV], local_cpus)
+        return run_on_cluster(job, verbose=ray_output_to_console())
     return run(job)
 
 

@@ -31,6 +31,7 @@ def init_ray(address: str, local_cpus: int = 0, tls: RayTlsConfig | None = None)
 
     if ray.is_initialized():
         return
+    _check_token(os.environ.get(constants.RAY_ADDRESS_ENV, "") if address == "auto" else address)
     kwargs: dict[str, Any] = {"num_cpus": local_cpus} if local_cpus and not address else {}
     local: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
     if not address:
@@ -55,6 +56,29 @@ def init_ray(address: str, local_cpus: int = 0, tls: RayTlsConfig | None = None)
             silence_worker_logs()
     except ConnectionError as exc:
         raise PetatrainError(f"cannot reach the Ray cluster at {address!r}: {exc}") from None
+
+
+def is_client_address(address: str) -> bool:
+    """A Ray Client address (`ray://host:port`): this process would drive the cluster from outside it."""
+    return (address or os.environ.get(constants.RAY_ADDRESS_ENV, "")).startswith("ray://")
+
+
+def _check_token(address: str) -> None:
+    """One line, at once, for a cluster that refuses this process's token (see _ray.token_refused)."""
+    from petatrain.runtime._ray import token_refused
+
+    if not address or address == "auto" or not token_refused(address):
+        return
+    mode = os.environ.get(constants.RAY_AUTH_MODE_ENV, "").lower()
+    token = f"{constants.RAY_AUTH_TOKEN_ENV} (or RAY_AUTH_TOKEN_PATH, default ~/.ray/auth_token) to the cluster's token"
+    if mode != "token":
+        raise PetatrainError(
+            f"the Ray cluster at {address} requires token authentication and this process sends no token: "
+            f"set {constants.RAY_AUTH_MODE_ENV}=token and {token}"
+        )
+    raise PetatrainError(
+        f"the Ray cluster at {address} refused this process's token ({constants.RAY_AUTH_MODE_ENV}=token): set {token}"
+    )
 
 
 class RayCluster:
