@@ -47,6 +47,7 @@ __all__ = [
     "driver_log_path",
     "ingest",
     "inspect",
+    "metrics_targets_path",
     "plan",
     "profile",
     "remove_run",
@@ -258,6 +259,18 @@ def driver_log_path(run_dir: str, options: StorageOptions | None = None) -> str 
     if not is_local(run_dir):
         return None
     return os.path.join(os.path.abspath(resolve(run_dir, options)[1]), "logs", "ray-driver.log")
+
+
+def metrics_targets_path(run_dir: str, options: StorageOptions | None = None) -> str:
+    """Where a run names its metrics endpoint for Prometheus' `file_sd_configs` while it runs:
+    `RUN/prometheus/targets.json` (an absolute path for a run on a local disk)."""
+    from petatrain.observe.metrics import TARGETS_FILE
+    from petatrain.storage import join
+    from petatrain.storage.fs import is_local, resolve
+
+    if is_local(run_dir):
+        return os.path.join(os.path.abspath(resolve(run_dir, options)[1]), TARGETS_FILE)
+    return join(run_dir, TARGETS_FILE)
 
 
 def remove_run(run_dir: str, options: StorageOptions | None = None) -> None:

@@ -218,8 +218,9 @@ class TrainProgress:
     """Renders a run's ledger events as they arrive: a line every `every` steps (loss, tokens/s),
     one line per fault, one when training resumes after it, and the run's end."""
 
-    def __init__(self, write: Callable[[str], None], *, total_steps: int, every: int = 10):
+    def __init__(self, write: Callable[[str], None], *, total_steps: int, every: int = 10, targets: str = ""):
         self.write, self.total, self.every = write, total_steps, every
+        self.targets = targets  # the run's Prometheus file_sd file, named beside the metrics' URL
         self._seen: set[tuple[int, int]] = set()
         self._injected: dict[int, dict[str, Any]] = {}  # attempt -> the fault injected in it
         self._resumed: set[int] = set()
@@ -242,6 +243,13 @@ class TrainProgress:
         rate = e["tokens"] / e["step_s"] if e.get("tokens") and e.get("step_s") else None
         speed = f"  {rate:,.0f} tokens/s" if rate else ""
         self.write(f"step {step:>6}/{self.total}  loss {_fmt(e.get('loss'))}{speed}")
+
+    def _on_run_start(self, e: dict[str, Any]) -> None:
+        if e.get("metrics"):
+            where = f"  (Prometheus file_sd: {self.targets})" if self.targets else ""
+            self.write(f"metrics: {e['metrics']}{where}")
+
+    _on_run_continue = _on_run_start
 
     def _on_fault_injected(self, e: dict[str, Any]) -> None:
         self._injected[e.get("attempt", 0)] = e
