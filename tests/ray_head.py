@@ -75,7 +75,8 @@ class RayHead:
     def stop(self) -> None:
         if self._session is None:
             return
-        for sig, wait_s in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+        # A test cluster's state goes with it: a second for a clean exit, then no more waiting.
+        for sig, wait_s in ((signal.SIGTERM, 1.0), (signal.SIGKILL, 5.0)):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self._session, sig)
             deadline = time.monotonic() + wait_s
