@@ -54,8 +54,9 @@ def test_ingest_through_ray_client_runs_on_the_cluster_and_shows_its_stages(inge
     root, corpus, done = ingested
     assert done.returncode == 0, done.stderr[-3000:]
     assert "core_worker" not in done.stderr and "Traceback" not in done.stderr
-    lines = [line for line in done.stderr.splitlines() if line.startswith("ingest: ")]
+    lines = done.stderr.splitlines()  # petatrain's stage lines and nothing else (Ray's server logs go to a file)
     assert [line.split(": ", 1)[1].rsplit(" (", 1)[0] for line in lines] == STAGES, done.stderr
+    assert all(line.startswith("ingest: ") for line in lines), done.stderr
     dataset = index.open_dataset(str(root / "ds"))
     texts = []
     for path in dataset.shards.column("path").to_pylist():

@@ -31,6 +31,9 @@ DEBUG_ENV = "PETATRAIN_DEBUG"
 # Where Ray keeps the logs of the processes it starts (a documented link to the newest session).
 RAY_SESSION_LOGS = os.path.join(tempfile.gettempdir(), "ray", "session_latest", "logs")
 _BUFFERED = 20_000  # log records kept before a file is chosen (more are dropped, counted)
+# What a Ray Client's server logs reaches its driver through this logger, which does not propagate:
+# without a handler of its own, Python's last resort printed its warnings on the console.
+RAY_CLIENT_SERVER_LOG = "ray.util.client.logsclient"
 
 
 def set_verbose(flag: bool) -> None:
@@ -115,12 +118,12 @@ def quiet_ray() -> RayLogs | None:
 
     _ROUTED = RayLogs()
     atexit.register(_ROUTED.finish, "petatrain.log")  # a command that failed keeps Ray's records too
-    for name in ("ray", "ray.data", "ray.train", "ray.tune", "ray.serve"):
+    for name in ("ray", "ray.data", "ray.train", "ray.tune", "ray.serve", RAY_CLIENT_SERVER_LOG):
         logger = logging.getLogger(name)
         for handler in list(logger.handlers):
             if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
                 logger.removeHandler(handler)
-        if name in ("ray", "ray.data"):  # the others propagate to `ray`
+        if name in ("ray", "ray.data", RAY_CLIENT_SERVER_LOG):  # the others propagate to `ray`
             logger.addHandler(_ROUTED)
     DataContext.get_current().enable_progress_bars = False
     return _ROUTED
