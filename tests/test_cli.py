@@ -128,6 +128,9 @@ def test_a_training_kill_is_one_line_and_the_recovery_shows(tmp_path, token_data
     assert len(faults) == 1 and "kill on rank 1 at step 12" in faults[0], result.stderr
     assert any(line.startswith("recovered") for line in result.stderr.splitlines()), result.stderr
     assert re.search(r"step +20/20 +loss \d", result.stderr), result.stderr
+    targets = tmp_path / "run" / "prometheus" / "targets.json"
+    said = rf"^metrics: http://127\.0\.0\.1:\d+/metrics  \(Prometheus file_sd: {re.escape(str(targets))}\)$"
+    assert re.search(said, result.stderr, re.M), result.stderr  # at the start, before the first step's line
     log = tmp_path / "run" / "logs" / "ray-driver.log"
     assert log.exists(), "Ray's driver log is kept with the run"
 
@@ -157,6 +160,16 @@ def test_training_progress_is_a_line_per_ten_steps_one_per_fault_and_one_on_reco
     assert "kill on rank 1 at step 12 (injected)" in lines[1] and "Traceback" not in lines[1]
     assert "recovered" in lines[2] and "resumes at step 10" in lines[2]
     assert lines[3].startswith("step     20/20")
+
+
+def test_training_progress_names_the_metrics_endpoint_and_its_target_file_at_the_start():
+    from petatrain.console import TrainProgress
+
+    lines: list[str] = []
+    progress = TrainProgress(lines.append, total_steps=20, targets="/runs/r/prometheus/targets.json")
+    progress({"event": "run_start", "run_id": "r", "metrics": "http://127.0.0.1:9464/metrics"})
+    progress({"event": "run_continue", "run_id": "r", "metrics": ""})  # a driver with the endpoint off: nothing
+    assert lines == ["metrics: http://127.0.0.1:9464/metrics  (Prometheus file_sd: /runs/r/prometheus/targets.json)"]
 
 
 def test_a_resize_is_one_line_and_the_resume_says_on_how_many_workers():

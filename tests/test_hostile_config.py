@@ -108,6 +108,8 @@ def test_a_duplicate_yaml_key_is_an_error_naming_key_and_line(tmp_path, text, me
     [
         ("observe.metrics_port=99999", "observe.metrics_port must be in [0, 65535]"),
         ("observe.metrics_port=-1", "observe.metrics_port must be in [0, 65535]"),
+        ("observe.metrics_linger_s=-1", "observe.metrics_linger_s must be 0 or more seconds"),
+        ("observe.metrics_linger_s=.nan", "observe.metrics_linger_s"),
         ("train.lr=.inf", "train.lr must be a finite number > 0"),
         ("train.lr=.nan", "train.lr"),
         ("train.lr=-0.1", "train.lr must be a finite number > 0"),

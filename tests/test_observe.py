@@ -417,6 +417,32 @@ def test_metrics_endpoint_serves_what_the_ledger_says(tmp_path):
         urllib.request.urlopen(metrics.url, timeout=2)  # closed: the port no longer answers
 
 
+def test_the_endpoint_knows_when_it_was_scraped_and_waits_for_a_scrape_after_a_moment(tmp_path):
+    """What keeps an ended run's endpoint up for Prometheus' last scrape (the driver's linger)."""
+    import threading
+    import time
+
+    with MetricsServer() as metrics:
+        assert metrics.last_scrape is None  # never scraped: the driver does not wait at all
+        _scrape(metrics.url)
+        first = metrics.last_scrape
+        assert first is not None
+        ended = time.time()
+        assert not metrics.wait_for_scrape(ended, 0.2)  # no scrape since: it times out
+        later = threading.Timer(0.3, _scrape, [metrics.url])
+        later.start()
+        assert metrics.wait_for_scrape(ended, 10)
+        later.join()
+        assert metrics.last_scrape is not None and metrics.last_scrape > ended > first
+
+
+def test_the_run_is_a_prometheus_file_sd_target():
+    from petatrain.observe.metrics import file_sd_targets
+
+    doc = json.loads(file_sd_targets("http://10.0.0.5:8078/metrics", {"run_id": "ab12", "run_dir": "s3://b/r"}))
+    assert doc == [{"targets": ["10.0.0.5:8078"], "labels": {"run_id": "ab12", "run_dir": "s3://b/r"}}]
+
+
 def test_pipeline_stages_have_metrics_of_their_own():
     stage = {"event": "pipeline_stage", "t": 1.0, "attempt": 0, "steps": 10, "stages": 2}
     with MetricsServer() as metrics:

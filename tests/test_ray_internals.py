@@ -29,6 +29,11 @@ PRIVATE = [
     ("ray.core.generated.common_pb2", "PYTHON"),
     ("ray.core.generated.node_manager_pb2", "PrestartWorkersRequest"),
     ("ray.core.generated.node_manager_pb2_grpc", "NodeManagerServiceStub"),
+    ("ray.core.generated.gcs_service_pb2", "GetClusterIdRequest"),
+    ("ray.core.generated.gcs_service_pb2_grpc", "NodeInfoGcsServiceStub"),
+    ("ray.core.generated.ray_client_pb2", "ClusterInfoRequest"),
+    ("ray.core.generated.ray_client_pb2", "ClusterInfoType.PING"),
+    ("ray.core.generated.ray_client_pb2_grpc", "RayletDriverStub"),
     # runtime/_ray/errors.py
     ("ray.train.v2._internal.exceptions", "WorkerHealthCheckFailedError"),
     ("ray.train.v2._internal.exceptions", "WorkerHealthCheckTimeoutError"),

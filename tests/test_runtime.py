@@ -393,3 +393,33 @@ def test_synchronization_actor_starts_only_when_called(ray_local):
     finally:
         worker_group.SynchronizationActor = stock
         state._shutdown_sync_actor = stock_shutdown
+
+
+def test_a_ray_client_server_that_fails_to_start_the_drivers_server_is_asked_again(monkeypatch):
+    """Ray's client server forks a server per driver, and that process sometimes dies at once
+    (gRPC and fork); a new connection gets a new one. Other connection errors stay one error."""
+    import ray
+
+    from petatrain.errors import PetatrainError
+    from petatrain.runtime import cluster
+
+    calls: list[str] = []
+
+    def init(address=None, **kwargs):
+        calls.append(address)
+        if len(calls) == 1:
+            raise ConnectionError("Initialization failure from server: ... Starting Ray client server failed. See ...")
+        if address == "ray://127.0.0.1:2":
+            raise ConnectionError("ray client connection timeout")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(cluster, "_check_token", lambda address: None)
+    monkeypatch.setattr("petatrain.runtime._ray.silence_worker_logs", lambda: None)
+    cluster.init_ray("ray://127.0.0.1:1")
+    assert calls == ["ray://127.0.0.1:1", "ray://127.0.0.1:1"]
+    calls.clear()
+    calls.append("")  # the next call is not the first: no start failure this time
+    with pytest.raises(PetatrainError, match=r"cannot reach the Ray cluster at 'ray://127\.0\.0\.1:2'"):
+        cluster.init_ray("ray://127.0.0.1:2")
+    assert calls == ["", "ray://127.0.0.1:2"]

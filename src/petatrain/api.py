@@ -47,6 +47,7 @@ __all__ = [
     "driver_log_path",
     "ingest",
     "inspect",
+    "metrics_targets_path",
     "plan",
     "profile",
     "remove_run",
@@ -182,9 +183,11 @@ def ingest(
     options: StorageOptions | None = None,
     on_stage: Callable[[str, str], None] | None = None,
 ) -> IngestSummary:
-    """Ingest `sources` into the dataset at `out` (on Ray Data); `on_stage(stage, "start"|"done")`."""
+    """Ingest `sources` into the dataset at `out` (on Ray Data); `on_stage(stage, "start"|"done")`.
+
+    Through Ray Client (`address="ray://..."`) the ingest's driver runs on the cluster, as a task."""
     from petatrain.data.ingest import run
-    from petatrain.runtime.cluster import init_ray
+    from petatrain.runtime.cluster import init_ray, is_client_address
 
     job = IngestJob(
         sources=list(sources),
@@ -196,6 +199,13 @@ def ingest(
         options=options,
         on_stage=on_stage,
     )
+    if is_client_address(address):
+        from petatrain.console import ray_output_to_console
+        from petatrain.constants import RAY_ADDRESS_ENV
+        from petatrain.runtime.ingest_task import run_on_cluster
+
+        job.connect = functools.partial(init_ray, address or os.environ[RAY_ADDRESS_ENV], local_cpus)
+        return run_on_cluster(job, verbose=ray_output_to_console())
     return run(job)
 
 
@@ -249,6 +259,18 @@ def driver_log_path(run_dir: str, options: StorageOptions | None = None) -> str 
     if not is_local(run_dir):
         return None
     return os.path.join(os.path.abspath(resolve(run_dir, options)[1]), "logs", "ray-driver.log")
+
+
+def metrics_targets_path(run_dir: str, options: StorageOptions | None = None) -> str:
+    """Where a run names its metrics endpoint for Prometheus' `file_sd_configs` while it runs:
+    `RUN/prometheus/targets.json` (an absolute path for a run on a local disk)."""
+    from petatrain.observe.metrics import TARGETS_FILE
+    from petatrain.storage import join
+    from petatrain.storage.fs import is_local, resolve
+
+    if is_local(run_dir):
+        return os.path.join(os.path.abspath(resolve(run_dir, options)[1]), TARGETS_FILE)
+    return join(run_dir, TARGETS_FILE)
 
 
 def remove_run(run_dir: str, options: StorageOptions | None = None) -> None:

@@ -284,7 +284,8 @@ def _run_training(
     branch: str | None = None,
 ) -> api.TrainResult:
     """api.train with progress on the console, and Ray's driver log in RUN/logs once the run exists."""
-    progress = quiet.TrainProgress(_say, total_steps=cfg.train.steps)
+    targets = api.metrics_targets_path(run_dir, cfg.storage.options())
+    progress = quiet.TrainProgress(_say, total_steps=cfg.train.steps, targets=targets)
     log_path = api.driver_log_path(run_dir, cfg.storage.options())
 
     def on_event(event: dict[str, Any]) -> None:

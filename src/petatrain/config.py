@@ -349,6 +349,10 @@ class ResourcesConfig:
 class ObserveConfig:
     metrics_port: int = 0  # 0 picks a free port (written to the ledger's run_start)
     metrics_host: str = "127.0.0.1"  # "" turns the Prometheus endpoint off
+    # After a run ends, an endpoint that was scraped stays up until the next scrape has read the
+    # final values (goodput above all), at most this long: Prometheus' scrape interval (15 s by
+    # default) or more. One nobody scraped closes at once; 0 never waits.
+    metrics_linger_s: float = 15.0
     # The driver's health endpoint (runtime/health.py: GET /livez, /readyz), what a Kubernetes
     # probe of the head pod asks; "" turns it off, port 0 picks a free one (in the ledger's run_start).
     health_host: str = "127.0.0.1"
@@ -359,6 +363,10 @@ class ObserveConfig:
         for key in ("metrics_port", "health_port"):
             if not 0 <= getattr(self, key) <= 65535:
                 raise ConfigError(f"observe.{key} must be in [0, 65535] (0 picks a free one), got {getattr(self, key)}")
+        if not (math.isfinite(self.metrics_linger_s) and self.metrics_linger_s >= 0):
+            raise ConfigError(
+                f"observe.metrics_linger_s must be 0 or more seconds (0: close at once), got {self.metrics_linger_s}"
+            )
         if not (math.isfinite(self.health_window_s) and self.health_window_s > 0):
             raise ConfigError(
                 f"observe.health_window_s must be a positive number of seconds, got {self.health_window_s}"

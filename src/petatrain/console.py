@@ -31,6 +31,9 @@ DEBUG_ENV = "PETATRAIN_DEBUG"
 # Where Ray keeps the logs of the processes it starts (a documented link to the newest session).
 RAY_SESSION_LOGS = os.path.join(tempfile.gettempdir(), "ray", "session_latest", "logs")
 _BUFFERED = 20_000  # log records kept before a file is chosen (more are dropped, counted)
+# What a Ray Client's server logs reaches its driver through this logger, which does not propagate:
+# without a handler of its own, Python's last resort printed its warnings on the console.
+RAY_CLIENT_SERVER_LOG = "ray.util.client.logsclient"
 
 
 def set_verbose(flag: bool) -> None:
@@ -115,12 +118,12 @@ def quiet_ray() -> RayLogs | None:
 
     _ROUTED = RayLogs()
     atexit.register(_ROUTED.finish, "petatrain.log")  # a command that failed keeps Ray's records too
-    for name in ("ray", "ray.data", "ray.train", "ray.tune", "ray.serve"):
+    for name in ("ray", "ray.data", "ray.train", "ray.tune", "ray.serve", RAY_CLIENT_SERVER_LOG):
         logger = logging.getLogger(name)
         for handler in list(logger.handlers):
             if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
                 logger.removeHandler(handler)
-        if name in ("ray", "ray.data"):  # the others propagate to `ray`
+        if name in ("ray", "ray.data", RAY_CLIENT_SERVER_LOG):  # the others propagate to `ray`
             logger.addHandler(_ROUTED)
     DataContext.get_current().enable_progress_bars = False
     return _ROUTED
@@ -218,8 +221,9 @@ class TrainProgress:
     """Renders a run's ledger events as they arrive: a line every `every` steps (loss, tokens/s),
     one line per fault, one when training resumes after it, and the run's end."""
 
-    def __init__(self, write: Callable[[str], None], *, total_steps: int, every: int = 10):
+    def __init__(self, write: Callable[[str], None], *, total_steps: int, every: int = 10, targets: str = ""):
         self.write, self.total, self.every = write, total_steps, every
+        self.targets = targets  # the run's Prometheus file_sd file, named beside the metrics' URL
         self._seen: set[tuple[int, int]] = set()
         self._injected: dict[int, dict[str, Any]] = {}  # attempt -> the fault injected in it
         self._resumed: set[int] = set()
@@ -242,6 +246,13 @@ class TrainProgress:
         rate = e["tokens"] / e["step_s"] if e.get("tokens") and e.get("step_s") else None
         speed = f"  {rate:,.0f} tokens/s" if rate else ""
         self.write(f"step {step:>6}/{self.total}  loss {_fmt(e.get('loss'))}{speed}")
+
+    def _on_run_start(self, e: dict[str, Any]) -> None:
+        if e.get("metrics"):
+            where = f"  (Prometheus file_sd: {self.targets})" if self.targets else ""
+            self.write(f"metrics: {e['metrics']}{where}")
+
+    _on_run_continue = _on_run_start
 
     def _on_fault_injected(self, e: dict[str, Any]) -> None:
         self._injected[e.get("attempt", 0)] = e

@@ -15,6 +15,7 @@ RAY_ADDRESS_ENV = "RAY_ADDRESS"  # a cluster to join: the run is not local, so t
 OMP_THREADS_ENV = "OMP_NUM_THREADS"  # the driver's choice, passed to the workers' runtime env
 
 # -- set for the processes of a Ray cluster petatrain starts itself (chaos/netns.py) -------------
+# (the two token variables are also named in the one line for a cluster that refuses a driver's token)
 RAY_AUTH_MODE_ENV = "RAY_AUTH_MODE"
 RAY_AUTH_TOKEN_ENV = "RAY_AUTH_TOKEN"
 RAY_USAGE_STATS_ENV = "RAY_USAGE_STATS_ENABLED"

@@ -8,14 +8,21 @@
 Every metric is named `petatrain_*`. The goodput gauge is the same quantity
 `goodput.account` reports (productive time of kept steps over wall time), kept up to
 date in O(1) per event so that the driver can feed it every event of a long run.
+
+Prometheus finds a run through `RUN/prometheus/targets.json` (`file_sd_targets`, its file-based
+service discovery format), and the server notes when it is scraped, so that the driver can keep
+it up until the scrape after a run's end has read the final values (`wait_for_scrape`).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
+import time
 from array import array
 from typing import Any
+from urllib.parse import urlsplit
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
@@ -30,6 +37,9 @@ class MetricsServer:
     def __init__(self, host: str = "127.0.0.1", port: int = 0):
         # A registry of its own: two runs (or two tests) in one process do not share metrics.
         self.registry = CollectorRegistry()
+        # Registered first, so that a scrape is dated before any value of it is read.
+        self._scrapes = _ScrapeClock()
+        self.registry.register(self._scrapes)
         gauge, counter = self._gauge, self._counter
         self.step = gauge("petatrain_step", "Last step completed")
         self.attempt = gauge("petatrain_attempt", "Attempt in progress (0 = the first, +1 per restart)")
@@ -151,6 +161,16 @@ class MetricsServer:
         self._productive += (step_s - wait) - self._productive_of_step[index]
         self._productive_of_step[index] = step_s - wait
 
+    @property
+    def last_scrape(self) -> float | None:
+        """When (unix seconds) the endpoint was last scraped; None if never."""
+        return self._scrapes.last
+
+    def wait_for_scrape(self, after: float, timeout_s: float) -> bool:
+        """Wait until a scrape that began after `after` (unix seconds) has read the metrics, at
+        most `timeout_s`; whether one did."""
+        return self._scrapes.wait_after(after, timeout_s)
+
     def close(self) -> None:
         """Stop serving; the port is free again when this returns."""
         self._server.shutdown()
@@ -162,3 +182,37 @@ class MetricsServer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _ScrapeClock:
+    """A collector that yields no metric and notes when a scrape asks for them."""
+
+    def __init__(self) -> None:
+        self.last: float | None = None
+        self._scraped = threading.Condition()
+
+    def describe(self) -> list[Any]:  # registering it must not count as a scrape
+        return []
+
+    def collect(self) -> list[Any]:
+        with self._scraped:
+            self.last = time.time()
+            self._scraped.notify_all()
+        return []
+
+    def wait_after(self, after: float, timeout_s: float) -> bool:
+        with self._scraped:
+            return self._scraped.wait_for(lambda: self.last is not None and self.last > after, timeout=timeout_s)
+
+
+TARGETS_FILE = "prometheus/targets.json"  # in the run directory
+
+
+def file_sd_targets(url: str, labels: dict[str, str]) -> bytes:
+    """The metrics endpoint at `url` as a Prometheus file-based service discovery file
+    (`file_sd_configs`), its series labelled with `labels`."""
+    parts = urlsplit(url)
+    target: dict[str, Any] = {"targets": [parts.netloc], "labels": dict(labels)}
+    if parts.path and parts.path != "/metrics":
+        target["labels"]["__metrics_path__"] = parts.path
+    return (json.dumps([target], indent=2) + "\n").encode()

@@ -18,6 +18,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+CLIENT_SERVER_RETRIES = 2  # new connections when a Ray Client server fails to start this driver's server
+
 
 def init_ray(address: str, local_cpus: int = 0, tls: RayTlsConfig | None = None) -> None:
     """Connect to `address`, or start a local Ray; reuse one this process already started. With
@@ -32,6 +34,7 @@ def init_ray(address: str, local_cpus: int = 0, tls: RayTlsConfig | None = None)
 
     if ray.is_initialized():
         return
+    _check_token(os.environ.get(constants.RAY_ADDRESS_ENV, "") if address == "auto" else address)
     kwargs: dict[str, Any] = {"num_cpus": local_cpus} if local_cpus and not address else {}
     local: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
     if not address:
@@ -40,22 +43,54 @@ def init_ray(address: str, local_cpus: int = 0, tls: RayTlsConfig | None = None)
         local = local_only_cluster()
     elif address.rpartition(":")[0] in ("127.0.0.1", "localhost"):
         local = local_only_cluster()  # else ray.init swaps 127.0.0.1 for this machine's address: unreachable
-    try:
-        with local:
-            from petatrain.console import ray_output_to_console
+    from petatrain.console import ray_output_to_console
 
-            to_console = ray_output_to_console()  # --verbose, PETATRAIN_DEBUG=1; else it stays in Ray's logs
-            ray.init(
-                address=address or None,
-                include_dashboard=False,
-                logging_level=logging.WARNING,
-                log_to_driver=to_console,
-                **kwargs,
-            )
-        if not to_console:
-            silence_worker_logs()
-    except ConnectionError as exc:
-        raise PetatrainError(f"cannot reach the Ray cluster at {address!r}: {exc}") from None
+    to_console = ray_output_to_console()  # --verbose, PETATRAIN_DEBUG=1; else it stays in Ray's logs
+    for tries_left in range(CLIENT_SERVER_RETRIES, -1, -1):
+        try:
+            with local:
+                ray.init(
+                    address=address or None,
+                    include_dashboard=False,
+                    logging_level=logging.WARNING,
+                    log_to_driver=to_console,
+                    **kwargs,
+                )
+            break
+        except ConnectionError as exc:
+            # The Ray Client server starts a server process per driver; forked while its other
+            # threads are inside gRPC, that process sometimes dies at once (its log: "epoll_wait
+            # error: Bad file descriptor"; seen about once in five connections on a loaded
+            # 2-core machine). A new connection gets a new process.
+            if tries_left and is_client_address(address) and "Starting Ray client server failed" in str(exc):
+                log.info("the Ray Client server at %s could not start this driver's server; trying again", address)
+                continue
+            raise PetatrainError(f"cannot reach the Ray cluster at {address!r}: {exc}") from None
+    if not to_console:
+        silence_worker_logs()
+
+
+def is_client_address(address: str) -> bool:
+    """A Ray Client address (`ray://host:port`): this process would drive the cluster from outside it."""
+    return (address or os.environ.get(constants.RAY_ADDRESS_ENV, "")).startswith("ray://")
+
+
+def _check_token(address: str) -> None:
+    """One line, at once, for a cluster that refuses this process's token (see _ray.token_refused)."""
+    from petatrain.runtime._ray import token_refused
+
+    if not address or address == "auto" or not token_refused(address):
+        return
+    mode = os.environ.get(constants.RAY_AUTH_MODE_ENV, "").lower()
+    token = f"{constants.RAY_AUTH_TOKEN_ENV} (or RAY_AUTH_TOKEN_PATH, default ~/.ray/auth_token) to the cluster's token"
+    if mode != "token":
+        raise PetatrainError(
+            f"the Ray cluster at {address} requires token authentication and this process sends no token: "
+            f"set {constants.RAY_AUTH_MODE_ENV}=token and {token}"
+        )
+    raise PetatrainError(
+        f"the Ray cluster at {address} refused this process's token ({constants.RAY_AUTH_MODE_ENV}=token): set {token}"
+    )
 
 
 class RayCluster:

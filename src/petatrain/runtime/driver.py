@@ -168,6 +168,7 @@ def _drive(job: TrainJob, held: contextlib.ExitStack) -> RunResult:
         started = attempts.started
         lo, hi = cfg.parallel.worker_range()
         metrics = hub.call("metrics_url")
+        _publish_targets(run_url, run_id, metrics, job.options)
         if metrics:
             log.info("metrics: %s", metrics)
         health = _health_server(hub, cfg)
@@ -204,8 +205,43 @@ def _drive(job: TrainJob, held: contextlib.ExitStack) -> RunResult:
             run=run_url, final=final, steps=reached, attempts=supervisor.attempt + 1, failures=failures, wall_s=wall
         )
     finally:
-        attempts.close()
-        hub.close()
+        try:
+            if attempts.ended:
+                _last_scrape(hub, cfg.observe.metrics_linger_s)
+        finally:
+            _publish_targets(run_url, run_id, None, job.options)  # the endpoint goes away with the hub
+            attempts.close()
+            hub.close()
+
+
+def _publish_targets(run_url: str, run_id: str, metrics: str | None, options: StorageOptions | None) -> None:
+    """Write the metrics endpoint into `RUN/prometheus/targets.json`, the file Prometheus'
+    `file_sd_configs` reads (labels run_id, run_dir); with no endpoint, remove it."""
+    from petatrain.observe.metrics import TARGETS_FILE, file_sd_targets
+
+    url = join(run_url, TARGETS_FILE)
+    try:
+        if metrics:
+            atomic_write(url, file_sd_targets(metrics, {"run_id": run_id, "run_dir": run_url}), options)
+            return
+        fs, path = resolve(url, options)
+        with contextlib.suppress(FileNotFoundError):
+            fs.rm_file(path)
+    except Exception as exc:  # discovery is a convenience: the run and its ledger do not depend on it
+        log.warning("could not %s %s: %s", "write" if metrics else "remove", url, exc)
+
+
+def _last_scrape(hub: HubHandle, linger_s: float) -> None:
+    """Keep the ended run's metrics up until Prometheus has scraped them once more (if it scrapes
+    them at all), at most `linger_s`: else the final goodput dies with the run, unseen."""
+    if linger_s <= 0:
+        return
+    try:
+        hub.call("last_scrape", linger_s, timeout=linger_s + 10)
+    except KeyboardInterrupt:  # the run is over; a person who stops the wait loses only that scrape
+        log.info("stopped waiting for the metrics' last scrape")
+    except Exception:
+        log.debug("waiting for the metrics' last scrape failed", exc_info=True)
 
 
 def _may_continue(prior: Any, cfg: JobConfig, run_url: str, resume: bool, may_change: tuple[str, ...]) -> None:
@@ -367,6 +403,7 @@ class RayAttempts:
     ):
         self.job, self.cfg, self.run_url, self.run_id, self.hub = job, cfg, run_url, run_id, hub
         self.started = time.time()
+        self.ended = False  # the ledger has the run's end (finished or given up)
         self.local = not (job.address or cfg.resources.address or os.environ.get(constants.RAY_ADDRESS_ENV))
         self.standby = Standby(self.build, enabled=cfg.faults.standby)
         self.watch = Watchdog(hub.actor, cfg.faults.hang_timeout_s, on_training=self.standby.prepare, grow=grow)
@@ -376,6 +413,7 @@ class RayAttempts:
 
     def emit(self, event: str, **fields: Any) -> dict[str, Any]:
         record = self.hub.call("emit", event, fields)
+        self.ended = self.ended or event == "end"
         if self.job.on_event:
             self.job.on_event(record)
         return record

@@ -18,10 +18,11 @@ from petatrain.observe.ledger import EventLog
 from petatrain.storage import StorageOptions
 
 
-@ray.remote(num_cpus=0, concurrency_groups={"ledger": 1, "parts": 16, "watch": 2})
+@ray.remote(num_cpus=0, concurrency_groups={"ledger": 1, "parts": 16, "watch": 2, "linger": 1})
 class RunHub:
     """Ledger writes run on one thread ("ledger") so events land in the order they were sent;
-    checkpoint-part waits and the watchdog's long poll block threads of their own ("parts", "watch")."""
+    checkpoint-part waits, the watchdog's long poll and the wait for the metrics' last scrape block
+    threads of their own ("parts", "watch", "linger")."""
 
     def __init__(
         self,
@@ -131,7 +132,24 @@ class RunHub:
         self.last_flush = time.time()
 
     def metrics_url(self) -> str | None:
-        return self.metrics.url if self.metrics is not None else None
+        """Where Prometheus reaches the metrics: an endpoint on every interface is named by this node's address."""
+        if self.metrics is None:
+            return None
+        host = self.metrics.host
+        if host in ("0.0.0.0", "::"):
+            host = ray.util.get_node_ip_address()
+        return f"http://{f'[{host}]' if ':' in host else host}:{self.metrics.port}/metrics"
+
+    @ray.method(concurrency_group="linger")
+    def last_scrape(self, max_s: float) -> bool:
+        """Called once the run's end is in the metrics: wait, at most `max_s`, for a scrape to read
+        them, if anything scrapes this endpoint at all; whether one did."""
+        if self.metrics is None or max_s <= 0 or self.metrics.last_scrape is None:
+            return False
+        scraped = self.metrics.wait_for_scrape(time.time(), max_s)
+        if scraped:
+            time.sleep(0.2)  # the values are read; let the answer reach the scraper before the port closes
+        return scraped
 
     @ray.method(concurrency_group="ledger")
     def close(self) -> None:

@@ -90,3 +90,36 @@ def prestart_workers(count: int, runtime_env: str, keep_alive_s: int) -> None:
         node_manager_pb2_grpc.NodeManagerServiceStub(channel).PrestartWorkers(request, timeout=10)
     finally:
         channel.close()
+
+
+def token_refused(address: str, timeout_s: float = 10.0) -> bool:
+    """Whether the cluster at `address` (a GCS `host:port`, or a Ray Client `ray://host:port`)
+    refuses this process's token authentication: it asks for a token and this process sends none,
+    or another one. One RPC through the channel Ray's own clients build (the token when
+    RAY_AUTH_MODE=token, RAY_USE_TLS's certificates), instead of ray.init's retries: those log a
+    line per second for 20 s and end in a "Failed to connect" that does not say why. False when
+    the cluster answers, or fails in any other way (ray.init then reports that itself)."""
+    import grpc
+    from ray._private.grpc_utils import init_grpc_channel
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc, ray_client_pb2, ray_client_pb2_grpc
+
+    client = address.startswith("ray://")
+    target = address[len("ray://") :].split("/", 1)[0] if client else address
+    try:
+        channel = init_grpc_channel(target)
+    except Exception:  # no token file where RAY_AUTH_MODE=token says there is one, bad certificates: Ray's to say
+        return False
+    try:
+        if client:
+            ping = ray_client_pb2.ClusterInfoRequest(type=ray_client_pb2.ClusterInfoType.PING)
+            ray_client_pb2_grpc.RayletDriverStub(channel).ClusterInfo(ping, timeout=timeout_s)
+        else:
+            request = gcs_service_pb2.GetClusterIdRequest()
+            gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetClusterId(request, timeout=timeout_s)
+    except grpc.RpcError as exc:
+        return exc.code() == grpc.StatusCode.UNAUTHENTICATED
+    except Exception:
+        return False
+    finally:
+        channel.close()
+    return False

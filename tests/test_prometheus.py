@@ -1,0 +1,112 @@
+"""A training run scraped by a real Prometheus (Debian's `prometheus`, installed here if missing),
+which finds the run through the file_sd target file the run writes, and reads the final goodput
+after the run's end: the endpoint stays up until that last scrape."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import time
+
+import pytest
+import requests
+import yaml
+
+from helpers import tiny, train
+from petatrain.observe.ledger import read_events
+from petatrain.observe.metrics import TARGETS_FILE, MetricsServer
+from ray_head import free_ports
+
+
+@pytest.fixture(scope="module")
+def prometheus_binary() -> str:
+    """Debian's Prometheus, installed with apt-get when it is not on PATH (as tests/s3server/rgw.sh installs Ceph)."""
+    found = shutil.which("prometheus")
+    if found:
+        return found
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        pytest.fail("prometheus is not installed, and installing it needs root and apt-get: apt-get install prometheus")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    apt = ["apt-get", "-o", "DPkg::Lock::Timeout=600", "-qq"]
+    for args in (["update"], ["install", "-y", "--no-install-recommends", "prometheus"]):
+        done = subprocess.run([*apt, *args], capture_output=True, text=True, env=env, timeout=900)
+        if done.returncode != 0:
+            pytest.fail(f"apt-get {args[0]} failed:\n{done.stderr[-2000:]}")
+    found = shutil.which("prometheus")
+    assert found, "prometheus still not on PATH after apt-get install prometheus"
+    return found
+
+
+@contextlib.contextmanager
+def prometheus(binary: str, folder, targets_glob: str, scrape_s: int = 1):
+    """A Prometheus on 127.0.0.1 scraping every target its file_sd glob finds; yields its URL."""
+    port = free_ports(1)[0]
+    config = {
+        "global": {"scrape_interval": f"{scrape_s}s", "scrape_timeout": f"{scrape_s}s"},
+        "scrape_configs": [
+            {"job_name": "petatrain", "file_sd_configs": [{"files": [targets_glob], "refresh_interval": "1s"}]}
+        ],
+    }
+    (folder / "prometheus.yml").write_text(yaml.safe_dump(config))
+    argv = [
+        binary, f"--config.file={folder / 'prometheus.yml'}", f"--storage.tsdb.path={folder / 'tsdb'}",
+        f"--web.listen-address=127.0.0.1:{port}",
+    ]  # fmt: skip
+    with (folder / "prometheus.log").open("wb") as log:
+        server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            with contextlib.suppress(requests.RequestException):
+                if requests.get(f"{url}/-/ready", timeout=2).status_code == 200:
+                    break
+            assert server.poll() is None, (folder / "prometheus.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "Prometheus did not become ready in 60 s"
+            time.sleep(0.3)
+        yield url
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+def final_goodput(events: list[dict]) -> float:
+    """What the endpoint serves once the run's last event is in: the events fed to a MetricsServer."""
+    with MetricsServer() as replay:
+        for event in events:
+            replay.observe(event)
+        value = replay.registry.get_sample_value("petatrain_goodput")
+    assert value is not None
+    return value
+
+
+@pytest.mark.slow  # a training run on Ray and a Prometheus server
+def test_prometheus_finds_the_run_and_scrapes_its_final_goodput_after_it_ends(
+    prometheus_binary, token_dataset, tmp_path
+):
+    run = tmp_path / "run"
+    glob = str(run / os.path.dirname(TARGETS_FILE) / "*.json")
+    with prometheus(prometheus_binary, tmp_path, glob) as server:
+        train(tiny(token_dataset, "train.steps=10", "observe.metrics_linger_s=20"), run)
+        events = read_events(str(run))
+        start, end = events[0], events[-1]
+        assert start["event"] == "run_start" and end["event"] == "end" and end["status"] == "ok"
+        query = f'petatrain_goodput{{run_id="{start["run_id"]}",run_dir="{run}"}}[5m]'
+        answer = requests.get(f"{server}/api/v1/query", params={"query": query}, timeout=10).json()
+    assert answer["status"] == "success", answer
+    (series,) = answer["data"]["result"]
+    assert series["metric"]["job"] == "petatrain"
+    stamp, value = series["values"][-1]
+    # Prometheus dates a sample when its scrape starts; the endpoint counted it as the last one only
+    # if it read the values after the end was in, so its value is the run's final goodput.
+    assert float(value) == pytest.approx(final_goodput(events), abs=1e-12)
+    assert float(stamp) >= end["t"] - 1.0
+    assert len(series["values"]) >= 2  # scraped while it ran, too
+    assert not (run / TARGETS_FILE).exists()  # the endpoint is gone, and so is the target naming it
