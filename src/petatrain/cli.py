@@ -104,10 +104,11 @@ def ingest(
     sources: Annotated[list[str], typer.Argument(help="Files, folders, globs or URLs (s3://...) to ingest.")],
     out_: Annotated[str, typer.Option("--out", help="Dataset URL or path to write.")],
     fmt: Annotated[
-        str | None, typer.Option("--format", help="auto|jsonl|parquet|csv|text|webdataset (default: auto)")
+        str | None, typer.Option("--format", help="auto|jsonl|parquet|csv|text|webdataset|tfrecord (default: auto)")
     ] = None,
     text_field: Annotated[
-        str | None, typer.Option(help="Field (column, member extension) holding the text. (default: text)")
+        str | None,
+        typer.Option(help="Field (column, member extension, TFRecord feature) holding the text. (default: text)"),
     ] = None,
     dedup: Annotated[str | None, typer.Option(help="none|exact|near (default: near)")] = None,
     near_threshold: Annotated[

@@ -25,7 +25,7 @@ from petatrain.storage.keys import check_keyref
 from petatrain.storage.sse import ServerSideEncryption
 
 DedupMode = Literal["none", "exact", "near"]
-SourceFormat = Literal["auto", "jsonl", "parquet", "csv", "text", "webdataset"]
+SourceFormat = Literal["auto", "jsonl", "parquet", "csv", "text", "webdataset", "tfrecord"]
 
 
 @dataclass(kw_only=True, slots=True)
