@@ -122,6 +122,13 @@ def ingest(
         int | None, typer.Option(help="Pack tokens into rows of this many tokens (0: no). (default: 0)")
     ] = None,
     shard_size: Annotated[str | None, typer.Option(help="Target shard size, e.g. 256MB. (default: 256MB)")] = None,
+    split_size: Annotated[
+        str | None,
+        typer.Option(
+            help="Read JSONL, text and unquoted CSV files over this size as pieces in parallel; 0: never. "
+            "(default: 256MB)"
+        ),
+    ] = None,
     max_chars: Annotated[int | None, typer.Option(help="Reject records longer than this. (default: 1000000)")] = None,
     append: Annotated[bool, typer.Option("--append", help="Add new source files to an existing dataset.")] = False,
     register: Annotated[bool, typer.Option("--register", help="Index existing Parquet files in place.")] = False,
@@ -153,6 +160,7 @@ def ingest(
         "tokenizer": tokenizer,
         "pack_length": pack_length,
         "shard_size": shard_size,
+        "split_size": split_size,
         "max_chars": max_chars,
     }
 

@@ -128,6 +128,28 @@ def read_file(url: str, data: bytes, fmt: str, text_field: str, *, max_chars: in
     return out
 
 
+def read_piece(
+    url: str, data: bytes, fmt: str, text_field: str, *, max_chars: int, first_record: int, header: bytes = b""
+) -> FileRecords:
+    """Parse one piece of a split file: `data` is a byte range that starts and ends at record
+    boundaries, whose first record is record `first_record` of the file; a CSV piece after the
+    first is read under the file's `header` row. Records and rejects are numbered as in the whole
+    file, so a file reads the same however it is split."""
+    out = read_file(url, header + data if header else data, fmt, text_field, max_chars=max_chars)
+    if first_record:
+        out.index = [first_record + i for i in out.index]
+        for reject in out.rejects:
+            reject.index += first_record
+    return out
+
+
+def csv_rows_are_lines(data: bytes | memoryview) -> bool:
+    """Whether every non-empty line of a CSV is one row: no quote (a quoted field may hold a line
+    break) and no bare carriage return (Arrow ends a row there too)."""
+    raw = bytes(data) if isinstance(data, memoryview) else data
+    return b'"' not in raw and raw.count(b"\r") == raw.count(b"\r\n")
+
+
 def _lines(data: bytes, max_bytes: int, out: FileRecords) -> Iterator[tuple[int, bytes]]:
     """Numbered lines without their line ending. A line over `max_bytes` is rejected
     `too_long` here, never copied or decoded: one giant line costs nothing beyond the file."""
@@ -200,21 +222,25 @@ def _read_text(data: bytes, text_field: str, max_bytes: int, out: FileRecords) -
             out.keep(number, line)
 
 
-def _column_records(table: pa.Table, text_field: str, out: FileRecords, first: int) -> None:
+def _column_records(
+    table: pa.Table, text_field: str, out: FileRecords, first: int, numbers: list[int] | None = None
+) -> None:
+    """Rows as records, numbered `first + i`, or `numbers[i]` where given."""
+    number = (lambda i: numbers[i]) if numbers is not None else (lambda i: first + i)
     if text_field not in table.column_names:
         for i in range(table.num_rows):
-            out.reject(first + i, "missing_field", f"no column {text_field!r} in {table.column_names}")
+            out.reject(number(i), "missing_field", f"no column {text_field!r} in {table.column_names}")
         return
     column = table.column(text_field)
     if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
         for i in range(table.num_rows):
-            out.reject(first + i, "field_not_string", f"column {text_field!r} is {column.type}")
+            out.reject(number(i), "field_not_string", f"column {text_field!r} is {column.type}")
         return
     for i, value in enumerate(column.to_pylist()):
         if value is None:
-            out.reject(first + i, "missing_field", f"{text_field!r} is null")
+            out.reject(number(i), "missing_field", f"{text_field!r} is null")
         else:
-            out.keep(first + i, value)
+            out.keep(number(i), value)
 
 
 def _read_parquet(data: bytes, text_field: str, max_bytes: int, out: FileRecords) -> None:
@@ -244,12 +270,14 @@ def _read_csv(data: bytes, text_field: str, max_bytes: int, out: FileRecords) ->
         parse_options=pacsv.ParseOptions(invalid_row_handler=on_invalid, newlines_in_values=True),
         convert_options=pacsv.ConvertOptions(column_types={text_field: pa.string()}, strings_can_be_null=False),
     )
-    _column_records(table, text_field, out, 0)
-    # Arrow does not say where a skipped row was: number the rejected rows after the read ones.
-    number = table.num_rows
-    for text in bad:
+    # Arrow does not say where a skipped row was. Where rows are lines they are numbered in place
+    # (so a split file numbers them as the whole file does); else after the read ones.
+    placed = _csv_row_numbers(data, table.num_rows, len(bad)) if bad else None
+    good, bad_numbers = placed if placed else (None, range(table.num_rows, table.num_rows + len(bad)))
+    _column_records(table, text_field, out, 0, good)
+    for number, text in zip(bad_numbers, bad, strict=True):
         out.reject(number, "malformed_csv_row", "wrong number of fields", text.encode("utf-8", "replace"))
-        number += 1
+    number = table.num_rows + len(bad)
     if unclosed is not None:
         line_number = data.count(b"\n", 0, unclosed) + 1
         detail = f"the row on line {line_number} opens a quoted field that never closes"
@@ -257,6 +285,22 @@ def _read_csv(data: bytes, text_field: str, max_bytes: int, out: FileRecords) ->
             if line:
                 out.reject(number, "malformed_csv_row", detail, line)
                 number += 1
+
+
+def _csv_row_numbers(data: bytes, rows: int, bad: int) -> tuple[list[int], list[int]] | None:
+    """(numbers of the rows Arrow read, numbers of those it skipped as malformed) for a CSV whose
+    rows are its non-empty lines; None for any other, or if the lines do not add up to Arrow's rows."""
+    if not csv_rows_are_lines(data):
+        return None
+    lines = [line for line in data.split(b"\n") if line and line != b"\r"]
+    if not lines:
+        return None
+    width = lines[0].count(b",")  # without quotes a comma always separates two fields
+    good: list[int] = []
+    skipped: list[int] = []
+    for number, line in enumerate(lines[1:]):
+        (good if line.count(b",") == width else skipped).append(number)
+    return (good, skipped) if len(good) == rows and len(skipped) == bad else None
 
 
 # A CSV file as Arrow reads it (its default delimiter and quote, which _read_csv uses),
