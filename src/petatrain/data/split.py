@@ -21,6 +21,7 @@ blocks' digests, however it was split.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import xxhash
@@ -126,7 +127,7 @@ class BoundaryScan:
             "rows": lines.nonempty,
             "rows_are_lines": lines.rows_are_lines and (fmt != "csv" or lo > 0 or self._header_first(url, size)),
             "header_end": header_end,
-            "blocks": [d.hexdigest() for d in digests],
+            "blocks": json.dumps([d.hexdigest() for d in digests]),  # a string: no list column to unify
         }
 
     def _boundary(self, url: str, at: int, size: int) -> int:
@@ -190,7 +191,7 @@ def plan_pieces(scans: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
         if not all(s["rows_are_lines"] for s in file_scans):
             plans[file_ord] = {"whole": _QUOTED_CSV}
             continue
-        blocks = [d for s in file_scans for d in s["blocks"]]
+        blocks = [d for s in file_scans for d in json.loads(s["blocks"])]
         pieces, first = [], 0
         header_end = file_scans[0]["header_end"]
         for scan in file_scans:
