@@ -98,6 +98,8 @@ class BoundaryScan:
         first_block = -(-lo // CHECKSUM_BLOCK)
         last_block = -(-hi // CHECKSUM_BLOCK)  # blocks [first_block, last_block) start in [lo, hi)
         hash_from, hash_to = first_block * CHECKSUM_BLOCK, min(size, last_block * CHECKSUM_BLOCK)
+        if first_block == last_block:  # no block starts here: read only the piece
+            hash_from = hash_to = start
         digests = [xxhash.xxh3_128() for _ in range(first_block, last_block)]
         lines = _LineCount()
         pos, stop = min(start, hash_from), max(end, hash_to)
