@@ -14,6 +14,7 @@ import random
 import pyarrow as pa
 import pytest
 
+from conftest import run_cli
 from helpers import duplicates, ingest, read_dataset, rejects
 from petatrain.config import IngestConfig
 from petatrain.data import index, sources, split
@@ -169,3 +170,15 @@ def test_a_quoted_csv_over_the_split_size_is_ingested_whole_and_says_why(tmp_pat
     summary = ingest([str(path)], tmp_path / "ds", split_size="256", dedup="none")
     assert (summary.files_split, summary.pieces, summary.rows_out) == (0, 1, 199)
     assert "quoted" in summary.note and str(path) in summary.note
+
+
+def test_the_cli_splits_at_split_size_and_refuses_a_bad_one(tmp_path):
+    path = tmp_path / "big.jsonl"
+    path.write_bytes(_jsonl(200))
+    out = str(tmp_path / "ds")
+    result = run_cli("ingest", str(path), "--out", out, "--split-size", "8KB", "--dedup", "none", "--json")
+    assert result.returncode == 0, result.stderr[-2000:]
+    summary = json.loads(result.stdout)
+    assert summary["files_split"] == 1 and summary["pieces"] == -(-path.stat().st_size // 8000)
+    bad = run_cli("ingest", str(path), "--out", str(tmp_path / "other"), "--split-size", "lots")
+    assert bad.returncode != 0 and "ingest.split_size" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
