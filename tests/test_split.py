@@ -111,6 +111,18 @@ def test_every_cut_reads_each_record_once_with_its_number_in_the_file(tmp_path, 
         assert got.rejects == whole.rejects, split_bytes
 
 
+def test_a_line_over_many_chunks_is_scanned_once_not_once_per_chunk(tmp_path, monkeypatch):
+    lines = [json.dumps({"text": f"short {i}"}) for i in range(50)]
+    lines[20] = json.dumps({"text": "long " * 40_000})  # 200 KB: two hundred 1 KB chunks inside it
+    path = tmp_path / "big.jsonl"
+    path.write_bytes(("\n".join(lines) + "\n").encode())
+    read = []
+    real = split.read_range
+    monkeypatch.setattr(split, "read_range", lambda url, a, b, options: read.append(b - a) or real(url, a, b, options))
+    assert _read_split(path, "jsonl", 1000).index == list(range(50))
+    assert sum(read) < 3 * path.stat().st_size
+
+
 def test_a_quoted_csv_is_read_whole_with_the_reason(tmp_path):
     path = tmp_path / "quoted.csv"
     path.write_bytes(b'id,text\n1,"one\ntwo"\n' + b"2,plain\n" * 50)

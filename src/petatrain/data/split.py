@@ -99,8 +99,10 @@ class BoundaryScan:
 
     def __call__(self, item: dict[str, Any]) -> dict[str, Any]:
         url, size, lo, hi, fmt = item["url"], int(item["size"]), int(item["lo"]), int(item["hi"]), item["fmt"]
-        start = self._boundary(url, lo, size)
-        end = max(start, self._boundary(url, hi, size))
+        # A chunk inside one long line has no record of its own: it stops looking at `hi`, so
+        # a line of many chunks is scanned to its end once (by its own piece), not once per chunk.
+        start = self._boundary(url, lo, size, limit=hi)
+        end = start if start >= hi else self._boundary(url, hi, size)
         first_block = -(-lo // CHECKSUM_BLOCK)
         last_block = -(-hi // CHECKSUM_BLOCK)  # blocks [first_block, last_block) start in [lo, hi)
         hash_from, hash_to = first_block * CHECKSUM_BLOCK, min(size, last_block * CHECKSUM_BLOCK)
@@ -138,18 +140,20 @@ class BoundaryScan:
             "blocks": json.dumps([d.hexdigest() for d in digests]),  # a string: no list column to unify
         }
 
-    def _boundary(self, url: str, at: int, size: int) -> int:
-        """The first record start at or after `at`: just after the first newline at or after `at - 1`."""
-        if at <= 0 or at >= size:
-            return min(max(at, 0), size)
+    def _boundary(self, url: str, at: int, size: int, limit: int | None = None) -> int:
+        """The first record start at or after `at` (just after the first newline at or after
+        `at - 1`), or `limit` (default: the end of the file) if there is none before it."""
+        stop = size if limit is None else min(limit, size)
+        if at <= 0 or at >= stop:
+            return min(max(at, 0), stop)
         pos = at - 1
-        while pos < size:
-            buf = read_range(url, pos, min(pos + (1 << 20), size), self.options)
+        while pos < stop:
+            buf = read_range(url, pos, min(pos + (1 << 20), stop), self.options)
             found = buf.find(b"\n")
             if found >= 0:
                 return pos + found + 1
             pos += len(buf)
-        return size
+        return stop
 
     def _header_first(self, url: str, size: int) -> bool:
         """Whether a CSV's first line is its header, not a blank line Arrow would skip."""
