@@ -7,6 +7,7 @@ format, not against itself.
 
 from __future__ import annotations
 
+import random
 import struct
 
 import google_crc32c
@@ -82,6 +83,15 @@ def test_a_flipped_byte_quarantines_that_record_and_keeps_the_others(where):
     assert got.index == [0, 1, 3, 4]
     assert [(r.index, r.reason) for r in got.rejects] == [(2, "corrupt_record")]
     assert "CRC32C" in got.rejects[0].detail
+
+
+def test_garbage_between_records_is_one_corrupt_record_and_reading_resumes_after_it():
+    data, starts = _file(4)
+    garbage = random.Random(0).randbytes(1 << 20)
+    got = _read(data[: starts[2]] + garbage + data[starts[2] :])
+    assert got.text == [f"record {i} — ünïcode" for i in range(4)]
+    assert got.index == [0, 1, 3, 4]  # the garbage counts as one record: numbers stay in file order
+    assert [(r.index, r.reason) for r in got.rejects] == [(2, "corrupt_record")]
 
 
 def test_a_truncated_file_keeps_the_records_before_the_cut():

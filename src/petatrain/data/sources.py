@@ -438,12 +438,17 @@ def _read_tfrecord(data: bytes, text_field: str, max_bytes: int, out: FileRecord
 
 
 def _next_header(data: bytes, pos: int) -> int:
-    """The first offset from `pos` that frames a header with a valid checksum, or the end."""
-    while pos <= len(data) - _TFRECORD_HEADER:
-        if _header_at(data, pos) is not None:
-            return pos
-        pos += 1
-    return len(data)
+    """The first offset from `pos` that frames a header with a valid checksum, or the end.
+
+    Only offsets whose length has its top three bytes zero (a record under 1 TiB) are tried,
+    found by `bytes.find` at C speed: garbage is skipped without a checksum per byte."""
+    while True:
+        zeros = data.find(b"\0\0\0", pos + 5)
+        if zeros < 0 or zeros - 5 > len(data) - _TFRECORD_HEADER:
+            return len(data)
+        if _header_at(data, zeros - 5) is not None:
+            return zeros - 5
+        pos = zeros - 4
 
 
 def _take_example(number: int, payload: memoryview, text_field: str, out: FileRecords) -> None:
