@@ -12,8 +12,8 @@ speed (a newline count and a hash), which is cheap beside the parse it lets run 
 What splits: JSONL and text (a record is a line, and a raw newline never occurs inside a JSON
 string), and CSV whose rows are its lines (no quote, no bare carriage return: a quoted field may
 hold a line break, so a quoted CSV is read whole, and the summary says why). Compressed files
-cannot be entered in the middle and are read whole; so are Parquet (one task per file already
-reads its row groups), WebDataset and TFRecord.
+cannot be entered in the middle and are read whole; so are Parquet, WebDataset and TFRecord
+(splitting them by row group, sample or record is left for when a single such file is huge).
 
 A split file's checksum in the lineage is the one a whole read gives: `xxh3-128` of the file
 when it is one checksum block (64 MiB) or less, else `xxh3-128/64MiB`, the xxh3-128 of its
