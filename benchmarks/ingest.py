@@ -8,10 +8,14 @@ duplicates and bad records), then runs, on the same files:
   and threshold, candidates verified like petatrain's) in one Python process, writing
   its survivors to Parquet too.
 
+Then one large JSONL file (default ~2 GB) ingested twice with the same settings: read whole
+by one task (`--split-size 0`, as before files were split) and split into pieces at record
+boundaries (the default `--split-size`), reported as MB/s and MB/s per core of the machine.
+
 Prints a table of MB/s of input per core and ratios, and writes
 benchmarks/results/ingest.json with the machine it ran on.
 
-    .venv/bin/python benchmarks/ingest.py [--mb 300] [--baseline-mb 60]
+    .venv/bin/python benchmarks/ingest.py [--mb 300] [--baseline-mb 60] [--big-mb 2000]
 """
 
 from __future__ import annotations
@@ -35,10 +39,10 @@ from _common import WORK, corpus, write_results
 _WORD = re.compile(r"\w+")
 
 
-def run_petatrain(files: list[str], threshold: float) -> dict:
+def run_petatrain(files: list[str], threshold: float, *extra: str, name: str = "petatrain-ds") -> dict:
     import subprocess
 
-    out = WORK / "petatrain-ds"
+    out = WORK / name
     shutil.rmtree(out, ignore_errors=True)
     started = time.perf_counter()
     result = subprocess.run(
@@ -56,6 +60,7 @@ def run_petatrain(files: list[str], threshold: float) -> dict:
             str(threshold),
             "--shard-size",
             "64MB",
+            *extra,
             "--json",
         ],
         capture_output=True,
@@ -68,6 +73,7 @@ def run_petatrain(files: list[str], threshold: float) -> dict:
     summary = json.loads(result.stdout)
     import ray  # noqa: F401  (cores Ray used: all of them by default)
 
+    shutil.rmtree(out, ignore_errors=True)  # the big-file datasets are GBs
     return {
         "wall_s": wall,
         "summary": summary,
@@ -128,6 +134,66 @@ def run_datasketch(files: list[str], budget_bytes: int, threshold: float) -> dic
     return stats
 
 
+def big_file(mb: int) -> tuple[str, int]:
+    """One synthetic JSONL file of about `mb` MB in benchmarks/.work, made once; (path, bytes)."""
+    from petatrain.data import synth
+
+    folder = WORK / f"big-{mb}mb"
+    path, marker = folder / "big.jsonl", folder / "DONE"
+    if not marker.exists():
+        shutil.rmtree(folder, ignore_errors=True)
+        print(f"generating one ~{mb} MB JSONL file in {folder} ...", file=sys.stderr)
+        parts = folder / "parts"
+        synth.generate(str(parts), documents=int(mb * 1e6 / 1200), files=max(4, mb // 100), mean_words=150, seed=2)
+        with open(path, "wb") as out:
+            for part in sorted(parts.glob("*.jsonl")):
+                with open(part, "rb") as handle:
+                    shutil.copyfileobj(handle, out, 8 << 20)
+        shutil.rmtree(parts)
+        marker.write_text("")
+    return str(path), path.stat().st_size
+
+
+def run_big_file(mb: int, threshold: float) -> dict:
+    """The same large file read whole by one task, then split into pieces (the default split size)."""
+    path, size = big_file(mb)
+    runs = {}
+    for label, extra in (("unsplit", ("--split-size", "0")), ("split", ())):
+        print(f"big file, {label} ...", file=sys.stderr)
+        runs[label] = run_petatrain([path], threshold, *extra, name=f"big-{label}-ds")
+    cores = os.cpu_count() or 1
+    mb_in = size / 1e6
+    print(f"\none {mb_in:.0f} MB JSONL file, near dedup, {cores} cores\n")
+    print(f"{'run':<28} {'pieces':>6} {'s':>7} {'read s':>7} {'MB/s':>7} {'MB/s/core':>10} {'vs unsplit':>11}")
+    rows = []
+    for label, r in runs.items():
+        s = r["summary"]
+        rows.append(
+            {
+                "run": f"one file, {label}",
+                "mb": round(mb_in, 1),
+                "pieces": s["pieces"],
+                "seconds": round(r["pipeline_s"], 2),
+                "read_clean_sign_s": s["stage_seconds"]["read_clean_sign"],
+                "split_scan_s": s["stage_seconds"].get("split", 0.0),
+                "mb_per_s": round(mb_in / r["pipeline_s"], 2),
+                "cores": cores,
+                "mb_per_s_per_core": round(mb_in / r["pipeline_s"] / cores, 2),
+                "rows_out": s["rows_out"],
+            }
+        )
+    for row in rows:
+        row["ratio_vs_unsplit"] = round(row["mb_per_s"] / rows[0]["mb_per_s"], 2)
+        print(
+            f"{row['run']:<28} {row['pieces']:>6} {row['seconds']:>7.1f} {row['read_clean_sign_s']:>7.1f} "
+            f"{row['mb_per_s']:>7.1f} {row['mb_per_s_per_core']:>10.1f} {row['ratio_vs_unsplit']:>10.2f}x"
+        )
+    same = rows[0]["rows_out"] == rows[1]["rows_out"]
+    print(f"(pipeline seconds, Ray up; the split run's scan took {rows[1]['split_scan_s']:.1f} s of it)")
+    print(f"same rows out split and unsplit: {same}")
+    return {"file_mb": round(mb_in, 1), "results": rows, "same_rows_out": same}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mb", type=int, default=300, help="corpus size in MB")
@@ -139,6 +205,9 @@ def main() -> None:
         "its rate per core is what is compared",
     )
     parser.add_argument("--threshold", type=float, default=0.8)
+    parser.add_argument(
+        "--big-mb", type=int, default=2000, help="size of the one-large-file run, split vs unsplit (0: skip it)"
+    )
     args = parser.parse_args()
     WORK.mkdir(parents=True, exist_ok=True)
     files, total = corpus(args.mb)
@@ -188,6 +257,7 @@ def main() -> None:
         f"target (>= 10 MB/s per core with near dedup, faster than datasketch per core): "
         f"{'met' if target else 'NOT met'}"
     )
+    big = run_big_file(args.big_mb, args.threshold) if args.big_mb else None
     write_results(
         "ingest",
         {
@@ -197,6 +267,7 @@ def main() -> None:
             "petatrain_summary": s,
             "datasketch": base,
             "target_met": target,
+            "big_file": big,
         },
     )
 

@@ -21,7 +21,7 @@ import pytest
 from petatrain.config import IngestConfig
 from petatrain.data import index, sources
 from petatrain.data.ingest import IngestJob, run
-from petatrain.data.stages import ReadCleanSign
+from petatrain.data.stages import ReadCleanSign, whole_file
 from petatrain.storage import read_bytes
 from petatrain.storage.fs import expand_sources
 
@@ -44,7 +44,7 @@ def _stage_one_read(path, **cfg) -> sources.FileRecords:
     """What ingest's first stage reads from one source file, in this process (so a test can
     patch a module constant)."""
     stage = ReadCleanSign(staging=str(path.parent / "staging"), cfg=IngestConfig(**cfg), options=None, lsh=None)
-    return stage._read(str(path))[0]
+    return stage._read(whole_file(0, str(path), path.stat().st_size))[0]
 
 
 def _ingest_rejects(sources_, out, **cfg) -> tuple[object, list[dict]]:

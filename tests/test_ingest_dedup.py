@@ -77,12 +77,12 @@ def test_dedup_decisions_do_not_depend_on_partitioning(corpus, tmp_path):
     from petatrain.config import IngestConfig
     from petatrain.data import dedup
     from petatrain.data.minhash import LSHParams
-    from petatrain.data.stages import FILE_BITS, ReadCleanSign
+    from petatrain.data.stages import FILE_BITS, ReadCleanSign, whole_file
 
     lsh = LSHParams.for_threshold(0.8)
     stage = ReadCleanSign(staging=str(tmp_path / "stg"), cfg=IngestConfig(), options=None, lsh=lsh)
     for i, path in enumerate(corpus.files):
-        stage({"url": path, "file_ord": i, "size": 0})
+        stage(whole_file(i, path, 0))
     sigs = sorted(glob.glob(str(tmp_path / "stg" / "sigs" / "*.parquet")))
     results = []
     for partitions, groups in ((2, 2), (5, 7)):

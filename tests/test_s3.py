@@ -173,3 +173,22 @@ def test_serve_loads_and_verifies_a_run_on_s3(s3_endpoint, s3_bucket, baseline):
     storage.atomic_write(url, bytes(data))
     with pytest.raises(CorruptDataError, match=f"{url} does not verify"):
         weights.load(run, "final")
+
+
+def test_a_large_file_on_s3_is_split_into_ranged_reads_and_ingests_as_unsplit(
+    s3_endpoint, s3_bucket, ray_local, tmp_path
+):
+    lines = [json.dumps({"text": f"document {i} " + "word " * (i % 40)}) for i in range(600)]
+    lines[123] = '{"text": "broken'
+    data = ("\n".join(lines) + "\n").encode()
+    url = storage.join(s3_bucket, "raw", "big.jsonl")
+    storage.atomic_write(url, data)
+    (tmp_path / "big.jsonl").write_bytes(data)
+    remote = ingest([url], tmp_path / "from-s3", split_size=str(len(data) // 4 + 1), dedup="exact")
+    local = ingest([str(tmp_path / "big.jsonl")], tmp_path / "local", split_size="0", dedup="exact")
+    assert (remote.files_split, remote.pieces, local.pieces) == (1, 4, 1)
+    assert read_dataset(tmp_path / "from-s3").to_pylist() == read_dataset(tmp_path / "local").to_pylist()
+    assert remote.rejected == local.rejected == {"malformed_json": 1}
+    source = index.read_manifest(str(tmp_path / "from-s3")).lineage.sources[0]
+    unsplit = index.read_manifest(str(tmp_path / "local")).lineage.sources[0]
+    assert (source.url, source.checksum) == (url, unsplit.checksum)

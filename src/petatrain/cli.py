@@ -104,10 +104,11 @@ def ingest(
     sources: Annotated[list[str], typer.Argument(help="Files, folders, globs or URLs (s3://...) to ingest.")],
     out_: Annotated[str, typer.Option("--out", help="Dataset URL or path to write.")],
     fmt: Annotated[
-        str | None, typer.Option("--format", help="auto|jsonl|parquet|csv|text|webdataset (default: auto)")
+        str | None, typer.Option("--format", help="auto|jsonl|parquet|csv|text|webdataset|tfrecord (default: auto)")
     ] = None,
     text_field: Annotated[
-        str | None, typer.Option(help="Field (column, member extension) holding the text. (default: text)")
+        str | None,
+        typer.Option(help="Field (column, member extension, TFRecord feature) holding the text. (default: text)"),
     ] = None,
     dedup: Annotated[str | None, typer.Option(help="none|exact|near (default: near)")] = None,
     near_threshold: Annotated[
@@ -121,6 +122,13 @@ def ingest(
         int | None, typer.Option(help="Pack tokens into rows of this many tokens (0: no). (default: 0)")
     ] = None,
     shard_size: Annotated[str | None, typer.Option(help="Target shard size, e.g. 256MB. (default: 256MB)")] = None,
+    split_size: Annotated[
+        str | None,
+        typer.Option(
+            help="Read JSONL, text and unquoted CSV files over this size as pieces in parallel; 0: never. "
+            "(default: 256MB)"
+        ),
+    ] = None,
     max_chars: Annotated[int | None, typer.Option(help="Reject records longer than this. (default: 1000000)")] = None,
     append: Annotated[bool, typer.Option("--append", help="Add new source files to an existing dataset.")] = False,
     register: Annotated[bool, typer.Option("--register", help="Index existing Parquet files in place.")] = False,
@@ -152,6 +160,7 @@ def ingest(
         "tokenizer": tokenizer,
         "pack_length": pack_length,
         "shard_size": shard_size,
+        "split_size": split_size,
         "max_chars": max_chars,
     }
 

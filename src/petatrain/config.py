@@ -26,7 +26,7 @@ from petatrain.storage.keys import check_keyref
 from petatrain.storage.sse import ServerSideEncryption
 
 DedupMode = Literal["none", "exact", "near"]
-SourceFormat = Literal["auto", "jsonl", "parquet", "csv", "text", "webdataset"]
+SourceFormat = Literal["auto", "jsonl", "parquet", "csv", "text", "webdataset", "tfrecord"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -40,6 +40,9 @@ class IngestConfig:
     tokenizer: str = ""  # "" (no tokens), "bytes", "train:VOCAB" or a tokenizer.json path
     pack_length: int = 0  # 0 keeps one row per document; L packs tokens into L-token rows
     shard_size: str = "256MB"
+    # A JSONL, text or unquoted CSV file larger than this is read as pieces of about this size in
+    # parallel, cut at record boundaries; "0" reads every file whole. Ids do not depend on it.
+    split_size: str = "256MB"
     max_chars: int = 1_000_000
     min_chars: int = 1
 
@@ -53,9 +56,14 @@ class IngestConfig:
         if self.max_chars < self.min_chars:
             raise ConfigError(f"ingest.max_chars ({self.max_chars}) is below ingest.min_chars ({self.min_chars})")
         size = parse_size(self.shard_size, "ingest.shard_size")
+        self.split_bytes()  # a split_size that does not parse is an error here, naming the key
         if self.pack_length and size >= 2**31:
             # A packed shard is one Parquet data page, whose size is a 32-bit field.
             raise ConfigError(f"ingest.shard_size {self.shard_size} is too large for packed tokens; use < 2GiB")
+
+    def split_bytes(self) -> int:
+        """`split_size` in bytes; 0: files are never split."""
+        return 0 if str(self.split_size).strip() == "0" else parse_size(self.split_size, "ingest.split_size")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -299,6 +299,7 @@ class IngestProgress:
 
     NAMES: ClassVar[dict[str, str]] = {
         "ray_init": "Ray started",
+        "split": "large files split at record boundaries",
         "read_clean_sign": "read, cleaned and signed",
         "dedup": "deduplicated",
         "tokenizer": "tokenizer ready",

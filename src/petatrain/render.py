@@ -24,6 +24,7 @@ def ingest(s: dict[str, Any]) -> None:
         ("bytes written", s["bytes"]),
         ("new files", s["files_new"]),
         ("already ingested", s["files_already_ingested"]),
+        ("files split", f"{s.get('files_split', 0)} (read as {s.get('pieces', 0)} pieces in all)"),
         ("seconds", f"{s['seconds']:.1f} ({rate:.1f} MB/s of input)"),
     ):
         table.add_row(key, str(value))

@@ -30,6 +30,8 @@ class IngestSummary:
     input_bytes: int = 0
     files_new: int = 0
     files_already_ingested: int = 0
+    files_split: int = 0  # files over split_size read as several pieces in parallel
+    pieces: int = 0  # first-stage tasks: one per file read whole, one per piece of a split file
     tokens: int = 0
     tokens_left_over: int = 0
     stage_seconds: dict[str, float] = field(default_factory=dict)

@@ -25,13 +25,13 @@ import xxhash
 from petatrain.config import IngestConfig
 from petatrain.data import clean as cleaning
 from petatrain.data import sources as src
+from petatrain.data import split
 from petatrain.data import tokenize as tk
 from petatrain.data.buffers import arrow_reader
 from petatrain.data.minhash import LSHParams, signatures
 from petatrain.errors import PetatrainError
 from petatrain.storage import StorageOptions, atomic_write, join, read_bytes, signing
-from petatrain.storage.checksum import checksum_bytes
-from petatrain.storage.fs import resolve
+from petatrain.storage.fs import read_range, resolve
 from petatrain.storage.parquet_crypt import DatasetKeys, open_parquet
 from petatrain.storage.retry import retrying
 
@@ -41,8 +41,28 @@ _SHARD_ROW_GROUP = 4096
 _SIGN_CHUNK = 2048  # documents per MinHash batch (bounds the (perms, shingles) block)
 
 
+def staged_name(file_ord: int, piece: int) -> str:
+    """The staged docs/sigs/rejects file of one piece of a source file (a file read whole is piece 0)."""
+    return f"f-{file_ord:08d}-p{piece:05d}.parquet"
+
+
+def whole_file(file_ord: int, url: str, size: int) -> dict[str, Any]:
+    """The first stage's item for a file read whole; a piece sets start, end, first_record, header_end."""
+    return {
+        "file_ord": file_ord,
+        "url": url,
+        "size": size,
+        "piece": 0,
+        "start": 0,
+        "end": -1,
+        "first_record": 0,
+        "header_end": 0,
+    }
+
+
 class ReadCleanSign:
-    """Ray Data task body: one source file -> staged docs, signatures and rejects."""
+    """Ray Data task body: one source file, or one piece of a split one -> staged docs, signatures
+    and rejects."""
 
     def __init__(
         self,
@@ -56,13 +76,13 @@ class ReadCleanSign:
         self.staging, self.cfg, self.options, self.lsh, self.crypt = staging, cfg, options, lsh, crypt
 
     def __call__(self, item: dict[str, Any]) -> dict[str, Any]:
-        url, file_ord = item["url"], int(item["file_ord"])
-        records, checksum, size = self._read(url)
+        url, file_ord, piece = item["url"], int(item["file_ord"]), int(item["piece"])
+        records, checksum, size = self._read(item)
         records = cleaning.clean(records, min_chars=self.cfg.min_chars, max_chars=self.cfg.max_chars)
         ords = (np.int64(file_ord) << np.int64(FILE_BITS)) | np.asarray(records.index, dtype=np.int64)
         encoded = [t.encode("utf-8") for t in records.text]
         nbytes = np.fromiter((len(b) for b in encoded), dtype=np.int64, count=len(encoded))
-        name = f"f-{file_ord:08d}.parquet"
+        name = staged_name(file_ord, piece)
         docs = pa.table({"ord": ords, "text": pa.array(records.text, pa.large_string())})
         # Documents and rejects hold the sources' text: encrypted like the shards. Signatures are hashes.
         write_parquet(
@@ -95,6 +115,7 @@ class ReadCleanSign:
             write_parquet(join(self.staging, "rejects", name), rejects, self.options, crypt=self.crypt)
         return {
             "file_ord": file_ord,
+            "piece": piece,
             "url": url,
             "checksum": checksum,
             "size": size,
@@ -104,14 +125,33 @@ class ReadCleanSign:
             "rejects": json.dumps(dict(reasons)),
         }
 
-    def _read(self, url: str) -> tuple[src.FileRecords, str, int]:
+    def _read(self, item: dict[str, Any]) -> tuple[src.FileRecords, str, int]:
+        """(records, checksum, bytes read): a piece's checksum is "" (the split scan has the file's)."""
+        url, start, end = item["url"], int(item["start"]), int(item["end"])
         try:
-            data = read_bytes(url, self.options)
+            if end >= 0:
+                data = read_range(url, start, end, self.options)
+                header_end = int(item["header_end"])
+                header = read_range(url, 0, header_end, self.options) if header_end else b""
+            else:
+                data = read_bytes(url, self.options)
         except FileNotFoundError:
             raise PetatrainError(f"source disappeared during the ingest: {url}") from None
         except PermissionError as exc:
             raise PetatrainError(f"source not readable: {url} ({exc})") from None
-        checksum, size = checksum_bytes(data), len(data)
+        if end >= 0:
+            fmt = self.cfg.format if self.cfg.format != "auto" else src.detect_format(url)
+            records = src.read_piece(
+                url,
+                data,
+                fmt,
+                self.cfg.text_field,
+                max_chars=self.cfg.max_chars,
+                first_record=int(item["first_record"]),
+                header=header,
+            )
+            return records, "", len(data)
+        checksum, size = split.whole_file_checksum(data), len(data)
         try:
             fmt = self.cfg.format if self.cfg.format != "auto" else src.detect_format(url)
             data = src.decompress(url, data)
@@ -154,17 +194,22 @@ def read_parquet(url: str, options: StorageOptions | None, crypt: DatasetKeys | 
 def plan_shards(file_stats: list[dict], drops: dict[int, dict], shard_bytes: int, *, first_shard: int) -> list[dict]:
     """Cut the documents, in input order, into shards of about `shard_bytes` kept bytes.
 
-    Segments are ranges of staged rows of one file; a file's kept bytes per staged row
-    is its average, so the plan needs per-file counts only.
+    `file_stats` has one entry per piece, in (file_ord, piece) order. Segments are ranges of
+    staged rows of one piece, `[file_ord, piece, start, end]`; a file's kept bytes per staged
+    row is its average over its pieces, so the plan needs per-file counts only, and a file is
+    cut into the same shards however it was split.
     """
     specs: list[dict] = []
     segments: list[list[int]] = []
     budget = float(shard_bytes)
+    files: dict[int, list[dict]] = {}
     for stat in file_stats:
-        staged, kept_bytes = stat["kept"], stat["kept_bytes"]
+        files.setdefault(stat["file_ord"], []).append(stat)
+    for file_ord, pieces in files.items():
+        staged, kept_bytes = sum(p["kept"] for p in pieces), sum(p["kept_bytes"] for p in pieces)
         if staged == 0:
             continue
-        dropped = drops.get(stat["file_ord"], {})
+        dropped = drops.get(file_ord, {})
         kept_bytes -= dropped.get("dropped_bytes", 0)
         if staged - dropped.get("dropped", 0) == 0:
             continue
@@ -172,7 +217,7 @@ def plan_shards(file_stats: list[dict], drops: dict[int, dict], shard_bytes: int
         start = 0
         while start < staged:
             take = min(staged - start, max(1, math.ceil(budget / per_row)))
-            segments.append([stat["file_ord"], start, start + take])
+            segments.extend(_piece_ranges(file_ord, pieces, start, start + take))
             budget -= take * per_row
             start += take
             if budget <= 0:
@@ -181,6 +226,17 @@ def plan_shards(file_stats: list[dict], drops: dict[int, dict], shard_bytes: int
     if segments:
         specs.append({"shard": first_shard + len(specs), "segments": json.dumps(segments)})
     return specs
+
+
+def _piece_ranges(file_ord: int, pieces: list[dict], start: int, end: int) -> list[list[int]]:
+    """Rows [start, end) of a file's staged rows as ranges within its pieces."""
+    out, offset = [], 0
+    for p in pieces:
+        lo, hi = max(start, offset), min(end, offset + p["kept"])
+        if lo < hi:
+            out.append([file_ord, int(p["piece"]), lo - offset, hi - offset])
+        offset += p["kept"]
+    return out
 
 
 class ShardWriter:
@@ -213,8 +269,8 @@ class ShardWriter:
     def __call__(self, spec: dict[str, Any]) -> dict[str, Any]:
         shard = int(spec["shard"])
         ords, texts, state = [], [], []
-        for file_ord, start, end in json.loads(spec["segments"]):
-            docs = self._rows(file_ord, start, end, "docs")
+        for file_ord, piece, start, end in json.loads(spec["segments"]):
+            docs = self._rows(file_ord, piece, start, end, "docs")
             ords_here = docs.column("ord").to_numpy()
             keep = (
                 ~np.isin(ords_here, self._drops(file_ord))
@@ -224,7 +280,7 @@ class ShardWriter:
             ords.append(ords_here[keep])
             texts.append(docs.column("text").filter(pa.array(keep)))
             if self.keep_state:  # staged signatures are row-aligned with staged docs
-                state.append(self._rows(file_ord, start, end, "sigs").filter(pa.array(keep)))
+                state.append(self._rows(file_ord, piece, start, end, "sigs").filter(pa.array(keep)))
         ord_arr = np.concatenate(ords)
         text_arr = pa.chunked_array([c for t in texts for c in t.chunks], pa.large_string())
         table, tokens, left_over = self._table(ord_arr, text_arr)
@@ -253,10 +309,10 @@ class ShardWriter:
             result["state"] = state_path
         return result
 
-    def _rows(self, file_ord: int, start: int, end: int, kind: str) -> pa.Table:
+    def _rows(self, file_ord: int, piece: int, start: int, end: int, kind: str) -> pa.Table:
         """Rows [start, end) of a staged file, reading only the row groups that hold them
         (a large file is split over several shards; no shard reads all of it)."""
-        url = join(self.staging, kind, f"f-{file_ord:08d}.parquet")
+        url = join(self.staging, kind, staged_name(file_ord, piece))
         fs, path = resolve(url, self.options)
 
         def read() -> pa.Table:

@@ -198,6 +198,12 @@ def read_bytes(url: str, options: StorageOptions | None = None) -> bytes:
     return retrying(f"read {url}", lambda: fs.cat_file(path))
 
 
+def read_range(url: str, start: int, end: int, options: StorageOptions | None = None) -> bytes:
+    """Bytes [start, end) of a file: a ranged read, so a worker holds only its part of a large file."""
+    fs, path = resolve(url, options)
+    return retrying(f"read {url} [{start}, {end})", lambda: fs.cat_file(path, start=start, end=end))
+
+
 def read_verified(url: str, checksum: str, options: StorageOptions | None = None) -> bytes:
     """Read a file petatrain wrote and check it against its recorded checksum."""
     data = read_bytes(url, options)
