@@ -362,12 +362,14 @@ def tune(
     injections: Sequence[str] = (),
     on_progress: Callable[[str], None] | None = None,
     options: StorageOptions | None = None,
+    shared_cache: bool = True,
 ) -> dict[str, Any]:
     """A hyperparameter search on Ray Tune: `config.tune` says how (scheduler, trials, metric),
     `params` ("train.lr=loguniform:1e-4:1e-2") add to or replace its `tune.params`. Each trial is
     a training run in OUT/trials/<id>/; the best trial's config is written to OUT/best.yaml and
     the search's table, curves and decisions to OUT/tune.json and OUT/tune.html. On an OUT that
-    holds the same search, the search is resumed. Returns tune.json's content."""
+    holds the same search, the search is resumed. `shared_cache=False` gives every trial a shard
+    cache of its own (as trials of a plain Tune search have; for comparison). Returns tune.json's content."""
     from petatrain.tune import space
     from petatrain.tune.search import SearchJob, run
 
@@ -380,6 +382,7 @@ def tune(
         injections=list(injections),
         options=options,
         on_progress=on_progress,
+        shared_cache=shared_cache,
     )
     return run(job)
 

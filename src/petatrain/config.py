@@ -572,6 +572,7 @@ class TuneConfig:
     grace_evals: int = 1  # asha: evaluations a trial runs before it may be stopped
     reduction_factor: int = 2  # asha: 1/reduction_factor of the trials go on at each rung; pbt: quantile
     perturbation_evals: int = 1  # pbt: evaluations between exploits
+    pbt_synch: bool = False  # pbt: trials wait for each other at every perturbation (reproducible decisions)
     max_failures: int = 2  # times Tune restarts a trial whose driver died (it resumes from its checkpoint)
     seed: int = 0  # of the sampling (and of pbt's choices)
 

@@ -9,6 +9,9 @@
 #   rgw.sh status [DIR]  exit 0 if the S3 endpoint answers, 1 otherwise.
 #   rgw.sh user NAME [DIR]  create S3 user NAME (if missing) on the running
 #                        gateway and print `export ...` lines with its keys.
+#   rgw.sh usage [DIR]   print the gateway's usage log (JSON: per bucket and
+#                        operation, the requests and bytes sent), as tests count
+#                        what clients fetched from the server.
 #
 # DIR defaults to /tmp/petatrain-rgw. Everything (config, mon/osd data, logs,
 # pid files, admin sockets, the test CA) lives under DIR; /etc/ceph and
@@ -310,7 +313,10 @@ rgw crypt s3 kms encryption keys = $(kms_keys)
 rgw crypt require ssl = false
 rgw thread pool size = 32
 rgw dns name = localhost
-rgw enable usage log = false
+# the usage log: what each bucket served (rgw.sh usage), flushed every second
+rgw enable usage log = true
+rgw usage log tick interval = 1
+rgw usage log flush threshold = 1
 rgw enable ops log = false
 # deleted/overwritten object data is garbage-collected by RGW, by default only
 # after 2 h (and the GC runs hourly): with memstore that is RAM held for hours.
@@ -519,6 +525,12 @@ export PETATRAIN_TEST_S3_PRINCIPAL=arn:aws:iam:::user/$USER_NAME
 EOF
 }
 
+cmd_usage() {
+    [[ -f $CONF ]] || die "$CONF does not exist: start the gateway first ('$PROG start $DIR')"
+    radosgw-admin -c "$CONF" usage show --show-log-entries=true 2>/dev/null ||
+        die "radosgw-admin usage show failed"
+}
+
 cmd_status() {
     if rgw_answers; then
         log "running: $(endpoint)"
@@ -543,6 +555,7 @@ case "$CMD" in
     env) check_args; cmd_env ;;
     status) check_args; cmd_status ;;
     user) check_args; lock; cmd_user ;;
+    usage) check_args; cmd_usage ;;
     -h | --help | help) usage ;;
     *) usage ;;
 esac

@@ -198,6 +198,8 @@ def _drive(job: TrainJob, held: contextlib.ExitStack) -> RunResult:
         failures = supervisor.run()
         final = join(run_url, "final", "model.safetensors")
         reached = max((b["step"] for b in hub.call("heartbeats").values()), default=cfg.train.steps)
+        if reached < 0:  # the attempt resumed where the run ends: it trained no step
+            reached = job.branch.step if job.branch else prior.step if prior else cfg.train.steps
         detail = "" if reached >= cfg.train.steps else f"stopped at step {reached}: the time limit was reached"
         attempts.emit("end", status="ok", step=reached, detail=detail, final=final)
         wall = time.time() - started

@@ -52,6 +52,7 @@ class SearchJob:
     injections: list[str] = field(default_factory=list)  # faults every trial's run is given
     options: StorageOptions | None = None
     on_progress: Callable[[str], None] | None = None  # one line per evaluation and decision
+    shared_cache: bool = True  # False: every trial fetches the dataset into a cache of its own (for comparison)
 
 
 def check(job: SearchJob) -> tuple[list[spaces.Space], int]:
@@ -125,6 +126,7 @@ def run(job: SearchJob) -> dict[str, Any]:
         checkpoints=settings.scheduler == "pbt",
         injections=tuple(job.injections),
         options=options,
+        shared_cache=job.shared_cache,
     )
     # The trial actor runs the run's driver: it computes nothing, so it holds no CPU (its workers
     # do); Tune needs some resource in a trial's request, so it asks for one byte of memory.
@@ -241,6 +243,7 @@ def _scheduler(settings: TuneConfig, parsed: list[spaces.Space], steps: int, eva
             perturbation_interval=settings.perturbation_evals * eval_every,
             hyperparam_mutations={s.key: s.domain() for s in parsed},
             quantile_fraction=1.0 / settings.reduction_factor,
+            synch=settings.pbt_synch,
         )
     return FIFOScheduler()
 
@@ -270,8 +273,9 @@ class _Progress:
         from petatrain.runtime.cluster import remove_placement_groups
 
         def release(trial: Any) -> None:
-            groups = {e.get("placement_group") for e in _events(trial_dir(out, trial.trial_id), options)}
-            remove_placement_groups(groups - {None, ""}, f"of trial {trial.trial_id}: the trial ended")
+            events = _events(trial_dir(out, trial.trial_id), options)
+            groups = {str(e["placement_group"]) for e in events if e.get("placement_group")}
+            remove_placement_groups(groups, f"of trial {trial.trial_id}: the trial ended")
 
         class Progress(Callback):
             def on_trial_result(self, iteration, trials, trial, result, **info):
@@ -348,6 +352,7 @@ def _conclude(
                 "step": step,
                 "status": status,
                 "goodput": goodput,
+                "startup_s": metrics.get("startup_s"),
                 "run": run_url,
                 "curve": curve,
                 "error": str(result.error).strip().splitlines()[-1] if result.error else None,

@@ -25,6 +25,7 @@ import queue
 import shutil
 import tempfile
 import threading
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -52,6 +53,9 @@ class TrialSetup:
     checkpoints: bool  # report the evaluated step's checkpoint (pbt)
     injections: tuple[str, ...] = ()
     options: StorageOptions = field(default_factory=StorageOptions)
+    # False: each trial caches the dataset's shards in a folder of its own (what each trial of a
+    # plain Tune search does; benchmarks/tune.py compares); True: the node's cache, shared.
+    shared_cache: bool = True
 
 
 def configure(setup: TrialSetup, params: dict[str, Any]) -> JobConfig:
@@ -87,8 +91,12 @@ def run_trial(params: dict[str, Any], setup: TrialSetup) -> None:
     from petatrain.chaos.inject import parse
     from petatrain.runtime.driver import EvalGate, TrainJob
 
+    entered = time.time()
     trial_id = tune.get_context().get_trial_id()
     cfg = configure(setup, params)
+    if not setup.shared_cache:
+        own = os.path.join(tempfile.gettempdir(), f"petatrain-cache-{trial_id}")
+        cfg = replace(cfg, data=replace(cfg.data, cache_dir=own))
     run_url = trial_dir(setup.out, trial_id)
     with tempfile.TemporaryDirectory(prefix="petatrain-trial-") as scratch:
         restored = tune.get_checkpoint()
@@ -101,7 +109,7 @@ def run_trial(params: dict[str, Any], setup: TrialSetup) -> None:
             branch=_exploited(restored, trial_id, setup, scratch) if restored else None,
             gate=EvalGate(),  # the run waits at each evaluation until Tune has taken it
         )
-        _Reporter(job, setup, trial_id, scratch).run()
+        _Reporter(job, setup, trial_id, scratch, entered).run()
 
 
 def _exploited(restored: Any, trial_id: str, setup: TrialSetup, scratch: str) -> Any:
@@ -121,8 +129,10 @@ def _exploited(restored: Any, trial_id: str, setup: TrialSetup, scratch: str) ->
 class _Reporter:
     """Runs the trial's driver on a thread and reports the run's evaluations to Tune, in order."""
 
-    def __init__(self, job: Any, setup: TrialSetup, trial_id: str, scratch: str):
+    def __init__(self, job: Any, setup: TrialSetup, trial_id: str, scratch: str, entered: float):
         self.job, self.setup, self.trial_id, self.scratch = job, setup, trial_id, scratch
+        self.entered = entered  # when Tune called the trial: its start-up runs to the first step
+        self.startup_s: float | None = None
         self.events: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self.error: BaseException | None = None
         self.loss: float | None = None  # of the newest step
@@ -155,6 +165,8 @@ class _Reporter:
 
     def _take(self, event: dict[str, Any]) -> None:
         kind = event.get("event")
+        if kind == "step" and self.startup_s is None:
+            self.startup_s = float(event["t"]) - self.entered
         if kind == "step" and event.get("loss") is not None:
             self.loss = float(event["loss"])
         elif kind == "checkpoint_commit":
@@ -166,7 +178,12 @@ class _Reporter:
             if self.pending is not None:  # its checkpoint never came (a retention race, a fault)
                 self._report(self.pending, checkpoint=False)
                 self.pending = None
-            metrics = {"eval_loss": float(event["loss"]), "train_loss": self.loss, "step": int(event["step"])}
+            metrics = {
+                "eval_loss": float(event["loss"]),
+                "train_loss": self.loss,
+                "step": int(event["step"]),
+                "startup_s": self.startup_s,  # trial called -> its run's first step done
+            }
             if metrics["step"] in self.reported:
                 self.job.gate.release(metrics["step"])
             elif self.setup.checkpoints and metrics["step"] not in self.committed:

@@ -1,0 +1,269 @@
+"""`petatrain tune`: spaces checked before anything starts, an ASHA search that stops the bad
+trials, a fault inside a trial that Tune never sees, and PBT's exploit continuing the donor's
+whole state bit for bit."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from helpers import ROOT, tiny
+from petatrain import api, config
+from petatrain.errors import ConfigError
+from petatrain.tune import space
+from petatrain.tune.search import SearchJob, check, concurrency
+
+LR = "train.lr=loguniform:3e-4:3e-2"
+
+
+def _search(dataset: str, *overrides: str) -> config.JobConfig:
+    return tiny(dataset, "parallel.workers=1", "train.eval_every=10", "tune.max_steps=30", *overrides)
+
+
+def _events(run: str) -> list[dict]:
+    with open(f"{run}/events.jsonl") as handle:
+        return [json.loads(line) for line in handle]
+
+
+# -- before anything starts ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("train.lr", "write KEY=SPACE"),
+        ("train.lr=normal:0:1", "unknown space 'normal'"),
+        ("train.lr=uniform:1", "uniform:LOW:HIGH"),
+        ("train.lr=uniform:2:1", "LOW must be below HIGH"),
+        ("train.lr=loguniform:0:1", "needs LOW > 0"),
+        ("train.warmup_steps=randint:0:2.5", "integers"),
+        ("model.d_model=choice:", "give the choices"),
+        ("model.d_model=choice:64,64", "repeated"),
+    ],
+)
+def test_a_bad_space_is_one_line(spec, message):
+    with pytest.raises(ConfigError, match=message):
+        space.parse(spec)
+
+
+def test_spaces_are_checked_against_the_config(tmp_path):
+    cfg = tiny(str(tmp_path))
+    with pytest.raises(ConfigError, match=r"no such config field \(did you mean train.lr\?\)"):
+        space.check(cfg, [space.parse("train.lrr=uniform:0:1")])
+    with pytest.raises(ConfigError, match="no such config field"):
+        space.check(cfg, [space.parse("train=uniform:0:1")])  # a section, not a value
+    # The config must build at both ends: tiny.yaml's min_lr is 3e-4.
+    with pytest.raises(ConfigError, match=r"train.lr=loguniform:0.0001:0.01: at 0.0001: train.min_lr"):
+        space.check(cfg, [space.parse("train.lr=loguniform:1e-4:1e-2")])
+    with pytest.raises(ConfigError, match=r"model.n_layer=choice:2,x: at 'x'.*expected a number"):
+        space.check(cfg, [space.parse("model.n_layer=choice:2,x")])
+    with pytest.raises(ConfigError, match="nothing to search"):
+        space.check(cfg, [])
+    values = space.apply(cfg, {"model.d_model": 128, "train.lr": 0.01})
+    assert (values.model.d_model, values.train.lr) == (128, 0.01)
+
+
+def test_search_settings_are_checked_before_anything_starts(tmp_path):
+    with pytest.raises(ConfigError, match=r"'val_loss' is never reported; a trial reports eval_loss, train_loss"):
+        tiny(str(tmp_path), "tune.metric=val_loss")
+    with pytest.raises(ConfigError, match=r"tune\.scheduler: 'hyperband' is not one of asha, pbt, none"):
+        tiny(str(tmp_path), "tune.scheduler=hyperband")
+    cfg = tiny(str(tmp_path), "train.eval_every=0", f"tune.params={{{LR.replace('=', ': ', 1)}}}")
+    with pytest.raises(ConfigError, match=r"train\.eval_every is 0"):
+        check(SearchJob(config=cfg, out=str(tmp_path / "out")))
+    # Concurrency: whole gangs only; a trial bigger than the cluster is refused.
+    four = tiny(str(tmp_path), "parallel.workers=4", "tune.trials=6")
+    assert concurrency(four, cpus=16, gpus=0) == 4
+    assert concurrency(four, cpus=9, gpus=0) == 2
+    assert concurrency(four, cpus=64, gpus=8) == 2  # on GPUs: 4 per trial
+    with pytest.raises(ConfigError, match=r"a trial needs 4 CPU\(s\) and 0 GPU\(s\).*the cluster has 2 and 0"):
+        concurrency(four, cpus=2, gpus=0)
+
+
+def test_the_cli_refuses_a_bad_search_in_one_line(tmp_path):
+    from conftest import run_cli
+
+    out = tmp_path / "search"
+    done = run_cli("tune", "examples/tiny.yaml", "--out", str(out), "--param", "train.lrr=uniform:0.001:0.01")
+    assert done.returncode == 2  # a config error
+    assert done.stderr.strip().splitlines() == [
+        "error: --param train.lrr: no such config field (did you mean train.lr?)"
+    ], done.stderr
+    assert not out.exists()  # nothing was written
+
+
+# -- searches ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def asha(token_dataset, tmp_path_factory):
+    out = tmp_path_factory.mktemp("asha") / "search"
+    cfg = _search(token_dataset, "tune.trials=4", "tune.scheduler=asha")
+    lines: list[str] = []
+    summary = api.tune(cfg, str(out), params=[LR], on_progress=lines.append)
+    return out, summary, lines
+
+
+@pytest.mark.slow
+def test_asha_stops_the_bad_trials_and_best_yaml_is_the_best_trial(asha):
+    out, summary, lines = asha
+    trials = {t["trial"]: t for t in summary["trials"]}
+    assert len(trials) == 4 and all(t["error"] is None for t in trials.values())
+    stopped = [d for d in summary["decisions"] if d["decision"] == "stopped"]
+    assert stopped, summary["decisions"]
+    for d in stopped:  # ASHA stops a trial below its rung's cutoff: another trial did better there
+        mine = dict(map(tuple, trials[d["trial"]]["curve"]))[d["step"]]
+        others = [dict(map(tuple, t["curve"])).get(d["step"]) for k, t in trials.items() if k != d["trial"]]
+        assert any(v is not None and v < mine for v in others), (d, trials)
+        assert trials[d["trial"]]["status"] == "stopped" and d["step"] < 30
+        end = _events(trials[d["trial"]]["run"])[-1]
+        assert (end["event"], end["status"]) == ("end", "stopped")
+    finished = [t for t in trials.values() if t["status"] == "finished"]
+    assert finished and all(t["step"] == 30 for t in finished)
+    best = min(trials.values(), key=lambda t: t["eval_loss"])
+    assert summary["best"]["trial"] == best["trial"]
+    written = config.load(out / "best.yaml")
+    assert written.train.lr == best["params"]["train.lr"] and written.train.steps == 30
+    assert "tune" not in yaml.safe_load((out / "best.yaml").read_text())  # a config train runs as is
+    # Every trial is a run of its own, with its report; the page marks the decisions.
+    for t in trials.values():
+        assert (out / "trials" / t["trial"] / "report.json").exists()
+    page = (out / "tune.html").read_text()
+    assert all(t in page for t in trials) and "Scheduler decisions" in page and "stopped" in page
+    assert any("stopped by the scheduler" in line for line in lines)
+
+
+@pytest.mark.slow
+def test_the_same_search_again_resumes_it_and_another_is_refused(asha, token_dataset):
+    out, summary, _ = asha
+    cfg = _search(token_dataset, "tune.trials=4", "tune.scheduler=asha")
+    lines: list[str] = []
+    again = api.tune(cfg, str(out), params=[LR], on_progress=lines.append)  # Tune's restore: nothing to rerun
+    assert lines[0].startswith("resuming the search")
+    assert {t["trial"]: t["eval_loss"] for t in again["trials"]} == {
+        t["trial"]: t["eval_loss"] for t in summary["trials"]
+    }
+    with pytest.raises(ConfigError, match="holds another search"):
+        api.tune(cfg, str(out), params=["train.lr=loguniform:1e-3:3e-2"])
+
+
+@pytest.mark.slow
+@pytest.mark.chaos
+def test_a_worker_killed_inside_a_trial_is_recovered_there(token_dataset, tmp_path):
+    cfg = _search(token_dataset, "tune.trials=2", "tune.scheduler=none", "tune.max_steps=20")
+    clean = api.tune(cfg, str(tmp_path / "clean"), params=[LR])
+    faulty = api.tune(cfg, str(tmp_path / "faulty"), params=[LR], injections=["kill@step=15,rank=0"])
+    curves = {json.dumps(t["params"]): t["curve"] for t in clean["trials"]}
+    for t in faulty["trials"]:
+        assert t["status"] == "finished" and t["error"] is None  # Tune saw no failure
+        assert t["curve"] == curves[json.dumps(t["params"])]  # deterministic: the same evaluations
+        causes = [e["cause"] for e in _events(t["run"]) if e["event"] == "failure"]
+        assert causes == ["kill"]
+
+
+@pytest.mark.slow
+def test_pbt_continues_the_donors_whole_state_bit_for_bit(token_dataset, tmp_path):
+    cfg = _search(token_dataset, "tune.trials=2", "tune.scheduler=pbt", "tune.pbt_synch=true", "tune.max_steps=20")
+    summary = api.tune(cfg, str(tmp_path / "pbt"), params=[LR])
+    assert any(d["decision"] == "exploit" for d in summary["decisions"]), summary["decisions"]
+
+    def steps_of(events: list[dict], attempt: int) -> dict[int, float]:
+        return {e["step"]: e["loss"] for e in events if e["event"] == "step" and e["attempt"] == attempt}
+
+    # An exploit at the last evaluation has no steps left to train: take one that has.
+    events, branched = next(
+        (events, e)
+        for events in (_events(t["run"]) for t in summary["trials"])
+        for e in events
+        if e["event"] == "run_continue" and e.get("source") and steps_of(events, e["attempt"])
+    )
+    donor, step = branched["source"]["from"].removeprefix("trial "), branched["source"]["step"]
+    mine = steps_of(events, branched["attempt"])
+    assert min(mine) == step + 1
+    # The donor's state as it reported it to Tune (its own run may have branched since): a
+    # folder laid out as a run, which `train --from` takes as well.
+    reported = [
+        p.parent
+        for p in (tmp_path / "pbt" / "tune").glob(f"*{donor}*/checkpoint_*/petatrain-trial.json")
+        if json.loads(p.read_text())["step"] == step
+    ]
+    assert reported, f"no checkpoint of step {step} reported by trial {donor}"
+    # What the donor computes from that state with the receiver's new hyperparameters.
+    mutated = config.build(config.JobConfig, branched["config"])
+    reference = api.train(mutated, run_dir=str(tmp_path / "reference"), branch=f"{reported[0]}@{step}")
+    ref = {e["step"]: e["loss"] for e in _events(reference.run) if e["event"] == "step"}
+    assert mutated.train.lr != config.build(config.JobConfig, events[0]["config"]).train.lr
+    assert all(mine[s] == ref[s] for s in mine), (mine, ref)
+
+
+@pytest.mark.slow
+def test_train_from_another_run_continues_its_state_bit_for_bit(token_dataset, baseline, tmp_path):
+    """`train --from RUN@STEP` with the same config retraces RUN from STEP exactly."""
+    from helpers import sha256
+
+    cfg = tiny(token_dataset)
+    result = api.train(cfg, run_dir=str(tmp_path / "branch"), branch=f"{baseline}@20")
+    start = next(e for e in _events(result.run) if e["event"] == "run_start")
+    assert start["source"] == {"from": f"{baseline}@20", "step": 20}
+    ours = {e["step"]: e["loss"] for e in _events(result.run) if e["event"] == "step"}
+    theirs = {e["step"]: e["loss"] for e in _events(str(baseline)) if e["event"] == "step"}
+    assert sorted(ours) == list(range(21, 31)) and all(ours[s] == theirs[s] for s in ours)
+    assert sha256(tmp_path / "branch" / "final" / "model.safetensors") == sha256(
+        baseline / "final" / "model.safetensors"
+    )
+    with pytest.raises(ConfigError, match=r"no committed checkpoint of step 7"):
+        api.train(cfg, run_dir=str(tmp_path / "nope"), branch=f"{baseline}@7")
+
+
+def test_examples_tune_yaml_loads():
+    cfg = config.load(ROOT / "examples" / "tune.yaml")
+    assert cfg.tune.params and cfg.tune.scheduler == "asha"
+
+
+def _served(bucket: str) -> int:
+    """Bytes the test S3 server sent for GETs of `bucket`'s objects (its usage log, `rgw.sh usage`)."""
+    import subprocess
+
+    from conftest import RGW, _rgw_state
+
+    done = subprocess.run(["bash", str(RGW), "usage", _rgw_state()], capture_output=True, text=True, check=True)
+    return sum(
+        category["bytes_sent"]
+        for entry in json.loads(done.stdout).get("entries", [])
+        for b in entry.get("buckets", [])
+        if b.get("bucket") == bucket
+        for category in b.get("categories", [])
+        if category.get("category") == "get_obj"
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.s3
+def test_trials_on_a_node_fetch_each_shard_from_the_object_store_once(s3_endpoint, s3_bucket, ray_local, tmp_path):
+    """Two trials read the S3 dataset through the node's shard cache: the server sends each shard once."""
+    import os
+    import time
+
+    from petatrain.data import synth
+
+    if os.environ.get("PETATRAIN_TEST_S3_ENDPOINT"):
+        pytest.skip("counts requests in the usage log of the RGW the tests start")
+    synth.generate(str(tmp_path / "corpus"), documents=600, files=2)
+    ingest = config.IngestConfig(tokenizer="bytes", pack_length=65, shard_size="100KB", dedup="exact")
+    dataset = f"{s3_bucket}/ds"
+    api.ingest([str(tmp_path / "corpus")], dataset, config=ingest)
+    cache = tmp_path / "cache"
+    cfg = _search(dataset, f"data.cache_dir={cache}", "tune.trials=2", "tune.scheduler=none", "tune.max_steps=10")
+    bucket = s3_bucket.removeprefix("s3://")
+    time.sleep(2.5)  # the usage log is flushed every second
+    before = _served(bucket)
+    summary = api.tune(cfg, str(tmp_path / "search"), params=[LR])
+    assert [t["status"] for t in summary["trials"]] == ["finished", "finished"]
+    time.sleep(2.5)
+    sent = _served(bucket) - before
+    cached = sum(p.stat().st_size for p in cache.rglob("*") if p.is_file() and not p.name.startswith("."))
+    assert cached > 0
+    # Each shard crossed the network once (plus the index and manifest each trial opens), not once per trial.
+    assert cached <= sent < 1.3 * cached, (sent, cached)
