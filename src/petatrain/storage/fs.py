@@ -376,6 +376,7 @@ class SourceFile:
     url: str
     size: int
     fingerprint: str
+    root: str = ""  # the folder (or a glob's fixed leading folder) it was found under: Hive partitions below it
 
 
 def _fingerprint(info: dict[str, Any]) -> str:
@@ -405,10 +406,13 @@ def expand_sources(patterns: list[str], options: StorageOptions | None = None) -
                 info = None  # not a path as written: a glob
             if info is None:
                 infos = retrying(f"glob {pattern}", functools.partial(fs.glob, path, detail=True))
+                root = path[: min(path.find(ch) % (len(path) + 1) for ch in "*?[")].rpartition("/")[0]
             elif info["type"] == "directory":
                 infos = retrying(f"list {pattern}", functools.partial(fs.find, path, detail=True))
+                root = path.rstrip("/")
             else:
                 infos = {path: info}
+                root = path.rpartition("/")[0]
         except FileNotFoundError:
             raise PetatrainError(f"source not found: {pattern}") from None
         except PermissionError as exc:
@@ -428,5 +432,12 @@ def expand_sources(patterns: list[str], options: StorageOptions | None = None) -
             url = to_url(fs, p)
             if url not in seen:
                 seen.add(url)
-                files.append(SourceFile(url=url, size=int(info.get("size") or 0), fingerprint=_fingerprint(info)))
+                files.append(
+                    SourceFile(
+                        url=url,
+                        size=int(info.get("size") or 0),
+                        fingerprint=_fingerprint(info),
+                        root=to_url(fs, root) + "/",
+                    )
+                )
     return files
