@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 from petatrain.data.buffers import arrow_reader
 from petatrain.data.manifest import Batch, Lineage, LineagePart, Manifest, Source
 from petatrain.errors import CorruptDataError
-from petatrain.storage import StorageOptions, atomic_write, join, read_bytes, remove_tree, resolve, retrying
+from petatrain.storage import StorageOptions, atomic_write, join, read_bytes, remove_tree, resolve, retrying, signing
 from petatrain.storage.checksum import checksum_bytes
 
 FOLDER = "_index/lineage"
@@ -47,7 +47,8 @@ def write_part(url: str, table: pa.Table, options: StorageOptions | None = None)
     data = sink.getvalue().to_pybytes()
     path = f"{FOLDER}/{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:8]}.parquet"
     checksum, size = atomic_write(join(url, path), data, options)
-    return LineagePart(path=path, checksum=checksum, bytes=size, rows=table.num_rows)
+    sha = signing.sha256_hex(data) if signing.signs(options) else ""
+    return LineagePart(path=path, checksum=checksum, bytes=size, rows=table.num_rows, sha256=sha)
 
 
 def read_sources(url: str, manifest: Manifest, options: StorageOptions | None = None) -> pa.Table:
@@ -65,6 +66,8 @@ def read_sources(url: str, manifest: Manifest, options: StorageOptions | None = 
             raise CorruptDataError(f"{target} is missing; the manifest lists it as lineage") from None
         if checksum_bytes(data) != part.checksum:
             raise CorruptDataError(f"the lineage table {target} does not match its checksum in the manifest")
+        if manifest.signed and signing.sha256_hex(data) != part.sha256:
+            raise CorruptDataError(f"the lineage table {target} does not match the SHA-256 in the signed manifest")
         tables.append(pq.ParquetFile(arrow_reader(data)).read().cast(LINEAGE_SCHEMA))
     return pa.concat_tables(tables) if tables else LINEAGE_SCHEMA.empty_table()
 

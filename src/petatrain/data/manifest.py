@@ -94,6 +94,7 @@ class LineagePart:
     checksum: str
     bytes: int
     rows: int
+    sha256: str = ""  # when the manifest is signed, as for the index
 
 
 @dataclass(kw_only=True, slots=True)
