@@ -115,6 +115,16 @@ def test_field_values_are_typed_per_field():
     assert sources.typed_array([None, None]).type == pa.null()
     assert sources.typed_array([1 << 70]).to_pylist() == [str(1 << 70)]  # beyond int64: exact, as text
     assert sources.typed_array(["a", 5, {"k": [1]}]).to_pylist() == ["a", "5", '{"k": [1]}']
+    # A lone surrogate (a JSON \ud800 escape) in a string field rejects its record, as in the text;
+    # inside a nested value it stays escaped in the value's JSON text.
+    lines = [
+        b'{"text": "good one", "note": "caf\\u00e9", "deep": {"k": "x\\ud800"}}',
+        b'{"text": "bad one", "note": "lone \\udc00 here"}',
+    ]
+    got = sources.read_file("a.jsonl", b"\n".join(lines), "jsonl", "text", max_chars=100, fields=sources.FieldChoice())
+    assert got.text == ["good one"] and [r.reason for r in got.rejects] == ["invalid_utf8"]
+    table = got.fields_table()
+    assert table.column("note").to_pylist() == ["café"] and table.column("deep").to_pylist() == ['{"k": "x\\ud800"}']
     with pytest.raises(ConfigError, match="packed rows"):
         IngestConfig(tokenizer="bytes", pack_length=8, fields="lang")
     with pytest.raises(ConfigError, match="give one of them"):

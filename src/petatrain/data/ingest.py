@@ -140,20 +140,22 @@ def _new_files(
                     f"{job.out} was ingested with {key}={stored.get(key)!r}; this run has {key}={ours!r}. "
                     f"Use the same setting or a new --out"
                 )
-    known = lineage.read_sources(job.out, manifest, job.options)
+    known = lineage.read_sources(job.out, manifest, job.options, columns=["url", "size", "fingerprint"])
     if job.register:
         _refuse_gone_files(job, known, files)
-    found = pc.index_in(pa.array([f.url for f in files], pa.string()), value_set=known.column("url")).to_pylist()
-    sizes, prints = known.column("size").to_pylist(), known.column("fingerprint").to_pylist()
+    # Each listed file's lineage row (null where it is new), without a Python object per known source.
+    seen = known.take(pc.index_in(pa.array([f.url for f in files], pa.string()), value_set=known.column("url")))
     fresh = []
-    for f, at in zip(files, found, strict=True):
-        if at is None:
+    for f, size, fingerprint in zip(
+        files, seen.column("size").to_pylist(), seen.column("fingerprint").to_pylist(), strict=True
+    ):
+        if size is None:
             fresh.append(f)
-        elif sizes[at] != f.size or (prints[at] and f.fingerprint and prints[at] != f.fingerprint):
+        elif size != f.size or (fingerprint and f.fingerprint and fingerprint != f.fingerprint):
             again = " (or --register --refresh)" if job.register else ""
             raise PetatrainError(
                 f"source {f.url} changed since it was ingested "
-                f"(size {sizes[at]} -> {f.size}); ingest it under a new name{again}"
+                f"(size {size} -> {f.size}); ingest it under a new name{again}"
             )
     summary.files_already_ingested = len(files) - len(fresh)
     if fresh and not job.append:

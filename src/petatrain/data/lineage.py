@@ -51,9 +51,13 @@ def write_part(url: str, table: pa.Table, options: StorageOptions | None = None)
     return LineagePart(path=path, checksum=checksum, bytes=size, rows=table.num_rows, sha256=sha)
 
 
-def read_sources(url: str, manifest: Manifest, options: StorageOptions | None = None) -> pa.Table:
-    """Every source row of the dataset (`LINEAGE_SCHEMA`), each table checked against its checksum."""
-    tables = [sources_table(manifest.lineage.sources)] if manifest.lineage.sources else []
+def read_sources(
+    url: str, manifest: Manifest, options: StorageOptions | None = None, *, columns: list[str] | None = None
+) -> pa.Table:
+    """Every source row of the dataset (`LINEAGE_SCHEMA`, or only `columns` of it), each table
+    checked against its checksum."""
+    schema = pa.schema([LINEAGE_SCHEMA.field(c) for c in columns]) if columns else LINEAGE_SCHEMA
+    tables = [sources_table(manifest.lineage.sources).select(schema.names)] if manifest.lineage.sources else []
     for part in manifest.lineage.parts:
         if not (part.path.startswith(f"{FOLDER}/") and part.path.endswith(".parquet") and ".." not in part.path):
             raise CorruptDataError(
@@ -68,8 +72,8 @@ def read_sources(url: str, manifest: Manifest, options: StorageOptions | None = 
             raise CorruptDataError(f"the lineage table {target} does not match its checksum in the manifest")
         if manifest.signed and signing.sha256_hex(data) != part.sha256:
             raise CorruptDataError(f"the lineage table {target} does not match the SHA-256 in the signed manifest")
-        tables.append(pq.ParquetFile(arrow_reader(data)).read().cast(LINEAGE_SCHEMA))
-    return pa.concat_tables(tables) if tables else LINEAGE_SCHEMA.empty_table()
+        tables.append(pq.ParquetFile(arrow_reader(data)).read(columns=schema.names).cast(schema))
+    return pa.concat_tables(tables) if tables else schema.empty_table()
 
 
 def extended(

@@ -156,7 +156,11 @@ def typed_array(values: list[Any]) -> pa.Array:
         return pa.array(values, pa.large_string())
     if bytes in kinds and kinds <= {bytes, str}:  # WebDataset members: text where it decodes, else bytes
         return pa.array([v.encode() if isinstance(v, str) else v for v in values], pa.large_binary())
-    return pa.array([v if v is None or isinstance(v, str) else json_text(v) for v in values], pa.large_string())
+    texts = [v if v is None or isinstance(v, str) else json.dumps(v, ensure_ascii=False, default=str) for v in values]
+    try:
+        return pa.array(texts, pa.large_string())
+    except (UnicodeEncodeError, pa.ArrowException):  # a lone surrogate in a nested value: that value escaped
+        return pa.array([v if v is None or isinstance(v, str) else json_text(v) for v in values], pa.large_string())
 
 
 def json_text(value: Any) -> str:
@@ -273,14 +277,24 @@ def _take_field(
     elif out.choice is None:
         out.keep(number, value[text_field])
     else:
-        wanted = out.choice.wanted
-        fields = {k: v for k, v in value.items() if k != text_field and wanted(k)}
+        choice = out.choice
+        if choice.keep is None and not choice.drop:  # every field: the common case, without a call per key
+            fields = dict(value)
+            del fields[text_field]
+        else:
+            fields = {k: v for k, v in value.items() if k != text_field and choice.wanted(k)}
         fields.update(extra or {})
-        bad = next((k for k, v in fields.items() if isinstance(v, str) and not _encodable(v)), None)
+        # A string field can hold a lone surrogate only if the JSON spelled one as an escape (\ud800).
+        bad = None
+        if _SURROGATE_ESCAPE.search(raw):
+            bad = next((k for k, v in fields.items() if isinstance(v, str) and not _encodable(v)), None)
         if bad is not None:
             out.reject(number, "invalid_utf8", f"field {bad!r} holds a lone surrogate", raw)
         else:
             out.keep(number, value[text_field], fields)
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 def _encodable(text: str) -> bool:
