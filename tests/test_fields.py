@@ -279,3 +279,33 @@ def test_a_version_one_dataset_reads_and_appends_in_its_own_layout(tmp_path):
         str(tmp_path / "new.jsonl"),
     ]
     assert json.loads((old / "_index" / "manifest.json").read_text())["version"] == 2
+
+
+@pytest.mark.s3
+def test_a_partitioned_spark_folder_on_s3_registers_refreshes_and_streams(s3_endpoint, s3_bucket, tmp_path):
+    from petatrain.storage import resolve
+
+    fs, _ = resolve(s3_bucket)
+    bucket = s3_bucket.removeprefix("s3://")
+
+    def put(path, texts):
+        with fs.open(f"{bucket}/spark/{path}", "wb") as handle:
+            pq.write_table(pa.table({"text": texts}), handle)
+
+    put("src=web/part-0-a.parquet", ["a web page"])
+    put("src=books/part-0-a.parquet", ["a book", "another book"])
+    ingest([f"{s3_bucket}/spark"], f"{s3_bucket}/reg", register=True)
+
+    def rows():
+        loaded = StreamingDataset(f"{s3_bucket}/reg", columns=["text", "src"], cache_dir=str(tmp_path / "cache"))
+        return sorted((s["text"], s["src"]) for s in loaded)
+
+    got = rows()
+    assert got == [("a book", "books"), ("a web page", "web"), ("another book", "books")]
+
+    fs.rm(f"{bucket}/spark", recursive=True)  # mode("overwrite")
+    put("src=web/part-0-b.parquet", ["a new web page"])
+    summary = ingest([f"{s3_bucket}/spark"], f"{s3_bucket}/reg", register=True, refresh=True)
+    assert (summary.files_new, summary.files_removed) == (1, 2)
+    assert rows() == [("a new web page", "web")]
+    assert "part-0-b.parquet" in fs.cat(f"{bucket}/reg/README.md").decode()

@@ -24,11 +24,12 @@ def ingest(s: dict[str, Any]) -> None:
         ("bytes written", s["bytes"]),
         ("new files", s["files_new"]),
         ("already ingested", s["files_already_ingested"]),
-        ("files removed", s.get("files_removed", 0)),
-        ("files changed", s.get("files_changed", 0)),
         ("seconds", f"{s['seconds']:.1f} ({rate:.1f} MB/s of input)"),
     ):
         table.add_row(key, str(value))
+    for key in ("files_removed", "files_changed"):  # --register --refresh
+        if s.get(key):
+            table.add_row(key.replace("_", " "), str(s[key]))
     for reason, n in sorted(s["rejected"].items()):
         table.add_row(f"  rejected: {reason}", str(n))
     if s["tokens"]:

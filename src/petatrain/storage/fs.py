@@ -386,6 +386,18 @@ def _fingerprint(info: dict[str, Any]) -> str:
     return ""
 
 
+def _forget_listings(fs: fsspec.AbstractFileSystem, path: str) -> None:
+    """Drop the listings cached under `path` (up to a glob's first wildcard): file system objects
+    are shared in a process, and a listing cached earlier must not hide files written since (a
+    folder Spark rewrote, then `--register --refresh`); s3fs trusts a cached parent listing."""
+    prefix = path[: min(path.find(ch) % (len(path) + 1) for ch in "*?[")].rstrip("/")
+    cache = getattr(fs, "dircache", None)
+    if cache is not None:
+        for key in [k for k in list(cache) if k == prefix or k.startswith(prefix + "/")]:
+            cache.pop(key, None)
+    fs.invalidate_cache(prefix)
+
+
 def expand_sources(patterns: list[str], options: StorageOptions | None = None) -> list[SourceFile]:
     """Expand paths, folders and globs into files, in argument order then sorted by name.
 
@@ -397,6 +409,7 @@ def expand_sources(patterns: list[str], options: StorageOptions | None = None) -
     seen: set[str] = set()
     for pattern in patterns:
         fs, path = resolve(pattern, options)
+        _forget_listings(fs, path)
         try:
             try:
                 info = retrying(f"stat {pattern}", functools.partial(fs.info, path))
