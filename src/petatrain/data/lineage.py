@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import asdict
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -37,7 +36,8 @@ LINEAGE_SCHEMA = pa.schema(
 
 
 def sources_table(sources: list[Source]) -> pa.Table:
-    return pa.Table.from_pylist([asdict(s) for s in sources], schema=LINEAGE_SCHEMA)
+    columns = {name: [getattr(s, name) for s in sources] for name in LINEAGE_SCHEMA.names}
+    return pa.table(columns, schema=LINEAGE_SCHEMA)
 
 
 def write_part(url: str, table: pa.Table, options: StorageOptions | None = None) -> LineagePart:

@@ -121,10 +121,15 @@ class FileRecords:
             return None
         if self.columnar:
             return pa.concat_tables(self.tables) if self.tables else pa.table({})
-        names: dict[str, None] = dict.fromkeys(self.choice.keep or ())
-        for row in self.rows:
-            names.update(dict.fromkeys(row))
-        return pa.table({name: typed_array([row.get(name) for row in self.rows]) for name in names})
+        n = len(self.rows)
+        columns: dict[str, list[Any]] = {name: [None] * n for name in self.choice.keep or ()}
+        for i, row in enumerate(self.rows):  # one pass over the records, in first-seen field order
+            for name, value in row.items():
+                column = columns.get(name)
+                if column is None:
+                    column = columns[name] = [None] * n
+                column[i] = value
+        return pa.table({name: typed_array(values) for name, values in columns.items()})
 
     def subset(self, positions: list[int]) -> FileRecords:
         """A copy holding only the kept records at `positions` (their fields too), and every reject."""
