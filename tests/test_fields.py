@@ -14,6 +14,7 @@ from helpers import ingest, read_dataset
 from petatrain.config import IngestConfig
 from petatrain.data import index, lineage, sources
 from petatrain.data.inspect import describe
+from petatrain.data.stages import unify_fields
 from petatrain.data.stream import StreamingDataset
 from petatrain.errors import ConfigError, PetatrainError
 from petatrain.storage.checksum import checksum_bytes
@@ -125,6 +126,8 @@ def test_field_values_are_typed_per_field():
     assert got.text == ["good one"] and [r.reason for r in got.rejects] == ["invalid_utf8"]
     table = got.fields_table()
     assert table.column("note").to_pylist() == ["café"] and table.column("deep").to_pylist() == ['{"k": "x\\ud800"}']
+    with pytest.raises(PetatrainError, match=r"1001 distinct fields .* --fields a,b"):
+        unify_fields([pa.schema([(f"k{i}", pa.int64()) for i in range(1001)])])
     with pytest.raises(ConfigError, match="packed rows"):
         IngestConfig(tokenizer="bytes", pack_length=8, fields="lang")
     with pytest.raises(ConfigError, match="give one of them"):
@@ -211,6 +214,8 @@ def test_a_rewritten_spark_folder_is_refreshed_and_append_never_keeps_gone_files
     assert "nothing changed" in again.note
     with pytest.raises(PetatrainError, match="use it with --register"):
         ingest([str(spark)], tmp_path / "ds", refresh=True)
+    with pytest.raises(PetatrainError, match="--register indexes the files as they are"):
+        ingest([str(spark)], tmp_path / "ds", register=True, refresh=True, fields="text")
 
 
 def _version_one_dataset(folder, texts):

@@ -97,6 +97,11 @@ def run(job: IngestJob) -> IngestSummary:
     summary = IngestSummary(dataset=job.out)
     if job.refresh and not job.register:
         raise PetatrainError("--refresh re-registers a folder of Parquet files: use it with --register")
+    if job.register and (job.config.fields.strip() != "*" or job.config.drop_fields.strip()):
+        raise PetatrainError(
+            "--register indexes the files as they are, every column included; --fields and --drop-fields choose "
+            "what an ingest writes (a reader picks columns: loader(..., columns=[...]))"
+        )
     files = expand_sources(job.sources, options)
     if idx.read_manifest(job.out, options) is None:
         idx.check_folder(job.out, options)

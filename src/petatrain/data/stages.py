@@ -47,6 +47,8 @@ _SHARD_ROW_GROUP = 4096
 _SIGN_CHUNK = 2048  # documents per MinHash batch (bounds the (perms, shingles) block)
 # Columns petatrain writes itself; a source field may not take one of these names.
 RESERVED_COLUMNS = ("doc_id", "text", "tokens", "num_tokens")
+# Records whose keys are data (an id per key) would make a column per record: past this, name the fields.
+MAX_FIELDS = 1000
 
 
 class ReadCleanSign:
@@ -167,6 +169,11 @@ def unify_fields(schemas: list[pa.Schema], existing: pa.Schema | None = None) ->
     for schema in ([existing] if existing is not None else []) + schemas:
         for f in schema:
             order.setdefault(f.name, []).append(f.type)
+    if len(order) > MAX_FIELDS:
+        raise PetatrainError(
+            f"the sources have {len(order)} distinct fields (first: {', '.join(list(order)[:5])}, ...), over the "
+            f"{MAX_FIELDS} columns a dataset keeps; name the ones to keep with --fields a,b"
+        )
     for name in order:
         if name in RESERVED_COLUMNS:
             raise PetatrainError(
