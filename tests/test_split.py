@@ -17,7 +17,7 @@ import pytest
 from conftest import run_cli
 from helpers import duplicates, ingest, read_dataset, rejects
 from petatrain.config import IngestConfig
-from petatrain.data import index, sources, split
+from petatrain.data import index, lineage, sources, split
 
 
 def _records(n: int, seed: int = 0) -> list[str]:
@@ -155,7 +155,7 @@ def _dataset(out) -> dict:
         "shards": manifest.totals.shards,
         "rejects": sorted(rejects(out).to_pylist(), key=lambda r: r["record"]),
         "duplicates": sorted(dups.to_pylist(), key=lambda r: r["ord"]),
-        "sources": [(s.url, s.size, s.checksum) for s in manifest.lineage.sources],
+        "sources": lineage.read_sources(str(out), manifest, columns=["url", "size", "checksum"]).to_pylist(),
         "totals": (manifest.totals.rows_in, manifest.totals.rejected, manifest.totals.exact_duplicates),
     }
 
@@ -171,7 +171,7 @@ def test_a_file_split_into_pieces_ingests_exactly_as_unsplit(tmp_path, ray_local
     assert (unsplit.files_split, unsplit.pieces) == (0, 1)
     assert (pieces.files_split, pieces.pieces) == (1, 5)
     a, b = _dataset(tmp_path / "unsplit"), _dataset(tmp_path / "split")
-    assert a["shards"] > 1 and a["rejects"] and a["duplicates"]
+    assert a["shards"] > 1 and a["rejects"] and a["duplicates"] and len(a["sources"]) == 1
     assert a == b
     assert all(r["source"] == str(path) for r in b["rejects"])  # the lineage names the file, not a piece
 
