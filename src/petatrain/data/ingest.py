@@ -54,6 +54,7 @@ from petatrain.data.stages import (
     ShardWriter,
     plan_shards,
     read_parquet,
+    split_field_types,
     staged_name,
     unify_fields,
     whole_file,
@@ -70,7 +71,7 @@ from petatrain.storage import (
     remove_tree,
 )
 from petatrain.storage.checksum import ChecksumMismatch
-from petatrain.storage.fs import SourceFile, copy, expand_sources, resolve
+from petatrain.storage.fs import SourceFile, copy, expand_sources, read_range, resolve
 from petatrain.storage.lock import LEASE_FILE, Lease
 from petatrain.storage.parquet_crypt import DatasetKeys, open_parquet
 
@@ -200,12 +201,13 @@ def _ingest(
             f"{job.out} was written before source fields were kept (its document id column is `id`); "
             "this append keeps that layout, without source fields"
         )
-    items, split_checksums = _pieces(job, files, first_file, summary)
+    items, split_checksums = _pieces(job, files, first_file, summary, choice)
     stage_one = ReadCleanSign(staging=staging, cfg=cfg, options=options, lsh=lsh, crypt=crypt, fields=choice)
     with _stage("read_clean_sign", summary, job):
         file_stats = sorted(
             _from_items(items).map(stage_one, num_cpus=1).take_all(), key=lambda r: (r["file_ord"], r["piece"])
         )
+    split_kinds = split_field_types(file_stats) if choice is not None else {}
     fields = _batch_fields(job, manifest, file_stats, choice, crypt) if choice is not None else None
     for stat in file_stats:
         stat["checksum"] = split_checksums.get(stat["file_ord"], stat["checksum"])
@@ -245,6 +247,7 @@ def _ingest(
         crypt=crypt,
         fields=fields,
         staged_fields=frozenset((s["file_ord"], s["piece"]) for s in file_stats if s["fields"]),
+        split_kinds=split_kinds,
         id_column="id" if legacy else "doc_id",
     )
     with _stage("write", summary, job):
@@ -352,7 +355,7 @@ def _dedup(
 
 
 def _pieces(
-    job: IngestJob, files: list[SourceFile], first_file: int, summary: IngestSummary
+    job: IngestJob, files: list[SourceFile], first_file: int, summary: IngestSummary, choice: FieldChoice | None
 ) -> tuple[list[dict], dict[int, str]]:
     """The first stage's items, one per file or per piece of a split one, and the split files'
     checksums (by file_ord): files over `split_size` that can be split are scanned for record
@@ -372,6 +375,16 @@ def _pieces(
         scan = ray.remote(num_cpus=1)(split.scan_chunk)
         with _stage("split", summary, job):
             plans = split.plan_pieces(ray.get([scan.remote(item, job.options) for item in scans]))
+    for file_ord, cut in plans.items():
+        if choice is not None and cut.get("header_end"):
+            header = read_range(files[file_ord - first_file].url, 0, cut["header_end"], job.options)
+            kept = split.csv_fields(header, job.config.text_field, choice)
+            if kept:
+                plans[file_ord] = {
+                    "whole": f"a CSV whose columns are kept ({', '.join(kept[:3])}"
+                    f"{', ...' if len(kept) > 3 else ''}) is read whole, so Arrow types each from all its rows "
+                    "(--fields '' splits it)"
+                }
     items, checksums, whole = [], {}, []
     for file_ord, f in enumerate(files, start=first_file):
         plan = plans.get(file_ord)

@@ -125,6 +125,25 @@ class FileRecords:
             return None
         if self.columnar:
             return pa.concat_tables(self.tables) if self.tables else pa.table({})
+        return pa.table({name: typed_array(values) for name, values in self._columns().items()})
+
+    def field_texts(self) -> tuple[pa.Table, dict[str, list[str]]]:
+        """A piece of a split file's fields, untyped: each value as its JSON text, and each field's
+        kinds (`value_kinds`). A piece cannot type its fields alone: its integers and one float
+        would be float64, writing 1 as "1.0" where an object further on makes the whole file's
+        field JSON text, "1". So the pieces' kinds are joined per file, and
+        `typed_array(values, kinds)` types every piece as the whole file."""
+        assert self.choice is not None and not self.columnar  # split formats are line formats
+        columns = self._columns()
+        texts = {
+            name: pa.array([None if v is None else json_text(v) for v in values], pa.large_string())
+            for name, values in columns.items()
+        }
+        return pa.table(texts), {name: sorted(value_kinds(values)) for name, values in columns.items()}
+
+    def _columns(self) -> dict[str, list[Any]]:
+        """The kept records' fields by name, in first-seen order, None where a record has none."""
+        assert self.choice is not None
         n = len(self.rows)
         columns: dict[str, list[Any]] = {name: [None] * n for name in self.choice.keep or ()}
         for i, row in enumerate(self.rows):  # one pass over the records, in first-seen field order
@@ -133,7 +152,7 @@ class FileRecords:
                 if column is None:
                     column = columns[name] = [None] * n
                 column[i] = value
-        return pa.table({name: typed_array(values) for name, values in columns.items()})
+        return columns
 
     def subset(self, positions: list[int]) -> FileRecords:
         """A copy holding only the kept records at `positions` (their fields too), and every reject."""
@@ -147,23 +166,39 @@ class FileRecords:
         return out
 
 
-def typed_array(values: list[Any]) -> pa.Array:
-    """One JSON field's values as a typed Arrow array (see `FileRecords.fields_table`)."""
-    kinds = {type(v) for v in values if v is not None}
+def value_kinds(values: list[Any]) -> set[str]:
+    """The kinds of one field's values that decide its type: their Python type names, with
+    integers beyond int64 as "bigint"."""
+    kinds = {type(v).__name__ for v in values if v is not None}
+    if kinds == {"int"}:
+        try:
+            pa.array(values, pa.int64())
+        except (OverflowError, pa.ArrowException):
+            return {"bigint"}
+    return kinds
+
+
+def typed_array(values: list[Any], kinds: set[str] | None = None) -> pa.Array:
+    """One JSON field's values as a typed Arrow array (see `FileRecords.fields_table`), typed by
+    `kinds`: the values' own (`value_kinds`), or a whole file's for one piece of it."""
+    if kinds is None:  # as `value_kinds`, converting an int64 column once
+        kinds = {type(v).__name__ for v in values if v is not None}
+        if kinds == {"int"}:
+            try:
+                return pa.array(values, pa.int64())
+            except (OverflowError, pa.ArrowException):
+                kinds = {"bigint"}  # beyond int64: kept exactly, as JSON text
     if not kinds:
         return pa.nulls(len(values))
-    if kinds == {bool}:
+    if kinds == {"bool"}:
         return pa.array(values, pa.bool_())
-    if kinds == {int}:
-        try:
-            return pa.array(values, pa.int64())
-        except (OverflowError, pa.ArrowException):
-            pass  # beyond int64: kept exactly, as JSON text
-    elif kinds <= {int, float}:
+    if kinds == {"int"}:
+        return pa.array(values, pa.int64())
+    if "float" in kinds and kinds <= {"int", "bigint", "float"}:
         return pa.array([None if v is None else float(v) for v in values], pa.float64())
-    if kinds == {str}:
+    if kinds == {"str"}:
         return pa.array(values, pa.large_string())
-    if bytes in kinds and kinds <= {bytes, str}:  # WebDataset members: text where it decodes, else bytes
+    if "bytes" in kinds and kinds <= {"bytes", "str"}:  # WebDataset members: text where it decodes, else bytes
         return pa.array([v.encode() if isinstance(v, str) else v for v in values], pa.large_binary())
     texts = [v if v is None or isinstance(v, str) else json.dumps(v, ensure_ascii=False, default=str) for v in values]
     try:
@@ -245,7 +280,8 @@ def read_piece(
     """Parse one piece of a split file: `data` is a byte range that starts and ends at record
     boundaries, whose first record is record `first_record` of the file; a CSV piece after the
     first is read under the file's `header` row. Records and rejects are numbered as in the whole
-    file, so a file reads the same however it is split."""
+    file, so a file reads the same however it is split (its fields' types are the whole file's:
+    see `FileRecords.field_texts`)."""
     out = read_file(url, header + data if header else data, fmt, text_field, max_chars=max_chars, fields=fields)
     if first_record:
         out.index = [first_record + i for i in out.index]

@@ -11,7 +11,9 @@ input order, which makes every decision independent of how many workers ran.
 The source fields kept beside the text are staged per file (`fields/`, row-aligned with
 `docs/`) with the types that file gave them; `unify_fields` picks one type per field for
 the whole batch, and `ShardWriter` converts each file's columns to it, so every shard of
-a dataset has the same schema.
+a dataset has the same schema. A piece of a split file stages its fields untyped, with
+their kinds: the driver joins its pieces' kinds, so a split file's fields are typed as
+the file read whole types them (`split_field_types`).
 """
 
 from __future__ import annotations
@@ -94,7 +96,7 @@ class ReadCleanSign:
         name = staged_name(file_ord, piece)
         fields_schema = b""
         partitions = json.loads(item.get("partitions") or "{}")
-        fields = self._fields(records, partitions)
+        fields, field_kinds = self._fields(records, partitions, piece=int(item["end"]) >= 0)
         if fields is not None:
             fields_schema = fields.schema.serialize().to_pybytes()
             write_parquet(
@@ -148,19 +150,27 @@ class ReadCleanSign:
             "kept_bytes": int(nbytes.sum()),
             "rejects": json.dumps(dict(reasons)),
             "fields": fields_schema,
+            "field_kinds": json.dumps(field_kinds),  # a piece's untyped fields (see `_fields`)
         }
 
-    def _fields(self, records: src.FileRecords, partitions: dict[str, str]) -> pa.Table | None:
+    def _fields(
+        self, records: src.FileRecords, partitions: dict[str, str], *, piece: bool
+    ) -> tuple[pa.Table | None, dict[str, list[str]]]:
         """The kept records' fields, with the file's Hive partition values (`key=value` folders) as
-        constant columns; None when there are none to keep."""
+        constant columns; None when there are none to keep. A piece of a split file stages its
+        record fields as JSON text, with their kinds, for the file's type (`FileRecords.field_texts`)."""
         if self.fields is None:
-            return None
-        table = records.fields_table()
+            return None, {}
+        kinds: dict[str, list[str]] = {}
+        if piece and not records.columnar:
+            table, kinds = records.field_texts()
+        else:
+            table = records.fields_table()
         columns = {name: table.column(name) for name in table.column_names} if table is not None else {}
         for key, value in partitions.items():
             if self.fields.wanted(key) and key not in columns:
                 columns[key] = partition_array(value, len(records.index))
-        return pa.table(columns) if columns else None
+        return (pa.table(columns) if columns else None), kinds
 
     def _read(self, item: dict[str, Any]) -> tuple[src.FileRecords, str, int]:
         """(records, checksum, bytes read): a piece's checksum is "" (the split scan has the file's)."""
@@ -199,6 +209,33 @@ class ReadCleanSign:
             return records, checksum, size
         records = src.read_file(url, data, fmt, self.cfg.text_field, max_chars=self.cfg.max_chars, fields=self.fields)
         return records, checksum, size
+
+
+def split_field_types(file_stats: list[dict]) -> dict[int, dict[str, list[str]]]:
+    """A split file's field kinds, joined over its pieces (by file_ord, then field), and each of
+    its pieces' staged schema (`fields` in `file_stats`) replaced by the file's: the types a
+    whole read gives, in its order (record fields as first seen, then Hive partitions)."""
+    kinds: dict[int, dict[str, set[str]]] = {}
+    partitions: dict[int, dict[str, pa.DataType]] = {}
+    for stat in file_stats:  # in (file_ord, piece) order
+        piece_kinds = json.loads(stat.get("field_kinds") or "{}")
+        if not piece_kinds or not stat["fields"]:
+            continue
+        file_ord = stat["file_ord"]
+        for name, found in piece_kinds.items():
+            kinds.setdefault(file_ord, {}).setdefault(name, set()).update(found)
+        for f in pa.ipc.read_schema(pa.py_buffer(stat["fields"])):  # partition columns: typed by the piece
+            if f.name not in piece_kinds:
+                partitions.setdefault(file_ord, {}).setdefault(f.name, f.type)
+    serialized = {}
+    for file_ord, found in kinds.items():
+        types = {name: src.typed_array([], k).type for name, k in found.items()}
+        types |= {n: t for n, t in partitions.get(file_ord, {}).items() if n not in types}
+        serialized[file_ord] = pa.schema(list(types.items())).serialize().to_pybytes()
+    for stat in file_stats:
+        if stat["file_ord"] in serialized and stat["fields"]:
+            stat["fields"] = serialized[stat["file_ord"]]
+    return {o: {name: sorted(k) for name, k in found.items()} for o, found in kinds.items()}
 
 
 def unify_fields(schemas: list[pa.Schema], existing: pa.Schema | None = None) -> pa.Schema:
@@ -367,11 +404,13 @@ class ShardWriter:
         crypt: DatasetKeys | None = None,
         fields: pa.Schema | None = None,
         staged_fields: frozenset[tuple[int, int]] = frozenset(),
+        split_kinds: dict[int, dict[str, list[str]]] | None = None,
         id_column: str = "doc_id",
     ):
         self.out, self.staging, self.cfg, self.options, self.crypt = out, staging, cfg, options, crypt
-        # The batch's unified source fields (None: none kept), and the (file_ord, piece)s that staged some.
-        self.fields, self.staged_fields = fields, staged_fields
+        # The batch's unified source fields (None: none kept), the (file_ord, piece)s that staged
+        # some, and a split file's kinds per field (`FileRecords.field_texts`), by file_ord.
+        self.fields, self.staged_fields, self.split_kinds = fields, staged_fields, split_kinds or {}
         self.id_column = id_column  # "id" in datasets written before source fields were kept
         self.num_groups, self.tokenizer_json, self.batch, self.keep_state = (
             num_groups,
@@ -460,13 +499,21 @@ class ShardWriter:
         if (file_ord, piece) not in self.staged_fields:
             return pa.Table.from_arrays([pa.nulls(end - start, f.type) for f in self.fields], schema=self.fields)
         staged = self._rows(file_ord, piece, start, end, "fields")
+        kinds = self.split_kinds.get(file_ord, {})
         columns = [
-            conform(staged.column(f.name), f.type, f.name)
+            conform(self._typed(staged.column(f.name), kinds.get(f.name)), f.type, f.name)
             if f.name in staged.column_names
             else pa.nulls(staged.num_rows, f.type)
             for f in self.fields
         ]
         return pa.Table.from_arrays(columns, schema=self.fields)
+
+    @staticmethod
+    def _typed(column: pa.ChunkedArray, kinds: list[str] | None) -> pa.ChunkedArray | pa.Array:
+        """A split file's field, staged as JSON text, typed as the whole file types it (`kinds`)."""
+        if kinds is None:
+            return column
+        return src.typed_array([None if t is None else json.loads(t) for t in column.to_pylist()], set(kinds))
 
     def _drops(self, file_ord: int) -> np.ndarray:
         """Ords of this file's documents that dedup dropped (each group file read once)."""
