@@ -270,8 +270,9 @@ class _Progress:
         from petatrain.runtime.cluster import remove_placement_groups
 
         def release(trial: Any) -> None:
-            groups = {e.get("placement_group") for e in _events(trial_dir(out, trial.trial_id), options)}
-            remove_placement_groups(groups - {None, ""}, f"of trial {trial.trial_id}: the trial ended")
+            events = _events(trial_dir(out, trial.trial_id), options)
+            groups: set[str] = {e.get("placement_group") or "" for e in events}
+            remove_placement_groups(groups - {""}, f"of trial {trial.trial_id}: the trial ended")
 
         class Progress(Callback):
             def on_trial_result(self, iteration, trials, trial, result, **info):
