@@ -38,6 +38,7 @@ bench: $(STAMP)
 	  $(BIN)/python -m pip install -q --no-deps accelerate==1.15.0 deepspeed==0.19.8 psutil==7.2.2 hjson==3.1.0 \
 	    py-cpuinfo==9.0.0 ninja==1.13.2 einops==0.8.2
 	$(BIN)/python benchmarks/ingest.py
+	$(BIN)/python benchmarks/lineage.py
 	$(BIN)/python benchmarks/loader.py
 	$(BIN)/python benchmarks/plan_accuracy.py
 	$(BIN)/python benchmarks/checkpoint.py

@@ -4,7 +4,7 @@ Generates two datasets with `petatrain ingest` from one synthetic corpus (nothin
 downloaded), then feeds each to every loader, same bytes, same cores, shuffle on:
 
 - tokens: byte-tokenised and packed, one `tokens` column of fixed_size_binary(1024) (512 uint16);
-- text: the raw documents, columns `id` and `text`.
+- text: the raw documents, columns `doc_id` and `text`.
 
 Rows of the table:
 
@@ -165,7 +165,7 @@ def convert_to_mds(data: dict) -> str | None:
                         row += 1
                 else:
                     for doc_id, text in zip(
-                        batch.column("id").to_pylist(), batch.column("text").to_pylist(), strict=True
+                        batch.column("doc_id").to_pylist(), batch.column("text").to_pylist(), strict=True
                     ):
                         writer.write({"id": doc_id, "text": text, "row": row})
                         row += 1
@@ -320,7 +320,11 @@ def _prepare(args: argparse.Namespace) -> list[dict]:
             ingest(f"tokens-{args.tokens_mb}mb", tokens_files, ["--tokenizer", "bytes", "--pack-length", "512"]),
             ["tokens"],
         ),
-        describe(f"text-{args.text_mb}mb", ingest(f"text-{args.text_mb}mb", text_files, []), ["id", "text"]),
+        describe(
+            f"text-{args.text_mb}mb",
+            ingest(f"text-{args.text_mb}mb", text_files, ["--fields", ""]),
+            ["doc_id", "text"],
+        ),
     ]
     for data in datasets:
         window = math.ceil(4 * data["rows"] / len(data["files"]))  # petatrain's default shuffle window

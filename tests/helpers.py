@@ -19,7 +19,7 @@ from petatrain.observe.ledger import read_events
 from petatrain.storage import read_bytes
 
 
-def ingest(sources, out, *, append=False, register=False, options=None, **cfg):
+def ingest(sources, out, *, append=False, register=False, refresh=False, options=None, **cfg):
     return run(
         IngestJob(
             sources=list(sources),
@@ -27,6 +27,7 @@ def ingest(sources, out, *, append=False, register=False, options=None, **cfg):
             config=IngestConfig(**cfg),
             append=append,
             register=register,
+            refresh=refresh,
             options=options,
         )
     )

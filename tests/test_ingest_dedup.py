@@ -37,7 +37,7 @@ def test_exact_duplicates_keep_the_earliest_copy(corpus, near_run):
     table = read_dataset(out)
     texts = table.column("text").to_pylist()
     assert len(texts) == len(set(texts))
-    ids = table.column("id").to_pylist()
+    ids = table.column("doc_id").to_pylist()
     assert ids == sorted(ids), "rows keep input order"
     dups = duplicates(out)
     assert all(o > d for o, d in zip(dups.column("ord").to_pylist(), dups.column("dup_of").to_pylist(), strict=True))
@@ -65,7 +65,7 @@ def test_duplicates_across_files_keep_the_first_file(tmp_path):
     ingest([str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")], tmp_path / "ds")
     table = read_dataset(tmp_path / "ds")
     assert table.column("text").to_pylist() == [docs[0], docs[1], docs[2]]
-    assert [i >> 36 for i in table.column("id").to_pylist()] == [0, 0, 1]
+    assert [i >> 36 for i in table.column("doc_id").to_pylist()] == [0, 0, 1]
 
 
 def test_dedup_decisions_do_not_depend_on_partitioning(corpus, tmp_path):

@@ -7,7 +7,7 @@ import pytest
 from conftest import run_cli
 from helpers import ingest, read_dataset
 from petatrain import storage
-from petatrain.data import index
+from petatrain.data import index, lineage
 
 pytestmark = pytest.mark.s3
 
@@ -189,6 +189,8 @@ def test_a_large_file_on_s3_is_split_into_ranged_reads_and_ingests_as_unsplit(
     assert (remote.files_split, remote.pieces, local.pieces) == (1, 4, 1)
     assert read_dataset(tmp_path / "from-s3").to_pylist() == read_dataset(tmp_path / "local").to_pylist()
     assert remote.rejected == local.rejected == {"malformed_json": 1}
-    source = index.read_manifest(str(tmp_path / "from-s3")).lineage.sources[0]
-    unsplit = index.read_manifest(str(tmp_path / "local")).lineage.sources[0]
-    assert (source.url, source.checksum) == (url, unsplit.checksum)
+    source, unsplit = (
+        lineage.read_sources(str(out), index.read_manifest(str(out))).to_pylist()[0]
+        for out in (tmp_path / "from-s3", tmp_path / "local")
+    )
+    assert (source["url"], source["checksum"]) == (url, unsplit["checksum"])

@@ -17,7 +17,7 @@ import pytest
 from conftest import run_cli
 from helpers import duplicates, ingest, read_dataset, rejects
 from petatrain.config import IngestConfig
-from petatrain.data import index, sources, split
+from petatrain.data import index, lineage, sources, split
 
 
 def _records(n: int, seed: int = 0) -> list[str]:
@@ -155,7 +155,7 @@ def _dataset(out) -> dict:
         "shards": manifest.totals.shards,
         "rejects": sorted(rejects(out).to_pylist(), key=lambda r: r["record"]),
         "duplicates": sorted(dups.to_pylist(), key=lambda r: r["ord"]),
-        "sources": [(s.url, s.size, s.checksum) for s in manifest.lineage.sources],
+        "sources": lineage.read_sources(str(out), manifest, columns=["url", "size", "checksum"]).to_pylist(),
         "totals": (manifest.totals.rows_in, manifest.totals.rejected, manifest.totals.exact_duplicates),
     }
 
@@ -165,13 +165,14 @@ def test_a_file_split_into_pieces_ingests_exactly_as_unsplit(tmp_path, ray_local
     path = tmp_path / f"big.{fmt}"
     path.write_bytes(_MAKERS[fmt](600))
     split_bytes = path.stat().st_size // 5 + 1
-    cfg = {"dedup": "near", "shard_size": "20KB"}
+    # A CSV splits only where no column besides the text is kept (see the fields test below).
+    cfg = {"dedup": "near", "shard_size": "20KB", **({"fields": ""} if fmt == "csv" else {})}
     unsplit = ingest([str(path)], tmp_path / "unsplit", split_size="0", **cfg)
     pieces = ingest([str(path)], tmp_path / "split", split_size=str(split_bytes), **cfg)
     assert (unsplit.files_split, unsplit.pieces) == (0, 1)
     assert (pieces.files_split, pieces.pieces) == (1, 5)
     a, b = _dataset(tmp_path / "unsplit"), _dataset(tmp_path / "split")
-    assert a["shards"] > 1 and a["rejects"] and a["duplicates"]
+    assert a["shards"] > 1 and a["rejects"] and a["duplicates"] and len(a["sources"]) == 1
     assert a == b
     assert all(r["source"] == str(path) for r in b["rejects"])  # the lineage names the file, not a piece
 
@@ -194,3 +195,66 @@ def test_the_cli_splits_at_split_size_and_refuses_a_bad_one(tmp_path):
     assert summary["files_split"] == 1 and summary["pieces"] == -(-path.stat().st_size // 8000)
     bad = run_cli("ingest", str(path), "--out", str(tmp_path / "other"), "--split-size", "lots")
     assert bad.returncode != 0 and "ingest.split_size" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
+def _jsonl_with_fields(n: int) -> bytes:
+    """Records whose fields change kind along the file, so no piece sees a field's whole story:
+    `score` is an integer early and a float late; `mixed` is integers with one float early and an
+    object late; `big` fits int64 until its last value; `note` is null early; `late` first appears
+    near the end."""
+    lines = []
+    for i, text in enumerate(_records(n)):
+        record = {"id": f"doc-{i}", "text": f"{text} {i}", "flag": i % 3 == 0, "tags": [i % 5, "t"]}
+        record["score"] = i if i < n // 2 else i + 0.25
+        record["mixed"] = 2.5 if i == 3 else {"k": i} if i == n - 7 else i
+        record["big"] = 2**70 if i == n - 2 else i
+        record["note"] = None if i < n // 3 else f"note {i}"
+        if i > n - n // 6:
+            record["late"] = i
+        lines.append(json.dumps(record).encode())
+    return b"\n".join(lines) + b"\n"
+
+
+def test_a_split_jsonl_file_keeps_its_fields_typed_as_the_whole_file(tmp_path, ray_local):
+    path = tmp_path / "raw" / "src=web" / "big.jsonl"  # a Hive partition too
+    path.parent.mkdir(parents=True)
+    path.write_bytes(_jsonl_with_fields(600))
+    cfg = {"dedup": "none", "shard_size": "20KB"}
+    raw = str(tmp_path / "raw")
+    unsplit = ingest([raw], tmp_path / "unsplit", split_size="0", **cfg)
+    pieces = ingest([raw], tmp_path / "split", split_size=str(path.stat().st_size // 5 + 1), **cfg)
+    assert (unsplit.pieces, pieces.files_split, pieces.pieces) == (1, 1, 5)
+    a, b = read_dataset(tmp_path / "unsplit"), read_dataset(tmp_path / "split")
+    assert b.schema == a.schema
+    assert b.to_pylist() == a.to_pylist()
+    types = {f.name: str(f.type) for f in b.schema}
+    assert list(types) == ["doc_id", "text", "id", "flag", "tags", "score", "mixed", "big", "note", "late", "src"]
+    assert types == {
+        "doc_id": "int64",
+        "text": "large_string",
+        "id": "large_string",
+        "flag": "bool",
+        "tags": "large_string",
+        "score": "double",
+        "mixed": "large_string",
+        "big": "large_string",
+        "note": "large_string",
+        "late": "int64",
+        "src": "large_string",
+    }
+    rows = b.to_pylist()
+    # A piece alone would have typed `mixed` float64 (its 2.5) and then written 1 as "1.0".
+    assert [r["mixed"] for r in rows[:5]] == ["0", "1", "2", "2.5", "4"]
+    assert rows[0]["score"] == 0.0 and rows[-2]["big"] == str(2**70) and rows[0]["late"] is None
+    assert {r["src"] for r in rows} == {"web"}
+
+
+def test_a_csv_with_kept_columns_is_read_whole_and_says_why(tmp_path, ray_local):
+    path = tmp_path / "big.csv"
+    path.write_bytes(_csv(300))
+    kept = ingest([str(path)], tmp_path / "kept", split_size="2KB", dedup="none")
+    assert (kept.files_split, kept.pieces) == (0, 1)
+    assert "columns are kept (id, lang)" in kept.note and str(path) in kept.note
+    assert {"id", "lang"} <= set(read_dataset(tmp_path / "kept").column_names)
+    text_only = ingest([str(path)], tmp_path / "text-only", split_size="2KB", dedup="none", fields="")
+    assert text_only.files_split == 1 and text_only.pieces > 1

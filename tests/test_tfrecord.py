@@ -16,7 +16,7 @@ import pytest
 
 from helpers import ingest, read_dataset, rejects
 from petatrain.config import IngestConfig
-from petatrain.data import index, sources
+from petatrain.data import index, lineage, sources
 
 
 def _masked_crc(data: bytes) -> bytes:
@@ -133,9 +133,9 @@ def test_ingest_reads_tfrecord_and_quarantines_a_corrupt_record(tmp_path, ray_lo
     assert summary.rows_out == 5
     table = read_dataset(out)
     assert table.column("text").to_pylist() == [f"record {i} — ünïcode" for i in (0, 1, 2, 3, 5)]
-    assert table.column("id").to_pylist() == [0, 1, 2, 3, 5]  # record numbers in the file
+    assert table.column("doc_id").to_pylist() == [0, 1, 2, 3, 5]  # record numbers in the file
     quarantined = rejects(out)
     assert quarantined.column("reason").to_pylist() == ["corrupt_record"]
     assert quarantined.column("record").to_pylist() == [4]
     assert pc.all(pc.equal(quarantined.column("source"), str(path))).as_py()
-    assert [s.url for s in index.read_manifest(str(out)).lineage.sources] == [str(path)]
+    assert lineage.read_sources(str(out), index.read_manifest(str(out))).column("url").to_pylist() == [str(path)]

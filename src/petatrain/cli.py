@@ -130,8 +130,21 @@ def ingest(
         ),
     ] = None,
     max_chars: Annotated[int | None, typer.Option(help="Reject records longer than this. (default: 1000000)")] = None,
+    fields: Annotated[
+        str | None,
+        typer.Option(
+            help="Source fields kept as columns beside the text: a,b (those), * (every one), '' (none). (default: *)"
+        ),
+    ] = None,
+    drop_fields: Annotated[str | None, typer.Option(help="Source fields not kept: c,d (every other one is).")] = None,
     append: Annotated[bool, typer.Option("--append", help="Add new source files to an existing dataset.")] = False,
     register: Annotated[bool, typer.Option("--register", help="Index existing Parquet files in place.")] = False,
+    refresh: Annotated[
+        bool,
+        typer.Option(
+            "--refresh", help="With --register: make the index exactly the folder's current files (after a rewrite)."
+        ),
+    ] = False,
     encrypt: Annotated[
         str | None,
         typer.Option(
@@ -162,6 +175,8 @@ def ingest(
         "shard_size": shard_size,
         "split_size": split_size,
         "max_chars": max_chars,
+        "fields": fields,
+        "drop_fields": drop_fields,
     }
 
     def go():
@@ -178,6 +193,7 @@ def ingest(
             config=job_cfg.ingest,
             append=append,
             register=register,
+            refresh=refresh,
             address=address or job_cfg.resources.address,
             local_cpus=local_cpus,
             options=job_cfg.storage.options(),

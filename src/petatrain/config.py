@@ -45,6 +45,9 @@ class IngestConfig:
     split_size: str = "256MB"
     max_chars: int = 1_000_000
     min_chars: int = 1
+    # The source fields kept beside the text, as columns: "*" every one, "a,b" those, "" none.
+    fields: str = "*"
+    drop_fields: str = ""  # "c,d": every field but these
 
     def __post_init__(self) -> None:
         if not 0.0 < self.near_threshold < 1.0:
@@ -55,6 +58,13 @@ class IngestConfig:
             raise ConfigError("ingest.pack_length needs ingest.tokenizer (try tokenizer: bytes)")
         if self.max_chars < self.min_chars:
             raise ConfigError(f"ingest.max_chars ({self.max_chars}) is below ingest.min_chars ({self.min_chars})")
+        if self.pack_length and self.fields.strip() not in ("*", ""):
+            raise ConfigError(
+                "ingest.fields: packed rows (ingest.pack_length) hold several documents, so they keep no source "
+                'fields; set ingest.fields to "*" or "", or pack_length to 0'
+            )
+        if self.fields.strip() not in ("*", "") and self.drop_fields.strip():
+            raise ConfigError("ingest.fields and ingest.drop_fields: give one of them (fields names what to keep)")
         size = parse_size(self.shard_size, "ingest.shard_size")
         self.split_bytes()  # a split_size that does not parse is an error here, naming the key
         if self.pack_length and size >= 2**31:

@@ -28,6 +28,9 @@ def ingest(s: dict[str, Any]) -> None:
         ("seconds", f"{s['seconds']:.1f} ({rate:.1f} MB/s of input)"),
     ):
         table.add_row(key, str(value))
+    for key in ("files_removed", "files_changed"):  # --register --refresh
+        if s.get(key):
+            table.add_row(key.replace("_", " "), str(s[key]))
     for reason, n in sorted(s["rejected"].items()):
         table.add_row(f"  rejected: {reason}", str(n))
     if s["tokens"]:
@@ -57,6 +60,10 @@ def inspect(r: dict[str, Any]) -> None:
     for reason, n in sorted(r["rejected"].items()):
         table.add_row(f"rejected: {reason}", str(n))
     table.add_row("schema", ", ".join(f"{c['name']}: {c['type']}" for c in r["schema"]))
+    if r.get("source_fields"):
+        table.add_row("source fields", ", ".join(r["source_fields"]))
+    if r.get("partitions"):
+        table.add_row("hive partitions", ", ".join(r["partitions"]) + " (from the files' folder names)")
     if r.get("tokenizer"):
         t = r["tokenizer"]
         table.add_row("tokenizer", f"{t['spec']} (vocab {t['vocab_size']}, {t['dtype']}, eos {t['eos_id']})")

@@ -8,9 +8,10 @@ from petatrain.data.sources import FileRecords
 
 
 def clean(records: FileRecords, *, min_chars: int, max_chars: int) -> FileRecords:
-    """Normalise kept records to NFC; move the ones that fail a rule to rejects."""
+    """Normalise kept records to NFC; move the ones that fail a rule to rejects (their fields go with them)."""
     out = FileRecords(rejects=list(records.rejects))
-    for index, text in zip(records.index, records.text, strict=True):
+    positions, texts = [], []
+    for position, (index, text) in enumerate(zip(records.index, records.text, strict=True)):
         if not text.isascii():
             try:
                 text.encode("utf-8")
@@ -26,5 +27,8 @@ def clean(records: FileRecords, *, min_chars: int, max_chars: int) -> FileRecord
         elif len(text) < min_chars:
             out.reject(index, "too_short", f"{len(text)} chars < {min_chars}", text.encode("utf-8"))
         else:
-            out.keep(index, text)
-    return out
+            positions.append(position)
+            texts.append(text)
+    kept = records.subset(positions) if len(positions) < len(records.index) else records
+    kept.rejects, kept.text = out.rejects, texts
+    return kept

@@ -14,8 +14,9 @@ Stages, each distributed and each writing to a staging folder inside the dataset
 5. commit (driver): move rejects and state into place, extend the shard index, and
    write the manifest last. Before that, the dataset is what it was.
 
-A document's id (`ord`) is `file_ord << FILE_BITS | record number`: input order, which
-makes every decision independent of how many workers ran.
+A document's id (`ord`, the shards' `doc_id`) is `file_ord << FILE_BITS | record number`:
+input order, which makes every decision independent of how many workers ran. The sources'
+other fields ride along as columns (`--fields`, `--drop-fields`), their own `id` included.
 """
 
 from __future__ import annotations
@@ -31,28 +32,46 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, replace
 
+import pyarrow as pa
+import pyarrow.compute as pc
+
 from petatrain.config import parse_size
 from petatrain.data import dedup as dedup_mod
 from petatrain.data import index as idx
-from petatrain.data import split
+from petatrain.data import lineage, split
 from petatrain.data import tokenize as tk
+from petatrain.data.card import write_card
 from petatrain.data.job import IngestJob, IngestSummary
-from petatrain.data.manifest import Batch, Column, Lineage, Manifest, Source, TokenizerInfo, Totals, now
+from petatrain.data.manifest import Batch, Column, Manifest, Source, TokenizerInfo, Totals, now
 from petatrain.data.minhash import LSHParams
-from petatrain.data.register import register
+from petatrain.data.partitions import hive_partitions
+from petatrain.data.register import refresh, register
+from petatrain.data.sources import FieldChoice
 from petatrain.data.stages import (
     FILE_BITS,
+    RESERVED_COLUMNS,
     ReadCleanSign,
     ShardWriter,
     plan_shards,
     read_parquet,
+    split_field_types,
     staged_name,
+    unify_fields,
     whole_file,
 )
 from petatrain.errors import PetatrainError
-from petatrain.storage import StorageOptions, atomic_write, join, listdir, parquet_crypt, read_verified, remove_tree
+from petatrain.storage import (
+    StorageOptions,
+    atomic_write,
+    exists,
+    join,
+    listdir,
+    parquet_crypt,
+    read_verified,
+    remove_tree,
+)
 from petatrain.storage.checksum import ChecksumMismatch
-from petatrain.storage.fs import SourceFile, copy, expand_sources, resolve
+from petatrain.storage.fs import SourceFile, copy, expand_sources, read_range, resolve
 from petatrain.storage.lock import LEASE_FILE, Lease
 from petatrain.storage.parquet_crypt import DatasetKeys, open_parquet
 
@@ -60,7 +79,18 @@ log = logging.getLogger(__name__)
 
 _TOKENIZER_SAMPLE_BYTES = 32 << 20
 # Settings that must match between an ingest and the append that extends it.
-_FIXED_SETTINGS = ("text_field", "dedup", "near_threshold", "tokenizer", "pack_length", "max_chars", "min_chars")
+_FIXED_SETTINGS = (
+    "text_field",
+    "dedup",
+    "near_threshold",
+    "tokenizer",
+    "pack_length",
+    "max_chars",
+    "min_chars",
+    "fields",
+    "drop_fields",
+)
+_FIELD_SETTINGS = ("fields", "drop_fields")  # not recorded by datasets written before fields were kept
 
 
 def run(job: IngestJob) -> IngestSummary:
@@ -69,6 +99,13 @@ def run(job: IngestJob) -> IngestSummary:
     job = replace(job, options=(job.options or StorageOptions()).for_workers())
     options = job.options
     summary = IngestSummary(dataset=job.out)
+    if job.refresh and not job.register:
+        raise PetatrainError("--refresh re-registers a folder of Parquet files: use it with --register")
+    if job.register and (job.config.fields.strip() != "*" or job.config.drop_fields.strip()):
+        raise PetatrainError(
+            "--register indexes the files as they are, every column included; --fields and --drop-fields choose "
+            "what an ingest writes (a reader picks columns: loader(..., columns=[...]))"
+        )
     files = expand_sources(job.sources, options)
     if idx.read_manifest(job.out, options) is None:
         idx.check_folder(job.out, options)
@@ -77,6 +114,10 @@ def run(job: IngestJob) -> IngestSummary:
         manifest = idx.read_manifest(job.out, options)
         if manifest is None:
             idx.mark_folder(job.out, options)
+        if job.refresh:
+            refresh(job, files, manifest, summary, lease)
+            summary.seconds = round(time.perf_counter() - started, 3)
+            return summary
         new_files = _new_files(files, manifest, job, summary)
         if not new_files:
             summary.note = "nothing new to ingest: every source is already in the dataset"
@@ -100,22 +141,30 @@ def _new_files(
     if not job.register:
         stored = manifest.ingest
         for key in _FIXED_SETTINGS:
+            if key in _FIELD_SETTINGS and key not in stored:
+                continue  # a dataset from before source fields: an append keeps its layout (`_legacy_ids`)
             ours = getattr(job.config, key)
             if stored.get(key) != ours:
                 raise PetatrainError(
                     f"{job.out} was ingested with {key}={stored.get(key)!r}; this run has {key}={ours!r}. "
                     f"Use the same setting or a new --out"
                 )
-    known = {s.url: s for s in manifest.lineage.sources}
+    known = lineage.read_sources(job.out, manifest, job.options, columns=["url", "size", "fingerprint"])
+    if job.register:
+        _refuse_gone_files(job, known, files)
+    # Each listed file's lineage row (null where it is new), without a Python object per known source.
+    seen = known.take(pc.index_in(pa.array([f.url for f in files], pa.string()), value_set=known.column("url")))
     fresh = []
-    for f in files:
-        seen = known.get(f.url)
-        if seen is None:
+    for f, size, fingerprint in zip(
+        files, seen.column("size").to_pylist(), seen.column("fingerprint").to_pylist(), strict=True
+    ):
+        if size is None:
             fresh.append(f)
-        elif seen.size != f.size or (seen.fingerprint and f.fingerprint and seen.fingerprint != f.fingerprint):
+        elif size != f.size or (fingerprint and f.fingerprint and fingerprint != f.fingerprint):
+            again = " (or --register --refresh)" if job.register else ""
             raise PetatrainError(
                 f"source {f.url} changed since it was ingested "
-                f"(size {seen.size} -> {f.size}); ingest it under a new name"
+                f"(size {size} -> {f.size}); ingest it under a new name{again}"
             )
     summary.files_already_ingested = len(files) - len(fresh)
     if fresh and not job.append:
@@ -144,12 +193,22 @@ def _ingest(
 
     # 1. read, clean, sign
     crypt = _dataset_keys(job, manifest)
-    items, split_checksums = _pieces(job, files, first_file, summary)
-    stage_one = ReadCleanSign(staging=staging, cfg=cfg, options=options, lsh=lsh, crypt=crypt)
+    legacy = _legacy_ids(manifest)
+    parsed = FieldChoice.parse(cfg.fields, cfg.drop_fields)
+    choice = None if legacy or cfg.pack_length or parsed.none else parsed
+    if legacy:
+        summary.note = (
+            f"{job.out} was written before source fields were kept (its document id column is `id`); "
+            "this append keeps that layout, without source fields"
+        )
+    items, split_checksums = _pieces(job, files, first_file, summary, choice)
+    stage_one = ReadCleanSign(staging=staging, cfg=cfg, options=options, lsh=lsh, crypt=crypt, fields=choice)
     with _stage("read_clean_sign", summary, job):
         file_stats = sorted(
             _from_items(items).map(stage_one, num_cpus=1).take_all(), key=lambda r: (r["file_ord"], r["piece"])
         )
+    split_kinds = split_field_types(file_stats) if choice is not None else {}
+    fields = _batch_fields(job, manifest, file_stats, choice, crypt) if choice is not None else None
     for stat in file_stats:
         stat["checksum"] = split_checksums.get(stat["file_ord"], stat["checksum"])
         summary.rows_in += stat["rows_in"]
@@ -186,6 +245,10 @@ def _ingest(
         batch=batch,
         keep_state=cfg.dedup != "none",
         crypt=crypt,
+        fields=fields,
+        staged_fields=frozenset((s["file_ord"], s["piece"]) for s in file_stats if s["fields"]),
+        split_kinds=split_kinds,
+        id_column="id" if legacy else "doc_id",
     )
     with _stage("write", summary, job):
         written = sorted(
@@ -200,7 +263,58 @@ def _ingest(
         lease.check()
         idx.commit_manifest(job.out, new_manifest, manifest, options)
         idx.remove_old_indexes(job.out, new_manifest, manifest, options)
+        lineage.remove_unused(job.out, new_manifest, manifest, options)
+        write_card(job.out, new_manifest, options)
         remove_tree(staging, options)
+
+
+def _refuse_gone_files(job: IngestJob, known: pa.Table, files: list[SourceFile]) -> None:
+    """A registered dataset indexes files in place: one whose file is gone (Spark rewrote the
+    folder, say) must not stay in the index beside the new ones."""
+    listed = pa.array([f.url for f in files], pa.string())
+    unlisted = known.filter(pc.invert(pc.is_in(known.column("url"), value_set=listed))).column("url").to_pylist()
+    gone = [u for u in unlisted if not exists(u, job.options)]
+    if gone:
+        raise PetatrainError(
+            f"{len(gone)} registered file(s) of {job.out} are gone (first: {gone[0]}); "
+            "run ingest --register --refresh to make the index exactly the folder's current files"
+        )
+
+
+def _legacy_ids(manifest: Manifest | None) -> bool:
+    """Whether the dataset predates source fields: its document id column is `id`, and its
+    shards have no other columns an append could add to."""
+    if manifest is None or manifest.registered:
+        return False
+    names = [c.name for c in manifest.schema]
+    return "id" in names and "doc_id" not in names
+
+
+def _batch_fields(
+    job: IngestJob, manifest: Manifest | None, file_stats: list[dict], choice: FieldChoice, crypt: DatasetKeys | None
+) -> pa.Schema | None:
+    """The source fields this batch writes, one type each (`unify_fields`): for an append, the
+    dataset's own; with `--fields a,b`, those names even where no record has them."""
+    schemas = [pa.ipc.read_schema(pa.py_buffer(s["fields"])) for s in file_stats if s["fields"]]
+    existing = None
+    if manifest is not None and manifest.totals.shards:
+        schema = _shard_schema(job.out, manifest, job.options, crypt)
+        existing = pa.schema([f for f in schema if f.name not in RESERVED_COLUMNS])
+    unified = unify_fields(schemas, existing)
+    for name in choice.keep or ():
+        if name not in unified.names and name not in RESERVED_COLUMNS:
+            unified = unified.append(pa.field(name, pa.large_string()))
+    if existing is not None:  # the dataset's column order, whatever order the new files name them in
+        unified = pa.schema([unified.field(n) if n in unified.names else existing.field(n) for n in existing.names])
+    return unified if len(unified) else None
+
+
+def _shard_schema(out: str, manifest: Manifest, options: StorageOptions | None, crypt: DatasetKeys | None) -> pa.Schema:
+    """The Arrow schema of the dataset's first shard (every shard has the same)."""
+    first = idx.read_shard_index(out, manifest, options).column("path")[0].as_py()
+    fs, path = resolve(idx.shard_url(out, manifest, first), options)
+    with fs.open(path, "rb") as handle:
+        return open_parquet(handle, crypt).schema_arrow
 
 
 def _dedup(
@@ -241,11 +355,11 @@ def _dedup(
 
 
 def _pieces(
-    job: IngestJob, files: list[SourceFile], first_file: int, summary: IngestSummary
+    job: IngestJob, files: list[SourceFile], first_file: int, summary: IngestSummary, choice: FieldChoice | None
 ) -> tuple[list[dict], dict[int, str]]:
     """The first stage's items, one per file or per piece of a split one, and the split files'
     checksums (by file_ord): files over `split_size` that can be split are scanned for record
-    boundaries first (one Ray task per chunk)."""
+    boundaries first (one Ray task per chunk). Every item carries its file's Hive partitions."""
     split_bytes = job.config.split_bytes()
     scans = []
     for file_ord, f in enumerate(files, start=first_file):
@@ -261,18 +375,29 @@ def _pieces(
         scan = ray.remote(num_cpus=1)(split.scan_chunk)
         with _stage("split", summary, job):
             plans = split.plan_pieces(ray.get([scan.remote(item, job.options) for item in scans]))
+    for file_ord, cut in plans.items():
+        if choice is not None and cut.get("header_end"):
+            header = read_range(files[file_ord - first_file].url, 0, cut["header_end"], job.options)
+            kept = split.csv_fields(header, job.config.text_field, choice)
+            if kept:
+                plans[file_ord] = {
+                    "whole": f"a CSV whose columns are kept ({', '.join(kept[:3])}"
+                    f"{', ...' if len(kept) > 3 else ''}) is read whole, so Arrow types each from all its rows "
+                    "(--fields '' splits it)"
+                }
     items, checksums, whole = [], {}, []
     for file_ord, f in enumerate(files, start=first_file):
         plan = plans.get(file_ord)
+        partitions = {"partitions": json.dumps(hive_partitions(f.url, f.root))}
         if plan is None or "whole" in plan:
             if plan is not None:
                 whole.append(f"{f.url}: {plan['whole']}")
-            items.append(whole_file(file_ord, f.url, f.size))
+            items.append({**whole_file(file_ord, f.url, f.size), **partitions})
             continue
         checksums[file_ord] = plan["checksum"]
         summary.files_split += 1
         for piece, bounds in enumerate(plan["pieces"]):
-            items.append({"file_ord": file_ord, "url": f.url, "size": f.size, "piece": piece, **bounds})
+            items.append({"file_ord": file_ord, "url": f.url, "size": f.size, "piece": piece, **bounds, **partitions})
     summary.pieces = len(items)
     for line in whole:
         log.warning("not split: %s", line)
@@ -396,8 +521,8 @@ def _commit(
         Source(url=f.url, size=f.size, fingerprint=f.fingerprint, checksum=checksums[o], file_ord=o, batch=batch)
         for o, f in enumerate(files, start=first_file)
     ]
-    lineage = (manifest.lineage if manifest else Lineage(next_file_ord=first_file)).extended(
-        sources, Batch(batch=batch, time=now(), files=len(files), rows_out=summary.rows_out)
+    history = lineage.extended(
+        out, manifest, sources, Batch(batch=batch, time=now(), files=len(files), rows_out=summary.rows_out), options
     )
     lsh_params = {"num_perm": lsh.num_perm, "bands": lsh.bands, "rows": lsh.rows, "ngram": lsh.ngram} if lsh else {}
     return Manifest(
@@ -409,7 +534,7 @@ def _commit(
         ingest={**asdict(job.config), **lsh_params},
         file_bits=FILE_BITS,
         tokenizer=tokenizer,
-        lineage=lineage,
+        lineage=history,
         dedup_state=state,
         rejects=rejects,
         registered=False,

@@ -9,8 +9,17 @@ import numpy as np
 
 from petatrain.data import index as idx
 from petatrain.data.buffers import arrow_reader
+from petatrain.data.manifest import Manifest
 from petatrain.storage import StorageOptions, read_bytes
 from petatrain.storage.parquet_crypt import open_parquet
+
+
+def _source_fields(m: Manifest) -> list[str]:
+    """The columns that hold the sources' own fields: all of a registered dataset's, else those
+    beside petatrain's (`id` is petatrain's in a dataset from before source fields were kept)."""
+    names = [c.name for c in m.schema]
+    own = {"doc_id", "text", "tokens", "num_tokens"} | ({"id"} if "doc_id" not in names else set())
+    return [n for n in names if m.registered or n not in own]
 
 
 def describe(
@@ -33,7 +42,10 @@ def describe(
         "near_duplicates": totals.near_duplicates,
         "tokens": totals.tokens,
         "tokenizer": dataclasses.asdict(m.tokenizer) if m.tokenizer else None,
-        "sources": len(m.lineage.sources),
+        "sources": m.lineage.num_sources,
+        # Columns that carry the sources' own fields (and Hive partitions), beside petatrain's.
+        "source_fields": _source_fields(m),
+        "partitions": list(m.partitions),
         "updated": m.updated,
         "encryption": _encryption(dataset),
         "signature": {"key_id": m.signed_by, "verified": m.signed} if m.signed_by else None,

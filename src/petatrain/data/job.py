@@ -32,6 +32,8 @@ class IngestSummary:
     files_already_ingested: int = 0
     files_split: int = 0  # files over split_size read as several pieces in parallel
     pieces: int = 0  # first-stage tasks: one per file read whole, one per piece of a split file
+    files_removed: int = 0  # --register --refresh: indexed files no longer in the folder
+    files_changed: int = 0  # --register --refresh: indexed files rewritten in place
     tokens: int = 0
     tokens_left_over: int = 0
     stage_seconds: dict[str, float] = field(default_factory=dict)
@@ -48,6 +50,7 @@ class IngestJob:
     config: IngestConfig = field(default_factory=IngestConfig)
     append: bool = False
     register: bool = False
+    refresh: bool = False  # with register: the index becomes exactly the sources' current files
     # Starts or joins the Ray cluster the job's Ray Data pipeline runs on (api.ingest passes
     # runtime.cluster.init_ray for --address); None: a Ray this process started already, or Ray's default.
     connect: Callable[[], None] | None = None

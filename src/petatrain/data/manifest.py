@@ -17,7 +17,10 @@ from typing import Any
 from petatrain.errors import CorruptDataError
 
 FORMAT = "petatrain.dataset"
-VERSION = 1
+# 1: shards' document id column `id`, every source's lineage in this JSON.
+# 2: `doc_id` beside the sources' own fields (an append to a version-1 dataset keeps its `id`
+#    layout), lineage in Parquet tables beside the index (the JSON keeps counts and pointers).
+VERSION = 2
 
 
 def now() -> str:
@@ -83,18 +86,32 @@ class Batch:
     rows_out: int
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LineagePart:
+    """One Parquet table of source rows (`lineage.LINEAGE_SCHEMA`), written by one commit."""
+
+    path: str
+    checksum: str
+    bytes: int
+    rows: int
+    sha256: str = ""  # when the manifest is signed, as for the index
+
+
 @dataclass(kw_only=True, slots=True)
 class Lineage:
-    sources: list[Source] = field(default_factory=list)
+    """Where the dataset came from: its ingest batches, and its source files. Version-2 datasets
+    keep the sources in Parquet tables (`parts`, read by `lineage.read_sources`), so the manifest
+    stays small at millions of files; version 1 listed them here (`sources`)."""
+
+    sources: list[Source] = field(default_factory=list)  # version 1 only
     batches: list[Batch] = field(default_factory=list)
     next_file_ord: int = 0
+    parts: list[LineagePart] = field(default_factory=list)
+    source_count: int = 0  # rows of `parts` together
 
-    def extended(self, sources: list[Source], batch: Batch) -> Lineage:
-        return Lineage(
-            sources=self.sources + sources,
-            batches=[*self.batches, batch],
-            next_file_ord=self.next_file_ord + len(sources),
-        )
+    @property
+    def num_sources(self) -> int:
+        return self.source_count + len(self.sources)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -109,6 +126,9 @@ class Manifest:
     tokenizer: TokenizerInfo | None = None
     ingest: dict[str, Any] = field(default_factory=dict)  # the IngestConfig it was built with (and LSH parameters)
     registered: bool = False
+    # Registered Hive-partitioned files: the columns (the schema's last) whose values are in the
+    # files' `key=value` folder names, not in the files.
+    partitions: list[str] = field(default_factory=list)
     file_bits: int | None = None
     dedup_state: list[dict[str, Any]] = field(default_factory=list)  # {path, checksum} per shard's state file
     rejects: list[dict[str, Any]] = field(default_factory=list)  # {path, batch}
@@ -152,8 +172,8 @@ class Manifest:
         if not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in raw["schema"]):
             raise CorruptDataError("schema is not a list of {name, type} columns")
         lineage = raw["lineage"]
-        if not isinstance(lineage.get("sources", []), list) or not isinstance(lineage.get("batches", []), list):
-            raise CorruptDataError("lineage.sources and lineage.batches must be lists")
+        if not all(isinstance(lineage.get(key, []), list) for key in ("sources", "batches", "parts")):
+            raise CorruptDataError("lineage.sources, lineage.batches and lineage.parts must be lists")
         tokenizer = raw.get("tokenizer")
         if tokenizer is not None and not (isinstance(tokenizer, dict) and _count(tokenizer.get("vocab_size"))):
             raise CorruptDataError(f"tokenizer {str(tokenizer)[:80]} has no vocab_size")
@@ -169,11 +189,14 @@ class Manifest:
                     sources=[_build(Source, s) for s in lineage.get("sources", [])],
                     batches=[_build(Batch, b) for b in lineage.get("batches", [])],
                     next_file_ord=int(lineage.get("next_file_ord", 0)),
+                    parts=[_build(LineagePart, p) for p in lineage.get("parts", [])],
+                    source_count=int(lineage.get("source_count", 0)),
                 ),
                 index=_build(IndexFile, index) if index else None,
                 tokenizer=_build(TokenizerInfo, tokenizer) if tokenizer else None,
                 ingest=dict(raw.get("ingest") or {}),
                 registered=bool(raw.get("registered", False)),
+                partitions=[str(p) for p in raw.get("partitions", [])],
                 file_bits=raw.get("file_bits"),
                 dedup_state=list(raw.get("dedup_state", [])),
                 rejects=list(raw.get("rejects", [])),

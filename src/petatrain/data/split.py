@@ -15,6 +15,11 @@ hold a line break, so a quoted CSV is read whole, and the summary says why). Com
 cannot be entered in the middle and are read whole; so are Parquet, WebDataset and TFRecord
 (splitting them by row group, sample or record is left for when a single such file is huge).
 
+A split file keeps its fields as a whole read does. A JSONL piece stages them untyped, and
+the pieces' kinds decide the file's types (`stages.split_field_types`). A CSV whose columns
+besides the text are kept is read whole: Arrow infers a column's type from all its values
+(`01` is an integer until a later row says `0A`), which no piece sees alone.
+
 A split file's checksum in the lineage is the one a whole read gives: `xxh3-128` of the file
 when it is one checksum block (64 MiB) or less, else `xxh3-128/64MiB`, the xxh3-128 of its
 blocks' digests, however it was split.
@@ -37,6 +42,13 @@ SPLITTABLE = ("jsonl", "text", "csv")
 CHECKSUM_BLOCK = 64 << 20
 _SCAN_STEP = 8 << 20
 _QUOTED_CSV = "a CSV with quotes or bare carriage returns is read whole (a quoted field may hold a line break)"
+
+
+def csv_fields(header: bytes, text_field: str, choice: src.FieldChoice) -> list[str]:
+    """The columns besides the text that a split CSV would keep, from its header row (a CSV is
+    split only where it has no quotes, so a comma always separates two names)."""
+    names = header.decode("utf-8", "replace").rstrip("\r\n").split(",")
+    return [n for n in names if n != text_field and choice.wanted(n)]
 
 
 def split_format(url: str, fmt: str) -> str | None:
@@ -218,5 +230,10 @@ def plan_pieces(scans: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
                     }
                 )
             first += scan["rows"] if csv else scan["newlines"]
-        plans[file_ord] = {"pieces": pieces, "checksum": checksum(size, blocks), "size": size}
+        plans[file_ord] = {
+            "pieces": pieces,
+            "checksum": checksum(size, blocks),
+            "size": size,
+            "header_end": header_end if csv else 0,
+        }
     return plans

@@ -5,8 +5,15 @@
 one shard (tokenised and packed if asked) and the dedup state an `--append` compares
 against. `ingest.py` runs them in order and commits.
 
-A document's id (`ord`) is `file_ord << FILE_BITS | record number`: input order, which
-makes every decision independent of how many workers ran.
+A document's id (`ord`, the shards' `doc_id`) is `file_ord << FILE_BITS | record number`:
+input order, which makes every decision independent of how many workers ran.
+
+The source fields kept beside the text are staged per file (`fields/`, row-aligned with
+`docs/`) with the types that file gave them; `unify_fields` picks one type per field for
+the whole batch, and `ShardWriter` converts each file's columns to it, so every shard of
+a dataset has the same schema. A piece of a split file stages its fields untyped, with
+their kinds: the driver joins its pieces' kinds, so a split file's fields are typed as
+the file read whole types them (`split_field_types`).
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from petatrain.data import split
 from petatrain.data import tokenize as tk
 from petatrain.data.buffers import arrow_reader
 from petatrain.data.minhash import LSHParams, signatures
+from petatrain.data.partitions import partition_array
 from petatrain.errors import PetatrainError
 from petatrain.storage import StorageOptions, atomic_write, join, read_bytes, signing
 from petatrain.storage.fs import read_range, resolve
@@ -39,6 +47,10 @@ FILE_BITS = 36  # records per file < 2^36; files per dataset < 2^27
 _STAGED_ROW_GROUP = 4096
 _SHARD_ROW_GROUP = 4096
 _SIGN_CHUNK = 2048  # documents per MinHash batch (bounds the (perms, shingles) block)
+# Columns petatrain writes itself; a source field may not take one of these names.
+RESERVED_COLUMNS = ("doc_id", "text", "tokens", "num_tokens")
+# Records whose keys are data (an id per key) would make a column per record: past this, name the fields.
+MAX_FIELDS = 1000
 
 
 def staged_name(file_ord: int, piece: int) -> str:
@@ -72,17 +84,31 @@ class ReadCleanSign:
         options: StorageOptions | None,
         lsh: LSHParams | None,
         crypt: DatasetKeys | None = None,
+        fields: src.FieldChoice | None = None,
     ):
         self.staging, self.cfg, self.options, self.lsh, self.crypt = staging, cfg, options, lsh, crypt
+        self.fields = fields  # None: keep no source fields
 
     def __call__(self, item: dict[str, Any]) -> dict[str, Any]:
         url, file_ord, piece = item["url"], int(item["file_ord"]), int(item["piece"])
         records, checksum, size = self._read(item)
         records = cleaning.clean(records, min_chars=self.cfg.min_chars, max_chars=self.cfg.max_chars)
+        name = staged_name(file_ord, piece)
+        fields_schema = b""
+        partitions = json.loads(item.get("partitions") or "{}")
+        fields, field_kinds = self._fields(records, partitions, piece=int(item["end"]) >= 0)
+        if fields is not None:
+            fields_schema = fields.schema.serialize().to_pybytes()
+            write_parquet(
+                join(self.staging, "fields", name),
+                fields,
+                self.options,
+                crypt=self.crypt,
+                row_group_size=_STAGED_ROW_GROUP,
+            )
         ords = (np.int64(file_ord) << np.int64(FILE_BITS)) | np.asarray(records.index, dtype=np.int64)
         encoded = [t.encode("utf-8") for t in records.text]
         nbytes = np.fromiter((len(b) for b in encoded), dtype=np.int64, count=len(encoded))
-        name = staged_name(file_ord, piece)
         docs = pa.table({"ord": ords, "text": pa.array(records.text, pa.large_string())})
         # Documents and rejects hold the sources' text: encrypted like the shards. Signatures are hashes.
         write_parquet(
@@ -123,7 +149,28 @@ class ReadCleanSign:
             "kept": len(records.index),
             "kept_bytes": int(nbytes.sum()),
             "rejects": json.dumps(dict(reasons)),
+            "fields": fields_schema,
+            "field_kinds": json.dumps(field_kinds),  # a piece's untyped fields (see `_fields`)
         }
+
+    def _fields(
+        self, records: src.FileRecords, partitions: dict[str, str], *, piece: bool
+    ) -> tuple[pa.Table | None, dict[str, list[str]]]:
+        """The kept records' fields, with the file's Hive partition values (`key=value` folders) as
+        constant columns; None when there are none to keep. A piece of a split file stages its
+        record fields as JSON text, with their kinds, for the file's type (`FileRecords.field_texts`)."""
+        if self.fields is None:
+            return None, {}
+        kinds: dict[str, list[str]] = {}
+        if piece and not records.columnar:
+            table, kinds = records.field_texts()
+        else:
+            table = records.fields_table()
+        columns = {name: table.column(name) for name in table.column_names} if table is not None else {}
+        for key, value in partitions.items():
+            if self.fields.wanted(key) and key not in columns:
+                columns[key] = partition_array(value, len(records.index))
+        return (pa.table(columns) if columns else None), kinds
 
     def _read(self, item: dict[str, Any]) -> tuple[src.FileRecords, str, int]:
         """(records, checksum, bytes read): a piece's checksum is "" (the split scan has the file's)."""
@@ -149,6 +196,7 @@ class ReadCleanSign:
                 max_chars=self.cfg.max_chars,
                 first_record=int(item["first_record"]),
                 header=header,
+                fields=self.fields,
             )
             return records, "", len(data)
         checksum, size = split.whole_file_checksum(data), len(data)
@@ -159,8 +207,108 @@ class ReadCleanSign:
             records = src.FileRecords()
             records.reject(0, "unreadable_file", f"{type(exc).__name__}: {exc}"[:500])
             return records, checksum, size
-        records = src.read_file(url, data, fmt, self.cfg.text_field, max_chars=self.cfg.max_chars)
+        records = src.read_file(url, data, fmt, self.cfg.text_field, max_chars=self.cfg.max_chars, fields=self.fields)
         return records, checksum, size
+
+
+def split_field_types(file_stats: list[dict]) -> dict[int, dict[str, list[str]]]:
+    """A split file's field kinds, joined over its pieces (by file_ord, then field), and each of
+    its pieces' staged schema (`fields` in `file_stats`) replaced by the file's: the types a
+    whole read gives, in its order (record fields as first seen, then Hive partitions)."""
+    kinds: dict[int, dict[str, set[str]]] = {}
+    partitions: dict[int, dict[str, pa.DataType]] = {}
+    for stat in file_stats:  # in (file_ord, piece) order
+        piece_kinds = json.loads(stat.get("field_kinds") or "{}")
+        if not piece_kinds or not stat["fields"]:
+            continue
+        file_ord = stat["file_ord"]
+        for name, found in piece_kinds.items():
+            kinds.setdefault(file_ord, {}).setdefault(name, set()).update(found)
+        for f in pa.ipc.read_schema(pa.py_buffer(stat["fields"])):  # partition columns: typed by the piece
+            if f.name not in piece_kinds:
+                partitions.setdefault(file_ord, {}).setdefault(f.name, f.type)
+    serialized = {}
+    for file_ord, found in kinds.items():
+        types = {name: src.typed_array([], k).type for name, k in found.items()}
+        types |= {n: t for n, t in partitions.get(file_ord, {}).items() if n not in types}
+        serialized[file_ord] = pa.schema(list(types.items())).serialize().to_pybytes()
+    for stat in file_stats:
+        if stat["file_ord"] in serialized and stat["fields"]:
+            stat["fields"] = serialized[stat["file_ord"]]
+    return {o: {name: sorted(k) for name, k in found.items()} for o, found in kinds.items()}
+
+
+def unify_fields(schemas: list[pa.Schema], existing: pa.Schema | None = None) -> pa.Schema:
+    """One type per source field across files: each file's own where they agree, a null column
+    takes the other's, integers with floats are float64, Arrow's permissive promotion where it
+    has one, and otherwise strings (values that are not strings become their JSON text).
+    `existing`: an append's dataset fields, which keep their types (an error names a field
+    whose new values do not fit, or a field the dataset does not have)."""
+    order: dict[str, list[pa.DataType]] = {}
+    for schema in ([existing] if existing is not None else []) + schemas:
+        for f in schema:
+            order.setdefault(f.name, []).append(f.type)
+    if len(order) > MAX_FIELDS:
+        raise PetatrainError(
+            f"the sources have {len(order)} distinct fields (first: {', '.join(list(order)[:5])}, ...), over the "
+            f"{MAX_FIELDS} columns a dataset keeps; name the ones to keep with --fields a,b"
+        )
+    for name in order:
+        if name in RESERVED_COLUMNS:
+            raise PetatrainError(
+                f"source field {name!r} has the name of a column petatrain writes; leave it out with "
+                f"--drop-fields {name} (or rename it in the source)"
+            )
+    unified = pa.schema([pa.field(name, _unify(types)) for name, types in order.items()])
+    if existing is not None:
+        for f in unified:
+            if f.name not in existing.names:
+                raise PetatrainError(
+                    f"source field {f.name!r} is not in the dataset "
+                    f"(its fields: {', '.join(existing.names) or 'none'}); "
+                    f"an append keeps the dataset's columns: pass --drop-fields {f.name}, or ingest into a new --out"
+                )
+            if not f.type.equals(existing.field(f.name).type):
+                raise PetatrainError(
+                    f"source field {f.name!r} is {f.type} in the new files; the dataset has it as "
+                    f"{existing.field(f.name).type}. Pass --drop-fields {f.name}, or ingest into a new --out"
+                )
+    return unified
+
+
+def _unify(types: list[pa.DataType]) -> pa.DataType:
+    known = [t for t in types if not pa.types.is_null(t)]
+    if not known:
+        return pa.large_string()  # never seen with a value: a string column of nulls, which every reader takes
+    if all(t.equals(known[0]) for t in known):
+        return known[0]
+    if all(pa.types.is_integer(t) or pa.types.is_floating(t) for t in known):
+        return pa.int64() if all(pa.types.is_integer(t) for t in known) else pa.float64()
+    if all(pa.types.is_string(t) or pa.types.is_large_string(t) for t in known):
+        return pa.large_string()
+    try:
+        merged = pa.unify_schemas([pa.schema([("f", t)]) for t in known], promote_options="permissive")
+        return merged.field("f").type
+    except (pa.ArrowException, TypeError):
+        return pa.large_string()
+
+
+def conform(column: pa.ChunkedArray | pa.Array, target: pa.DataType, name: str) -> pa.ChunkedArray | pa.Array:
+    """`column` as the unified type `target`: cast, or its JSON text when the target is a string
+    its type does not cast to."""
+    if column.type.equals(target):
+        return column
+    string_target = pa.types.is_large_string(target) or pa.types.is_string(target)
+    if string_target and not (
+        pa.types.is_null(column.type) or pa.types.is_string(column.type) or pa.types.is_large_string(column.type)
+    ):
+        return pa.array([None if v is None else src.json_text(v) for v in column.to_pylist()], target)
+    try:
+        return column.cast(target)
+    except (pa.ArrowException, TypeError) as exc:
+        raise PetatrainError(
+            f"source field {name!r}: {column.type} values do not convert to {target} ({exc})"
+        ) from None
 
 
 def sign(texts: pa.ChunkedArray, lsh: LSHParams) -> pa.Array:
@@ -254,8 +402,16 @@ class ShardWriter:
         batch: int,
         keep_state: bool,
         crypt: DatasetKeys | None = None,
+        fields: pa.Schema | None = None,
+        staged_fields: frozenset[tuple[int, int]] = frozenset(),
+        split_kinds: dict[int, dict[str, list[str]]] | None = None,
+        id_column: str = "doc_id",
     ):
         self.out, self.staging, self.cfg, self.options, self.crypt = out, staging, cfg, options, crypt
+        # The batch's unified source fields (None: none kept), the (file_ord, piece)s that staged
+        # some, and a split file's kinds per field (`FileRecords.field_texts`), by file_ord.
+        self.fields, self.staged_fields, self.split_kinds = fields, staged_fields, split_kinds or {}
+        self.id_column = id_column  # "id" in datasets written before source fields were kept
         self.num_groups, self.tokenizer_json, self.batch, self.keep_state = (
             num_groups,
             tokenizer_json,
@@ -268,7 +424,7 @@ class ShardWriter:
 
     def __call__(self, spec: dict[str, Any]) -> dict[str, Any]:
         shard = int(spec["shard"])
-        ords, texts, state = [], [], []
+        ords, texts, state, fields = [], [], [], []
         for file_ord, piece, start, end in json.loads(spec["segments"]):
             docs = self._rows(file_ord, piece, start, end, "docs")
             ords_here = docs.column("ord").to_numpy()
@@ -281,9 +437,14 @@ class ShardWriter:
             texts.append(docs.column("text").filter(pa.array(keep)))
             if self.keep_state:  # staged signatures are row-aligned with staged docs
                 state.append(self._rows(file_ord, piece, start, end, "sigs").filter(pa.array(keep)))
+            if self.fields is not None:  # and so are staged fields
+                fields.append(self._file_fields(file_ord, piece, start, end).filter(pa.array(keep)))
         ord_arr = np.concatenate(ords)
         text_arr = pa.chunked_array([c for t in texts for c in t.chunks], pa.large_string())
         table, tokens, left_over = self._table(ord_arr, text_arr)
+        if fields and self.fields is not None and not self.cfg.pack_length:
+            for name, column in zip(self.fields.names, pa.concat_tables(fields).columns, strict=True):
+                table = table.append_column(self.fields.field(name), column)
         path = f"data/part-{shard:06d}.parquet"
         data = encode_parquet(table, self.crypt, **shard_layout(table))
         checksum, size = atomic_write(join(self.out, path), data, self.options)
@@ -317,7 +478,7 @@ class ShardWriter:
 
         def read() -> pa.Table:
             with fs.open(path, "rb") as handle:
-                parquet = open_parquet(handle, self.crypt if kind == "docs" else None)
+                parquet = open_parquet(handle, self.crypt if kind in ("docs", "fields") else None)
                 groups: list[int] = []
                 first, offset = 0, 0
                 found = False
@@ -332,6 +493,28 @@ class ShardWriter:
 
         return retrying(f"read {url}", read)
 
+    def _file_fields(self, file_ord: int, piece: int, start: int, end: int) -> pa.Table:
+        """Staged rows [start, end) of a piece's fields, as the batch's unified schema."""
+        assert self.fields is not None
+        if (file_ord, piece) not in self.staged_fields:
+            return pa.Table.from_arrays([pa.nulls(end - start, f.type) for f in self.fields], schema=self.fields)
+        staged = self._rows(file_ord, piece, start, end, "fields")
+        kinds = self.split_kinds.get(file_ord, {})
+        columns = [
+            conform(self._typed(staged.column(f.name), kinds.get(f.name)), f.type, f.name)
+            if f.name in staged.column_names
+            else pa.nulls(staged.num_rows, f.type)
+            for f in self.fields
+        ]
+        return pa.Table.from_arrays(columns, schema=self.fields)
+
+    @staticmethod
+    def _typed(column: pa.ChunkedArray, kinds: list[str] | None) -> pa.ChunkedArray | pa.Array:
+        """A split file's field, staged as JSON text, typed as the whole file types it (`kinds`)."""
+        if kinds is None:
+            return column
+        return src.typed_array([None if t is None else json.loads(t) for t in column.to_pylist()], set(kinds))
+
     def _drops(self, file_ord: int) -> np.ndarray:
         """Ords of this file's documents that dedup dropped (each group file read once)."""
         group = file_ord % self.num_groups
@@ -344,7 +527,7 @@ class ShardWriter:
 
     def _table(self, ords: np.ndarray, texts: pa.ChunkedArray) -> tuple[pa.Table, int, int]:
         if not self.tokenizer_json:
-            return pa.table({"id": ords, "text": texts}), 0, 0
+            return pa.table({self.id_column: ords, "text": texts}), 0, 0
         if self._tokenizer is None:
             from tokenizers import Tokenizer
 
@@ -366,7 +549,7 @@ class ShardWriter:
         return (
             pa.table(
                 {
-                    "id": ords,
+                    self.id_column: ords,
                     "text": texts,
                     "tokens": column,
                     "num_tokens": pa.array([len(e) for e in encoded], pa.int32()),

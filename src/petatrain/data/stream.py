@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from petatrain.data import index as idx
 from petatrain.data.cache import ShardCache, default_cache_dir
 from petatrain.data.order import Deal, SampleOrder
+from petatrain.data.partitions import hive_partitions, partition_array
 from petatrain.errors import CorruptDataError, PetatrainError
 from petatrain.storage import StorageOptions
 from petatrain.storage.fs import is_local
@@ -286,7 +287,7 @@ class _Shard:
             # One chunk (as `_load` leaves it) is taken as it is: combine_chunks would copy it.
             array = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
             kind = array.type
-            if pa.types.is_fixed_size_binary(kind):
+            if name == "tokens" and pa.types.is_fixed_size_binary(kind):
                 width = kind.byte_width // token_dtype.itemsize
                 flat = np.frombuffer(
                     array.buffers()[1],
@@ -365,12 +366,20 @@ class _ShardReader:
             parquet = open_parquet(source, crypt)  # the footer is decrypted (and its keys unwrapped) once
             meta = parquet.metadata
             views = {}
-            for name in ds.columns if crypt is None else []:
+            for name in [c for c in ds.columns if c == "tokens"] if crypt is None else []:
                 view = _zero_copy_view(source, meta, name, ds.token_dtype)
                 if view is not None:
                     views[name] = view
-            rest = [c for c in ds.columns if c not in views]
+            partitions = [c for c in ds.columns if c in ds.manifest.partitions and c not in views]
+            rest = [c for c in ds.columns if c not in views and c not in partitions]
             table = parquet.read(columns=rest) if rest else None
+            if partitions:  # a registered Hive-partitioned file: the values are in its folder names
+                values = hive_partitions(url)
+                columns: dict[str, Any] = {name: table.column(name) for name in rest} if table is not None else {}
+                for name in partitions:
+                    kind = pa.int64() if ds.manifest.column_type(name) == "int64" else pa.large_string()
+                    columns[name] = partition_array(values.get(name), meta.num_rows, kind)
+                table = pa.table(columns)
         except (pa.ArrowException, OSError, PetatrainError) as exc:  # PetatrainError: from the key client
             if crypt is not None:
                 raise CorruptDataError(
@@ -425,7 +434,7 @@ class _ShardReader:
                 values: list[Any] = [None] * len(rows)
                 for shard, pick in zip(loaded, picks or [np.arange(len(rows))], strict=True):
                     assert shard.table is not None  # a column without a numpy view is in the table
-                    taken = _to_python(shard.table.column(name).take(pa.array(rows[pick])), ds.token_dtype)
+                    taken = _to_python(shard.table.column(name).take(pa.array(rows[pick])), ds.token_dtype, name)
                     for i, v in zip(pick.tolist(), taken, strict=True):
                         values[i] = v
                 out[name] = values
@@ -437,10 +446,11 @@ def _shard_url(ds: StreamingDataset, shard: int) -> str:
     return idx.shard_url(ds.url, ds.manifest, ds._paths[shard].as_py())
 
 
-def _to_python(column: pa.ChunkedArray | pa.Array, token_dtype: np.dtype) -> list[Any]:
-    """Values of a column without a numpy view: strings, variable-length tokens, nullable numbers."""
+def _to_python(column: pa.ChunkedArray | pa.Array, token_dtype: np.dtype, name: str) -> list[Any]:
+    """Values of a column without a numpy view: strings, variable-length tokens, nullable numbers,
+    and source fields as Python values (a binary field stays bytes: only `tokens` holds token ids)."""
     kind = column.type
-    if pa.types.is_binary(kind) or pa.types.is_large_binary(kind):
+    if name == "tokens" and (pa.types.is_binary(kind) or pa.types.is_large_binary(kind)):
         return [
             torch.from_numpy(np.frombuffer(v, dtype=token_dtype)) if v is not None else None for v in column.to_pylist()
         ]

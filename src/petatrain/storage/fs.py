@@ -382,6 +382,7 @@ class SourceFile:
     url: str
     size: int
     fingerprint: str
+    root: str = ""  # the folder (or a glob's fixed leading folder) it was found under: Hive partitions below it
 
 
 def _fingerprint(info: dict[str, Any]) -> str:
@@ -389,6 +390,18 @@ def _fingerprint(info: dict[str, Any]) -> str:
         if info.get(key) is not None:
             return f"{key}:{str(info[key]).strip(chr(34))}"
     return ""
+
+
+def _forget_listings(fs: fsspec.AbstractFileSystem, path: str) -> None:
+    """Drop the listings cached under `path` (up to a glob's first wildcard): file system objects
+    are shared in a process, and a listing cached earlier must not hide files written since (a
+    folder Spark rewrote, then `--register --refresh`); s3fs trusts a cached parent listing."""
+    prefix = path[: min(path.find(ch) % (len(path) + 1) for ch in "*?[")].rstrip("/")
+    cache = getattr(fs, "dircache", None)
+    if cache is not None:
+        for key in [k for k in list(cache) if k == prefix or k.startswith(prefix + "/")]:
+            cache.pop(key, None)
+    fs.invalidate_cache(prefix)
 
 
 def expand_sources(patterns: list[str], options: StorageOptions | None = None) -> list[SourceFile]:
@@ -402,6 +415,7 @@ def expand_sources(patterns: list[str], options: StorageOptions | None = None) -
     seen: set[str] = set()
     for pattern in patterns:
         fs, path = resolve(pattern, options)
+        _forget_listings(fs, path)
         try:
             try:
                 info = retrying(f"stat {pattern}", functools.partial(fs.info, path))
@@ -411,10 +425,13 @@ def expand_sources(patterns: list[str], options: StorageOptions | None = None) -
                 info = None  # not a path as written: a glob
             if info is None:
                 infos = retrying(f"glob {pattern}", functools.partial(fs.glob, path, detail=True))
+                root = path[: min(path.find(ch) % (len(path) + 1) for ch in "*?[")].rpartition("/")[0]
             elif info["type"] == "directory":
                 infos = retrying(f"list {pattern}", functools.partial(fs.find, path, detail=True))
+                root = path.rstrip("/")
             else:
                 infos = {path: info}
+                root = path.rpartition("/")[0]
         except FileNotFoundError:
             raise PetatrainError(f"source not found: {pattern}") from None
         except PermissionError as exc:
@@ -434,5 +451,12 @@ def expand_sources(patterns: list[str], options: StorageOptions | None = None) -
             url = to_url(fs, p)
             if url not in seen:
                 seen.add(url)
-                files.append(SourceFile(url=url, size=int(info.get("size") or 0), fingerprint=_fingerprint(info)))
+                files.append(
+                    SourceFile(
+                        url=url,
+                        size=int(info.get("size") or 0),
+                        fingerprint=_fingerprint(info),
+                        root=to_url(fs, root) + "/",
+                    )
+                )
     return files
