@@ -44,6 +44,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/checkpoint.py
 	$(BIN)/python benchmarks/recovery.py
 	$(BIN)/python benchmarks/overhead.py
+	$(BIN)/python benchmarks/tune.py
 
 # 20 minutes: training with a random fault every 2 minutes, then its goodput.
 soak: $(STAMP)

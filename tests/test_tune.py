@@ -242,7 +242,8 @@ def _served(bucket: str) -> int:
 @pytest.mark.slow
 @pytest.mark.s3
 def test_trials_on_a_node_fetch_each_shard_from_the_object_store_once(s3_endpoint, s3_bucket, ray_local, tmp_path):
-    """Two trials read the S3 dataset through the node's shard cache: the server sends each shard once."""
+    """Two trials (sampled by Optuna) read the S3 dataset through the node's shard cache: the server
+    sends each shard once."""
     import os
     import time
 
@@ -255,7 +256,10 @@ def test_trials_on_a_node_fetch_each_shard_from_the_object_store_once(s3_endpoin
     dataset = f"{s3_bucket}/ds"
     api.ingest([str(tmp_path / "corpus")], dataset, config=ingest)
     cache = tmp_path / "cache"
-    cfg = _search(dataset, f"data.cache_dir={cache}", "tune.trials=2", "tune.scheduler=none", "tune.max_steps=10")
+    cfg = _search(
+        dataset, f"data.cache_dir={cache}", "tune.trials=2", "tune.scheduler=none", "tune.max_steps=10",
+        "tune.search=optuna",  # Tune's OptunaSearch samples the trials here
+    )  # fmt: skip
     bucket = s3_bucket.removeprefix("s3://")
     time.sleep(2.5)  # the usage log is flushed every second
     before = _served(bucket)

@@ -378,10 +378,11 @@ def plot_search(summary: dict[str, Any]) -> bytes:
         for t in summary["trials"]:
             if t["curve"]:
                 best = summary["best"] and summary["best"]["trial"] == t["trial"]
-                xs, ys = zip(*t["curve"], strict=True)
+                nan = float("nan")  # [None, None]: a PBT exploit, where the line breaks
+                xs, ys = zip(*((nan, nan) if s is None else (s, v) for s, v in t["curve"]), strict=True)
                 label = f"{t['trial']}{' (best)' if best else ''}"
                 ax.plot(xs, ys, "o-", ms=3, lw=2.4 if best else 1.2, color=color[t["trial"]], label=label)
-        at = {t["trial"]: dict((s, v) for s, v in t["curve"]) for t in summary["trials"]}
+        at = {t["trial"]: {s: v for s, v in t["curve"] if s is not None} for t in summary["trials"]}
         marked: set[str] = set()
         for d in summary["decisions"]:
             value = at.get(d["trial"], {}).get(d["step"])

@@ -317,17 +317,10 @@ def _conclude(
         trial_id = metrics.get("trial_id") or os.path.basename(str(result.path)).split("_")[-2:]
         trial_id = trial_id if isinstance(trial_id, str) else "_".join(trial_id)
         run_url = trial_dir(out, trial_id)
-        history = result.metrics_dataframe
-        curve = []
-        if history is not None and "step" in history:
-            curve = [
-                [int(s), float(v)]
-                for s, v in zip(history["step"], history[settings.metric], strict=False)
-                if v == v  # not NaN
-            ]
+        events = _events(run_url, options)
+        curve = _curve(events, result.metrics_dataframe, settings.metric)
         step = int(metrics["step"]) if metrics.get("step") is not None else None
         status = "error" if result.error else "finished" if step == steps else "stopped"
-        events = _events(run_url, options)
         if status == "stopped":
             decisions.append({"trial": trial_id, "step": step, "decision": "stopped", "by": settings.scheduler})
             _record_stop(run_url, events, step, settings.scheduler, options)
@@ -381,6 +374,32 @@ def _conclude(
     atomic_write(join(out, SUMMARY_FILE), (json.dumps(summary, indent=2, default=str) + "\n").encode(), options)
     summary["html"] = write_search_report(summary, join(out, HTML_FILE), options)
     return summary
+
+
+def _curve(events: list[dict[str, Any]], history: Any, metric: str) -> list[list[Any]]:
+    """[step, value] of each evaluation. eval_loss comes from the trial's ledger: every driver of
+    its run, a step evaluated again after a fault counted once, and [None, None] where a PBT
+    exploit made the run continue from another trial's state (the line breaks there). Tune's
+    history has the other metrics (a trial restored by Tune keeps only what came since)."""
+    if metric != "eval_loss":
+        if history is None or "step" not in history:
+            return []
+        pairs = zip(history["step"], history[metric], strict=False)
+        return [[int(s), float(v)] for s, v in pairs if v == v]  # NaN: not reported
+    curve: list[list[Any]] = []
+    at: dict[int, int] = {}  # step -> its index in the current segment
+    for e in events:
+        if e.get("event") == "run_continue" and e.get("source") and curve:
+            curve.append([None, None])
+            at = {}
+        elif e.get("event") == "eval":
+            step, point = int(e["step"]), [int(e["step"]), float(e["loss"])]
+            if step in at:
+                curve[at[step]] = point
+            else:
+                at[step] = len(curve)
+                curve.append(point)
+    return curve
 
 
 def _events(run_url: str, options: StorageOptions | None) -> list[dict[str, Any]]:
