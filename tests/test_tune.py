@@ -73,6 +73,12 @@ def test_search_settings_are_checked_before_anything_starts(tmp_path):
     cfg = tiny(str(tmp_path), "train.eval_every=0", f"tune.params={{{LR.replace('=', ': ', 1)}}}")
     with pytest.raises(ConfigError, match=r"train\.eval_every is 0"):
         check(SearchJob(config=cfg, out=str(tmp_path / "out")))
+    sealed = tiny(
+        str(tmp_path), "train.eval_every=10", "tune.scheduler=pbt", "storage.encryption.key=file:/nonexistent",
+        f"tune.params={{{LR.replace('=', ': ', 1)}}}",
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match="encrypted checkpoints are bound to the run"):
+        check(SearchJob(config=sealed, out=str(tmp_path / "out")))
     # Concurrency: whole gangs only; a trial bigger than the cluster is refused.
     four = tiny(str(tmp_path), "parallel.workers=4", "tune.trials=6")
     assert concurrency(four, cpus=16, gpus=0) == 4

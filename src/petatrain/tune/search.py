@@ -66,6 +66,11 @@ def check(job: SearchJob) -> tuple[list[spaces.Space], int]:
             f"--scheduler {settings.scheduler} acts on the metric each evaluation reports, and train.eval_every is 0 "
             "(one evaluation, at the end): set --set train.eval_every=N"
         )
+    if settings.scheduler == "pbt" and cfg.storage.encryption.key:
+        raise ConfigError(
+            "--scheduler pbt copies a trial's checkpoints into another trial's run, and encrypted checkpoints "
+            "are bound to the run that wrote them (storage.encryption.key): use asha or none"
+        )
     if cfg.train.eval_every and cfg.train.eval_every > steps:
         raise ConfigError(f"train.eval_every {cfg.train.eval_every} is beyond the {steps} steps of a trial")
     if settings.search == "optuna":
