@@ -94,7 +94,9 @@ def test_prometheus_finds_the_run_and_scrapes_its_final_goodput_after_it_ends(
     run = tmp_path / "run"
     glob = str(run / os.path.dirname(TARGETS_FILE) / "*.json")
     with prometheus(prometheus_binary, tmp_path, glob) as server:
-        train(tiny(token_dataset, "train.steps=10", "observe.metrics_linger_s=20"), run)
+        # Long enough to be scraped while it runs (an endpoint nothing scraped closes at once), also
+        # when the suite's warm Ray makes 10 steps take a second or two and Prometheus is slower.
+        train(tiny(token_dataset, "train.steps=60", "observe.metrics_linger_s=20"), run)
         events = read_events(str(run))
         start, end = events[0], events[-1]
         assert start["event"] == "run_start" and end["event"] == "end" and end["status"] == "ok"

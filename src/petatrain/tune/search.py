@@ -107,7 +107,8 @@ def run(job: SearchJob) -> dict[str, Any]:
 
     from petatrain.runtime import cluster
 
-    options = job.options or job.config.storage.options()
+    # Filled in from this process's AWS_* variables: trial actors may have started before they were set.
+    options = (job.options or job.config.storage.options()).for_workers()
     out = os.path.abspath(job.out) if is_local(job.out) else job.out.rstrip("/")
     if is_local(job.config.data.dataset):  # trials run in folders of Tune's choosing
         data = dataclasses.replace(job.config.data, dataset=os.path.abspath(job.config.data.dataset))
