@@ -94,9 +94,11 @@ def test_prometheus_finds_the_run_and_scrapes_its_final_goodput_after_it_ends(
     run = tmp_path / "run"
     glob = str(run / os.path.dirname(TARGETS_FILE) / "*.json")
     with prometheus(prometheus_binary, tmp_path, glob) as server:
-        # Long enough to be scraped while it runs (an endpoint nothing scraped closes at once), also
-        # when the suite's warm Ray makes 10 steps take a second or two and Prometheus is slower.
-        train(tiny(token_dataset, "train.steps=60", "observe.metrics_linger_s=20"), run)
+        # Long enough to be scraped while it runs (an endpoint nothing scraped closes at once): the
+        # run's prometheus/ folder does not exist when Prometheus starts, and its file discovery
+        # found it only after the 5 s that 60 steps took in the full suite (its log: "Error adding
+        # file watch ... no such file"). 250 steps take ~20 s.
+        train(tiny(token_dataset, "train.steps=250", "checkpoint.every=50", "observe.metrics_linger_s=20"), run)
         events = read_events(str(run))
         start, end = events[0], events[-1]
         assert start["event"] == "run_start" and end["event"] == "end" and end["status"] == "ok"
