@@ -452,7 +452,13 @@ def serve(
     from petatrain.serve import app
 
     serve_options = app.ServeOptions(
-        run_url=run, checkpoint=checkpoint, host=host, port=port, settings=settings, storage=options, follow=follow
+        run_url=run,
+        checkpoint=checkpoint,
+        host=host,
+        port=port,
+        settings=settings,
+        storage=options.for_workers(),  # replicas may lack this process's AWS_* / OS_* variables
+        follow=follow,
     )
     return Serving(url=app.start(serve_options), model=served.describe())
 

@@ -400,8 +400,9 @@ SECRET_STORAGE_KEYS = ("s3_access_key_id", "s3_secret_access_key")
 class EncryptionConfig:
     """`storage.encryption.key: KEYREF` encrypts what this config writes (dataset shards with Parquet
     modular encryption, checkpoints and final weights with AES-256-GCM) and decrypts what it reads.
-    KEYREF is `file:PATH` (a keyring from `petatrain keys create PATH`) or a KMS URL; it names
-    where the keys are, it is not a key (so it may be written in a run's config.yaml)."""
+    KEYREF is `file:PATH` (a keyring from `petatrain keys create PATH`) or a Barbican key container
+    (`barbican+https://HOST:PORT/v1/containers/ID`); it names where the keys are, it is not a key
+    (so it may be written in a run's config.yaml)."""
 
     key: str = ""
 

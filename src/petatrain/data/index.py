@@ -123,7 +123,7 @@ def dataset_keys(url: str, manifest: Manifest, options: StorageOptions | None) -
             f"{url} is encrypted; set storage.encryption.key to the keyring it was written with "
             "(--set storage.encryption.key=file:PATH)"
         )
-    return parquet_crypt.from_record(keyref, manifest.encryption, join(url, MANIFEST))
+    return parquet_crypt.from_record(keyref, manifest.encryption, join(url, MANIFEST), options)
 
 
 def rewrap_dataset(url: str, options: StorageOptions) -> dict[str, Any]:
@@ -140,7 +140,7 @@ def rewrap_dataset(url: str, options: StorageOptions) -> dict[str, Any]:
         previous = read_manifest(url, options)
         manifest.encryption = fresh.record
         commit_manifest(url, manifest, previous, options)
-        return {"dataset": url, "keys": len(fresh.wrapped), "key_version": open_keys(keys.keyref).primary}
+        return {"dataset": url, "keys": len(fresh.wrapped), "key_version": open_keys(keys.keyref, options).primary}
 
 
 def open_dataset(url: str, options: StorageOptions | None = None, *, cache_dir: str | None = None) -> Dataset:

@@ -597,7 +597,7 @@ def _dataset_keys(job: IngestJob, manifest: Manifest | None) -> DatasetKeys | No
                 f"{job.out} is encrypted; set storage.encryption.key (or --encrypt) to the keyring it was "
                 "written with, to add to it"
             )
-        keys = parquet_crypt.from_record(keyref, recorded, join(job.out, idx.MANIFEST))
+        keys = parquet_crypt.from_record(keyref, recorded, join(job.out, idx.MANIFEST), job.options)
         keys.check()  # a wrong keyring fails here, before anything is read
         return keys
-    return parquet_crypt.new_keys(keyref) if keyref else None
+    return parquet_crypt.new_keys(keyref, job.options) if keyref else None

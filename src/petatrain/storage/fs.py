@@ -47,6 +47,9 @@ class StorageOptions:
     encryption_key: str = ""
     signing_key: str = ""
     verify_signatures: bool = False
+    # A key service's credentials (barbican.Credentials: OS_AUTH_TOKEN, OS_PROJECT_ID, OS_CACERT),
+    # filled in by for_workers() from the driver's environment; never shown or written.
+    kms_credentials: Any = field(default=None, repr=False, compare=False)
 
     def __hash__(self) -> int:  # extra is a dict; options are compared, not mutated
         identity = (self.s3_endpoint_url, self.s3_region, self.s3_access_key_id, self.s3_anonymous)
@@ -71,8 +74,14 @@ class StorageOptions:
             from petatrain.storage.sse import read_customer_key
 
             customer_key = read_customer_key(self.sse.customer_key)
+        kms = self.kms_credentials
+        if kms is None and (self.encryption_key or self.signing_key).startswith("barbican+"):
+            from petatrain.storage.barbican import Credentials
+
+            kms = Credentials.from_env()
         return dataclasses.replace(
             self,
+            kms_credentials=kms,
             s3_endpoint_url=self.s3_endpoint_url or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL", ""),
             s3_access_key_id=key,
             s3_secret_access_key=self.s3_secret_access_key or (env.get("AWS_SECRET_ACCESS_KEY", "") if key else ""),

@@ -1,7 +1,9 @@
-"""Keys: the KMS-client interface every encrypted or signed file goes through, and its local keyring.
+"""Keys: the KMS-client interface every encrypted or signed file goes through, and its two sources.
 
 A key reference (KEYREF) names where the keys live: `file:PATH` is a keyring that
-`petatrain keys create PATH` wrote; a KMS URL would name a key service. Data is never
+`petatrain keys create PATH` wrote; `barbican+https://HOST:PORT/v1/containers/ID` is a key
+container in OpenStack Barbican, a key manager reached over HTTP (`storage/barbican.py`), that
+`petatrain keys create barbican+https://HOST:PORT` made. Data is never
 encrypted with the master key itself: each file gets a fresh data key, and only the
 *wrapped* data key (encrypted by a master key version, bound to what it protects) is
 stored beside the data. Rotating adds a master version and re-wraps those small records;
@@ -95,41 +97,18 @@ def fingerprint(public: bytes) -> str:
     return "ed25519:" + hashlib.sha256(public).hexdigest()[:16]
 
 
-class LocalKeyring:
-    """The keyring file `keys create` writes: master key versions and an Ed25519 pair."""
+class SecretKeys:
+    """Master key versions (to wrap data keys) and an Ed25519 pair (to sign), held in memory.
 
-    def __init__(self, path: str, record: dict[str, Any]):
-        self.path = path
-        self.ref = f"file:{path}"
-        self._master: dict[int, AESGCM] = {}
-        self._primary = 0
-        self._signer: Ed25519PrivateKey | None = None
-        if record.get("kind") == KEYRING:
-            master = record.get("master")
-            if not isinstance(master, dict) or not master:
-                raise KeyringError(f"keyring {self.ref}: no master keys")
-            for version, text in master.items():
-                raw = _unb64(text, f"master key {version}", self.ref)
-                if not str(version).isdigit() or len(raw) != 32:
-                    raise KeyringError(f"keyring {self.ref}: master key {version!r} is not a 256-bit key version")
-                self._master[int(version)] = AESGCM(raw)
-            primary = record.get("primary")
-            if type(primary) is not int or primary not in self._master:
-                raise KeyringError(f"keyring {self.ref}: primary {primary!r} is not one of its master key versions")
-            self._primary = primary
-            signing = record.get("signing") or {}
-            seed = _unb64(signing.get("private"), "signing key", self.ref)
-            try:
-                self._signer = Ed25519PrivateKey.from_private_bytes(seed)
-            except ValueError:
-                raise KeyringError(f"keyring {self.ref}: the signing key is not an Ed25519 key") from None
-            public = self._signer.public_key()
-        else:
-            raw = _unb64(record.get("public"), "public key", self.ref)
-            try:
-                public = Ed25519PublicKey.from_public_bytes(raw)
-            except ValueError:
-                raise KeyringError(f"keyring {self.ref}: the public key is not an Ed25519 key") from None
+    What a keyring file and a Barbican container both come to; `label` names the source in errors."""
+
+    def __init__(self, ref: str, label: str, master: dict[int, bytes], public: Ed25519PublicKey,
+                 signer: Ed25519PrivateKey | None = None, primary: int = 0):  # fmt: skip
+        self.ref = ref
+        self.label = label
+        self._master = {version: AESGCM(raw) for version, raw in master.items()}
+        self._primary = primary or max(master, default=0)
+        self._signer = signer
         self._public = public
         self._public_raw = public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
 
@@ -142,6 +121,10 @@ class LocalKeyring:
     @property
     def versions(self) -> list[int]:
         return sorted(self._master)
+
+    @property
+    def public_raw(self) -> bytes:
+        return self._public_raw
 
     def wrap(self, key: bytes, context: str) -> str:
         version = self.primary
@@ -157,15 +140,15 @@ class LocalKeyring:
         if master is None:
             held = ", ".join(str(v) for v in self.versions)
             raise KeyringError(
-                f"{context} is encrypted with master key version {version}, which keyring {self.ref} does not "
-                f"hold (it holds {held}): wrong keyring, or the version was retired"
+                f"{context} is encrypted with master key version {version}, which {self.label} {self.ref} does not "
+                f"hold (it holds {held}): wrong keys, or the version was retired"
             )
         try:
             return master.decrypt(blob[:_NONCE], blob[_NONCE:], _WRAP_AAD + context.encode())
         except InvalidTag:
             raise KeyringError(
-                f"the data key of {context} does not unwrap with keyring {self.ref} (version {version}): "
-                "another keyring's key, or a record moved from another file"
+                f"the data key of {context} does not unwrap with {self.label} {self.ref} (version {version}): "
+                "other keys, or a record moved from another file"
             ) from None
 
     @property
@@ -189,6 +172,77 @@ class LocalKeyring:
         return True
 
 
+class LocalKeyring(SecretKeys):
+    """The keyring file `keys create` writes: master key versions and an Ed25519 pair."""
+
+    def __init__(self, path: str, record: dict[str, Any]):
+        self.path = path
+        ref = f"file:{path}"
+        master: dict[int, bytes] = {}
+        primary = 0
+        signer: Ed25519PrivateKey | None = None
+        if record.get("kind") == KEYRING:
+            found = record.get("master")
+            if not isinstance(found, dict) or not found:
+                raise KeyringError(f"keyring {ref}: no master keys")
+            for version, text in found.items():
+                raw = _unb64(text, f"master key {version}", ref)
+                if not str(version).isdigit() or len(raw) != 32:
+                    raise KeyringError(f"keyring {ref}: master key {version!r} is not a 256-bit key version")
+                master[int(version)] = raw
+            given = record.get("primary")
+            if type(given) is not int or given not in master:
+                raise KeyringError(f"keyring {ref}: primary {given!r} is not one of its master key versions")
+            primary = given
+            signing = record.get("signing") or {}
+            seed = _unb64(signing.get("private"), "signing key", ref)
+            try:
+                signer = Ed25519PrivateKey.from_private_bytes(seed)
+            except ValueError:
+                raise KeyringError(f"keyring {ref}: the signing key is not an Ed25519 key") from None
+            public = signer.public_key()
+        else:
+            raw = _unb64(record.get("public"), "public key", ref)
+            try:
+                public = Ed25519PublicKey.from_public_bytes(raw)
+            except ValueError:
+                raise KeyringError(f"keyring {ref}: the public key is not an Ed25519 key") from None
+        super().__init__(ref, "keyring", master, public, signer, primary)
+
+
+class BarbicanKeys(SecretKeys):
+    """A Barbican key container (`storage/barbican.py`): its keys fetched once, held in memory.
+
+    A version this process has not seen (rotated by another process since) is fetched again once."""
+
+    def __init__(self, keyref: str, credentials: Any):
+        self.credentials = credentials
+        master, seed = _barbican_call(lambda b: b.fetch(keyref, credentials))
+        try:
+            signer = Ed25519PrivateKey.from_private_bytes(seed) if seed is not None else None
+        except ValueError:
+            raise KeyringError(f"key container {keyref}: its signing secret is not an Ed25519 seed") from None
+        if signer is None:
+            raise KeyringError(f"key container {keyref} holds no signing secret; it is not a petatrain key container")
+        super().__init__(keyref, "key container", master, signer.public_key(), signer)
+
+    def unwrap(self, wrapped: str, context: str) -> bytes:
+        version, _ = _split_wrapped(wrapped, context)
+        if version not in self._master:
+            fresh = BarbicanKeys(self.ref, self.credentials)
+            self._master, self._primary = fresh._master, fresh._primary
+        return super().unwrap(wrapped, context)
+
+
+def _barbican_call(call: Any) -> Any:
+    from petatrain.storage import barbican
+
+    try:
+        return call(barbican)
+    except barbican.BarbicanError as exc:
+        raise KeyringError(str(exc)) from None
+
+
 def _split_wrapped(wrapped: Any, context: str) -> tuple[int, bytes]:
     if isinstance(wrapped, str) and wrapped.startswith("v") and ":" in wrapped:
         version, _, text = wrapped[1:].partition(":")
@@ -205,32 +259,44 @@ def _split_wrapped(wrapped: Any, context: str) -> tuple[int, bytes]:
 # ---- keyring files ------------------------------------------------------------------------------
 
 
+def _is_barbican(keyref: str) -> bool:
+    return keyref.startswith("barbican+")
+
+
 def _path_of(keyref: str) -> str:
     scheme, sep, rest = keyref.partition(":")
     if not sep or not rest:
-        raise KeyringError(f"key reference {keyref!r} is not file:PATH or a KMS URL")
+        raise KeyringError(f"key reference {keyref!r} is not file:PATH or a KMS URL (barbican+https://...)")
     if scheme == "file":
         return os.path.abspath(os.path.expanduser(rest))
     raise KeyringError(
         f"key reference {keyref!r}: no KMS client for '{scheme}:' in this petatrain; use a keyring "
-        "file (file:PATH from `petatrain keys create PATH`)"
+        "file (file:PATH from `petatrain keys create PATH`) or Barbican (barbican+https://HOST:PORT/v1/containers/ID)"
     )
 
 
 def check_keyref(keyref: str, what: str) -> None:
     """ConfigError naming `what` (a config key) unless `keyref` has a form petatrain can use."""
     try:
-        _path_of(keyref)
+        if _is_barbican(keyref):
+            _barbican_call(lambda b: b.parse(keyref))
+        else:
+            _path_of(keyref)
     except KeyringError as exc:
         raise ConfigError(f"{what}: {exc}") from None
 
 
 _cache: dict[tuple[str, int, int, int, int, int], LocalKeyring] = {}
+_remote: dict[str, BarbicanKeys] = {}
 _cache_lock = threading.Lock()
 
 
-def open_keys(keyref: str) -> KmsClient:
-    """The key service KEYREF names (a keyring file is read once per change); one-line errors."""
+def open_keys(keyref: str, options: Any = None) -> KmsClient:
+    """The key service KEYREF names, one-line errors. A keyring file is read once per change; a
+    Barbican container once per process, with the credentials `options` carries (`for_workers()`),
+    else those it was first opened with, else OS_AUTH_TOKEN / OS_PROJECT_ID."""
+    if _is_barbican(keyref):
+        return _open_barbican(keyref, getattr(options, "kms_credentials", None))
     path = _path_of(keyref)
     try:
         info = os.stat(path)
@@ -248,6 +314,24 @@ def open_keys(keyref: str) -> KmsClient:
     with _cache_lock:
         _cache[key] = ring
     return ring
+
+
+def _open_barbican(keyref: str, credentials: Any) -> BarbicanKeys:
+    with _cache_lock:
+        cached = _remote.get(keyref)
+    if cached is not None and (credentials is None or not credentials.given or credentials == cached.credentials):
+        return cached
+    if credentials is None or not credentials.given:
+        credentials = _barbican_call(lambda b: b.Credentials.from_env())
+    opened = BarbicanKeys(keyref, credentials)
+    with _cache_lock:
+        _remote[keyref] = opened
+    return opened
+
+
+def _forget(keyref: str) -> None:
+    with _cache_lock:
+        _remote.pop(keyref, None)
 
 
 def _read_record(path: str, keyref: str, info: os.stat_result) -> dict[str, Any]:
@@ -291,8 +375,18 @@ def _write_private(path: str, record: dict[str, Any], *, replace: bool) -> None:
             os.unlink(tmp)
 
 
-def create_keyring(path: str) -> LocalKeyring:
-    """A new keyring at `path` (never over an existing file): master key version 1 and a signing pair."""
+def create_keyring(path: str) -> SecretKeys:
+    """New keys at `path` (never over an existing file): master key version 1 and a signing pair.
+    `path` is a file, or a Barbican service URL (barbican+https://HOST:PORT): a new container there."""
+    if _is_barbican(path):
+        credentials = _barbican_call(lambda b: b.Credentials.from_env())
+        keyref = _barbican_call(lambda b: b.create(path, credentials))
+        return _open_barbican(keyref, credentials)
+    path = path.removeprefix("file:")  # the KEYREF form names the same file
+    if "://" in path:
+        raise KeyringError(
+            f"{path!r} is neither a keyring file's path nor a Barbican service (barbican+https://HOST:PORT)"
+        )
     path = os.path.abspath(os.path.expanduser(path))
     if os.path.exists(path):
         raise KeyringError(f"{path} exists; a keyring is never overwritten (choose another path)")
@@ -315,7 +409,12 @@ def create_keyring(path: str) -> LocalKeyring:
 
 
 def add_master_version(keyref: str) -> int:
-    """Rotate a keyring: a new master key version becomes primary (old ones stay, to unwrap); its number."""
+    """Rotate: a new master key version becomes primary (old ones stay, to unwrap); its number."""
+    if _is_barbican(keyref):
+        keys = _open_barbican(keyref, None)
+        version = _barbican_call(lambda b: b.add_version(keyref, keys.credentials))
+        _forget(keyref)
+        return int(version)
     path = _path_of(keyref)
     record = _read_record(path, keyref, os.stat(path))
     if record["kind"] != KEYRING:
@@ -330,6 +429,11 @@ def add_master_version(keyref: str) -> int:
 
 def retire_versions(keyref: str, keep: int) -> list[int]:
     """Drop every master key version but `keep` (after all data keys were re-wrapped); the dropped."""
+    if _is_barbican(keyref):
+        keys = _open_barbican(keyref, None)
+        dropped = _barbican_call(lambda b: b.retire(keyref, keep, keys.credentials))
+        _forget(keyref)
+        return list(dropped)
     path = _path_of(keyref)
     record = _read_record(path, keyref, os.stat(path))
     dropped = sorted(int(v) for v in record["master"] if int(v) != keep)
@@ -340,11 +444,11 @@ def retire_versions(keyref: str, keep: int) -> list[int]:
 
 
 def export_public(keyref: str, out: str) -> str:
-    """Write the verification half of a keyring (mode 0644: it is not secret); its key id."""
+    """Write the verification half of the keys (mode 0644: it is not secret); its key id."""
     ring = open_keys(keyref)
-    if not isinstance(ring, LocalKeyring):
-        raise KeyringError(f"{keyref}: only keyring files export a public key")
-    record = {"format": FORMAT, "kind": PUBLIC, "public": _b64(ring._public_raw), "key_id": ring.key_id}
+    if not isinstance(ring, SecretKeys):
+        raise KeyringError(f"{keyref}: these keys export no public key")
+    record = {"format": FORMAT, "kind": PUBLIC, "public": _b64(ring.public_raw), "key_id": ring.key_id}
     out = os.path.abspath(os.path.expanduser(out))
     if os.path.exists(out):
         raise KeyringError(f"{out} exists; choose another path")
@@ -356,10 +460,10 @@ def export_public(keyref: str, out: str) -> str:
 def encryption_keys(options: Any) -> KmsClient | None:
     """The keys `storage.encryption.key` names, or None when nothing is encrypted."""
     ref = getattr(options, "encryption_key", "") if options is not None else ""
-    return open_keys(ref) if ref else None
+    return open_keys(ref, options) if ref else None
 
 
 def signing_keys(options: Any) -> KmsClient | None:
     """The keys that sign and verify (`storage.signing.key`, else the encryption keyring), or None."""
     ref = getattr(options, "signing_key", "") if options is not None else ""
-    return open_keys(ref) if ref else None
+    return open_keys(ref, options) if ref else None

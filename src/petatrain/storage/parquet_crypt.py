@@ -21,7 +21,7 @@ import binascii
 import datetime
 import secrets
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pyarrow.parquet as pq
@@ -46,6 +46,9 @@ class DatasetKeys:
     id: str  # the dataset's key set; part of what every dataset key is wrapped for
     wrapped: dict[str, dict[str, Any]] = field(default_factory=dict)  # key id -> {"key", "key_version"}
     write_key: str = ""
+    # A key service's credentials (StorageOptions.kms_credentials), so that the processes these
+    # keys are sent to reach it too; never shown.
+    kms_credentials: Any = field(default=None, repr=False, compare=False)
 
     def context(self, key_id: str) -> str:
         return f"dataset {self.id}/key {key_id}"
@@ -81,24 +84,25 @@ class DatasetKeys:
 
     def rewrapped(self) -> DatasetKeys:
         """These keys wrapped by the keyring's primary master key version (the shards unchanged)."""
-        keys = open_keys(self.keyref)
+        keys = open_keys(self.keyref, self)
         wrapped = {
             key_id: {"key": keys.wrap(_unwrap(self, key_id), self.context(key_id)), "key_version": keys.primary}
             for key_id in self.wrapped
         }
-        return DatasetKeys(keyref=self.keyref, id=self.id, wrapped=wrapped, write_key=self.write_key)
+        return replace(self, wrapped=wrapped)
 
 
-def new_keys(keyref: str) -> DatasetKeys:
+def new_keys(keyref: str, options: Any = None) -> DatasetKeys:
     """A first dataset key (id "k1"), wrapped by the keyring's primary version."""
-    keys = open_keys(keyref)
-    made = DatasetKeys(keyref=keyref, id=secrets.token_hex(8), write_key="k1")
+    keys = open_keys(keyref, options)
+    credentials = getattr(options, "kms_credentials", None)
+    made = DatasetKeys(keyref=keyref, id=secrets.token_hex(8), write_key="k1", kms_credentials=credentials)
     key = AESGCM.generate_key(bit_length=256)
     made.wrapped["k1"] = {"key": keys.wrap(key, made.context("k1")), "key_version": keys.primary}
     return made
 
 
-def from_record(keyref: str, record: Any, where: str) -> DatasetKeys:
+def from_record(keyref: str, record: Any, where: str, options: Any = None) -> DatasetKeys:
     """The keys a manifest records (`DatasetKeys.record`), to be unwrapped with `keyref`."""
     if (
         not isinstance(record, dict)
@@ -109,7 +113,13 @@ def from_record(keyref: str, record: Any, where: str) -> DatasetKeys:
     ):
         raise CorruptDataError(f"{where}: its encryption record is not one this petatrain reads ({ALGORITHM})")
     ids = sorted(record["keys"])
-    return DatasetKeys(keyref=keyref, id=record["id"], wrapped=dict(record["keys"]), write_key=ids[-1] if ids else "")
+    return DatasetKeys(
+        keyref=keyref,
+        id=record["id"],
+        wrapped=dict(record["keys"]),
+        write_key=ids[-1] if ids else "",
+        kms_credentials=getattr(options, "kms_credentials", None),
+    )
 
 
 _unwrapped: dict[tuple[str, str, str, str], bytes] = {}
@@ -124,7 +134,7 @@ def _unwrap(keys: DatasetKeys, key_id: str) -> bytes:
     with _lock:
         found = _unwrapped.get(cache)
     if found is None:
-        found = open_keys(keys.keyref).unwrap(record["key"], keys.context(key_id))
+        found = open_keys(keys.keyref, keys).unwrap(record["key"], keys.context(key_id))
         with _lock:
             _unwrapped[cache] = found
     return found
