@@ -92,6 +92,17 @@ def test_secrets_are_referenced_never_written(tmp_path, monkeypatch):
     }  # fmt: skip
     mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "keyring")
     assert mount == {"name": "keyring", "mountPath": "/var/run/petatrain", "readOnly": True}
+    assert "OS_AUTH_TOKEN" not in env
+
+    container = "barbican+https://kms.internal:9311/v1/containers/0b9a3a34-9d35-4c1c-9d1e-6c2b8a0f1e2d"
+    monkeypatch.setenv("OS_AUTH_TOKEN", secret)
+    api.deploy_k8s(_tiny(f"storage.encryption.key={container}"), target, str(tmp_path / "kms"))
+    assert secret not in "".join(p.read_text() for p in (tmp_path / "kms").iterdir())
+    pod = _docs(tmp_path / "kms")["RayJob"]["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
+    env = {e["name"]: e for e in pod["containers"][0]["env"]}
+    for key in ("OS_AUTH_TOKEN", "OS_PROJECT_ID"):
+        assert env[key]["valueFrom"]["secretKeyRef"] == {"name": "tiny-kms", "key": key, "optional": True}
+    assert all(v["name"] != "keyring" for v in pod["volumes"])
 
 
 def test_sizes_from_the_plan_on_gpus(tmp_path):

@@ -11,7 +11,8 @@ should meet them: the ServiceAccount, the ConfigMap with the resolved job config
   a toleration for the GPU taint. On CPU, a pod holds one training worker.
 - Secrets by reference only: the S3 credentials come from a Secret's keys (`secretKeyRef`), a
   keyring file (`storage.encryption.key: file:PATH`) from a Secret mounted read-only where the
-  config names it. No value of either is ever written here.
+  config names it, a Barbican key container's credentials (OS_AUTH_TOKEN, OS_PROJECT_ID) from
+  the Secret NAME-kms. No value of any is ever written here.
 - The node-local shard cache (`PETATRAIN_CACHE_DIR`) is an `emptyDir` with a size limit, or,
   with a storage class (local NVMe), a generic ephemeral volume: a PVC per pod, gone with it.
   `/dev/shm` is a memory-backed `emptyDir` as large as Ray's object store, which lives there (30% of
@@ -295,6 +296,10 @@ def _env(cfg: JobConfig, target: Target) -> list[dict[str, Any]]:
         env.append({"name": key, "valueFrom": {"secretKeyRef": {"name": secret, "key": key, "optional": True}}})
     if cfg.storage.s3_endpoint_url:
         env.append({"name": "AWS_ENDPOINT_URL", "value": cfg.storage.s3_endpoint_url})
+    if any(ref.startswith("barbican+") for ref in (cfg.storage.encryption.key, cfg.storage.signing.key)):
+        kms = f"{target.name}-kms"  # the key manager's credentials: a Keystone token, or a project id
+        for key in ("OS_AUTH_TOKEN", "OS_PROJECT_ID"):
+            env.append({"name": key, "valueFrom": {"secretKeyRef": {"name": kms, "key": key, "optional": True}}})
     return env
 
 
