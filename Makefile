@@ -20,6 +20,7 @@ demo: $(STAMP)
 # The suite starts (and stops) a local Ceph RADOS Gateway for the s3-marked tests,
 # installing it from Debian packages if needed. PETATRAIN_TEST_S3_ENDPOINT=http://host:port
 # (with AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY) runs the same tests against any S3 store.
+# tests/test_kms.py likewise starts (and stops) OpenStack Barbican (tests/kms/barbican.sh).
 test: $(STAMP)
 	$(BIN)/python -m pytest
 
