@@ -63,9 +63,10 @@ def _java() -> str | None:
         return shutil.which("java")
     if shutil.which("apt-get") and os.geteuid() == 0:
         env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        subprocess.run(["apt-get", "update", "-qq"], env=env, capture_output=True)
+        apt = ["apt-get", "-o", "DPkg::Lock::Timeout=600"]  # another install may hold dpkg's lock: wait
+        subprocess.run([*apt, "update", "-qq"], env=env, capture_output=True)
         subprocess.run(
-            ["apt-get", "install", "-y", "-qq", "--no-install-recommends", "openjdk-17-jre-headless"],
+            [*apt, "install", "-y", "-qq", "--no-install-recommends", "openjdk-17-jre-headless"],
             env=env,
             capture_output=True,
         )

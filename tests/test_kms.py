@@ -17,12 +17,11 @@ import pytest
 import requests
 import torch
 
-from conftest import ROOT, run_cli
+from conftest import BARBICAN, ROOT, run_cli
 from helpers import tiny, train
 from petatrain.errors import ConfigError, PetatrainError
 from petatrain.storage import StorageOptions, keys, sealed
 
-SCRIPT = ROOT / "tests" / "kms" / "barbican.sh"
 PROJECT = "petatrain-kms-test"
 TOKEN = "tok-3f9a1c-never-written"
 UUID = "0b9a3a34-9d35-4c1c-9d1e-6c2b8a0f1e2d"  # a recognisable credential: it must appear in no file
@@ -34,11 +33,11 @@ def barbican() -> str:
     folder = os.environ.get("PETATRAIN_BARBICAN_DIR", "/tmp/petatrain-barbican-test")
     port = os.environ.get("PETATRAIN_BARBICAN_PORT", "9311")
     env = {**os.environ, "PETATRAIN_BARBICAN_PORT": port}
-    started = subprocess.run(["bash", str(SCRIPT), "start", folder], capture_output=True, text=True, env=env)
+    started = subprocess.run(["bash", str(BARBICAN), "start", folder], capture_output=True, text=True, env=env)
     if started.returncode != 0:
         pytest.fail(f"barbican.sh start failed:\n{started.stderr[-3000:]}")
     yield f"http://127.0.0.1:{port}"
-    subprocess.run(["bash", str(SCRIPT), "stop", folder], capture_output=True, text=True, env=env)
+    subprocess.run(["bash", str(BARBICAN), "stop", folder], capture_output=True, text=True, env=env)
 
 
 @pytest.fixture

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # barbican.sh - a throwaway OpenStack Barbican key manager (HTTP API) for tests.
 #
+#   barbican.sh install       install Barbican (Debian packages) if needed, and nothing else.
 #   barbican.sh start  [DIR]  install Barbican (Debian packages) if needed, write a
 #                             config in DIR and start the API on 127.0.0.1. Idempotent.
 #   barbican.sh stop   [DIR]  kill the server started from DIR and remove DIR.
@@ -55,7 +56,7 @@ die() { echo "[$PROG] ERROR: $*" >&2; exit 1; }
 
 usage() {
     cat >&2 <<EOF
-usage: $PROG {start|stop|status|env} [DIR]
+usage: $PROG {install|start|stop|status|env} [DIR]
   DIR defaults to /tmp/petatrain-barbican; the port is PETATRAIN_BARBICAN_PORT (default 9311)
 EOF
     exit 2
@@ -133,8 +134,9 @@ install_if_missing() {
     # debconf: all questions of barbican-common (configure_db, rabbit,
     # keystone) default to "no"; noninteractive takes the defaults, asks nothing.
     export DEBIAN_FRONTEND=noninteractive DEBCONF_NONINTERACTIVE_SEEN=true
-    apt-get update -qq >/dev/null 2>&1 || die "apt-get update failed"
-    apt-get install -y -qq --no-install-recommends -o Dpkg::Options::=--force-confdef \
+    # another install (the suite's RGW, Prometheus, Java) may hold dpkg's lock: wait for it
+    apt-get -o DPkg::Lock::Timeout=600 update -qq >/dev/null 2>&1 || die "apt-get update failed"
+    apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends -o Dpkg::Options::=--force-confdef \
         -o Dpkg::Options::=--force-confold "${PACKAGES[@]}" >"$aptlog" 2>&1 ||
         { drop_policy_rc; tail -n 30 "$aptlog" >&2; die "apt-get install failed (log: $aptlog)"; }
     drop_policy_rc
@@ -374,6 +376,7 @@ lock() {
 }
 
 case "$CMD" in
+    install) lock; install_if_missing ;;
     start) check_args; lock; cmd_start ;;
     stop) check_args; lock; cmd_stop ;;
     status) check_args; cmd_status ;;

@@ -153,8 +153,9 @@ install_if_missing() {
     command -v apt-get >/dev/null 2>&1 || die "Ceph is not installed and apt-get is not available"
     log "installing ceph-mon ceph-osd radosgw (Debian packages) ..."
     export DEBIAN_FRONTEND=noninteractive
-    apt-get update -qq >/dev/null || die "apt-get update failed"
-    apt-get install -y -qq --no-install-recommends ceph-mon ceph-osd radosgw curl ca-certificates uuid-runtime \
+    # another install (the suite's Barbican, Prometheus, Java) may hold dpkg's lock: wait for it
+    apt-get -o DPkg::Lock::Timeout=600 update -qq >/dev/null || die "apt-get update failed"
+    apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends ceph-mon ceph-osd radosgw curl ca-certificates uuid-runtime \
         >"${TMPDIR:-/tmp}/petatrain-rgw-apt.log" 2>&1 ||
         { tail -n 30 "${TMPDIR:-/tmp}/petatrain-rgw-apt.log" >&2; die "apt-get install failed"; }
     command -v radosgw >/dev/null 2>&1 || die "radosgw still not on PATH after installing"
