@@ -24,7 +24,6 @@ import base64
 import ipaddress
 import os
 import re
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -81,10 +80,6 @@ class Ref:
     ref: str
     base: str  # http(s)://HOST:PORT
     container: str  # uuid, "" for a service URL (what `keys create` is given)
-
-    @property
-    def container_url(self) -> str:
-        return f"{self.base}/v1/containers/{self.container}"
 
 
 def parse(keyref: str, *, container: bool = True) -> Ref:
@@ -300,17 +295,13 @@ def create(service: str, credentials: Credentials) -> str:
     return f"{service.rstrip('/').removesuffix('/v1')}/v1/containers/{uuid}"
 
 
-_guard = threading.Lock()
-
-
 def add_version(keyref: str, credentials: Credentials) -> int:
     """Rotate: Barbican generates master-(N+1), which becomes primary; N+1."""
     client = Client(parse(keyref), credentials)
-    with _guard:
-        members = client.members()
-        versions = [int(m.group(1)) for m in (_MASTER.match(str(n)) for n in members) if m]
-        version = max(versions, default=0) + 1
-        client.add_member(f"master-{version}", client.generate_key(f"petatrain master-{version}"))
+    members = client.members()
+    versions = [int(m.group(1)) for m in (_MASTER.match(str(n)) for n in members) if m]
+    version = max(versions, default=0) + 1
+    client.add_member(f"master-{version}", client.generate_key(f"petatrain master-{version}"))
     return version
 
 
