@@ -259,3 +259,70 @@ def test_breaking_out_early_stops_the_prefetch_threads(token_ds):
     while prefetching() and time.time() < deadline:
         time.sleep(0.05)
     assert not prefetching()
+
+
+def test_the_next_epoch_starts_loading_in_this_one_and_reads_the_same(token_ds, monkeypatch):
+    """Near an epoch's end the next epoch's first window starts loading in a reader of its own;
+    taking it over changes no sample. Anything else (the same epoch again, a restored state,
+    a copy in another process) starts afresh, with the same samples."""
+    import pickle
+
+    from petatrain.data import stream
+
+    made, real = [], stream._ShardReader
+
+    def counted(dataset):
+        reader = real(dataset)
+        if dataset is ds:
+            made.append(reader)
+        return reader
+
+    monkeypatch.setattr(stream, "_ShardReader", counted)
+
+    def fresh(epoch, state=None):
+        ref = StreamingDataset(token_ds, batch_size=BATCH, seed=4, prefetch=False)
+        ref.set_epoch(epoch)
+        if state:
+            ref.load_state_dict(state)
+        return [int(i) for batch in ref.iter_batches() for i in batch["index"]]
+
+    ds = StreamingDataset(token_ds, batch_size=BATCH, seed=4)
+
+    def run(dataset=ds):
+        return [int(i) for batch in dataset.iter_batches() for i in batch["index"]]
+
+    assert run() == fresh(0)
+    handoff = ds._handoff
+    assert handoff is not None and handoff.key[1] == 1 and (handoff.reader.pending or handoff.reader.shards)
+    assert len(made) == 2  # epoch 0's reader and epoch 1's, started during epoch 0
+    ds.set_epoch(1)
+    assert run() == fresh(1)
+    assert len(made) == 3  # epoch 1 read with the reader started for it, and started epoch 2's
+    assert run() == fresh(1)  # epoch 1 again: epoch 2's reader is not for it
+    assert not ds._handoff.reader.pending or all(f.done() for f in ds._handoff.reader.pending.values())
+    copy = pickle.loads(pickle.dumps(ds))  # a reader with threads and loaded shards stays behind
+    assert copy._handoff is None and run(copy) == fresh(1)
+    ds.set_epoch(2)
+    state = {**ds.state_dict(consumed=3 * BATCH)}
+    ds.load_state_dict(state)
+    assert run() == fresh(2, state)  # resumed mid-epoch: not what epoch 2's reader was started for
+
+
+@pytest.mark.skipif(not hasattr(os, "getpriority") or os.uname().sysname != "Linux", reason="per-thread nice")
+def test_prefetch_threads_run_below_the_loop(token_ds):
+    import threading
+    import time
+
+    loop = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    ds = StreamingDataset(token_ds, batch_size=BATCH)
+    batches = ds.iter_batches()
+    next(batches)
+    deadline, nices = time.time() + 5, []
+    while time.time() < deadline:
+        threads = [t for t in threading.enumerate() if t.name.startswith("petatrain-prefetch") and t.native_id]
+        nices = [os.getpriority(os.PRIO_PROCESS, t.native_id) for t in threads]
+        if nices and all(n == min(19, loop + 10) for n in nices):
+            break
+        time.sleep(0.02)
+    batches.close()
+    assert nices and all(n == min(19, loop + 10) for n in nices), nices

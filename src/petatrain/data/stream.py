@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import sys
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -44,6 +47,12 @@ STATE_VERSION = 1
 _WINDOW_SHARDS = 4  # default shuffle window: about this many shards' worth of samples
 _GROUP_ROWS = 1024  # rows gathered at once; batches are views of the gathered block
 _MAX_PAGE_HEADER = 256  # bytes; one Parquet page header (no statistics) is ~30
+# Shuffle windows loaded ahead of the one being read. Two, so that a window whose shards cost
+# CPU to load (encrypted: decrypted and decoded) has a whole window's time to load in.
+_AHEAD_WINDOWS = 2
+# The prefetch threads' nice value above the loop's (Linux: per thread). Where the cores are
+# busy, the loop taking batches keeps its core and the prefetch, which is ahead, takes the rest.
+_PREFETCH_NICE = 10
 
 
 class StreamingDataset(IterableDataset):
@@ -132,6 +141,13 @@ class StreamingDataset(IterableDataset):
         self._start = 0  # global position in this epoch's sequence where iteration resumes
         self._yielded = 0  # samples this process yielded since _start (main-process iteration)
         self._order_cache: SampleOrder | None = None
+        self._handoff: _Handoff | None = None  # the next epoch's reader, started near this one's end
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_handoff"] = None  # threads and loaded shards stay in the process that has them
+        state["_order_cache"] = None  # rebuilt on use (its window cache does not pickle)
+        return state
 
     # -- sequence --------------------------------------------------------------------------
     @property
@@ -142,11 +158,16 @@ class StreamingDataset(IterableDataset):
     def order(self) -> SampleOrder:
         o = self._order_cache
         if o is None or o.epoch != self.epoch:
-            o = SampleOrder(
-                self._rows, seed=self.seed, epoch=self.epoch, shuffle=self.shuffle, window=self.shuffle_window
-            )
+            handoff = self._handoff
+            if handoff is not None and handoff.key[1:5] == (self.epoch, self.seed, self.shuffle, self.shuffle_window):
+                o = handoff.order  # computed when the handoff was started
+            else:
+                o = self._sample_order(self.epoch)
             self._order_cache = o
         return o
+
+    def _sample_order(self, epoch: int) -> SampleOrder:
+        return SampleOrder(self._rows, seed=self.seed, epoch=epoch, shuffle=self.shuffle, window=self.shuffle_window)
 
     def deal(self) -> Deal:
         return self.order().deal(
@@ -200,8 +221,8 @@ class StreamingDataset(IterableDataset):
     # -- iteration -------------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict[str, Any]]:
         worker = get_worker_info()
-        reader = self._reader()
-        for batch in self._batches(reader, worker.id if worker else 0, worker.num_workers if worker else 1):
+        worker_id, num_workers = (worker.id, worker.num_workers) if worker else (0, 1)
+        for batch in self._batches(self._reader(worker_id, num_workers), worker_id, num_workers):
             n = len(batch["index"])
             for i in range(n):
                 sample = {k: v[i] for k, v in batch.items()}
@@ -212,10 +233,50 @@ class StreamingDataset(IterableDataset):
 
     def iter_batches(self, worker_id: int = 0, num_workers: int = 1) -> Iterator[dict[str, Any]]:
         """This rank's batches j with j % num_workers == worker_id, as dicts of tensors/lists."""
-        return self._batches(self._reader(), worker_id, num_workers)
+        return self._batches(self._reader(worker_id, num_workers), worker_id, num_workers)
 
-    def _reader(self) -> _ShardReader:
+    def _layout(self, epoch: int, start: int, worker_id: int, num_workers: int) -> tuple:
+        """What an iteration's sequence depends on, and the process it runs in."""
+        return (
+            os.getpid(),
+            epoch,
+            self.seed,
+            self.shuffle,
+            self.shuffle_window,
+            start,
+            self.rank,
+            self.world_size,
+            self.batch_size,
+            self.drop_last,
+            worker_id,
+            num_workers,
+        )
+
+    def _reader(self, worker_id: int, num_workers: int) -> _ShardReader:
+        """The reader the last epoch started for this iteration (its first window loading or
+        loaded), or a new one."""
+        handoff, self._handoff = self._handoff, None
+        if handoff is not None:
+            if handoff.key == self._layout(self.epoch, self._start, worker_id, num_workers):
+                return handoff.reader
+            if handoff.key[0] == os.getpid():  # a forked child has the object, not the threads
+                handoff.reader.close()
         return _ShardReader(self)
+
+    def _start_next_epoch(self, worker_id: int, num_workers: int) -> None:
+        """Start loading epoch + 1's first window now, in a reader of its own, so that the next
+        epoch does not begin by waiting for it. Its threads end once those shards are loaded."""
+        if get_worker_info() is not None:  # a DataLoader worker process may not see the next epoch
+            return
+        order = self._sample_order(self.epoch + 1)
+        deal = order.deal(0, self.rank, self.world_size, drop_last=self.drop_last, batch_size=self.batch_size)
+        first = worker_id * self.batch_size
+        if deal.count <= first:
+            return
+        reader = _ShardReader(self)
+        reader.prefetch(_window_shards(order, int(deal.positions(first, first + 1)[0] // order.window)))
+        reader.release_threads()
+        self._handoff = _Handoff(self._layout(self.epoch + 1, 0, worker_id, num_workers), order, reader)
 
     def _batches(self, reader: _ShardReader, worker_id: int, num_workers: int) -> Iterator[dict[str, Any]]:
         """This worker's batches, read `group` batches at a time.
@@ -229,6 +290,7 @@ class StreamingDataset(IterableDataset):
         mine = range(worker_id, n_batches, num_workers)
         group = max(1, _GROUP_ROWS // b)
         last_window = -1
+        started_next = finished = False
         try:
             for g in range(0, len(mine), group):
                 batches = mine[g : g + group]
@@ -248,13 +310,22 @@ class StreamingDataset(IterableDataset):
                     yield {k: v[offset : offset + size] for k, v in gathered.items()}
                     offset += size
                 # Once a window's first batches are out (its shards are loaded), fetch the
-                # next window's in the background; earlier would delay the first batch.
+                # next windows' in the background; earlier would delay the first batch.
                 window = int(positions[-1] // order.window)
                 if window != last_window and self.prefetch:
-                    reader.prefetch(_window_shards(order, window + 1))
+                    for ahead in range(1, _AHEAD_WINDOWS + 1):
+                        reader.prefetch(_window_shards(order, window + ahead))
                     last_window = window
+                    # Near the epoch's end there is less ahead to load: load the next epoch's start.
+                    if not started_next and (window + _AHEAD_WINDOWS) * order.window >= order.num_samples:
+                        self._start_next_epoch(worker_id, num_workers)
+                        started_next = True
+            finished = True
         finally:
             reader.close()
+            if started_next and not finished and self._handoff is not None:  # broken off: not needed
+                self._handoff.reader.close()
+                self._handoff = None
 
 
 def _int64s(column: pa.ChunkedArray) -> np.ndarray:
@@ -338,6 +409,13 @@ def _mapped(source: pa.MemoryMappedFile) -> pa.Buffer:
     return source.read_buffer()
 
 
+@dataclass(frozen=True)
+class _Handoff:
+    key: tuple  # StreamingDataset._layout of the iteration it is for
+    order: SampleOrder
+    reader: _ShardReader
+
+
 class _ShardReader:
     """Opens shards (through the cache), keeps the recent ones, prefetches the next window's."""
 
@@ -348,11 +426,24 @@ class _ShardReader:
         self.keep = max(4, 2 * math.ceil(ds.shuffle_window / max(mean, 1.0)) + 2)
         self.shards: OrderedDict[int, _Shard] = OrderedDict()
         self.pending: dict[int, Future] = {}
-        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="petatrain-prefetch")
+        self.pool: ThreadPoolExecutor | None = None  # started by the first prefetch
         self.lock = threading.Lock()
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        with self.lock:
+            pool, self.pool = self.pool, None
+            for future in self.pending.values():  # also those of a released pool
+                future.cancel()
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def release_threads(self) -> None:
+        """Let the threads end once the loads asked for so far are done (a later prefetch
+        starts new ones): a reader waiting for its epoch holds no idle threads."""
+        with self.lock:
+            pool, self.pool = self.pool, None
+        if pool is not None:
+            pool.shutdown(wait=False)
 
     def _load(self, shard: int) -> _Shard:
         ds = self.ds
@@ -372,7 +463,8 @@ class _ShardReader:
                     views[name] = view
             partitions = [c for c in ds.columns if c in ds.manifest.partitions and c not in views]
             rest = [c for c in ds.columns if c not in views and c not in partitions]
-            table = parquet.read(columns=rest) if rest else None
+            # Decoded on this thread: Arrow's own pool would add threads competing with the loop.
+            table = parquet.read(columns=rest, use_threads=False) if rest else None
             if partitions:  # a registered Hive-partitioned file: the values are in its folder names
                 values = hive_partitions(url)
                 columns: dict[str, Any] = {name: table.column(name) for name in rest} if table is not None else {}
@@ -395,6 +487,10 @@ class _ShardReader:
         with self.lock:
             for s in shards:
                 if s not in self.shards and s not in self.pending:
+                    if self.pool is None:
+                        self.pool = ThreadPoolExecutor(
+                            max_workers=2, thread_name_prefix="petatrain-prefetch", initializer=_lower_priority
+                        )
                     self.pending[s] = self.pool.submit(self._load, s)
 
     def shard(self, shard: int) -> _Shard:
@@ -440,6 +536,17 @@ class _ShardReader:
                 out[name] = values
         out["index"] = torch.from_numpy(ds._first_row[shards] + rows)
         return out
+
+
+def _lower_priority() -> None:
+    """Run this (prefetch) thread `_PREFETCH_NICE` below the thread that started it (lowering a
+    priority needs no privilege)."""
+    if sys.platform == "linux":  # elsewhere PRIO_PROCESS with a thread id would name a process
+        try:
+            tid = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + _PREFETCH_NICE))
+        except OSError as exc:  # e.g. a seccomp profile that refuses it: prefetch at normal priority
+            log.debug("prefetch thread priority unchanged: %s", exc)
 
 
 def _shard_url(ds: StreamingDataset, shard: int) -> str:
