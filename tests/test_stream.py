@@ -326,3 +326,19 @@ def test_prefetch_threads_run_below_the_loop(token_ds):
         time.sleep(0.02)
     batches.close()
     assert nices and all(n == min(19, loop + 10) for n in nices), nices
+
+
+def test_opening_a_dataset_does_not_import_pandas(token_ds):
+    """pandas' import is ~0.3 s of a loader's start; pyarrow pulls it in through
+    ChunkedArray.to_numpy and pyarrow.dataset, which the loader's path must not touch."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from petatrain.data import StreamingDataset; "
+        f"ds = StreamingDataset({token_ds!r}, batch_size=4); next(iter(ds.iter_batches())); "
+        "print('pandas' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "False"

@@ -113,9 +113,9 @@ class StreamingDataset(IterableDataset):
         self.manifest = manifest
         self._paths = listed.column("path").combine_chunks()
         self._checksums = listed.column("checksum").combine_chunks()
-        self._rows = _int64s(listed.column("rows"))
-        self._bytes = _int64s(listed.column("bytes"))
-        self._first_row = _int64s(listed.column("first_row"))
+        self._rows = idx.int64s(listed.column("rows"))
+        self._bytes = idx.int64s(listed.column("bytes"))
+        self._first_row = idx.int64s(listed.column("first_row"))
         self._keys = listed.column("key").combine_chunks()
         # A signed manifest's shards are checked against their SHA-256 too (as they are fetched).
         self._sha256 = listed.column("sha256").combine_chunks() if manifest.signed else None
@@ -326,14 +326,6 @@ class StreamingDataset(IterableDataset):
             if started_next and not finished and self._handoff is not None:  # broken off: not needed
                 self._handoff.reader.close()
                 self._handoff = None
-
-
-def _int64s(column: pa.ChunkedArray) -> np.ndarray:
-    """An int64 column as numpy, via its buffer: pyarrow's to_numpy imports pandas (~0.3 s)."""
-    array = column.combine_chunks()
-    if array.null_count:
-        raise CorruptDataError(f"shard index column {column.type} has nulls")
-    return np.frombuffer(array.buffers()[1], dtype=np.int64, count=len(array), offset=array.offset * 8)
 
 
 def _window_shards(order: SampleOrder, window: int) -> list[int]:
