@@ -2,9 +2,12 @@
 
 - loader: the same packed-token corpus ingested twice (plaintext; `--encrypt`, Parquet modular
   encryption), then `StreamingDataset.iter_batches` over every sample for `--epochs` epochs,
-  single process, the runs interleaved (plain, encrypted, plain, ...) so drift hits both; the
-  best of `--repeats`. Peer row: pyarrow reading the encrypted shards directly with the same
-  decryption properties (what any Parquet reader holding the key pays). Goal: >= 70% of plaintext.
+  single process, the runs interleaved (plain, encrypted, plain, ...) so drift hits both;
+  `--pairs` pairs, the median of the pairs' ratios (and the best of each). Two cuts of the
+  corpus: many shards (2 MB of text each, ~15 shuffle windows: the steady state of a dataset
+  larger than a window, the goal's row) and 3 shards (the whole dataset one window: each epoch
+  decrypts it all at once). Peer row: pyarrow reading the encrypted shards directly with the
+  same decryption properties (what any Parquet reader holding the key pays). Goal: >= 70%.
 - checkpoint: a GPT's weights + AdamW state through the real `CheckpointWriter` (single rank,
   local disk): the loop's stall (submit) and the background write time, sealed (AES-256-GCM
   chunks, signed) vs plain safetensors; median of `--repeats`.
@@ -15,7 +18,7 @@
   2 workers (one per node, so every step's gradients cross the link), rank 1 killed at step 15.
   Median step time (steps 5-14, before the kill) and the restart time the report measures.
 
-    .venv/bin/python benchmarks/security.py [--documents 20000] [--epochs 5] [--repeats 3] [--ray-tls]
+    .venv/bin/python benchmarks/security.py [--documents 100000] [--epochs 8] [--pairs 9] [--repeats 5] [--ray-tls]
 
 Prints a table of ratios and writes benchmarks/results/security.json with the machine.
 """
@@ -26,6 +29,7 @@ import argparse
 import shutil
 import statistics
 import time
+from dataclasses import replace
 
 import pyarrow as pa
 import torch
@@ -136,9 +140,10 @@ def ray_tls_rows(corpus: str, folder: str) -> dict[str, dict[str, float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--documents", type=int, default=20000)
-    parser.add_argument("--epochs", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--documents", type=int, default=100_000)
+    parser.add_argument("--epochs", type=int, default=8)
+    parser.add_argument("--pairs", type=int, default=9, help="loader runs, plaintext then encrypted")
+    parser.add_argument("--repeats", type=int, default=5, help="ingest and checkpoint runs")
     parser.add_argument("--params", type=int, default=25_000_000, help="checkpointed floats per tensor (x3)")
     parser.add_argument("--ray-tls", action="store_true", help="also Ray's TLS on the two-node cluster (root)")
     args = parser.parse_args()
@@ -150,7 +155,9 @@ def main() -> None:
     ref = f"file:{ring}"
     plain, sealed = StorageOptions(), StorageOptions(encryption_key=ref, signing_key=ref)
     synth.generate(str(root / "corpus"), documents=args.documents, files=4, seed=5)
-    cfg = config.IngestConfig(tokenizer="bytes", pack_length=1025, shard_size="8MB", dedup="exact")
+    mb = sum(p.stat().st_size for p in (root / "corpus").iterdir()) / 1e6
+    # Three shards for the ingest rows (and the one-window loader row).
+    cfg = config.IngestConfig(tokenizer="bytes", pack_length=1025, shard_size=f"{mb / 3 + 1:.0f}MB", dedup="exact")
 
     ingest_s: dict[str, list[float]] = {"plain": [], "encrypted": []}
     for i in range(args.repeats):
@@ -158,14 +165,21 @@ def main() -> None:
             out = root / f"{name}-{i}"
             summary = api.ingest([str(root / "corpus")], str(out), config=cfg, options=options)
             ingest_s[name].append(summary.seconds)
-    mb = sum(p.stat().st_size for p in (root / "corpus").iterdir()) / 1e6
+    many = replace(cfg, shard_size="2MB")
+    for name, options in (("plain", plain), ("encrypted", sealed)):
+        api.ingest([str(root / "corpus")], str(root / f"{name}-many"), config=many, options=options)
 
-    rates: dict[str, list[float]] = {"plain": [], "encrypted": [], "pyarrow (encrypted)": []}
-    for _ in range(args.repeats):
-        rates["plain"].append(loader_rate(str(root / "plain-0"), plain, args.epochs))
-        rates["encrypted"].append(loader_rate(str(root / "encrypted-0"), sealed, args.epochs))
-        rates["pyarrow (encrypted)"].append(pyarrow_rate(str(root / "encrypted-0"), sealed, args.epochs))
-    best = {k: max(v) for k, v in rates.items()}
+    cuts = {"many shards": "many", "3 shards": "0"}  # dataset cut -> folder suffix
+    loader: dict[str, dict[str, list[float]]] = {}
+    for cut, suffix in cuts.items():
+        rates: dict[str, list[float]] = {"plain": [], "encrypted": []}
+        for _ in range(args.pairs):
+            rates["plain"].append(loader_rate(str(root / f"plain-{suffix}"), plain, args.epochs))
+            rates["encrypted"].append(loader_rate(str(root / f"encrypted-{suffix}"), sealed, args.epochs))
+        loader[cut] = rates
+    peer = max(pyarrow_rate(str(root / "encrypted-many"), sealed, args.epochs) for _ in range(args.repeats))
+    shards = {cut: len(open_dataset(str(root / f"plain-{suffix}"), plain).shards) for cut, suffix in cuts.items()}
+    pairs = {cut: [e / p for p, e in zip(r["plain"], r["encrypted"], strict=True)] for cut, r in loader.items()}
 
     ckpt = {
         "plain": checkpoint_times(str(root / "run-plain"), plain, args.params, args.repeats),
@@ -173,10 +187,16 @@ def main() -> None:
     }
     gb = 3 * args.params * 4 / 1e9
 
-    print(f"\nloader: {args.epochs} epochs of packed 1025-token rows (best of {args.repeats})")
-    print(f"{'reader':<22}{'samples/s':>12}{'vs plain':>10}")
-    for name, rate in best.items():
-        print(f"{name:<22}{rate:>12.0f}{rate / best['plain']:>10.2f}")
+    print(f"\nloader: {args.epochs} epochs of packed 1025-token rows, {args.pairs} alternating pairs")
+    print(f"{'dataset':<22}{'plain /s (best)':>17}{'encrypted /s (best)':>21}{'ratio (median pair)':>21}   pairs")
+    for cut, r in loader.items():
+        ratios = " ".join(f"{x:.2f}" for x in pairs[cut])
+        print(
+            f"{f'{cut} ({shards[cut]})':<22}{max(r['plain']):>17.0f}{max(r['encrypted']):>21.0f}"
+            f"{statistics.median(pairs[cut]):>21.2f}   {ratios}"
+        )
+    peer_ratio = peer / max(loader["many shards"]["plain"])
+    print(f"pyarrow reading the encrypted many-shard files: {peer:.0f}/s, {peer_ratio:.2f} of the loader's plaintext")
     print(f"\ncheckpoint of {gb:.2f} GB (median of {args.repeats})")
     print(f"{'':<12}{'stall s':>10}{'write s':>10}{'GB/s':>8}")
     for name, t in ckpt.items():
@@ -198,8 +218,12 @@ def main() -> None:
         "security",
         {
             "args": vars(args),
-            "loader_samples_per_s": best,
-            "loader_ratio": best["encrypted"] / best["plain"],
+            "loader_samples_per_s": loader,  # per dataset cut, per reader: every repeat
+            "loader_shards": shards,
+            "loader_pair_ratios": pairs,
+            "loader_ratio": statistics.median(pairs["many shards"]),
+            "loader_ratio_one_window": statistics.median(pairs["3 shards"]),
+            "pyarrow_encrypted_samples_per_s": peer,
             "loader_goal": 0.70,
             "checkpoint_gb": gb,
             "checkpoint": ckpt,
