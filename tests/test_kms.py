@@ -8,14 +8,21 @@ a plain-HTTP URL to another host and credentials in the URL are each one line.""
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import json
 import os
+import select
+import socket
+import ssl
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
 import requests
 import torch
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from conftest import BARBICAN, ROOT, run_cli
 from helpers import tiny, train
@@ -111,6 +118,86 @@ def test_a_container_made_by_keys_create_holds_a_key_barbican_generated_and_only
     down = "barbican+http://127.0.0.1:9/v1/containers/" + keyref.rsplit("/", 1)[1]
     with pytest.raises(PetatrainError, match=r"cannot be reached to read the key container \(ConnectionError\)"):
         keys.open_keys(down)
+
+
+@contextlib.contextmanager
+def _tls_front(cert: str, key: str, target_port: int):
+    """A TLS endpoint on 127.0.0.1 relaying each connection's bytes to Barbican's plain port: what a
+    TLS-terminating proxy in front of a Barbican does. Yields its port."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def relay(tls: ssl.SSLSocket, upstream: socket.socket) -> None:
+        with tls, upstream:  # one thread per connection: an SSL socket is not read and written at once
+            while True:
+                ready = [tls] if tls.pending() else select.select([tls, upstream], [], [], 30)[0]
+                if not ready:
+                    return
+                for sock in ready:
+                    data = sock.recv(65536)
+                    if not data:
+                        return
+                    (upstream if sock is tls else tls).sendall(data)
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:  # closed: the test is over
+                return
+            try:
+                tls = context.wrap_socket(conn, server_side=True)
+            except (ssl.SSLError, OSError):  # a client that does not trust the certificate hangs up
+                conn.close()
+                continue
+            upstream = socket.create_connection(("127.0.0.1", target_port))
+            threading.Thread(target=relay, args=(tls, upstream), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        yield listener.getsockname()[1]
+    finally:
+        listener.close()
+
+
+def _containers(url: str) -> int:
+    got = requests.get(f"{url}/v1/containers", headers={"X-Project-Id": PROJECT}, timeout=10)
+    got.raise_for_status()
+    return int(got.json()["total"])
+
+
+def test_barbican_over_https_is_trusted_only_through_os_cacert(barbican, project, tmp_path, monkeypatch):
+    """`barbican+https://`: the certificate is checked against OS_CACERT's CAs. Without it (the
+    system's CAs) or with another CA's file, `keys create` is one line and no container is made;
+    with it, the container is made and its keys work, in this process and in the CLI's."""
+    from petatrain.runtime.tls import make_certificates
+
+    ours = make_certificates(str(tmp_path / "ours"), ["127.0.0.1"])
+    other = make_certificates(str(tmp_path / "other"), ["127.0.0.1"])
+    with _tls_front(ours.cert, ours.key, int(barbican.rsplit(":", 1)[1])) as port:
+        base = f"barbican+https://127.0.0.1:{port}"
+        before = _containers(barbican)
+        for cacert in ("", other.ca):
+            refused = run_cli("keys", "create", base, "--json", env={"OS_CACERT": cacert})
+            assert refused.returncode != 0
+            line = refused.stderr.strip().splitlines()[-1]
+            assert "its TLS certificate is not trusted (set OS_CACERT to the CA's PEM file)" in line, refused.stderr
+        assert _containers(barbican) == before, "nothing is made in a Barbican whose certificate was refused"
+
+        made = run_cli("keys", "create", base, "--json", env={"OS_CACERT": ours.ca})
+        assert made.returncode == 0, made.stderr
+        keyref = json.loads(made.stdout)["keyref"]
+        assert keyref.startswith(f"{base}/v1/containers/") and _containers(barbican) == before + 1
+        public = run_cli("keys", "public", keyref, "--out", str(tmp_path / "verify.json"), env={"OS_CACERT": ours.ca})
+        assert public.returncode == 0, public.stderr
+        monkeypatch.setenv("OS_CACERT", ours.ca)
+        ring = keys.open_keys(keyref)
+        wrapped = ring.wrap(b"k" * 32, "ctx")
+        assert ring.unwrap(wrapped, "ctx") == b"k" * 32
+        blob = base64.urlsafe_b64decode(wrapped.split(":", 1)[1])  # wrapped with the key Barbican holds
+        master = AESGCM(_payload(barbican, _container(barbican, keyref)["master-1"]))
+        assert master.decrypt(blob[: keys._NONCE], blob[keys._NONCE :], keys._WRAP_AAD + b"ctx") == b"k" * 32
 
 
 @pytest.mark.slow
