@@ -23,6 +23,7 @@ from __future__ import annotations
 import base64
 import ipaddress
 import os
+import random
 import re
 import time
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ _MASTER = re.compile(r"master-([1-9][0-9]*)$")
 _UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
 _TIMEOUT = 10.0
 _ORDER_WAIT = 30.0
+_ROTATE_TRIES = 5  # rotations that met another one at the same version before giving up
 
 
 class BarbicanError(PetatrainError):
@@ -228,13 +230,26 @@ class Client:
         made = self.json("POST", "/v1/containers", "create the key container", ok=(201,), json=body)
         return _uuid_of(made.get("container_ref"), "container")
 
-    def members(self) -> dict[str, str]:
-        """name -> secret href of the container's secrets."""
+    def members(self) -> list[tuple[str, str]]:
+        """(name, secret href) of the container's secrets. Barbican lets two share a name (two
+        rotations at once may each add master-N): see `named`."""
         got = self.json("GET", f"/v1/containers/{self.ref.container}", "read the key container")
         refs = got.get("secret_refs")
         if got.get("type") != "generic" or not isinstance(refs, list):
             raise BarbicanError(f"{self.ref.ref} is not a petatrain key container (a generic container)")
-        return {str(r.get("name")): _href(r.get("secret_ref"), "secret") for r in refs if isinstance(r, dict)}
+        return [(str(r.get("name")), _href(r.get("secret_ref"), "secret")) for r in refs if isinstance(r, dict)]
+
+    def named(self) -> dict[str, str]:
+        """name -> secret href; a name held by two secrets is refused rather than one picked."""
+        out: dict[str, str] = {}
+        for name, href in self.members():
+            if name in out:
+                raise BarbicanError(
+                    f"{self.ref.ref} holds two secrets named {name} (two `keys rotate` at once?); the later "
+                    "rotation takes its own out within seconds, so try again"
+                )
+            out[name] = href
+        return out
 
     def add_member(self, name: str, href: str) -> None:
         body = {"name": name, "secret_ref": href}
@@ -283,7 +298,7 @@ def fetch(keyref: str, credentials: Credentials) -> tuple[dict[int, bytes], byte
     """The container's master key versions and the signing seed (None when it has none)."""
     ref = parse(keyref)
     client = Client(ref, credentials)
-    members = client.members()
+    members = client.named()
     master: dict[int, bytes] = {}
     for name, href in members.items():
         found = _MASTER.match(str(name))
@@ -310,20 +325,31 @@ def create(service: str, credentials: Credentials) -> str:
 
 
 def add_version(keyref: str, credentials: Credentials) -> int:
-    """Rotate: Barbican generates master-(N+1), which becomes primary; N+1."""
+    """Rotate: Barbican generates master-(N+1), which becomes primary; N+1.
+
+    Barbican cannot add a member only if its name is free, so two rotations at once may both add
+    master-(N+1). Each looks again after adding: one that finds another secret of its name takes
+    its own out and tries N+2. The first to look alone keeps its version; the other then sees it."""
     client = Client(parse(keyref), credentials)
-    members = client.members()
-    versions = [int(m.group(1)) for m in (_MASTER.match(str(n)) for n in members) if m]
-    version = max(versions, default=0) + 1
-    client.add_member(f"master-{version}", client.generate_key(f"petatrain master-{version}"))
-    return version
+    for attempt in range(_ROTATE_TRIES):
+        versions = [int(m.group(1)) for m in (_MASTER.match(name) for name, _ in client.members()) if m]
+        version = max(versions, default=0) + 1
+        name = f"master-{version}"
+        href = client.generate_key(f"petatrain {name}")
+        client.add_member(name, href)
+        if [h for n, h in client.members() if n == name] == [href]:
+            return version
+        client.remove_member(name, href)
+        client.delete_secret(href, name)
+        time.sleep(random.uniform(0, 0.2 * (attempt + 1)))  # two that both stepped back try apart
+    raise BarbicanError(f"{keyref}: {_ROTATE_TRIES} rotations in a row met another one at the same version")
 
 
 def retire(keyref: str, keep: int, credentials: Credentials) -> list[int]:
     """Remove every master version but `keep` from the container and delete its secret; the dropped."""
     client = Client(parse(keyref), credentials)
     dropped = []
-    for name, href in sorted(client.members().items()):
+    for name, href in sorted(client.named().items()):
         found = _MASTER.match(str(name))
         if found and int(found.group(1)) != keep:
             client.remove_member(name, href)
