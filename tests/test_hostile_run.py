@@ -378,6 +378,47 @@ def test_retention_deletes_only_the_files_petatrain_wrote(tmp_path):
     assert latest_verified(run).step == 30
 
 
+def test_nothing_is_written_or_deleted_through_a_link_inside_a_run(tmp_path):
+    """Attack round 3: retention followed a checkpoint folder linked to another run's and deleted
+    that run's checkpoint; a `final/` linked elsewhere had the weights and COMMITTED written
+    through it. Links inside a run are refused before a run starts, and never followed after."""
+    from petatrain.observe.ledger import EventLog
+    from petatrain.runtime.driver import TrainJob, run
+    from petatrain.train.checkpoint.final import write_final
+
+    victim = tmp_path / "victim"
+    _checkpoint(str(victim), 10)
+    (victim / "final").mkdir()
+    (victim / "final" / "model.safetensors").write_text("the other run's weights")
+    (victim / "final" / "COMMITTED").write_text("the other run's record")
+    before = _tree(victim)
+
+    mine = tmp_path / "mine"
+    _checkpoint(str(mine), 20)
+    (mine / ".petatrain-run").write_text(json.dumps({"format": "petatrain-run", "version": 1, "id": "x"}))
+    os.symlink(victim / "checkpoints" / "step-00000010", Path(step_dir(str(mine), 10)))  # older than 20 and 30
+    _checkpoint(str(mine), 30, keep_last=1)  # retention would drop 10 and 20
+    assert sorted(p.name for p in (mine / "checkpoints").iterdir()) == ["step-00000010", "step-00000030"]
+    assert latest_verified(str(mine), below=30) is None  # the link is not one of this run's checkpoints
+
+    os.symlink(victim / "final", mine / "final")
+    with pytest.raises(PetatrainError, match=r"final in .*mine is a symbolic link .*remove the link"):
+        write_final(str(mine), b"weights", 30)
+    os.symlink(victim / "events.jsonl", mine / "events.jsonl")
+    with pytest.raises(PetatrainError, match=r"events\.jsonl in .* is a symbolic link"):
+        EventLog(str(mine))
+    assert _tree(victim) == before
+
+    # Found before a driver writes anything (the lease, config.yaml, the ledger).
+    cfg = config.load(ROOT / "examples" / "tiny.yaml", [f"data.dataset={_dataset(tmp_path)}"])
+    link = r"is a symbolic link \(to .*victim.*\); petatrain never writes"
+    with pytest.raises(PetatrainError, match=link) as refused:
+        run(TrainJob(config=cfg, run_url=str(mine), resume=True))
+    assert len(str(refused.value).splitlines()) == 1
+    assert not (mine / "_lock").exists() and not (mine / "config.yaml").exists()
+    assert _tree(victim) == before
+
+
 # -- one driver per run directory -------------------------------------------------------------
 
 

@@ -134,6 +134,16 @@ def test_rerun_is_a_no_op_and_append_adds_only_new_files(tmp_path):
     ds = index.open_dataset(str(out))
     assert ds.num_rows == 40 and ds.shards.column("first_row").to_pylist()[-1] == 30
 
+    # A dataset's data/ linked to another folder (attack round 3): an append is refused before it
+    # writes anything, instead of writing shards into whatever the link points to.
+    (out / "data").rename(tmp_path / "elsewhere")
+    (out / "data").symlink_to(tmp_path / "elsewhere")
+    elsewhere = snapshot(tmp_path / "elsewhere")
+    c = _jsonl(tmp_path / "src" / "c.jsonl", _sentences(5, "third"))
+    with pytest.raises(PetatrainError, match=r"data is a symbolic link .*never writes or deletes through a link"):
+        ingest([a, b, c], out, append=True)
+    assert snapshot(tmp_path / "elsewhere") == elsewhere
+
 
 def test_append_refuses_changed_settings_and_changed_sources(tmp_path):
     a = _jsonl(tmp_path / "a.jsonl", _sentences(5, "x"))

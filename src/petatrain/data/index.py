@@ -37,6 +37,7 @@ from petatrain.storage import (
     signing,
 )
 from petatrain.storage.checksum import checksum_bytes
+from petatrain.storage.fs import refuse_linked_entries
 from petatrain.storage.keys import open_keys
 from petatrain.storage.lock import LEASE_FILE, Lease
 from petatrain.storage.parquet_crypt import DatasetKeys
@@ -334,6 +335,12 @@ def check_folder(url: str, options: StorageOptions | None = None) -> None:
     """Refuse someone else's non-empty folder as `--out`, before anything is written (a first
     ingest that crashed before its manifest left the marker: that folder is ours)."""
     folder.check(url, CREATED, kind=FORMAT, noun="petatrain dataset", what=f"--out {url}", options=options)
+
+
+def refuse_links(url: str) -> None:
+    """Refuse a local dataset with a symbolic link among what a writer writes (data/ itself, not
+    each shard; _index/ and _rejects/ and what they hold), before anything is written."""
+    refuse_linked_entries(url, descend=("_index", "_rejects"))
 
 
 def mark_folder(url: str, options: StorageOptions | None = None) -> None:

@@ -107,6 +107,7 @@ def run(job: IngestJob) -> IngestSummary:
             "what an ingest writes (a reader picks columns: loader(..., columns=[...]))"
         )
     files = expand_sources(job.sources, options)
+    idx.refuse_links(job.out)
     if idx.read_manifest(job.out, options) is None:
         idx.check_folder(job.out, options)
     # One writer at a time: what it reads from here to its commit cannot change under it.

@@ -20,7 +20,7 @@ from typing import Any
 
 from petatrain.observe import events
 from petatrain.storage import StorageOptions, join
-from petatrain.storage.fs import atomic_write, exists, is_local, read_bytes, resolve
+from petatrain.storage.fs import atomic_write, exists, is_local, read_bytes, refuse_links, resolve
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +36,7 @@ class EventLog:
         self._lock = threading.Lock()
         if is_local(self.url):
             _, path = resolve(self.url, self.options)
+            refuse_links(path, itself=True)  # appending follows a link: another file would take the lines
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             self._path = Path(path)
             self._remote = False

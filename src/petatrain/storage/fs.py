@@ -220,6 +220,76 @@ def read_verified(url: str, checksum: str, options: StorageOptions | None = None
     return data
 
 
+# What makes a local folder petatrain's: a run's marker (train/run_dir.py), a dataset's index folder
+# (data/index.py). Inside such a folder nothing is written or deleted through a symbolic link.
+OWNED_MARKERS = (".petatrain-run", "_index")
+
+
+def _owned(folder: str) -> bool:
+    return any(os.path.lexists(os.path.join(folder, marker)) for marker in OWNED_MARKERS)
+
+
+def refuse_links(path: str, *, itself: bool = False) -> None:
+    """Refuse (PetatrainError, one line) a local path that reaches through a symbolic link inside a
+    run or dataset folder: `final/` linked to another run's, a checkpoint folder linked to another
+    run's checkpoint, `data/` or `_index/` linked elsewhere. A link above the run or dataset (the
+    folder the user named may itself be one) is the user's and is followed. `itself`: the last
+    component counts too (a folder about to be deleted, a file appended to)."""
+    path = os.path.abspath(path)
+    current = path if itself else os.path.dirname(path)
+    while True:
+        if os.path.islink(current):
+            owner = next((a for a in _ancestors(current) if _owned(a)), None)
+            if owner is not None:
+                raise PetatrainError(
+                    f"refusing to write {path}: {os.path.relpath(current, owner)} in {owner} is a symbolic link "
+                    f"(to {os.readlink(current)}); petatrain never writes or deletes through a link inside a run "
+                    "or dataset: remove the link"
+                )
+            return
+        if _owned(current):
+            return
+        parent = os.path.dirname(current)
+        if parent == current:
+            return
+        current = parent
+
+
+def refuse_linked_entries(url: str, *, descend: tuple[str, ...] = ()) -> None:
+    """Before a writer starts in a local run or dataset folder: refuse (one line) a folder whose
+    entries, or those of its sub-folders named in `descend` (and theirs), include a symbolic link,
+    instead of finding it at the first write or, worse, at retention's first delete."""
+    if not is_local(url):
+        return
+    root = resolve(url)[1]
+    pending = [root]
+    while pending:
+        current = pending.pop()
+        try:
+            entries = list(os.scandir(current))
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for entry in entries:
+            relative = os.path.relpath(entry.path, root)
+            if entry.is_symlink():
+                raise PetatrainError(
+                    f"{url}: {relative} is a symbolic link (to {os.readlink(entry.path)}); petatrain never writes "
+                    "or deletes through a link inside a run or dataset: remove the link"
+                )
+            if entry.is_dir(follow_symlinks=False) and relative.split(os.sep)[0] in descend:
+                pending.append(entry.path)
+
+
+def _ancestors(path: str) -> list[str]:
+    out, current = [], os.path.dirname(path)
+    while True:
+        out.append(current)
+        parent = os.path.dirname(current)
+        if parent == current:
+            return out
+        current = parent
+
+
 def atomic_write(url: str, data: bytes, options: StorageOptions | None = None) -> tuple[str, int]:
     """Write `data` so that `url` is either absent or complete; returns (checksum, size).
 
@@ -230,6 +300,7 @@ def atomic_write(url: str, data: bytes, options: StorageOptions | None = None) -
     checksum = checksum_bytes(data)
     fs, path = resolve(url, options)
     if is_local(url):
+        refuse_links(path)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
         try:
@@ -275,6 +346,7 @@ def local_staging_path(url: str) -> str:
     publication is a rename), in the temp directory for an object store."""
     if is_local(url):
         _, path = resolve(url)
+        refuse_links(path)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         return f"{path}.tmp-{uuid.uuid4().hex[:12]}"
     import tempfile
@@ -301,6 +373,7 @@ def publish_file(
         checksum, size = checksum_file(staged), os.path.getsize(staged)
         fs, path = resolve(url, options)
         if is_local(url):
+            refuse_links(path)  # a link made since the file was staged
             os.replace(staged, path)
             return checksum, size
         retrying(f"upload {url}", lambda: fs.put_file(staged, path))
@@ -319,6 +392,8 @@ def remove_tree(url: str, options: StorageOptions | None = None) -> None:
     policy without s3:DeleteObject there) would otherwise stay without a word.
     """
     fs, path = resolve(url, options)
+    if is_local(url):
+        refuse_links(path, itself=True)
     with contextlib.suppress(FileNotFoundError):
         retrying(f"remove {url}", lambda: fs.rm(path, recursive=True))
     if not is_local(url):
@@ -340,6 +415,7 @@ def copy(src: str, dst: str, options: StorageOptions | None = None) -> None:
     fs, src_path = resolve(src, options)
     _, dst_path = resolve(dst, options)
     if is_local(dst):
+        refuse_links(dst_path)
         os.makedirs(os.path.dirname(dst_path), exist_ok=True)
         tmp = f"{dst_path}.tmp-{uuid.uuid4().hex[:12]}"
         fs.copy(src_path, tmp)

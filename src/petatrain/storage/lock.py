@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from petatrain.errors import PetatrainError
-from petatrain.storage.fs import StorageOptions, is_local, resolve
+from petatrain.storage.fs import StorageOptions, is_local, refuse_links, resolve
 from petatrain.storage.retry import retrying
 
 log = logging.getLogger(__name__)
@@ -224,6 +224,7 @@ class Lease:
         data = json.dumps(asdict(record)).encode()
         fs, path = resolve(url, self.options)
         if is_local(url):
+            refuse_links(path)
             os.makedirs(os.path.dirname(path), exist_ok=True)
             tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
             with open(tmp, "wb") as handle:
@@ -248,6 +249,7 @@ class Lease:
     def _put(self, url: str, data: bytes) -> None:
         fs, path = resolve(url, self.options)
         if is_local(url):
+            refuse_links(path)
             tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
             with open(tmp, "wb") as handle:
                 handle.write(data)

@@ -19,10 +19,11 @@ from typing import Any
 
 from petatrain.observe.ledger import EVENTS_FILE, read_events
 from petatrain.storage import StorageOptions, folder, join
-from petatrain.storage.fs import resolve
+from petatrain.storage.fs import refuse_linked_entries, resolve
 from petatrain.storage.lock import LEASE_FILE, Lease
 
 MARKER = ".petatrain-run"
+WRITTEN_FOLDERS = ("checkpoints", "final", "prometheus")  # what train writes below the run folder itself
 FORMAT = "petatrain-run"
 VERSION = 1
 
@@ -33,6 +34,7 @@ def held(run_url: str, options: StorageOptions | None = None, *, wait_s: float =
     the block ends; `LeaseHeld` (one line: host, pid, since when) while another driver holds it,
     after waiting up to `wait_s` for it (a driver that died stops renewing its lease)."""
     _check(run_url, options)
+    refuse_linked_entries(run_url, descend=WRITTEN_FOLDERS)
     lease = Lease(join(run_url, LEASE_FILE), kind="train", what=f"--run-dir {run_url}", options=options)
     lease.acquire(wait_s)
     try:

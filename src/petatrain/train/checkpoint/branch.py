@@ -15,7 +15,7 @@ import shutil
 
 from petatrain.errors import ConfigError, CorruptDataError
 from petatrain.storage import StorageOptions, join
-from petatrain.storage.fs import atomic_write, copy, is_local, read_bytes, resolve
+from petatrain.storage.fs import atomic_write, copy, is_local, read_bytes, refuse_links, resolve
 from petatrain.train.checkpoint.layout import COMMITTED, STATE, step_dir
 from petatrain.train.checkpoint.reader import committed_steps, read_state, remove_checkpoint, verify_checkpoint
 from petatrain.train.checkpoint.state import CheckpointState
@@ -77,6 +77,7 @@ def _transfer(src: str, dst: str, options: StorageOptions | None) -> None:
         copy(src, dst, options)
         return
     if is_local(dst):
+        refuse_links(dst_path)
         os.makedirs(os.path.dirname(dst_path), exist_ok=True)
     with src_fs.open(src_path, "rb") as reader, dst_fs.open(dst_path, "wb") as writer:
         shutil.copyfileobj(reader, writer, 16 << 20)

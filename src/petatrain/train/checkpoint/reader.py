@@ -48,9 +48,21 @@ def committed_steps(run_url: str, options: StorageOptions | None = None) -> list
         # Only the names `step_dir` gives: "step-7" or "step-٠٧" is not a checkpoint of step 7.
         if not re.fullmatch(r"step-[0-9]{8,}", name) or name != f"step-{int(name[5:]):08d}":
             continue
+        if is_local(root) and os.path.islink(child):  # another run's checkpoint, say: never ours to read or delete
+            _warn_link(child)
+            continue
         if fs.exists(f"{child.rstrip('/')}/{COMMITTED}"):
             steps.append(int(name[5:]))
     return sorted(steps)
+
+
+_warned_links: set[str] = set()
+
+
+def _warn_link(path: str) -> None:
+    if path not in _warned_links:  # once per process: committed_steps is called at every checkpoint
+        _warned_links.add(path)
+        log.warning("%s is a symbolic link, not a checkpoint this run wrote: left alone", path)
 
 
 def read_state(run_url: str, step: int, options: StorageOptions | None = None) -> CheckpointState:
@@ -283,6 +295,8 @@ def remove_checkpoint(run_url: str, step: int, options: StorageOptions | None = 
 
     Files petatrain does not write stay, and so does their folder."""
     folder = step_dir(run_url, step)
+    if is_local(folder) and os.path.islink(resolve(folder)[1]):
+        return False  # deleting through it would delete what it points to
     try:
         read_state(run_url, step, options)
     except CorruptDataError:
