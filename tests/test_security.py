@@ -4,8 +4,10 @@ nothing is loaded from it."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -163,7 +165,9 @@ def test_an_encrypted_checkpoint_holds_no_plaintext_and_reads_back_only_with_its
     assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
     with pytest.raises(PetatrainError, match=r"is encrypted; set storage\.encryption\.key") as missing:
         _load(run, 10, StorageOptions())
-    with pytest.raises(keys.KeyringError, match=f"does not unwrap with keyring {other_ring}") as wrong:
+    # Another keyring verifies signatures too: the checkpoint is refused as not signed by it.
+    another = rf"is signed by key ed25519:\w+, not by .*{re.escape(other_ring)}"
+    with pytest.raises(PetatrainError, match=another) as wrong:
         _load(run, 10, encrypted(other_ring))
     for exc in (missing, wrong):
         assert "\n" not in str(exc.value)
@@ -219,12 +223,13 @@ def test_a_checkpoint_rewritten_with_matching_checksums_is_refused_when_signed(t
     with pytest.raises(CorruptDataError, match="signature does not verify"):
         latest_verified(run, options, on_skip=lambda url, why: (_ for _ in ()).throw(CorruptDataError(why)))
     assert latest_verified(run, StorageOptions()) is not None, "without a key the checksums alone are fooled"
-    # verify: true refuses what is unsigned (the forger simply drops the signature)
+    # The forger simply drops the signature: a reader holding the key refuses it all the same.
     del committed["signature"]
     (folder / "COMMITTED").write_text(json.dumps(committed))
     strict = StorageOptions(signing_key=ring, verify_signatures=True)
-    with pytest.raises(CorruptDataError, match="is not signed"):
-        latest_verified(run, strict, on_skip=lambda url, why: (_ for _ in ()).throw(CorruptDataError(why)))
+    for reader in (options, strict):
+        with pytest.raises(CorruptDataError, match="is not signed"):
+            latest_verified(run, reader, on_skip=lambda url, why: (_ for _ in ()).throw(CorruptDataError(why)))
 
 
 @pytest.mark.slow
@@ -236,8 +241,8 @@ def test_an_encrypted_signed_run_recovers_from_a_kill_with_the_plain_runs_weight
     No file the run writes holds key material."""
     from petatrain.train.checkpoint import read_final
 
-    # (not storage.signing.verify: the shared token dataset is unsigned, and verify would refuse it)
-    cfg = tiny(token_dataset, f"storage.encryption.key={ring}")
+    # The shared token dataset is unsigned: a run holding a key reads it only when told that nobody signed it.
+    cfg = tiny(token_dataset, f"storage.encryption.key={ring}", f"storage.signing.unsigned=[{token_dataset}]")
     run = tmp_path / "run"
     summary = train(cfg, run, "kill@step=17,rank=1")
     assert summary["attempts"] == 2
@@ -322,12 +327,14 @@ def test_an_encrypted_dataset_without_or_with_the_wrong_key_is_one_line_and_noth
     enc = str(encrypted_tokens / "enc")
     with pytest.raises(PetatrainError, match=r"is encrypted; set storage\.encryption\.key") as missing:
         StreamingDataset(enc)
-    with pytest.raises(keys.KeyringError, match=f"does not unwrap with keyring {other_ring}") as wrong:
+    # Another keyring is refused at the manifest: it is not the key the dataset was signed with.
+    another = rf"manifest.json is signed by key ed25519:\w+, not by .*{re.escape(other_ring)}"
+    with pytest.raises(PetatrainError, match=another) as wrong:
         StreamingDataset(enc, options=encrypted(other_ring))
     for exc in (missing, wrong):
         assert "\n" not in str(exc.value)
     result = run_cli("inspect", enc, "--verify", "--set", f"storage.encryption.key={other_ring}")
-    assert result.returncode != 0 and "does not unwrap" in result.stderr and result.stderr.count("\n") == 1
+    assert result.returncode != 0 and "is signed by key" in result.stderr and result.stderr.count("\n") == 1
 
 
 def test_a_replaced_encrypted_shard_with_a_matching_checksum_is_refused(encrypted_tokens, ring, tmp_path):
@@ -357,8 +364,12 @@ def test_a_replaced_encrypted_shard_with_a_matching_checksum_is_refused(encrypte
     table = table.set_column(table.schema.get_field_index("checksum"), "checksum", pa.array(checksums))
     table = table.set_column(table.schema.get_field_index("bytes"), "bytes", pa.array(sizes, pa.int64()))
     manifest.index = idx.write_shard_index(str(copy), table)
-    idx.write_manifest(str(copy), manifest)
-    ds = StreamingDataset(str(copy), batch_size=16, options=encrypted(ring), shuffle=False)
+    idx.write_manifest(str(copy), manifest)  # unsigned: the forger has no key
+    with pytest.raises(CorruptDataError, match=r"manifest\.json is not signed, and this reader holds the key"):
+        StreamingDataset(str(copy), batch_size=16, options=encrypted(ring), shuffle=False)
+    # Even read as a dataset nobody signed, the foreign shard's footer does not decrypt with this key.
+    lenient = dataclasses.replace(encrypted(ring), unsigned_datasets=(str(copy),))
+    ds = StreamingDataset(str(copy), batch_size=16, options=lenient, shuffle=False)
     with pytest.raises(CorruptDataError, match="does not decrypt with"):
         list(ds.iter_batches())
 
@@ -449,10 +460,19 @@ def test_a_signed_dataset_rewritten_with_matching_checksums_is_refused(encrypted
     result = run_cli("inspect", str(out), "--verify", "--set", f"storage.signing.key={ring}")
     assert result.returncode != 0 and "signature does not verify" in result.stderr
     assert len(list(StreamingDataset(str(out), batch_size=8).iter_batches())) > 0, "checksums alone are fooled"
-    del record["signature"]
+    # Attack round 3: the forger strips the signature, or names another key in it. A reader holding
+    # the key refuses both, with storage.signing.verify at its default, and so does inspect --verify.
+    signature = record.pop("signature")
     (out / "_index/manifest.json").write_text(json.dumps(record))
-    with pytest.raises(CorruptDataError, match="is not signed"):
-        StreamingDataset(str(out), options=strict)
+    for options in (signer, strict):
+        with pytest.raises(CorruptDataError, match="is not signed, and this reader holds the key"):
+            StreamingDataset(str(out), options=options)
+    result = run_cli("inspect", str(out), "--verify", "--set", f"storage.signing.key={ring}")
+    assert result.returncode != 0 and "is not signed" in result.stderr and result.stderr.count("\n") == 1
+    record["signature"] = {**signature, "key_id": "ed25519:0123456789abcdef"}
+    (out / "_index/manifest.json").write_text(json.dumps(record))
+    with pytest.raises(CorruptDataError, match="is signed by key ed25519:0123456789abcdef, not by"):
+        StreamingDataset(str(out), options=signer)
 
 
 # ---- Ray's TLS, on the two-node network-namespace cluster --------------------------------------------

@@ -415,14 +415,23 @@ class EncryptionConfig:
 class SigningConfig:
     """Signatures on the records that commit data: a dataset's manifest, a checkpoint's state, the
     final weights' record. Writers sign when a key with a signing half is configured (`key`, else
-    `storage.encryption.key`); `verify: true` makes readers refuse unsigned or badly signed records."""
+    `storage.encryption.key`). Readers holding a key verify every record and refuse one that is
+    unsigned or signed by another key; `verify: true` also refuses to read without a key.
+    `unsigned` lists datasets nobody signed (a public corpus) that may be read without a signature
+    though a key is held; a signature such a dataset does carry is still verified."""
 
     key: str = ""  # KEYREF; a public-only keyring (`petatrain keys public`) verifies but cannot sign
     verify: bool = False
+    unsigned: list[str] = field(default_factory=list)  # dataset URLs
 
     def __post_init__(self) -> None:
         if self.key:
             check_keyref(self.key, "storage.signing.key")
+        if self.verify and self.unsigned:
+            raise ConfigError(
+                "storage.signing.verify: true refuses every unsigned record, and storage.signing.unsigned lists "
+                "datasets to read unsigned: keep one"
+            )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -473,6 +482,7 @@ class StorageConfig:
             encryption_key=self.encryption.key,
             signing_key=self.signing.key or self.encryption.key,
             verify_signatures=self.signing.verify,
+            unsigned_datasets=tuple(self.signing.unsigned),
         )
 
 

@@ -75,6 +75,7 @@ def run_options(run_url: str, options: StorageOptions | None) -> StorageOptions:
         encryption_key=options.encryption_key or own.encryption_key,
         signing_key=options.signing_key or own.signing_key,
         verify_signatures=options.verify_signatures or own.verify_signatures,
+        unsigned_datasets=options.unsigned_datasets or own.unsigned_datasets,
     )
 
 

@@ -47,6 +47,7 @@ class StorageOptions:
     encryption_key: str = ""
     signing_key: str = ""
     verify_signatures: bool = False
+    unsigned_datasets: tuple[str, ...] = ()  # read without a signature though a key is held (storage.signing.unsigned)
     # A key service's credentials (barbican.Credentials: OS_AUTH_TOKEN, OS_PROJECT_ID, OS_CACERT),
     # filled in by for_workers() from the driver's environment; never shown or written.
     kms_credentials: Any = field(default=None, repr=False, compare=False)
@@ -123,6 +124,14 @@ class StorageOptions:
         if encryption:
             kwargs["s3_additional_kwargs"] = {**kwargs.get("s3_additional_kwargs", {}), **encryption}
         return kwargs
+
+    def trusts_unsigned(self, dataset: str) -> bool:
+        """Whether the dataset at `dataset` is one `storage.signing.unsigned` lets be read unsigned."""
+        return _same_url(dataset) in {_same_url(u) for u in self.unsigned_datasets}
+
+
+def _same_url(url: str) -> str:
+    return os.path.abspath(os.path.expanduser(url)) if is_local(url) else url.rstrip("/")
 
 
 def checked_ca_bundle(path: str) -> str:

@@ -4,8 +4,8 @@ A checksum catches accidents; a signature catches someone who rewrites a file *a
 checksum. Records petatrain signs (a dataset's manifest, a checkpoint's state.json, the final
 weights' record) also carry the SHA-256 of every file they cover, since xxh3 is fast but not
 made to resist a forger. `{"key_id": "ed25519:…", "ed25519": base64}` sits beside or inside the
-record. Readers check a signature whenever they hold the key it names; with
-`storage.signing.verify: true` they also refuse records that are unsigned or signed by another key.
+record. A reader that holds a key verifies every record it reads and refuses one that is
+unsigned or signed by another key; `storage.signing.verify: true` also refuses to read without a key.
 """
 
 from __future__ import annotations
@@ -48,30 +48,44 @@ def sign(options: Any, data: bytes) -> dict[str, str] | None:
     return {"key_id": keys.key_id, "ed25519": keys.sign(data)}
 
 
-def check(options: Any, data: bytes, signature: Any, what: str) -> bool:
-    """Check the signature of a record (`what` names it in errors); True if one was verified.
+def check(
+    options: Any, data: bytes, signature: Any, what: str, *, unsigned_ok: bool = False, unsigned_hint: str = ""
+) -> bool:
+    """Check the signature of a record (`what` names it in errors); True once it verified.
 
-    CorruptDataError when a signature by the configured key does not verify, and, with
-    `storage.signing.verify`, when there is none or it is another key's."""
+    A reader that holds a key to verify with (`storage.signing.key`, else the encryption keyring)
+    verifies, always: a record that is unsigned, or signed by another key, is refused like one
+    whose signature does not verify, since stripping a signature or renaming its key is all a
+    forger would otherwise need (sigstore and TUF refuse the same); `unsigned_ok` (a dataset the
+    config lists in `storage.signing.unsigned`) lets an unsigned record through. Without a key, only
+    `storage.signing.verify: true` has something to say: that there is no key to verify with.
+    CorruptDataError, one line, in every refusal."""
     verify = bool(getattr(options, "verify_signatures", False)) if options is not None else False
     keys = signing_keys(options)
-    if verify and keys is None:
-        raise CorruptDataError(
-            f"{what}: storage.signing.verify is on but no key is configured to verify with "
-            "(set storage.signing.key or storage.encryption.key)"
-        )
-    if signature is None:
-        if verify:
-            raise CorruptDataError(f"{what} is not signed, and storage.signing.verify refuses unsigned records")
-        return False
-    if not isinstance(signature, dict) or not all(isinstance(signature.get(k), str) for k in ("key_id", "ed25519")):
-        raise CorruptDataError(f"{what}: its signature record is malformed")
     if keys is None:
-        return False
-    if signature["key_id"] != keys.key_id:
         if verify:
-            raise CorruptDataError(f"{what} is signed by key {signature['key_id']}, not by {keys.key_id} ({keys.ref})")
+            raise CorruptDataError(
+                f"{what}: storage.signing.verify is on but no key is configured to verify with "
+                "(set storage.signing.key or storage.encryption.key)"
+            )
+        if signature is not None and not _well_formed(signature):
+            raise CorruptDataError(f"{what}: its signature record is malformed")
         return False
+    if signature is None:
+        if unsigned_ok:
+            return False
+        raise CorruptDataError(
+            f"{what} is not signed, and this reader holds the key {keys.key_id} ({keys.ref}): it verifies what it "
+            f"reads{unsigned_hint}"
+        )
+    if not _well_formed(signature):
+        raise CorruptDataError(f"{what}: its signature record is malformed")
+    if signature["key_id"] != keys.key_id:
+        raise CorruptDataError(f"{what} is signed by key {signature['key_id']}, not by {keys.key_id} ({keys.ref})")
     if not keys.verify(data, signature["ed25519"]):
         raise CorruptDataError(f"{what}: its signature does not verify (the record was changed after it was signed)")
     return True
+
+
+def _well_formed(signature: Any) -> bool:
+    return isinstance(signature, dict) and all(isinstance(signature.get(k), str) for k in ("key_id", "ed25519"))
