@@ -258,3 +258,76 @@ def test_a_csv_with_kept_columns_is_read_whole_and_says_why(tmp_path, ray_local)
     assert {"id", "lang"} <= set(read_dataset(tmp_path / "kept").column_names)
     text_only = ingest([str(path)], tmp_path / "text-only", split_size="2KB", dedup="none", fields="")
     assert text_only.files_split == 1 and text_only.pieces > 1
+
+
+def _changing(monkeypatch, path, change, *, when: str) -> None:
+    """Call `change(path)` at a fixed point of the ingest's driver: after the listing, before the
+    split scans (`chunks`), or after the scans, before any piece is read (`plan_pieces`)."""
+    original = getattr(split, when)
+
+    def hooked(*args, **kwargs):
+        if when == "chunks":
+            change(path)
+            return original(*args, **kwargs)
+        planned = original(*args, **kwargs)
+        change(path)
+        return planned
+
+    monkeypatch.setattr(split, when, hooked)
+
+
+def _replaced(path) -> None:
+    """Another version of the file, the same size (a writer replacing it in place)."""
+    data = path.read_bytes()
+    path.write_bytes(data.replace(b"w1", b"w9"))
+    assert path.stat().st_size == len(data)
+
+
+def _truncated(path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+@pytest.mark.parametrize(
+    ("change", "when"),
+    [(_replaced, "plan_pieces"), (_truncated, "plan_pieces"), (_replaced, "chunks"), (_truncated, "chunks")],
+    ids=["replaced-after-scan", "truncated-after-scan", "replaced-before-scan", "truncated-before-scan"],
+)
+def test_a_file_that_changes_during_a_split_ingest_is_refused_and_nothing_is_committed(
+    tmp_path, ray_local, monkeypatch, change, when
+):
+    """Attack round 3: a JSONL replaced by a same-size version during a split ingest was committed
+    as a mix of both versions; one cut short after the scan lost half its rows, with a lineage
+    checksum of the whole file. Each piece now checks the bytes it read against its scan's, and
+    the file's listing is checked once the pieces are read."""
+    from petatrain import console
+
+    path = tmp_path / "big.jsonl"
+    path.write_bytes(_jsonl(400))
+    out = tmp_path / "ds"
+    _changing(monkeypatch, path, change, when=when)
+    with pytest.raises(Exception) as refused:
+        ingest([str(path)], out, split_size=str(path.stat().st_size // 4 + 1), dedup="none")
+    line, code = console.explain(refused.value)
+    assert code == 2 and line.startswith(f"source changed during the ingest: {path} (") and "\n" not in line, line
+    assert "nothing was committed" in line
+    assert index.read_manifest(str(out)) is None  # no dataset, no lineage claiming the file
+
+
+def test_a_whole_file_cut_after_it_was_listed_is_refused(tmp_path, ray_local, monkeypatch):
+    from petatrain import console
+    from petatrain.data import ingest as ingest_mod
+
+    path = tmp_path / "small.jsonl"
+    path.write_bytes(_jsonl(100))
+    original = ingest_mod._pieces
+
+    def cut_then_plan(*args, **kwargs):
+        _truncated(path)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(ingest_mod, "_pieces", cut_then_plan)
+    with pytest.raises(Exception) as refused:
+        ingest([str(path)], tmp_path / "ds", dedup="none")
+    line, code = console.explain(refused.value)
+    assert code == 2 and "bytes read" in line and "when it was listed" in line, line
+    assert index.read_manifest(str(tmp_path / "ds")) is None

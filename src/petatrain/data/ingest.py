@@ -71,7 +71,7 @@ from petatrain.storage import (
     remove_tree,
 )
 from petatrain.storage.checksum import ChecksumMismatch
-from petatrain.storage.fs import SourceFile, copy, expand_sources, read_range, resolve
+from petatrain.storage.fs import SourceFile, copy, expand_sources, read_range, resolve, unchanged
 from petatrain.storage.lock import LEASE_FILE, Lease
 from petatrain.storage.parquet_crypt import DatasetKeys, open_parquet
 
@@ -208,6 +208,12 @@ def _ingest(
         file_stats = sorted(
             _from_items(items).map(stage_one, num_cpus=1).take_all(), key=lambda r: (r["file_ord"], r["piece"])
         )
+    # Each piece read what its scan saw (split.check_piece); a file that was replaced as a whole
+    # while the scans ran, each scan consistent with the bytes it saw, still shows in its listing.
+    for file_ord in split_checksums:
+        listed = files[file_ord - first_file]
+        if not unchanged(listed, options):
+            raise PetatrainError(split.changed(listed.url, "its size or mtime differ from its listing"))
     split_kinds = split_field_types(file_stats) if choice is not None else {}
     fields = _batch_fields(job, manifest, file_stats, choice, crypt) if choice is not None else None
     for stat in file_stats:

@@ -34,6 +34,7 @@ import xxhash
 from fsspec.utils import infer_compression
 
 from petatrain.data import sources as src
+from petatrain.errors import PetatrainError
 from petatrain.storage import StorageOptions
 from petatrain.storage.checksum import ALGORITHM
 from petatrain.storage.fs import read_range
@@ -121,14 +122,18 @@ class BoundaryScan:
         if first_block == last_block:  # no block starts here: read only the piece
             hash_from = hash_to = start
         digests = [xxhash.xxh3_128() for _ in range(first_block, last_block)]
+        piece = xxhash.xxh3_128()  # of the piece's bytes: its reader checks that it reads these
         lines = _LineCount()
         pos, stop = min(start, hash_from), max(end, hash_to)
         while pos < stop:
             step_end = min(pos + _SCAN_STEP, stop)
             buf = memoryview(read_range(url, pos, step_end, self.options))
+            if len(buf) != step_end - pos:
+                raise PetatrainError(changed(url, f"it ended at byte {pos + len(buf)} of {size}"))
             a, b = max(pos, start), min(step_end, end)
             if a < b:
                 lines.feed(buf[a - pos : b - pos], csv=fmt == "csv")
+                piece.update(buf[a - pos : b - pos])
             a, b = max(pos, hash_from), min(step_end, hash_to)
             while a < b:
                 block = a // CHECKSUM_BLOCK
@@ -138,6 +143,7 @@ class BoundaryScan:
             pos = step_end
         lines.finish()
         header_end = self._boundary(url, 1, size) if fmt == "csv" and lo == 0 else 0
+        header = xxhash.xxh3_128_hexdigest(read_range(url, 0, header_end, self.options)) if header_end else ""
         return {
             "file_ord": item["file_ord"],
             "chunk": item["chunk"],
@@ -149,6 +155,8 @@ class BoundaryScan:
             "rows": lines.nonempty,
             "rows_are_lines": lines.rows_are_lines and (fmt != "csv" or lo > 0 or self._header_first(url, size)),
             "header_end": header_end,
+            "header_digest": header,
+            "digest": piece.hexdigest(),
             "blocks": json.dumps([d.hexdigest() for d in digests]),  # a string: no list column to unify
         }
 
@@ -161,6 +169,8 @@ class BoundaryScan:
         pos = at - 1
         while pos < stop:
             buf = read_range(url, pos, min(pos + (1 << 20), stop), self.options)
+            if not buf:  # cut short since it was listed: looking on would never end
+                raise PetatrainError(changed(url, f"it ended at byte {pos} of {size}"))
             found = buf.find(b"\n")
             if found >= 0:
                 return pos + found + 1
@@ -203,6 +213,26 @@ class _LineCount:
             self.nonempty += 1  # a last line without a line break is a row
 
 
+def changed(url: str, how: str) -> str:
+    """The one line for a source file that changed while an ingest read it."""
+    return (
+        f"source changed during the ingest: {url} ({how}); nothing was committed: ingest it again once it is "
+        "no longer written to"
+    )
+
+
+def check_piece(url: str, item: dict[str, Any], data: bytes, header: bytes) -> None:
+    """A piece's reader read the bytes its scan saw (PetatrainError otherwise): a file replaced,
+    rewritten or cut between the scan and the read must not mix two versions, or lose rows."""
+    start, end = int(item["start"]), int(item["end"])
+    if len(data) != end - start:
+        raise PetatrainError(changed(url, f"bytes [{start}, {end}) read as {len(data)} bytes"))
+    if xxhash.xxh3_128_hexdigest(data) != item["digest"]:
+        raise PetatrainError(changed(url, f"bytes [{start}, {end}) differ from what the split scan read"))
+    if header and xxhash.xxh3_128_hexdigest(header) != item["header_digest"]:
+        raise PetatrainError(changed(url, "its header row differs from what the split scan read"))
+
+
 def plan_pieces(scans: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
     """Per split file (by file_ord): its pieces (start, end, first_record, header_end) and checksum,
     or the reason it is read whole after all."""
@@ -217,7 +247,7 @@ def plan_pieces(scans: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
             continue
         blocks = [d for s in file_scans for d in json.loads(s["blocks"])]
         pieces, first = [], 0
-        header_end = file_scans[0]["header_end"]
+        header_end, header_digest = file_scans[0]["header_end"], file_scans[0]["header_digest"]
         for scan in file_scans:
             if scan["end"] > scan["start"]:
                 record = first if not csv else max(first - 1, 0)  # CSV rows are counted without the header
@@ -227,6 +257,8 @@ def plan_pieces(scans: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
                         "end": scan["end"],
                         "first_record": record if scan["start"] > 0 else 0,
                         "header_end": header_end if csv and scan["start"] > 0 else 0,
+                        "header_digest": header_digest if csv and scan["start"] > 0 else "",
+                        "digest": scan["digest"],
                     }
                 )
             first += scan["rows"] if csv else scan["newlines"]

@@ -187,6 +187,7 @@ class ReadCleanSign:
         except PermissionError as exc:
             raise PetatrainError(f"source not readable: {url} ({exc})") from None
         if end >= 0:
+            split.check_piece(url, item, data, header)
             fmt = self.cfg.format if self.cfg.format != "auto" else src.detect_format(url)
             records = src.read_piece(
                 url,
@@ -199,6 +200,8 @@ class ReadCleanSign:
                 fields=self.fields,
             )
             return records, "", len(data)
+        if int(item["size"]) and len(data) != int(item["size"]):  # the lineage records the listed size
+            raise PetatrainError(split.changed(url, f"{len(data)} bytes read, {item['size']} when it was listed"))
         checksum, size = split.whole_file_checksum(data), len(data)
         try:
             fmt = self.cfg.format if self.cfg.format != "auto" else src.detect_format(url)

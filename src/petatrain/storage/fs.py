@@ -479,6 +479,17 @@ class SourceFile:
     root: str = ""  # the folder (or a glob's fixed leading folder) it was found under: Hive partitions below it
 
 
+def unchanged(source: SourceFile, options: StorageOptions | None = None) -> bool:
+    """Whether a listed source file still has the size and identity (ETag, mtime) it was listed with."""
+    fs, path = resolve(source.url, options)
+    fs.invalidate_cache(path)
+    try:
+        info = retrying(f"stat {source.url}", functools.partial(fs.info, path))
+    except FileNotFoundError:
+        return False
+    return int(info.get("size") or 0) == source.size and _fingerprint(info) == source.fingerprint
+
+
 def _fingerprint(info: dict[str, Any]) -> str:
     for key in ("ETag", "etag", "md5Hash", "mtime", "LastModified", "last_modified", "created"):
         if info.get(key) is not None:
