@@ -5,6 +5,7 @@ whole state bit for bit."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -61,6 +62,9 @@ def test_spaces_are_checked_against_the_config(tmp_path):
         space.check(cfg, [space.parse("model.n_layer=choice:2,x")])
     with pytest.raises(ConfigError, match="nothing to search"):
         space.check(cfg, [])
+    # Credentials are never searched: what a search samples goes into its trials' records.
+    with pytest.raises(ConfigError, match=r"storage.s3_secret_access_key: the storage section .* is not searched"):
+        space.check(cfg, [space.parse("storage.s3_secret_access_key=choice:a,b")])
     values = space.apply(cfg, {"model.d_model": 128, "train.lr": 0.01})
     assert (values.model.d_model, values.train.lr) == (128, 0.01)
 
@@ -86,6 +90,25 @@ def test_search_settings_are_checked_before_anything_starts(tmp_path):
     assert concurrency(four, cpus=64, gpus=8) == 2  # on GPUs: 4 per trial
     with pytest.raises(ConfigError, match=r"a trial needs 4 CPU\(s\) and 0 GPU\(s\).*the cluster has 2 and 0"):
         concurrency(four, cpus=2, gpus=0)
+
+
+def test_the_store_tune_pickles_its_state_with_holds_no_credential(ray_local):
+    """Tune pickles the filesystem it keeps its state with into OUT/tune/tuner.pkl: on an object
+    store that filesystem pickles without the keys, and resolves them again where it is used."""
+    import ray.cloudpickle
+
+    from petatrain.storage import StorageOptions
+    from petatrain.tune import credentials
+
+    options = StorageOptions(
+        s3_endpoint_url="https://127.0.0.1:1", s3_access_key_id="AKIAPICKLE", s3_secret_access_key="pickleSecret42"
+    )
+    path, filesystem = credentials.tune_storage("s3://bucket/search", options)
+    assert path == "bucket/search"
+    data = ray.cloudpickle.dumps(filesystem)
+    assert b"pickleSecret42" not in data and b"AKIAPICKLE" not in data
+    trial_side = ray.cloudpickle.loads(data)  # a trial actor: the options come from Ray's object store
+    assert (trial_side.handler.fs.key, trial_side.handler.fs.secret) == ("AKIAPICKLE", "pickleSecret42")
 
 
 def test_the_cli_refuses_a_bad_search_in_one_line(tmp_path):
@@ -280,3 +303,79 @@ def test_trials_on_a_node_fetch_each_shard_from_the_object_store_once(s3_endpoin
     assert cached > 0
     # Each shard crossed the network once (plus the index and manifest each trial opens), not once per trial.
     assert cached <= sent < 1.3 * cached, (sent, cached)
+
+
+@pytest.mark.slow
+@pytest.mark.chaos
+def test_a_killed_search_resumes_from_its_trials_ledgers_and_writes_no_credential(token_dataset, ray_local, tmp_path):
+    """Attack round 3. (1) S3 keys from the environment or the config were pickled into
+    OUT/tune/tuner.pkl, and Tune's runtime environment put the environment's into Ray's logs.
+    (2) After the `tune` driver was SIGKILLed and the same command run again, trials that had
+    finished were reported "stopped" at an earlier step with that step's loss (Tune's last saved
+    state), and `best` was chosen from those. A search's result comes from its trials' ledgers."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from petatrain.observe.ledger import read_events
+
+    env_secret, env_key, config_secret = "tuneEnvSecret7f3q", "AKIAENVKEY7F3Q", "tuneConfigSecret9q2w"
+    out = tmp_path / "search"
+    argv = [
+        sys.executable, "-m", "petatrain", "tune", str(ROOT / "examples" / "tiny.yaml"), "--out", str(out),
+        "--address", ray_local.get_runtime_context().gcs_address, "--param", LR, "--trials", "2",
+        "--scheduler", "none", "--max-steps", "30", "--json", "--set", f"data.dataset={token_dataset}",
+        "--set", "parallel.workers=1", "--set", "train.eval_every=10", "--set", "faults.hang_timeout_s=6",
+        "--set", f"storage.s3_secret_access_key={config_secret}",
+    ]  # fmt: skip
+    env = {**os.environ, "AWS_ACCESS_KEY_ID": env_key, "AWS_SECRET_ACCESS_KEY": env_secret}
+
+    def ledgers() -> dict[str, list[dict]]:
+        found = {}
+        for path in out.glob("trials/*/events.jsonl"):
+            found[path.parent.name] = read_events(str(path.parent))
+        return found
+
+    first = subprocess.Popen(
+        argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and first.poll() is None:
+            if any(e["event"] == "end" and e["status"] == "ok" for events in ledgers().values() for e in events):
+                break
+            time.sleep(0.1)
+        assert first.poll() is None, first.communicate()[1].decode()[-3000:]
+        os.killpg(first.pid, signal.SIGKILL)  # as soon as a trial's run has ended: before Tune records it
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    ended_before = {t for t, events in ledgers().items() if events[-1]["event"] == "end"}
+    assert ended_before
+
+    again = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    summary = json.loads(again.stdout)
+    runs = ledgers()
+    assert len(summary["trials"]) == 2
+    for t in summary["trials"]:
+        events = runs[t["trial"]]
+        last_eval = [e for e in events if e["event"] == "eval"][-1]
+        assert (t["status"], t["step"], t["eval_loss"]) == ("finished", 30, last_eval["loss"]), t
+        assert last_eval["step"] == 30
+        if t["trial"] in ended_before:  # nothing trained again
+            assert [e["event"] for e in events].count("run_start") == 1 and events[-1]["event"] == "end"
+    best = min(summary["trials"], key=lambda t: t["eval_loss"])
+    assert summary["best"]["trial"] == best["trial"] and summary["decisions"] == []
+
+    # No credential in anything the search wrote, Tune's pickled state included, nor in Ray's logs.
+    session = ray_local._private.worker._global_node.get_session_dir_path()
+    written = [p for root in (out, Path(session) / "logs") for p in root.rglob("*") if p.is_file()]
+    assert any(p.name == "tuner.pkl" for p in written)
+    for path in written:
+        data = path.read_bytes()
+        for secret in (env_secret, env_key, config_secret):
+            assert secret.encode() not in data, (secret, path)

@@ -90,6 +90,14 @@ class StorageOptions:
             sse_customer_key=customer_key,
         )
 
+    def without_secrets(self) -> StorageOptions:
+        """These options less every credential (S3 keys, the SSE-C key, a key service's token,
+        `extra`): what may be written where these options must not be, e.g. a pickled state on disk.
+        `for_workers()` on the result fills the credentials in again from a process's environment."""
+        return dataclasses.replace(
+            self, s3_access_key_id="", s3_secret_access_key="", sse_customer_key=b"", kms_credentials=None, extra={}
+        )
+
     def fsspec_kwargs(self, protocol: str) -> dict[str, Any]:
         if protocol not in ("s3", "s3a"):
             return dict(self.extra)

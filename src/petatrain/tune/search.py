@@ -32,6 +32,7 @@ from petatrain.errors import ConfigError, PetatrainError
 from petatrain.observe.ledger import EventLog, read_events
 from petatrain.storage import StorageOptions, join
 from petatrain.storage.fs import atomic_write, exists, is_local, read_bytes, resolve
+from petatrain.tune import credentials
 from petatrain.tune import space as spaces
 from petatrain.tune.trial import TrialSetup, configure, run_trial, trial_dir
 
@@ -137,7 +138,8 @@ def run(job: SearchJob) -> dict[str, Any]:
     # The trial actor runs the run's driver: it computes nothing, so it holds no CPU (its workers
     # do); Tune needs some resource in a trial's request, so it asks for one byte of memory.
     trainable = tune.with_resources(tune.with_parameters(run_trial, setup=setup), {"cpu": 0, "memory": 1})
-    storage_path, filesystem = _tune_storage(out, options)
+    credentials.hold(out, options)  # for the callbacks: what Tune pickles names the search only
+    storage_path, filesystem = credentials.tune_storage(out, options)
     say = job.on_progress or (lambda line: None)
     started = time.time()
     path = f"{storage_path.rstrip('/')}/{EXPERIMENT}"
@@ -164,7 +166,7 @@ def run(job: SearchJob) -> dict[str, Any]:
                 storage_filesystem=filesystem,
                 failure_config=tune.FailureConfig(max_failures=settings.max_failures),
                 checkpoint_config=tune.CheckpointConfig(num_to_keep=4),
-                callbacks=[_Progress(say, steps, settings.metric, out, options)],
+                callbacks=[_Progress(say, steps, settings.metric, out)],
                 verbose=0,
             ),
         )
@@ -172,7 +174,9 @@ def run(job: SearchJob) -> dict[str, Any]:
             f"searching {len(parsed)} parameter(s) over {settings.trials} trials of {steps} steps, "
             f"{concurrent} at once ({settings.scheduler}, {settings.search})"
         )
-    with contextlib.redirect_stdout(_ToLog()):  # Tune prints its own tables; petatrain's lines are `say`'s
+    # Tune prints its own tables (petatrain's lines are `say`'s), and would hand the AWS_* credentials
+    # to its trial actors' runtime environment, which Ray logs: the trials' options carry them.
+    with contextlib.redirect_stdout(_ToLog()), credentials.credentials_out_of_environment():
         grid = tuner.fit()
     return _conclude(job.config, grid, out, options, parsed, steps, concurrent, time.time() - started)
 
@@ -222,17 +226,6 @@ def _claim(out: str, description: dict[str, Any], options: StorageOptions | None
     return False
 
 
-def _tune_storage(out: str, options: StorageOptions | None) -> tuple[str, Any]:
-    """Where Tune keeps its state: OUT itself; an object store through a pyarrow wrapper of
-    petatrain's own filesystem (the same credentials and endpoint)."""
-    if is_local(out):
-        return out, None
-    import pyarrow.fs as pafs
-
-    fs, path = resolve(out, options)
-    return path, pafs.PyFileSystem(pafs.FSSpecHandler(fs))
-
-
 def _scheduler(settings: TuneConfig, parsed: list[spaces.Space], steps: int, eval_every: int) -> Any:
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, PopulationBasedTraining
 
@@ -269,17 +262,16 @@ def _search(settings: TuneConfig, concurrent: int) -> Any:
 class _Progress:
     """Tune callback: one console line per evaluation a trial reports, and per trial that ends. A
     trial that ends (stopped, failed) has its workers' placement group removed: its driver was
-    stopped with the trial actor, and a placement group outlives the actor that made it."""
+    stopped with the trial actor, and a placement group outlives the actor that made it. Tune
+    pickles it into its state: it holds no storage options (see tune/credentials.py)."""
 
-    def __new__(
-        cls, say: Callable[[str], None], steps: int, metric: str, out: str, options: StorageOptions | None
-    ) -> Any:
+    def __new__(cls, say: Callable[[str], None], steps: int, metric: str, out: str) -> Any:
         from ray.tune import Callback
 
         from petatrain.runtime.cluster import remove_placement_groups
 
         def release(trial: Any) -> None:
-            events = _events(trial_dir(out, trial.trial_id), options)
+            events = _events(trial_dir(out, trial.trial_id), credentials.held(out))
             groups = {str(e["placement_group"]) for e in events if e.get("placement_group")}
             remove_placement_groups(groups, f"of trial {trial.trial_id}: the trial ended")
 
@@ -325,8 +317,11 @@ def _conclude(
         run_url = trial_dir(out, trial_id)
         events = _events(run_url, options)
         curve = _curve(events, result.metrics_dataframe, settings.metric)
-        step = int(metrics["step"]) if metrics.get("step") is not None else None
-        status = "error" if result.error else "finished" if step == steps else "stopped"
+        # The trial's own ledger says where its run got to, not Tune's last saved state: a search
+        # resumed after its driver died restores each trial's result as of Tune's last save, and a
+        # run that finished since then reports nothing new when Tune calls it again.
+        step, value, finished = _outcome(events, curve, metrics, settings.metric, steps)
+        status = "finished" if finished else "error" if result.error else "stopped"
         if status == "stopped":
             decisions.append({"trial": trial_id, "step": step, "decision": "stopped", "by": settings.scheduler})
             _record_stop(run_url, events, step, settings.scheduler, options)
@@ -342,7 +337,6 @@ def _conclude(
                 goodput = write_report(run_url, options)["goodput"]
             except PetatrainError as exc:
                 log.warning("no report for trial %s: %s", trial_id, exc)
-        value = metrics.get(settings.metric)
         trials.append(
             {
                 "trial": trial_id,
@@ -380,6 +374,32 @@ def _conclude(
     atomic_write(join(out, SUMMARY_FILE), (json.dumps(summary, indent=2, default=str) + "\n").encode(), options)
     summary["html"] = write_search_report(summary, join(out, HTML_FILE), options)
     return summary
+
+
+def _outcome(
+    events: list[dict[str, Any]], curve: list[list[Any]], tuned: dict[str, Any], metric: str, steps: int
+) -> tuple[int | None, Any, bool]:
+    """(step, metric value, finished) of a trial: its run's last evaluation and whether the run
+    ended ok at its last step, from the run's ledger; what Tune last recorded where the ledger
+    has no evaluation (a run that never got to one)."""
+    evals = [int(e["step"]) for e in events if e.get("event") == "eval"]
+    if not evals:
+        step = int(tuned["step"]) if tuned.get("step") is not None else None
+        return step, tuned.get(metric), False
+    step = max(evals)  # a run that went back (a branch) evaluates its steps again: the last one counts
+    if metric == "eval_loss":
+        value: Any = next((v for s, v in reversed(curve) if s == step), None)
+    elif tuned.get("step") == step:
+        value = tuned.get(metric)
+    else:  # train_loss: the loss of the step evaluated, as the trial reported it
+        value = next(
+            (e.get("loss") for e in reversed(events) if e.get("event") == "step" and e.get("step") == step), None
+        )
+    last: dict[str, Any] = next(
+        (e for e in reversed(events) if e.get("event") in ("end", "run_start", "run_continue")), {}
+    )
+    finished = last.get("event") == "end" and last.get("status") == "ok" and last.get("step") == steps
+    return step, value, finished
 
 
 def _curve(events: list[dict[str, Any]], history: Any, metric: str) -> list[list[Any]]:

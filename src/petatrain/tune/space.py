@@ -114,6 +114,11 @@ def check(base: JobConfig, spaces: list[Space]) -> None:
         if space.key in seen:
             raise ConfigError(f"--param {space.key}: given twice")
         seen.add(space.key)
+        if space.key.startswith("storage."):
+            raise ConfigError(
+                f"--param {space.key}: the storage section says how data is reached, with which credentials and "
+                "keys; it is not searched (a search writes what it samples into its trials' records)"
+            )
         if space.key.startswith("tune.") or space.key not in fields:
             close = difflib.get_close_matches(space.key, [f for f in fields if not f.startswith("tune.")], n=1)
             hint = f" (did you mean {close[0]}?)" if close else ""
