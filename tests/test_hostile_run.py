@@ -276,7 +276,13 @@ def _dataset(tmp_path: Path) -> Path:
     """Enough of a dataset for train's checks that run before the run directory's."""
     manifest = tmp_path / "dataset" / "_index" / "manifest.json"
     manifest.parent.mkdir(parents=True)
-    manifest.write_text("{}")
+    packed = {"name": "tokens", "type": "fixed_size_binary[130]"}  # rows of 65 byte-tokens, as tiny.yaml reads
+    record = {
+        "format": "petatrain.dataset", "version": 2, "kind": "packed", "schema": [packed],
+        "totals": {"shards": 0, "rows": 0, "bytes": 0}, "lineage": {}, "tokenizer": {"vocab_size": 257},
+        "ingest": {"pack_length": 65},
+    }  # fmt: skip
+    manifest.write_text(json.dumps(record))
     return manifest.parent.parent
 
 

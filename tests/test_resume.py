@@ -144,3 +144,65 @@ def test_a_killed_driver_is_continued_by_a_new_one_with_the_same_weights(baselin
     assert 10 <= resumed <= lost_at, "continued from the newest committed checkpoint"
     report = goodput.account(events)
     assert report.attempts == cont["attempt"] + 1 and [f.cause for f in report.faults] == ["driver_lost"]
+
+
+@pytest.mark.slow
+@pytest.mark.chaos
+def test_a_run_is_pinned_to_its_dataset_version_and_a_failed_continuation_leaves_a_finished_run_as_it_was(
+    tmp_path, ray_local
+):
+    """First contact, items 1-2. An append while a run trained made its next recovery fail for good
+    (the loader refused the grown dataset, though the index the run started from was on disk): a
+    run is pinned to the dataset version it started on and reopens exactly that. A `--resume` of a
+    finished run that failed before training a step rewrote its record ("failed, 40/80 steps"):
+    a finished run's record changes only once its continuation trains a step."""
+    from petatrain import api
+    from petatrain.config import IngestConfig
+    from petatrain.data import index, synth
+    from petatrain.data.ingest import IngestJob
+    from petatrain.data.ingest import run as ingest
+    from petatrain.errors import PetatrainError
+
+    settings = IngestConfig(tokenizer="bytes", pack_length=65, shard_size="60KB", dedup="exact")
+    synth.generate(str(tmp_path / "first"), documents=400, files=1, seed=1)
+    ds = tmp_path / "ds"
+    ingest(IngestJob(sources=[str(tmp_path / "first")], out=str(ds), config=settings))
+    run = tmp_path / "run"
+    cfg = tiny(str(ds), "parallel.workers=1", "train.steps=20", "checkpoint.every=5", "faults.max_restarts=0")
+    with pytest.raises(PetatrainError):  # the run fails at step 12, its newest checkpoint at 10
+        api.train(cfg, run_dir=str(run), injections=["kill@step=12,rank=0"])
+    assert read_events(str(run))[0]["config"]["data"]["dataset"] == f"{ds}@v1"
+
+    synth.generate(str(tmp_path / "second"), documents=300, files=1, seed=2)  # new data lands: version 2
+    ingest(
+        IngestJob(
+            sources=[str(tmp_path / "first"), str(tmp_path / "second")], out=str(ds), config=settings, append=True
+        )
+    )
+    assert index.read_manifest(str(ds)).generation == 2 and index.open_dataset(f"{ds}@v1").manifest.generation == 1
+    resumed = api.train(cfg, run_dir=str(run), resume=True)  # a RayJob retry: same config, bare dataset URL
+    assert resumed.steps == 20
+    events = read_events(str(run))
+    assert [e["step"] for e in events if e["event"] == "resume"][-1] == 10
+    assert f"{ds}@v1" in (run / "config.yaml").read_text()
+
+    # Told to read another version, a continuing run is refused in one line before anything starts.
+    before = {name: (run / name).read_bytes() for name in ("events.jsonl", "config.yaml", "report.json")}
+    with pytest.raises(ConfigError, match=r"data\.dataset: .*@v1' in the run, .*@v2' here"):
+        api.train(tiny(f"{ds}@v2", "parallel.workers=1", "train.steps=30"), run_dir=str(run), resume=True)
+
+    # The shards go missing: the continuation of the finished run fails before its first step,
+    # and the run's record (ledger, config, report) is what it was.
+    (ds / "data").rename(tmp_path / "away")
+    more = tiny(str(ds), "parallel.workers=1", "train.steps=30", "checkpoint.every=5", "faults.max_restarts=0")
+    with pytest.raises(PetatrainError):
+        api.train(more, run_dir=str(run), resume=True)
+    assert {name: (run / name).read_bytes() for name in before} == before
+    assert api.report(str(run)).to_dict()["status"] == "ok"
+
+    (tmp_path / "away").rename(ds / "data")
+    longer = api.train(more, run_dir=str(run), resume=True)  # now it starts: the record says so
+    assert longer.steps == 30
+    events = read_events(str(run))
+    assert events[-1]["event"] == "end" and events[-1]["status"] == "ok" and events[-1]["step"] == 30
+    assert "steps: 30" in (run / "config.yaml").read_text()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -37,12 +38,16 @@ from petatrain.storage import (
     signing,
 )
 from petatrain.storage.checksum import checksum_bytes
-from petatrain.storage.fs import refuse_linked_entries
+from petatrain.storage.fs import refuse_linked_entries, to_url
 from petatrain.storage.keys import open_keys
 from petatrain.storage.lock import LEASE_FILE, Lease
 from petatrain.storage.parquet_crypt import DatasetKeys
 
 MANIFEST = "_index/manifest.json"
+# Every commit's manifest, kept: `DATASET@vN` opens version N (the Nth commit, `Manifest.generation`)
+# as it was committed, with the shard index it named, however many appends came since.
+VERSIONS = "_index/versions"
+_VERSIONED = re.compile(r"^(?P<root>.+)@v(?P<version>[0-9]+)$")
 SHARD_INDEX = "_index/shards.parquet"
 CREATED = "_index/created.json"  # written first by a first ingest: the folder is ours before its manifest exists
 
@@ -88,11 +93,61 @@ def shard_url(url: str, manifest: Manifest, path: str) -> str:
     return join(url, path)
 
 
-def read_manifest(url: str, options: StorageOptions | None = None) -> Manifest | None:
-    """The manifest of the dataset at `url`, or None if there is no committed dataset."""
-    target = join(url, MANIFEST)
-    if not exists(target, options):
+def split_version(url: str) -> tuple[str, int | None]:
+    """`DATASET@vN` -> (DATASET, N); a bare URL -> (URL, None): its latest version."""
+    found = _VERSIONED.match(url.rstrip("/"))
+    if found is None:
+        return url, None
+    return found["root"], int(found["version"])
+
+
+def versioned(url: str, version: int) -> str:
+    """The URL that opens version `version` of the dataset at `url` (bare or versioned)."""
+    return f"{split_version(url)[0].rstrip('/')}@v{version}"
+
+
+def version_path(version: int) -> str:
+    return f"{VERSIONS}/v{version:08d}.json"
+
+
+def _manifest_file(root: str, version: int | None, options: StorageOptions | None) -> str | None:
+    """Where version `version` (None: the latest) of the dataset at `root` is recorded; None when no
+    dataset is committed there. A version committed before versions were kept is only the latest."""
+    latest = join(root, MANIFEST)
+    if version is None:
+        return latest if exists(latest, options) else None
+    kept = join(root, version_path(version))
+    if exists(kept, options):
+        return kept
+    if not exists(latest, options):
         return None
+    current = _generation(latest, options)
+    if current == version:
+        return latest
+    if version > current:
+        raise PetatrainError(f"{root} has no version {version}: its latest is v{current}")
+    raise PetatrainError(
+        f"{root}@v{version} is not kept (committed before petatrain kept every version, or removed since); "
+        f"the latest is v{current}"
+    )
+
+
+def _generation(target: str, options: StorageOptions | None) -> int:
+    try:
+        value = json.loads(read_bytes(target, options)).get("generation", 0)
+    except (ValueError, AttributeError):
+        return -1
+    return value if isinstance(value, int) else -1
+
+
+def read_manifest(url: str, options: StorageOptions | None = None) -> Manifest | None:
+    """The manifest of the dataset at `url` (`DATASET@vN`: of version N), or None if there is no
+    committed dataset."""
+    root, version = split_version(url)
+    target = _manifest_file(root, version, options)
+    if target is None:
+        return None
+    url = root
     try:
         manifest = json.loads(read_bytes(target, options))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -112,6 +167,8 @@ def read_manifest(url: str, options: StorageOptions | None = None) -> Manifest |
         parsed = Manifest.from_dict(manifest)
     except CorruptDataError as exc:
         raise CorruptDataError(f"corrupt manifest {target}: {exc}") from None
+    if version is not None and parsed.generation != version:
+        raise CorruptDataError(f"{target} records version {parsed.generation}, not {version}; the dataset is damaged")
     signature = manifest.get("signature")
     parsed.signed = signed
     parsed.signed_by = str(signature.get("key_id", "")) if isinstance(signature, dict) else ""
@@ -149,11 +206,12 @@ def rewrap_dataset(url: str, options: StorageOptions) -> dict[str, Any]:
 
 
 def open_dataset(url: str, options: StorageOptions | None = None, *, cache_dir: str | None = None) -> Dataset:
-    """The committed dataset at `url`; with `cache_dir`, its shard index is kept there,
-    keyed by the manifest, so the processes of a node fetch it once."""
+    """The committed dataset at `url` (`DATASET@vN`: version N of it); with `cache_dir`, its shard
+    index is kept there, keyed by the manifest, so the processes of a node fetch it once."""
     manifest = read_manifest(url, options)
     if manifest is None:
         raise PetatrainError(f"no dataset at {url} (missing {MANIFEST})")
+    url = split_version(url)[0]
     local = None
     if cache_dir:
         key = hashlib.sha256(json.dumps(manifest.to_dict(), sort_keys=True).encode()).hexdigest()[:24]
@@ -307,9 +365,11 @@ def write_shard_index(url: str, table: pa.Table, options: StorageOptions | None 
 
 
 def remove_old_indexes(url: str, manifest: Manifest, previous: Manifest | None, options=None) -> None:
-    """After a commit: drop index files neither the new nor the previous manifest names (a
-    reader that read the previous manifest a moment ago may still fetch its index)."""
+    """After a commit: drop index files that no kept version, nor the new or the previous manifest
+    names (a writer that failed before its commit leaves one; a reader that read the previous
+    manifest a moment ago may still fetch its index)."""
     keep = {_index_path(url, m.index).rsplit("/", 1)[-1] for m in (manifest, previous) if m}
+    keep |= _versions_indexes(url, options)
     fs, path = resolve(join(url, "_index"), options)
     for found in retrying(f"list {url}/_index", lambda: fs.ls(path, detail=False)):
         name = found.rstrip("/").rsplit("/", 1)[-1]
@@ -368,7 +428,8 @@ def commit_manifest(
 
 def write_manifest(url: str, manifest: Manifest, options: StorageOptions | None = None) -> None:
     """Publish the manifest, signed when a signing key is configured (over its canonical JSON, which
-    holds the index's SHA-256, which holds every shard's)."""
+    holds the index's SHA-256, which holds every shard's): first as its version's record, kept
+    (`_index/versions/`), then as the latest (`_index/manifest.json`, the commit point)."""
     manifest.updated = now()
     record = manifest.to_dict()
     if signing.signs(options):
@@ -376,7 +437,27 @@ def write_manifest(url: str, manifest: Manifest, options: StorageOptions | None 
         if index is not None and not index.sha256:
             raise PetatrainError(f"{url}: cannot sign a manifest whose index has no SHA-256 (written unsigned)")
         record["signature"] = signing.sign(options, signing.canonical(record))
-    atomic_write(join(url, MANIFEST), json.dumps(record, indent=2, sort_keys=True).encode(), options)
+    data = json.dumps(record, indent=2, sort_keys=True).encode()
+    atomic_write(join(url, version_path(manifest.generation)), data, options)
+    atomic_write(join(url, MANIFEST), data, options)
+
+
+def _versions_indexes(url: str, options: StorageOptions | None) -> set[str]:
+    """The names of the shard index files the kept versions name (the files an old version opens)."""
+    fs, path = resolve(join(url, VERSIONS), options)
+    try:
+        names = retrying(f"list {url}/{VERSIONS}", lambda: fs.ls(path, detail=False))
+    except FileNotFoundError:
+        return set()
+    found = set()
+    for name in names:
+        try:
+            index = json.loads(read_bytes(to_url(fs, name), options)).get("index") or {}
+        except (ValueError, AttributeError, OSError):
+            continue  # not a version record: nothing it names is kept for it
+        if isinstance(index, dict) and isinstance(index.get("path"), str):
+            found.add(index["path"].rsplit("/", 1)[-1])
+    return found
 
 
 def verify_shards(dataset: Dataset) -> list[str]:

@@ -105,8 +105,9 @@ class StreamingDataset(IterableDataset):
         self.rank, self.world_size = rank, world_size
         self.seed, self.shuffle, self.epoch = seed, shuffle, epoch
         self.batch_size, self.drop_last, self.prefetch = batch_size, drop_last, prefetch
+        self.root = idx.split_version(url)[0]  # `DATASET@vN` reads version N of the dataset there
         remote = not is_local(url)
-        self.cache_dir = cache_dir or (default_cache_dir(url) if remote else None)
+        self.cache_dir = cache_dir or (default_cache_dir(self.root) if remote else None)
         self.cache_limit = cache_limit
         dataset = idx.open_dataset(url, options, cache_dir=self.cache_dir)
         manifest, listed = dataset.manifest, dataset.shards
@@ -201,12 +202,19 @@ class StreamingDataset(IterableDataset):
             "num_samples": self.num_samples,
             "world_size": self.world_size,
             "batch_size": self.batch_size,
+            "dataset_version": self.manifest.generation,  # the dataset's commit it reads (DATASET@vN)
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue at the exact next sample of the saved sequence, for any rank/worker layout."""
         if state.get("version") != STATE_VERSION:
             raise PetatrainError(f"loader state version {state.get('version')} is not {STATE_VERSION}")
+        version = state.get("dataset_version")
+        if version is not None and version != self.manifest.generation:
+            raise PetatrainError(
+                f"loader state is for version {version} of {self.root}; this loader reads version "
+                f"{self.manifest.generation} ({self.root}@v{version} opens the one it is for)"
+            )
         if state["num_samples"] != self.num_samples:
             raise PetatrainError(
                 f"loader state is for a dataset of {state['num_samples']} samples; {self.url} has {self.num_samples}"
@@ -542,7 +550,7 @@ def _lower_priority() -> None:
 
 
 def _shard_url(ds: StreamingDataset, shard: int) -> str:
-    return idx.shard_url(ds.url, ds.manifest, ds._paths[shard].as_py())
+    return idx.shard_url(ds.root, ds.manifest, ds._paths[shard].as_py())
 
 
 def _to_python(column: pa.ChunkedArray | pa.Array, token_dtype: np.dtype, name: str) -> list[Any]:

@@ -50,11 +50,18 @@ class EventLog:
         self._file = open(self._path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
 
     def emit(self, event: str, **fields: Any) -> dict[str, Any]:
+        return self.write(self.record(event, **fields))
+
+    @staticmethod
+    def record(event: str, **fields: Any) -> dict[str, Any]:
+        """The event as the ledger holds it (checked against its schema), not yet written."""
         try:
-            record = events.record(event, fields)
+            return events.record(event, fields)
         except TypeError as exc:  # a bug in an emitter: keep the event (a lost step or heartbeat is worse)
             log.error("event %s does not fit its schema: %s", event, exc)
-            record = {"t": fields.pop("t", None) or time.time(), "event": event, "schema_error": str(exc), **fields}
+            return {"t": fields.pop("t", None) or time.time(), "event": event, "schema_error": str(exc), **fields}
+
+    def write(self, record: dict[str, Any]) -> dict[str, Any]:
         line = json.dumps(record, separators=(",", ":"), default=str) + "\n"
         with self._lock:
             self._file.write(line)

@@ -142,8 +142,11 @@ def _drive(job: TrainJob, held: contextlib.ExitStack) -> RunResult:
     # A continuing driver first waits out the lease of a previous driver that died (it stops renewing).
     lease = held.enter_context(run_dir.held(run_url, job.options, wait_s=RESUME_LEASE_WAIT_S if job.resume else 0))
     prior = run_dir.prior_run(run_url, job.options)
+    cfg = _pinned(cfg, prior, job.options)
     if prior is not None:
         _may_continue(prior, cfg, run_url, job.resume, job.branch.may_change if job.branch else ())
+        if job.branch is None:
+            _reads_its_dataset(cfg, run_url, job.options)
         finished = prior.ended == "ok" and prior.step >= cfg.train.steps and _has_final(run_url, job.options)
         if finished and job.branch is None:
             log.info("%s already trained to step %d: nothing to do", prior.describe(), prior.step)
@@ -152,14 +155,24 @@ def _drive(job: TrainJob, held: contextlib.ExitStack) -> RunResult:
     cluster.init_ray(job.address or cfg.resources.address, job.local_cpus, cfg.resources.tls)
     if prior is not None:  # a driver that died left its attempt's workers' reservation behind
         cluster.remove_placement_groups(prior.placement_groups, f"of {prior.describe()}: its driver is gone")
-    atomic_write(join(run_url, "config.yaml"), cfg.to_yaml().encode(), job.options)
+    # A run that ended ok keeps its record (config.yaml, ledger) until its continuation trains a step.
+    ended_ok = prior if prior is not None and prior.ended == "ok" and job.branch is None else None
+    if ended_ok is None:
+        atomic_write(join(run_url, "config.yaml"), cfg.to_yaml().encode(), job.options)
     if job.branch is not None:
         from petatrain.train.checkpoint.branch import adopt
 
         adopt(job.branch.source, job.branch.step, run_url, job.options)
         log.info("branch: from %s at step %d", job.branch.label, job.branch.step)
     run_id = prior.run_id if prior else uuid.uuid4().hex[:8]
-    hub = _start_hub(run_url, run_id, cfg, job.options, fired=prior.fired if prior else [])
+    hub = _start_hub(
+        run_url,
+        run_id,
+        cfg,
+        job.options,
+        fired=prior.fired if prior else [],
+        held_until_past=ended_ok.step if ended_ok else None,
+    )
     if job.gate is not None:
         job.gate.connect(hub.actor)
     policy, alive = WorldSizePolicy(cfg), cluster.RayCluster()
@@ -210,10 +223,23 @@ def _drive(job: TrainJob, held: contextlib.ExitStack) -> RunResult:
         try:
             if attempts.ended:
                 _last_scrape(hub, cfg.observe.metrics_linger_s)
+            if ended_ok is not None and _started(hub):
+                atomic_write(join(run_url, "config.yaml"), cfg.to_yaml().encode(), job.options)
+            elif ended_ok is not None:
+                log.warning(
+                    "%s is left as it was: its continuation ended before it trained a step", ended_ok.describe()
+                )
         finally:
             _publish_targets(run_url, run_id, None, job.options)  # the endpoint goes away with the hub
             attempts.close()
             hub.close()
+
+
+def _started(hub: HubHandle) -> bool:
+    try:
+        return bool(hub.call("started", timeout=30))
+    except Exception:  # a hub that does not answer: its events were not all written; keep the old config
+        return False
 
 
 def _publish_targets(run_url: str, run_id: str, metrics: str | None, options: StorageOptions | None) -> None:
@@ -298,6 +324,33 @@ def _continue(
         attempts.emit("restart", attempt=prior.next_attempt, reason=FailureCause.DRIVER_LOST.value)
 
 
+def _reads_its_dataset(cfg: JobConfig, run_url: str, options: StorageOptions | None) -> None:
+    """A continuing run resumes its newest checkpoint's loader position: refuse (one line, before
+    anything starts) a dataset that is not the one that position counts in."""
+    from petatrain.data import index
+    from petatrain.train.batches import held_out
+    from petatrain.train.checkpoint import latest_verified
+
+    state = latest_verified(run_url, options)
+    loader = state.loader if state is not None else None
+    if state is None or not isinstance(loader, dict):
+        return
+    try:
+        dataset = index.open_dataset(cfg.data.dataset, options)
+    except PetatrainError:
+        return  # the loader says what is wrong with it, as it does for a new run
+    version = loader.get("dataset_version")
+    rows = dataset.shards.column("rows").to_pylist()
+    samples = sum(rows[: len(rows) - held_out(cfg, len(rows))])
+    if version not in (None, dataset.manifest.generation) or loader.get("num_samples") not in (None, samples):
+        trained = f"version {version}" if version is not None else f"{loader.get('num_samples')} samples"
+        raise PetatrainError(
+            f"--run-dir {run_url}: its checkpoint of step {state.step} is a position in {trained} of "
+            f"{index.split_version(cfg.data.dataset)[0]}; data.dataset {cfg.data.dataset} gives version "
+            f"{dataset.manifest.generation} ({samples} samples): a run resumes on the data it trained on"
+        )
+
+
 def _has_final(run_url: str, options: StorageOptions | None) -> bool:
     """The run's final weights are committed (a run whose ledger ended but whose final/ is gone is not done)."""
     from petatrain.storage.fs import exists
@@ -320,8 +373,31 @@ def _finished(prior: Any, run_url: str) -> RunResult:
     )  # fmt: skip
 
 
+def _pinned(cfg: JobConfig, prior: Any, options: StorageOptions | None) -> JobConfig:
+    """The config with data.dataset pinned to one version of the dataset (`DATASET@vN`), so that
+    an append while the run trains never changes what its recoveries read: a new run takes the
+    latest version; a continuing run the version it trained on, as its ledger records it (a run
+    recorded before runs were pinned goes on unpinned)."""
+    from petatrain.data import index
+
+    root, version = index.split_version(cfg.data.dataset)
+    if version is not None:
+        return cfg
+    recorded = (prior.config.get("data") or {}).get("dataset") if prior is not None else None
+    if isinstance(recorded, str) and index.split_version(recorded)[0] == root:
+        pinned = recorded
+    else:
+        manifest = index.read_manifest(root, options)
+        if manifest is None:
+            return cfg  # `_checked` said so already, unless the dataset went away since
+        pinned = index.versioned(root, manifest.generation)
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, dataset=pinned))
+
+
 def _checked(cfg: JobConfig, options: StorageOptions | None) -> JobConfig:
     """The config as the workers get it; what would fail only after Ray started fails here."""
+    from petatrain.data import index
+    from petatrain.errors import CorruptDataError
     from petatrain.storage.fs import exists
     from petatrain.train import strategies
 
@@ -329,20 +405,22 @@ def _checked(cfg: JobConfig, options: StorageOptions | None) -> JobConfig:
     if is_local(cfg.data.dataset):  # Ray workers do not share the driver's working directory
         dataset = os.path.abspath(resolve(cfg.data.dataset)[1])
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, dataset=dataset))
-    if not exists(join(cfg.data.dataset, "_index", "manifest.json"), options):
+    if not exists(join(index.split_version(cfg.data.dataset)[0], index.MANIFEST), options):
         raise PetatrainError(
             f"no dataset at {cfg.data.dataset} (data.dataset); `petatrain demo` builds the demo dataset, "
             "`petatrain ingest SOURCES --out URL --tokenizer bytes --pack-length N` builds yours"
         )
-    from petatrain.data import index
-
     try:
         manifest = index.read_manifest(cfg.data.dataset, options)
-    except PetatrainError:  # a damaged manifest is the loader's to report, on the worker, as always
+    except CorruptDataError:  # a damaged manifest is the loader's to report, on the worker, as always
         manifest = None
     keys = index.dataset_keys(cfg.data.dataset, manifest, options) if manifest else None
     if keys is not None:
         keys.check()  # a missing or wrong keyring: one line here, not a fault on every worker
+    if manifest is not None:
+        from petatrain.train.batches import check_dataset
+
+        check_dataset(cfg, cfg.data.dataset, manifest)  # not three faults on the workers, 20 s later
     constants.controller_mode()  # a bad PETATRAIN_CONTROLLER fails here, before anything starts
     return cfg
 
@@ -369,10 +447,16 @@ class HubHandle:
 
 
 def _start_hub(
-    run_url: str, run_id: str, cfg: JobConfig, options: StorageOptions | None, fired: list[str]
+    run_url: str,
+    run_id: str,
+    cfg: JobConfig,
+    options: StorageOptions | None,
+    fired: list[str],
+    held_until_past: int | None = None,
 ) -> HubHandle:
     """The run hub, on the driver's node: its metrics endpoint is on this machine's 127.0.0.1.
-    `fired`: injected faults that fired under an earlier driver of the run (none fires again)."""
+    `fired`: injected faults that fired under an earlier driver of the run (none fires again).
+    `held_until_past`: the ledger is held until a step past it (a finished run's continuation)."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from petatrain.runtime.hub import RunHub
@@ -382,7 +466,7 @@ def _start_hub(
         # Unique per driver: a lost driver's hub may still be going away when the next one starts.
         name=f"petatrain-hub-{run_id}-{uuid.uuid4().hex[:6]}",
         scheduling_strategy=NodeAffinitySchedulingStrategy(cluster.this_node(), soft=False),
-    ).remote(run_url, _for_workers(options), cfg.observe.metrics_host, cfg.observe.metrics_port, fired)
+    ).remote(run_url, _for_workers(options), cfg.observe.metrics_host, cfg.observe.metrics_port, fired, held_until_past)
     return HubHandle(actor)
 
 

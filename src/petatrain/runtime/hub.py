@@ -31,10 +31,15 @@ class RunHub:
         metrics_host: str = "",
         metrics_port: int = 0,
         fired: list[str] | None = None,
+        held_until_past: int | None = None,
     ):
         from petatrain.observe.metrics import MetricsServer
 
         self.log = EventLog(run_url, options)
+        # Continuing a run that ended ok: its record changes only once the continuation trains a step
+        # past `held_until_past`; events wait here until then, and are dropped if that never comes.
+        self.held: list[dict[str, Any]] | None = [] if held_until_past is not None else None
+        self.held_until_past = held_until_past
         # Prometheus endpoint fed by every event; bound to 127.0.0.1 unless observe.metrics_host says otherwise.
         self.metrics = MetricsServer(metrics_host or "127.0.0.1", metrics_port) if metrics_host else None
         self._lock = threading.Condition()
@@ -56,7 +61,16 @@ class RunHub:
     # -- ledger ------------------------------------------------------------------------------
     @ray.method(concurrency_group="ledger")
     def emit(self, event: str, fields: dict[str, Any]) -> dict[str, Any]:
-        record = self.log.emit(event, **fields)
+        record = self.log.record(event, **fields)
+        if self.held is None:
+            self.log.write(record)
+        else:
+            self.held.append(record)
+            step = record.get("step")
+            if event == "step" and isinstance(step, int) and step > (self.held_until_past or 0):
+                for waiting in self.held:  # the continuation started: its record is the run's now
+                    self.log.write(waiting)
+                self.held = None
         self._track(record)
         if self.metrics is not None:
             self.metrics.observe(record)
@@ -125,6 +139,11 @@ class RunHub:
         self.emit_many(events)
         self.beat(attempt, rank, step, pid, node_id, age_s)
         return self.resize_to.get(attempt)
+
+    @ray.method(concurrency_group="ledger")
+    def started(self) -> bool:
+        """Whether the run's record is being written (not held: see `held_until_past`)."""
+        return self.held is None
 
     @ray.method(concurrency_group="ledger")
     def flush(self) -> None:

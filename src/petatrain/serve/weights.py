@@ -88,7 +88,7 @@ def _run_config(run_url: str, options: StorageOptions | None) -> JobConfig:
 
 def _tokenizer(cfg: JobConfig, options: StorageOptions | None) -> tuple[str, int | None]:
     """The dataset's tokenizer file, checked against the checksum its manifest committed."""
-    from petatrain.data.index import read_manifest
+    from petatrain.data.index import read_manifest, split_version
 
     manifest = read_manifest(cfg.data.dataset, options)
     if manifest is None:
@@ -96,7 +96,7 @@ def _tokenizer(cfg: JobConfig, options: StorageOptions | None) -> tuple[str, int
     info = manifest.tokenizer
     if info is None:
         raise PetatrainError(f"the run's dataset {cfg.data.dataset} records no tokenizer; serve decodes text with it")
-    url = join(cfg.data.dataset, info.path)
+    url = join(split_version(cfg.data.dataset)[0], info.path)
     data = read_bytes(url, options)
     if info.checksum:
         try:

@@ -14,6 +14,34 @@ from petatrain.errors import ConfigError
 from petatrain.storage import StorageOptions
 
 
+def held_out(cfg: JobConfig, n_shards: int) -> int:
+    """Shards held out for evaluation: the last `data.eval_shards`, when the dataset has more."""
+    return cfg.data.eval_shards if n_shards > cfg.data.eval_shards else 0
+
+
+def check_dataset(cfg: JobConfig, url: str, manifest: Any) -> None:
+    """ConfigError (one line) for a dataset the model cannot train on, from its manifest alone (so
+    the driver says it before anything starts): rows of packed tokens at least `seq_len + 1` long,
+    a vocabulary within the model's."""
+    from petatrain.data import index as idx
+
+    seq = cfg.model.seq_len + 1
+    kind = manifest.column_type("tokens")
+    if not (kind and kind.startswith("fixed_size_binary[")):
+        raise ConfigError(
+            f"{url} has no packed tokens column: ingest it with --tokenizer and --pack-length {seq} (model.seq_len + 1)"
+        )
+    width = int(kind[len("fixed_size_binary[") : -1]) // idx.token_dtype(url, manifest).itemsize
+    if width < seq:
+        raise ConfigError(
+            f"model.seq_len {cfg.model.seq_len} needs rows of >= {seq} tokens; {url} has {width} "
+            f"(ingest with --pack-length {seq})"
+        )
+    vocab = manifest.tokenizer.vocab_size if manifest.tokenizer else None
+    if vocab and vocab > cfg.model.vocab_size:
+        raise ConfigError(f"model.vocab_size {cfg.model.vocab_size} is below the dataset's vocabulary ({vocab})")
+
+
 class TokenBatches:
     """Micro-batches of token sequences from the petatrain loader, rolling over epochs.
 
@@ -27,7 +55,7 @@ class TokenBatches:
 
         url = cfg.data.dataset
         n_shards = idx.open_dataset(url, options).manifest.totals.shards
-        held = cfg.data.eval_shards if n_shards > cfg.data.eval_shards else 0
+        held = held_out(cfg, n_shards)
         self.cfg, self.micro, self.seq = cfg, micro, cfg.model.seq_len + 1
         self.train = StreamingDataset(
             url,
@@ -56,29 +84,12 @@ class TokenBatches:
             if held
             else None
         )
-        manifest = self.train.manifest
-        width = self._width(manifest.column_type("tokens"))
-        if width < self.seq:
-            raise ConfigError(
-                f"model.seq_len {cfg.model.seq_len} needs rows of >= {self.seq} tokens; {url} has {width} "
-                f"(ingest with --pack-length {self.seq})"
-            )
-        vocab = manifest.tokenizer.vocab_size if manifest.tokenizer else None
-        if vocab and vocab > cfg.model.vocab_size:
-            raise ConfigError(f"model.vocab_size {cfg.model.vocab_size} is below the dataset's vocabulary ({vocab})")
+        check_dataset(cfg, url, self.train.manifest)
         if len(self.train) < micro:
             raise ConfigError(f"{url}: fewer than train.micro_batch samples per rank in the training split")
         self.consumed = 0
         self.wait_s = 0.0
         self._it: Iterator[dict[str, Any]] | None = None
-
-    def _width(self, tokens_type: str | None) -> int:
-        """Tokens per row: packed token rows are fixed_size_binary[bytes]."""
-        if tokens_type and tokens_type.startswith("fixed_size_binary["):
-            return int(tokens_type[len("fixed_size_binary[") : -1]) // self.train.token_dtype.itemsize
-        raise ConfigError(
-            f"{self.cfg.data.dataset} has no packed tokens column (ingest with --tokenizer and --pack-length)"
-        )
 
     def next(self) -> torch.Tensor:
         t0 = time.perf_counter()

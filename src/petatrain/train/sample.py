@@ -19,7 +19,10 @@ def sample_text(
     dataset's tokenizer."""
     from tokenizers import Tokenizer
 
-    tok = Tokenizer.from_str(read_bytes(join(cfg.data.dataset, "_index", "tokenizer.json"), options).decode())
+    from petatrain.data.index import split_version
+
+    dataset = split_version(cfg.data.dataset)[0]
+    tok = Tokenizer.from_str(read_bytes(join(dataset, "_index", "tokenizer.json"), options).decode())
     spec = build_model(cfg.model, cfg.train)
     spec.module.load_state_dict(read_final(run_url, options)[0])
     spec.module.eval()

@@ -53,7 +53,7 @@ class CheckpointState:
 _CHECKSUM = re.compile(r"xxh3-128:[0-9a-f]{32}")
 _RANK_FILE = re.compile(r"rank-(\d{5,})\.safetensors")
 # The loader's resume state (`StreamingDataset.state_dict`): counts, where the record has them.
-_LOADER_COUNTS = ("version", "epoch", "position", "num_samples", "shuffle_window")
+_LOADER_COUNTS = ("version", "epoch", "position", "num_samples", "shuffle_window", "dataset_version")
 _LOADER_SIZES = ("world_size", "batch_size")
 
 
