@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast bench soak lint format s3-start s3-stop clean
+.PHONY: demo test test-fast bench soak gpu-check gpu-wheels lint format s3-start s3-stop clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -51,14 +51,50 @@ bench: $(STAMP)
 soak: $(STAMP)
 	$(BIN)/python benchmarks/soak.py
 
+# The GPU check (benchmarks/gpu.py, <= 8 minutes on one H100), run on the GPU machine: no .venv, no Ray,
+# no internet there; the few wheels it lacks travel in .whl/ (`make gpu-wheels`, run here).
+GPU_PYTHON ?= python3
+GPU_OUT    ?= benchmarks/results
+gpu-check:
+	if ls .whl/*.whl >/dev/null 2>&1; then $(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile \
+	  --no-cache-dir --upgrade --target /tmp/site .whl/*.whl; fi
+	PYTHONPATH=/tmp/site:src PYTHONUNBUFFERED=1 $(GPU_PYTHON) benchmarks/gpu.py --out $(GPU_OUT)
+
+# The wheels of benchmarks/gpu-wheels.txt for the GPU machine's Python 3.12, into .whl/ (git-ignored). They
+# travel with the working tree, which may carry 64 MiB in all: refused above 32 MiB, with the tree.
+GPU_WHEELS_MAX_MIB := 32
+gpu-wheels:
+	rm -rf .whl && mkdir -p .whl
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	  -d .whl -r benchmarks/gpu-wheels.txt
+	@ls -l .whl; wheels=$$(du -cb .whl/*.whl | tail -1 | cut -f1); \
+	  tree=$$(git ls-files -z | du -cb --files0-from=- | tail -1 | cut -f1); \
+	  echo "gpu-wheels: $$((wheels / 1024)) KiB of wheels + $$((tree / 1024)) KiB of tracked files" \
+	    "= $$(((wheels + tree) / 1048576)) MiB to carry (limit 64 MiB)"; \
+	  if [ $$((wheels + tree)) -gt $$(($(GPU_WHEELS_MAX_MIB) * 1048576)) ]; then \
+	    echo "gpu-wheels: over $(GPU_WHEELS_MAX_MIB) MiB: not well under the 64 MiB a device run carries" >&2; exit 1; fi
+
+# The docs too: their generated reference must match the code, and the site must build with --strict
+# (a broken link or anchor, or a page missing from the nav, fails); the build goes to a temporary folder.
+# (No -q: mkdocs -q hides the warnings, and --strict then passes.)
 lint: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks docs
+	$(BIN)/ruff format --check src tests benchmarks docs
 	$(BIN)/mypy
+	$(BIN)/python docs/gen_reference.py --check
+	d=$$(mktemp -d) && NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -d "$$d"; s=$$?; rm -rf "$$d"; exit $$s
+
+# The documentation site: docs/reference/ regenerated from the code, then docs/ built into site/
+# (`$(BIN)/mkdocs serve` to browse it while editing).
+.PHONY: docs
+docs: $(STAMP)
+	$(BIN)/python docs/gen_reference.py
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -d site
 
 format: $(STAMP)
-	$(BIN)/ruff format src tests benchmarks
-	$(BIN)/ruff check --fix src tests benchmarks
+	$(BIN)/ruff format src tests benchmarks docs
+	$(BIN)/ruff check --fix src tests benchmarks docs
 
 s3-start:
 	bash tests/s3server/rgw.sh start
@@ -67,4 +103,4 @@ s3-stop:
 	bash tests/s3server/rgw.sh stop
 
 clean:
-	rm -rf $(VENV) .petatrain .pytest_cache .ruff_cache
+	rm -rf $(VENV) .petatrain .pytest_cache .ruff_cache site

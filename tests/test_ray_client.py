@@ -81,7 +81,8 @@ def test_an_error_raised_on_the_cluster_is_one_line(ingested, head):
 @pytest.mark.parametrize(
     ("verb", "address", "token", "says"),
     [
-        ("train", "gcs", None, "sends no token: set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN"),
+        # (train checks its dataset before it joins: the module's dataset is text, not packed tokens)
+        ("ingest", "gcs", None, "sends no token: set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN"),
         ("ingest", "client", "0" * 32, "refused this process's token (RAY_AUTH_MODE=token): set RAY_AUTH_TOKEN"),
     ],
 )

@@ -105,3 +105,36 @@ def test_plan_takes_the_micro_batch_train_runs():
     assert c.memory.activations == est.memory_per_device(w, strategy="ddp", count=64, accumulation=1).activations
     (odd,) = plan(cfg, PlanRequest(accelerator="H100-SXM", count=3, strategies=("ddp",))).candidates
     assert not odd.feasible and "not divisible by 3" in odd.reason
+
+
+TINY = ["model.n_layer=1", "model.d_model=16", "model.n_head=2", "model.seq_len=8", "model.vocab_size=32"]
+
+
+def test_train_compile_loads_and_the_loop_compiles_the_model_in_place(tmp_path):
+    """`train.compile: true` compiles the forward where the worker builds the model; in place, so the
+    parameter names checkpoints and serve rely on stay the model's own (no `_orig_mod.` prefix).
+    Only built here: running it would compile (seconds of inductor), and the GPU check runs it."""
+    job = tmp_path / "job.yaml"
+    job.write_text("train:\n  compile: true\n")
+    cfg = config.load(job, TINY)
+    assert cfg.train.compile is True
+    spec = loop._build_model(cfg)
+    assert spec.module._compiled_call_impl is not None
+    plain = loop._build_model(config.load(None, TINY))
+    assert plain.module._compiled_call_impl is None, "off by default"
+    assert list(spec.module.state_dict()) == list(plain.module.state_dict())
+
+
+def test_the_optimizer_keeps_single_tensor_kernels_on_the_cpu():
+    """plan's CPU memory model counts foreach=False AdamW's temporaries; the fused kernel is CUDA's only."""
+    cfg = config.load(None, TINY)
+    optimizer = recipe.build_optimizer(loop.build_model(cfg.model, cfg.train).module, cfg.train)
+    assert optimizer.defaults["foreach"] is False and not optimizer.defaults["fused"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_optimizer_is_fused_on_cuda():
+    cfg = config.load(None, TINY)
+    optimizer = recipe.build_optimizer(loop.build_model(cfg.model, cfg.train).module.cuda(), cfg.train)
+    assert optimizer.defaults["fused"] is True

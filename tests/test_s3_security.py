@@ -125,6 +125,7 @@ def test_role_policies_grant_exactly_what_each_role_needs():
         "arn:aws:s3:::lake/runs/r1/final/*",
         "arn:aws:s3:::lake/runs/r1/checkpoints/*",
         "arn:aws:s3:::lake/datasets/*_index/manifest.json",
+        "arn:aws:s3:::lake/datasets/*_index/versions/*",  # the dataset version a run is pinned to
         "arn:aws:s3:::lake/datasets/*_index/tokenizer.json",
     }
     # merging: another role's statements are kept, the same command's are replaced

@@ -267,12 +267,21 @@ def test_network_partition_loses_a_node_and_training_resumes_on_the_rest(token_d
     assert (run_dir / "final" / "model.safetensors").exists()
 
 
-def test_worker_side_config_error_is_reported_not_retried(token_dataset, tmp_path):
-    with pytest.raises(PetatrainError, match=r"model\.vocab_size 100 is below the dataset's vocabulary"):
-        train(tiny(token_dataset, "model.vocab_size=100"), tmp_path)
-    events = read_events(str(tmp_path))
-    assert [e["event"] for e in events].count("attempt_start") == 1
-    assert events[-1]["event"] == "end" and events[-1]["status"] == "failed"
+def test_a_dataset_the_model_cannot_read_is_one_line_before_anything_starts(token_dataset, tmp_path, monkeypatch):
+    """First contact, item 8: a vocabulary or row width that does not fit the model was found on the
+    workers 16-25 s late and reported as a fault three times. The driver checks the manifest first:
+    one line, no attempt, no run folder claimed."""
+    from petatrain.runtime import cluster
+
+    monkeypatch.setattr(cluster, "init_ray", lambda *a, **k: pytest.fail("Ray was started"))
+    with pytest.raises(ConfigError, match=r"model\.vocab_size 100 is below the dataset's vocabulary"):
+        train(tiny(token_dataset, "model.vocab_size=100"), tmp_path / "small-vocab")
+    with pytest.raises(
+        ConfigError,
+        match=r"model\.seq_len 128 needs rows of >= 129 tokens; .* has 65 \(ingest with --pack-length 129\)",
+    ):
+        train(tiny(token_dataset, "model.seq_len=128"), tmp_path / "long-rows")
+    assert not (tmp_path / "small-vocab").exists() and not (tmp_path / "long-rows").exists()
 
 
 def test_resume_falls_back_when_any_rank_finds_its_file_corrupt(baseline, token_dataset, tmp_path):

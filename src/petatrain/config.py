@@ -144,6 +144,10 @@ class TrainConfig:
     flush_denormal: bool = True
     activation_checkpointing: Literal["none", "selective", "full"] = "none"
     attention: Literal["sdpa", "math"] = "sdpa"
+    # torch.compile the model's forward where the worker builds it (nn.Module.compile, in place: the
+    # parameter names, so checkpoints and served weights, stay the same). The first steps pay for the
+    # compilation; a pipeline's stages call the model's parts directly and run uncompiled.
+    compile: bool = False
     tokens: int = 0  # token budget for planning; 0 means steps * global_batch * seq_len
     eval_every: int = 0  # steps between evaluations on the held-out split; 0 = only at the end
     eval_batches: int = 4
@@ -656,8 +660,8 @@ class JobConfig:
 # stored. Anything else (data, model, the optimisation) would make a different run, so it is
 # refused with the difference named.
 RESUMABLE = (
-    "train.steps", "train.micro_batch", "train.activation_checkpointing", "parallel", "checkpoint", "faults",
-    "resources", "observe", "storage", "plan", "serve", "ingest", "tune", "data.cache_dir",
+    "train.steps", "train.micro_batch", "train.activation_checkpointing", "train.compile", "parallel", "checkpoint",
+    "faults", "resources", "observe", "storage", "plan", "serve", "ingest", "tune", "data.cache_dir",
 )  # fmt: skip
 
 

@@ -171,7 +171,7 @@ def _drive(job: TrainJob, held: contextlib.ExitStack) -> RunResult:
         cfg,
         job.options,
         fired=prior.fired if prior else [],
-        held_until_past=ended_ok.step if ended_ok else None,
+        hold_until_a_step=ended_ok is not None,
     )
     if job.gate is not None:
         job.gate.connect(hub.actor)
@@ -275,7 +275,7 @@ def _last_scrape(hub: HubHandle, linger_s: float) -> None:
 def _may_continue(prior: Any, cfg: JobConfig, run_url: str, resume: bool, may_change: tuple[str, ...]) -> None:
     """A run directory holding a run is continued only when asked to, and only with the same run's
     config (but for `may_change`: the hyperparameters a search's exploit mutates)."""
-    from petatrain.config import resume_differences
+    from petatrain.config import RESUMABLE, resume_differences
 
     if not resume:
         raise ConfigError(
@@ -285,8 +285,7 @@ def _may_continue(prior: Any, cfg: JobConfig, run_url: str, resume: bool, may_ch
     if changed:
         raise ConfigError(
             f"--run-dir {run_url} holds a run with another config ({'; '.join(changed)}); "
-            "on --resume only train.steps, train.micro_batch, train.activation_checkpointing and the parallel, "
-            "checkpoint, faults, resources, observe and storage sections may change"
+            f"on --resume only {', '.join(RESUMABLE)} may change"
         )
 
 
@@ -452,11 +451,11 @@ def _start_hub(
     cfg: JobConfig,
     options: StorageOptions | None,
     fired: list[str],
-    held_until_past: int | None = None,
+    hold_until_a_step: bool = False,
 ) -> HubHandle:
     """The run hub, on the driver's node: its metrics endpoint is on this machine's 127.0.0.1.
     `fired`: injected faults that fired under an earlier driver of the run (none fires again).
-    `held_until_past`: the ledger is held until a step past it (a finished run's continuation)."""
+    `hold_until_a_step`: the ledger is held until the run trains a step (a finished run's continuation)."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from petatrain.runtime.hub import RunHub
@@ -466,7 +465,9 @@ def _start_hub(
         # Unique per driver: a lost driver's hub may still be going away when the next one starts.
         name=f"petatrain-hub-{run_id}-{uuid.uuid4().hex[:6]}",
         scheduling_strategy=NodeAffinitySchedulingStrategy(cluster.this_node(), soft=False),
-    ).remote(run_url, _for_workers(options), cfg.observe.metrics_host, cfg.observe.metrics_port, fired, held_until_past)
+    ).remote(
+        run_url, _for_workers(options), cfg.observe.metrics_host, cfg.observe.metrics_port, fired, hold_until_a_step
+    )
     return HubHandle(actor)
 
 

@@ -31,15 +31,14 @@ class RunHub:
         metrics_host: str = "",
         metrics_port: int = 0,
         fired: list[str] | None = None,
-        held_until_past: int | None = None,
+        hold_until_a_step: bool = False,
     ):
         from petatrain.observe.metrics import MetricsServer
 
         self.log = EventLog(run_url, options)
-        # Continuing a run that ended ok: its record changes only once the continuation trains a step
-        # past `held_until_past`; events wait here until then, and are dropped if that never comes.
-        self.held: list[dict[str, Any]] | None = [] if held_until_past is not None else None
-        self.held_until_past = held_until_past
+        # Continuing a run that ended ok: its record changes only once the continuation trains a step;
+        # events wait here until then, and are dropped if that never comes.
+        self.held: list[dict[str, Any]] | None = [] if hold_until_a_step else None
         # Prometheus endpoint fed by every event; bound to 127.0.0.1 unless observe.metrics_host says otherwise.
         self.metrics = MetricsServer(metrics_host or "127.0.0.1", metrics_port) if metrics_host else None
         self._lock = threading.Condition()
@@ -66,8 +65,7 @@ class RunHub:
             self.log.write(record)
         else:
             self.held.append(record)
-            step = record.get("step")
-            if event == "step" and isinstance(step, int) and step > (self.held_until_past or 0):
+            if event == "step":
                 for waiting in self.held:  # the continuation started: its record is the run's now
                     self.log.write(waiting)
                 self.held = None
@@ -142,7 +140,7 @@ class RunHub:
 
     @ray.method(concurrency_group="ledger")
     def started(self) -> bool:
-        """Whether the run's record is being written (not held: see `held_until_past`)."""
+        """Whether the run's record is being written (not held: see `hold_until_a_step`)."""
         return self.held is None
 
     @ray.method(concurrency_group="ledger")

@@ -160,11 +160,12 @@ def policy(
             )
         )  # fmt: skip
         if data:
-            decoding = tuple(_arn(bucket, data + "*_index/" + name) for name in ("manifest.json", "tokenizer.json"))
+            names = ("manifest.json", "versions/*", "tokenizer.json")  # a run names its dataset's version
+            decoding = tuple(_arn(bucket, data + "*_index/" + name) for name in names)
             statements.append(
                 Statement(
                     sid("ReadTokenizer"), "Allow", READ, decoding,
-                    why=f"read the manifest and tokenizer.json of datasets under s3://{bucket}/{data} (no shard)",
+                    why=f"read the manifests and tokenizer.json of datasets under s3://{bucket}/{data} (no shard)",
                 )
             )  # fmt: skip
         statements.append(

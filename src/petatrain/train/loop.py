@@ -129,7 +129,7 @@ def _set_up(cfg: JobConfig, payload: Payload, env: RankEnv, faults: ckpt.Storage
     device = env.device(cfg.resources.accelerator)
     _set_arithmetic(cfg, device)
     torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
-    spec = build_model(cfg.model, cfg.train)
+    spec = _build_model(cfg)
     strategy = strategies.get(cfg.parallel.strategy)
     data_rank, data_world, micro = strategy.data_shard(cfg, env.rank, env.world)
     steps = step_runner(spec, cfg, device, env.world)
@@ -170,6 +170,16 @@ def _set_up(cfg: JobConfig, payload: Payload, env: RankEnv, faults: ckpt.Storage
         buffers=ckpt.HostBuffers(),
         digest=_digest(cfg),
     )
+
+
+def _build_model(cfg: JobConfig) -> ModelSpec:
+    """The configured model, its forward compiled when train.compile says so. In place
+    (`nn.Module.compile`), not `torch.compile(module)`: that wrapper would prefix every parameter
+    name with `_orig_mod.`, and checkpoints, resume and serve name parameters as the model does."""
+    spec = build_model(cfg.model, cfg.train)
+    if cfg.train.compile:
+        spec.module.compile()
+    return spec
 
 
 def _set_arithmetic(cfg: JobConfig, device: torch.device) -> None:
