@@ -83,10 +83,10 @@ def _wait(cluster, driver, until, what: str, timeout_s: float = 180) -> dict:
 
 
 def test_the_manifests_pods_survive_a_worker_pod_and_a_head_pod_loss(baseline, token_dataset, s3_bucket, tmp_path):
-    from petatrain.chaos.netns import TwoNodeCluster, netns_available
+    from helpers import need_network_namespaces
+    from petatrain.chaos.netns import TwoNodeCluster
 
-    if reason := netns_available():
-        pytest.skip(f"network namespaces unavailable: {reason}")
+    need_network_namespaces()
     port = _free_port()
     endpoint = f"http://10.231.0.1:{port}"  # the S3 server as the pods reach it (TwoNodeCluster's head IP)
     cfg = tiny(token_dataset, f"storage.s3_endpoint_url={endpoint}")

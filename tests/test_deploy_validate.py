@@ -2,7 +2,7 @@
 the cluster's CRDs when given), the operator's Go rules, built-in kinds. Every problem is one
 line naming the file, the object and the path in the document.
 
-Every manifest here is written in this file. With PETATRAIN_K8S_CRDS naming the real CRDs
+Every manifest here is written in this file. With the real CRDs (PETATRAIN_K8S_CRDS, else ../shared/k8s-crds)
 (KubeRay v1.7.0, prometheus-operator v0.93.0, KEDA v2.20.2, e.g. from `kubectl get crd
 rayclusters.ray.io rayjobs.ray.io rayservices.ray.io podmonitors.monitoring.coreos.com
 scaledobjects.keda.sh -o yaml`), test_built_in_schemas_agree_with_the_real_crds checks that each
@@ -13,6 +13,7 @@ runs with the variable unset.
 import copy
 import os
 import socket
+from pathlib import Path
 
 import kubernetes_validate
 import pytest
@@ -21,13 +22,23 @@ import yaml
 from petatrain.deploy import kuberay_schema, validate
 from petatrain.errors import PetatrainError
 
-REAL_CRDS = os.environ.get(validate.CRDS_ENV)  # read before the fixture below clears it
+# The real CRDs: PETATRAIN_K8S_CRDS, else the copy kept beside the repository as data (../shared/k8s-crds,
+# never copied into it). Read before the fixture below clears the variable.
+_SHARED_CRDS = Path(__file__).resolve().parent.parent.parent / "shared" / "k8s-crds"
+REAL_CRDS = os.environ.get(validate.CRDS_ENV) or (str(_SHARED_CRDS) if _SHARED_CRDS.is_dir() else "")
 
-needs_real_crds = pytest.mark.skipif(
-    not REAL_CRDS,
-    reason=f"{validate.CRDS_ENV} is not set: point it at the KubeRay v1.7.0, prometheus-operator v0.93.0 "
-    "and KEDA v2.20.2 CRDs (kubectl get crd ... -o yaml) to compare the built-in schemas with them",
-)
+
+@pytest.fixture
+def real_crds() -> str:
+    """The real CRDs' path; without them a skip here, a failure in CI."""
+    if not REAL_CRDS:
+        from helpers import missing
+
+        missing(
+            f"{validate.CRDS_ENV} is not set and ../shared/k8s-crds is not beside the repository: point it at the "
+            "KubeRay v1.7.0, prometheus-operator v0.93.0 and KEDA v2.20.2 CRDs (kubectl get crd ... -o yaml)"
+        )
+    return REAL_CRDS
 
 
 @pytest.fixture(autouse=True)
@@ -968,9 +979,8 @@ def verdicts(docs, crds):
     return out
 
 
-@needs_real_crds
-def test_the_real_crds_hold_the_kinds_of_the_built_in_schemas():
-    given = validate._given_crds(REAL_CRDS)
+def test_the_real_crds_hold_the_kinds_of_the_built_in_schemas(real_crds):
+    given = validate._given_crds(real_crds)
     assert set(kuberay_schema.SCHEMAS) <= set(given), set(kuberay_schema.SCHEMAS) - set(given)
     rules = set()
 
@@ -988,8 +998,7 @@ def test_the_real_crds_hold_the_kinds_of_the_built_in_schemas():
     assert rules <= set(validate._CEL_RULES), rules - set(validate._CEL_RULES)
 
 
-@needs_real_crds
 @pytest.mark.parametrize("case", sorted(every_manifest_built_here()))
-def test_built_in_schemas_agree_with_the_real_crds(case):
+def test_built_in_schemas_agree_with_the_real_crds(case, real_crds):
     docs = every_manifest_built_here()[case]
-    assert verdicts(docs, None) == verdicts(docs, REAL_CRDS)
+    assert verdicts(docs, None) == verdicts(docs, real_crds)

@@ -39,7 +39,8 @@ def test_the_dataset_card_names_the_shards_and_says_what_the_dataset_holds(datas
 
 
 def test_hugging_face_load_dataset_of_the_root_reads_the_shards(dataset, tmp_path, monkeypatch):
-    datasets = pytest.importorskip("datasets")
+    import datasets
+
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     loaded = datasets.load_dataset(str(dataset), cache_dir=str(tmp_path / "hf-cache"))["train"]
@@ -50,7 +51,8 @@ def test_hugging_face_load_dataset_of_the_root_reads_the_shards(dataset, tmp_pat
 
 
 def test_duckdb_reads_the_shards_and_selects_on_source_fields(dataset):
-    duckdb = pytest.importorskip("duckdb")
+    import duckdb
+
     rows = duckdb.sql(
         f"SELECT id, lang, doc_id FROM read_parquet('{dataset}/data/*.parquet') WHERE id IN ('u1', 'u4') ORDER BY id"
     ).fetchall()
@@ -76,9 +78,10 @@ def _java() -> str | None:
 @pytest.mark.slow
 def test_spark_reads_data_and_its_partitioned_output_registers_with_the_partition_column(dataset, tmp_path):
     """Spark reads DATASET/data/, and what it writes with partitionBy registers with its partition column."""
-    pytest.importorskip("pyspark")
+    from helpers import missing
+
     if _java() is None:
-        pytest.skip("no Java runtime (Debian's openjdk-17-jre-headless) and it could not be installed")
+        missing("no Java runtime (Debian's openjdk-17-jre-headless) and it could not be installed")
     from pyspark.sql import SparkSession
 
     spark = (
@@ -104,7 +107,8 @@ def test_spark_reads_data_and_its_partitioned_output_registers_with_the_partitio
 
 
 def test_a_registered_datasets_card_names_its_files_for_hugging_face(tmp_path, monkeypatch):
-    datasets = pytest.importorskip("datasets")
+    import datasets
+
     spark = tmp_path / "spark"
     spark.mkdir()
     pq.write_table(pa.table({"text": ["one", "two"]}), spark / "part-0.parquet")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import select
-import shutil
 import subprocess
 import sys
 import time
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from petatrain.chaos.netns import PartitionRefusedError, TwoNodeCluster, cut_own_link, netns_available
+from petatrain.chaos.netns import PartitionRefusedError, TwoNodeCluster, cut_own_link
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow]
 
@@ -23,14 +22,10 @@ DETECT_WITHIN_S = 15.0
 
 @pytest.fixture(scope="module")
 def netns_ok():
-    """Skip unless this process may make network namespaces; install iproute2 if only `ip` is missing."""
-    if os.geteuid() != 0:
-        pytest.skip("network-namespace tests need root")
-    if shutil.which("ip") is None and shutil.which("apt-get"):
-        subprocess.run(["apt-get", "install", "-y", "-q", "iproute2"], capture_output=True)
-    reason = netns_available()
-    if reason is not None:
-        pytest.skip(f"network namespaces unavailable: {reason}")
+    """Skip unless this process may make network namespaces (a failure in CI)."""
+    from helpers import need_network_namespaces
+
+    need_network_namespaces()
 
 
 def read_event(driver: subprocess.Popen, phase: str, timeout_s: float = 90) -> dict:

@@ -185,18 +185,14 @@ def test_a_stage_node_partitioned_shrinks_the_replicas_and_they_grow_back(token_
     node's link is cut at step 8: the node is lost in seconds and training goes on as 2 stages x 1
     replica on the head node (parallel.workers 2-4). A fresh worker node joins: the driver sees room
     for 4 again, the ranks stop together after a checkpoint (no step lost) and 2 x 2 resumes from it."""
-    import os
     import sys
     import time
 
-    from helpers import ROOT
-    from petatrain.chaos.netns import TwoNodeCluster, netns_available
+    from helpers import ROOT, need_network_namespaces
+    from petatrain.chaos.netns import TwoNodeCluster
     from petatrain.observe.ledger import read_events
 
-    if os.geteuid() != 0:
-        pytest.skip("network-namespace tests need root")
-    if reason := netns_available():
-        pytest.skip(f"network namespaces unavailable: {reason}")
+    need_network_namespaces()
     run_dir = tmp_path / "run"
     overrides = [*PIPELINE, f"data.dataset={token_dataset}", "train.steps=100000", "parallel.workers=2-4"]
     overrides += ["resources.cpus_per_worker=0.5", "train.eval_every=0", "checkpoint.every=50"]

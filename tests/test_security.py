@@ -507,15 +507,12 @@ def test_training_joins_a_tls_cluster_with_the_configs_certificates_and_a_client
     import subprocess
     import sys
 
-    from helpers import ROOT
-    from petatrain.chaos.netns import TwoNodeCluster, netns_available
+    from helpers import ROOT, need_network_namespaces
+    from petatrain.chaos.netns import TwoNodeCluster
     from petatrain.observe.ledger import read_events
     from petatrain.runtime.tls import TlsFiles
 
-    if os.geteuid() != 0:
-        pytest.skip("network-namespace tests need root")
-    if reason := netns_available():
-        pytest.skip(f"network namespaces unavailable: {reason}")
+    need_network_namespaces()
     head, worker = "10.233.0.1", "10.233.0.2"
     made = run_cli("keys", "tls", str(tmp_path / "tls"), "--host", head, "--host", worker, "--json")
     assert made.returncode == 0, made.stderr

@@ -6,6 +6,7 @@ import json
 import os
 import random
 import signal
+from pathlib import Path
 
 import pytest
 
@@ -36,10 +37,18 @@ def test_uninterrupted_run_writes_weights_ledger_and_checkpoints(baseline):
     assert set(state["files"]) == {"rank-00000.safetensors", "rank-00001.safetensors"}
 
 
+def _commit_seed() -> int:
+    """A fault layout per commit: the same on every run of one commit, another on the next."""
+    import subprocess
+
+    done = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent)
+    return int(done.stdout.strip()[:8], 16) % 10**6 if done.returncode == 0 and done.stdout.strip() else 0
+
+
 def test_every_fault_recovered_with_bit_identical_weights(baseline, token_dataset, tmp_path):
     """kill, exception, hang and preemption at random steps in one run: same sha256 as no faults."""
-    # PETATRAIN_FAULT_SEED replays a failed layout; the seed is printed for that.
-    seed = int(os.environ.get("PETATRAIN_FAULT_SEED") or random.randrange(10**6))
+    # Seeded from the commit, so a red CI run reruns identically; PETATRAIN_FAULT_SEED picks another layout.
+    seed = int(os.environ.get("PETATRAIN_FAULT_SEED") or _commit_seed())
     print(f"fault seed {seed}")
     rng = random.Random(seed)
     # Faults at least 3 steps apart: a preemption noticed at step s is acted on at s + 1.
@@ -236,15 +245,12 @@ def test_bad_config_and_injection_specs_are_one_line_errors(token_dataset):
 @pytest.mark.chaos
 def test_network_partition_loses_a_node_and_training_resumes_on_the_rest(token_dataset, tmp_path):
     """Fault 4: two Ray nodes in network namespaces; the worker node's link is cut at step 8."""
-    import os
     import sys
 
-    from petatrain.chaos.netns import TwoNodeCluster, netns_available
+    from helpers import need_network_namespaces
+    from petatrain.chaos.netns import TwoNodeCluster
 
-    if os.geteuid() != 0:
-        pytest.skip("network-namespace tests need root")
-    if reason := netns_available():
-        pytest.skip(f"network namespaces unavailable: {reason}")
+    need_network_namespaces()
     run_dir = tmp_path / "run"
     with TwoNodeCluster(head_cpus=1, worker_cpus=1) as cluster:
         argv = [sys.executable, "-m", "petatrain", "train", str(ROOT / "examples" / "tiny.yaml")]
