@@ -879,11 +879,11 @@ def print_checkpoint_row(name: str, row: dict[str, Any]) -> None:
 
 def write_token_dataset(url: str, *, rows: int, row_tokens: int, vocab: int, shard_rows: int) -> dict[str, Any]:
     """A packed-token dataset exactly as ingest writes one, with random ids: shards of one required
-    fixed-width `tokens` column in one data page (data/stages.py's layout), the shard index, then the
+    fixed-width `tokens` column in one data page (data/ingest/stages.py's layout), the shard index, then the
     manifest, committed last (data/index.py). Ingest runs on Ray; its writers do not."""
     from petatrain.data import index as idx
+    from petatrain.data.ingest.stages import encode_parquet, shard_layout
     from petatrain.data.manifest import Column, Lineage, Manifest, TokenizerInfo, Totals
-    from petatrain.data.stages import encode_parquet, shard_layout
     from petatrain.storage import atomic_write, join
 
     rng = np.random.default_rng(0)

@@ -177,7 +177,7 @@ def run_datasketch(files: list[str], budget_bytes: int, threshold: float) -> dic
     """The same cleaning rules and dedup, sequentially, with datasketch's MinHash + LSH."""
     from datasketch import MinHash, MinHashLSH
 
-    from petatrain.data.minhash import LSHParams
+    from petatrain.data.ingest.minhash import LSHParams
 
     params = LSHParams.for_threshold(threshold)
     lsh = MinHashLSH(num_perm=params.num_perm, params=(params.bands, params.rows))

@@ -11,7 +11,7 @@ For every repetition, each in a fresh process with its own local Ray:
   classified the failure), the first `step` event of the next attempt. As configured by
   default: Ray Train's controller runs in the driver, and once an attempt steps each node
   starts and imports the next attempt's worker processes at idle priority (spares,
-  petatrain.train.spares), in which the restart's ranks start. A second row turns off the
+  petatrain.runtime.startup.spares), in which the restart's ranks start. A second row turns off the
   spares (`faults.spares: false`). A third runs the controller as Ray Train does, an actor
   (`PETATRAIN_CONTROLLER=actor`), with the warm standby that then starts the next
   attempt's controller once the attempt steps (`faults.standby: true`).

@@ -38,7 +38,7 @@ from _common import WORK, write_results
 from petatrain import api, config
 from petatrain.data import synth
 from petatrain.data.index import dataset_keys, open_dataset
-from petatrain.data.stream import StreamingDataset
+from petatrain.data.loading.stream import StreamingDataset
 from petatrain.storage import StorageOptions, keys
 from petatrain.storage.parquet_crypt import open_parquet
 

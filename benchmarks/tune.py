@@ -124,7 +124,7 @@ def plain_trial(config: dict) -> None:
     from ray import tune
 
     from petatrain import config as job_config
-    from petatrain.data.stream import StreamingDataset
+    from petatrain.data.loading.stream import StreamingDataset
     from petatrain.models import build_model
 
     entered = time.time()

@@ -1,17 +1,160 @@
-"""The CLI as a newcomer meets it: help on every verb, the demo end to end."""
+"""The CLI as a newcomer meets it: help on every verb, one-line errors, --json, the demo end to end.
 
+What starts no Ray runs in-process, through typer's CliRunner (`invoke`): help, bad flags, config
+errors, `config`, `plan`, a missing dataset or run. A few calls run `python -m petatrain` in a
+subprocess for what only a process shows: its exit code and one-line stderr after Ray was loaded,
+and --json's stdout holding exactly one object whatever else writes to file descriptor 1."""
+
+import dataclasses
 import json
 import re
 
 import pytest
+import typer
+import yaml
+from typer.testing import CliRunner
 
 from conftest import run_cli
+from petatrain.cli import app
+from petatrain.config import IngestConfig
+
+VERBS = [
+    "ingest", "inspect", "demo", "config", "train", "tune", "chaos", "report", "serve", "plan", "profile",
+    "keys", "keys create", "keys public", "keys rotate", "keys tls", "access", "access policy", "deploy", "deploy k8s",
+]  # fmt: skip
 
 
-@pytest.mark.parametrize("verb", ["ingest", "inspect", "demo", "config", "train", "chaos", "report", "plan", "profile"])
+def invoke(*args: str):
+    """`petatrain ARGS` in this process; stdout and stderr apart, PETATRAIN_DEBUG off."""
+    return CliRunner().invoke(app, list(args), env={"PETATRAIN_DEBUG": None}, catch_exceptions=False)
+
+
+def _commands(command, path=()):
+    for name, sub in (getattr(command, "commands", None) or {}).items():
+        yield " ".join((*path, name))
+        yield from _commands(sub, (*path, name))
+
+
+def test_the_verbs_are_all_there_in_their_order_and_the_entry_point_is_the_app():
+    from importlib.metadata import entry_points
+
+    assert list(_commands(typer.main.get_command(app))) == VERBS
+    (script,) = entry_points(group="console_scripts", name="petatrain")
+    assert script.load() is app
+
+
+@pytest.mark.parametrize("verb", VERBS)
 def test_every_verb_has_help(verb):
-    result = run_cli(verb, "--help")
-    assert result.returncode == 0 and "Usage" in result.stdout
+    result = invoke(*verb.split(), "--help")
+    assert result.exit_code == 0 and "Usage" in result.stdout, result.output
+
+
+def test_no_verb_prints_the_verbs():
+    result = invoke()
+    assert "Usage" in result.output and all(verb in result.output for verb in ("ingest", "train", "deploy"))
+
+
+def test_ingest_has_a_flag_for_every_ingest_setting_with_its_default():
+    params = {p.name: p for p in typer.main.get_command(app).commands["ingest"].params}
+    for f in dataclasses.fields(IngestConfig):
+        param = params[f.name]
+        assert param.opts == ["--" + f.name.replace("_", "-")] and param.default is None, f.name
+        shown = f.metadata.get("default_help", f.default)
+        assert (f"(default: {shown})" in param.help) == (shown != ""), (f.name, param.help)
+    assert params["format"].help == "auto|jsonl|parquet|csv|text|webdataset|tfrecord (default: auto)"
+    assert params["dedup"].help == "none|exact|near (default: near)"
+
+
+def test_ingest_flags_override_only_what_they_name_and_set_overrides_them(tmp_path, monkeypatch):
+    """The YAML's ingest section holds unless a flag names the setting; --set wins over both.
+    Checked on the config the command hands to api.ingest, with no Ray started."""
+    from petatrain import api
+    from petatrain import console as quiet
+
+    handed = {}
+
+    class Summary:
+        def to_dict(self):
+            return {"dataset": "ds"}
+
+    def fake_ingest(sources, out, **kwargs):
+        handed.update(kwargs, sources=sources, out=out)
+        return Summary()
+
+    monkeypatch.setattr(api, "ingest", fake_ingest)
+    monkeypatch.setattr(quiet, "quiet_ray", lambda: None)
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text("ingest:\n  dedup: none\n  shard_size: 16KB\n  max_chars: 500\n")
+    result = invoke(
+        "ingest", "a", "b", "--out", "ds", "--config", str(cfg), "--dedup", "exact", "--min-chars", "5",
+        "--max-chars", "600", "--fields", "", "--set", "ingest.max_chars=700", "--json",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout) == {"dataset": "ds"} and result.stderr == ""
+    settings = handed["config"]
+    assert (handed["sources"], handed["out"]) == (["a", "b"], "ds")
+    assert settings.dedup == "exact" and settings.min_chars == 5 and settings.fields == "", "flags win over the YAML"
+    assert settings.shard_size == "16KB", "no flag named shard_size: the YAML's holds"
+    assert settings.max_chars == 700, "--set wins over the flag and the YAML"
+    assert settings.near_threshold == IngestConfig().near_threshold
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["config", "examples/tiny.yaml", "--set", "nope.x=1"], "unknown config key 'nope'"),
+        (["config", "--set", "ingest.dedup=bogus"], "ingest.dedup: 'bogus' is not one of none, exact, near"),
+        (["ingest", "x", "--out", "y", "--dedup", "bogus"], "ingest.dedup: 'bogus' is not one of"),
+        (["ingest", "x", "--out", "y", "--pack-length", "8"], "ingest.pack_length needs ingest.tokenizer"),
+        (["chaos", "examples/tiny.yaml", "--every", "10s"], "soak mode needs both --every and --for"),
+        (["report", "/nonexistent-run"], "run not found: /nonexistent-run"),
+        (["inspect", "/nonexistent"], "no dataset at /nonexistent"),
+        (["plan", "examples/tiny.yaml", "--count", "-1"], "must be >= 0 and --max-count >= 1"),
+        (["profile", "--steps", "0"], "--steps must be >= 1"),
+        (["deploy", "k8s"], "deploy k8s needs a CONFIG and --out DIR"),
+        (["deploy", "k8s", "examples/tiny.yaml", "--out", "unused", "--kind", "pod"], "--kind 'pod'"),
+    ],
+)
+def test_a_users_error_is_one_line_and_exit_2(args, message):
+    result = invoke(*args)
+    assert result.exit_code == 2 and result.stdout == "", result.output
+    assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, result.stderr
+    assert message in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["train", "examples/tiny.yaml", "--bogus"], "No such option: --bogus"),
+        (["ingest", "x"], "Missing option '--out'"),
+        (["plan", "--count", "many"], "Invalid value for '--count'"),
+        (["ingest", "x", "--out", "y", "--near-threshold", "high"], "Invalid value for '--near-threshold'"),
+    ],
+)
+def test_a_bad_flag_is_a_usage_error_exit_2(args, message):
+    result = invoke(*args)
+    assert result.exit_code == 2 and "Usage" in result.stderr and message in result.stderr, result.output
+
+
+def test_config_prints_the_resolved_config_as_yaml_or_one_json_object():
+    as_json = invoke("config", "examples/tiny.yaml", "--set", "train.steps=7", "--json")
+    assert as_json.exit_code == 0 and as_json.stderr == "", as_json.output
+    resolved = json.loads(as_json.stdout)
+    assert resolved["train"]["steps"] == 7
+    as_yaml = invoke("config", "examples/tiny.yaml", "--set", "train.steps=7")
+    assert as_yaml.exit_code == 0 and yaml.safe_load(as_yaml.stdout) == resolved
+
+
+def test_plan_json_recommends_a_candidate():
+    result = invoke("plan", "examples/tiny.yaml", "--accelerator", "H100-SXM", "--max-count", "8", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["recommended"]["accelerator"] == "H100-SXM"
+
+
+def test_json_from_the_command_line_is_one_object_on_stdout_and_nothing_on_stderr():
+    result = run_cli("config", "examples/tiny.yaml", "--json")
+    assert result.returncode == 0 and result.stderr == "", result.stderr[-1000:]
+    assert json.loads(result.stdout)["model"]["kind"] == "gpt"
 
 
 @pytest.mark.slow  # end to end: a CLI process starting its own Ray
@@ -34,13 +177,13 @@ def test_demo_ingests_streams_and_resumes_exactly_once(tmp_path):
 
 _NOISY = """
 import atexit, os, subprocess, sys
-from petatrain import cli
-cli._claim_stdout(True)
+from petatrain.cli.common import claim_stdout, print_json
+claim_stdout(True)
 print("a print")
 os.write(1, b"a write to fd 1\\n")
 subprocess.run([sys.executable, "-c", "print('a child process')"])
 atexit.register(print, "a print at exit, after the object")
-cli._print_json({"ok": True})
+print_json({"ok": True})
 """
 
 
@@ -63,11 +206,11 @@ def test_json_stdout_holds_only_the_object_whatever_else_prints():
         (["train", "examples/tiny.yaml", "--inject", "boom@step=1"], "unknown fault 'boom'"),
         (["train", "examples/tiny.yaml", "--set", "data.dataset=/nonexistent"], "no dataset at /nonexistent"),
         (["train", "examples/tiny.yaml", "--set", "parallel.strategy=zero1"], "train runs ddp or fsdp or pipeline"),
-        (["chaos", "examples/tiny.yaml", "--every", "10s"], "soak mode needs both --every and --for"),
-        (["report", "/nonexistent-run"], "error:"),
     ],
 )
 def test_training_verbs_fail_with_one_line(args, message):
+    """In a process of its own: these fail once Ray's library is loaded and its logging moved off
+    the console (the in-process tests leave this process's logging alone)."""
     result = run_cli(*args)
     assert result.returncode == 2
     assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr[-1000:]

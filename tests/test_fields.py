@@ -12,10 +12,10 @@ import pytest
 
 from helpers import ingest, read_dataset
 from petatrain.config import IngestConfig
-from petatrain.data import index, lineage, sources
+from petatrain.data import index, lineage, readers
+from petatrain.data.ingest.stages import unify_fields
 from petatrain.data.inspect import describe
-from petatrain.data.stages import unify_fields
-from petatrain.data.stream import StreamingDataset
+from petatrain.data.loading.stream import StreamingDataset
 from petatrain.errors import ConfigError, PetatrainError
 from petatrain.storage.checksum import checksum_bytes
 
@@ -110,19 +110,19 @@ def test_a_field_named_like_petatrains_columns_is_a_clear_error(tmp_path):
 
 
 def test_field_values_are_typed_per_field():
-    assert sources.typed_array([1, None, 3]).type == pa.int64()
-    assert sources.typed_array([1, 2.5]).to_pylist() == [1.0, 2.5]
-    assert sources.typed_array([True, None]).type == pa.bool_()
-    assert sources.typed_array([None, None]).type == pa.null()
-    assert sources.typed_array([1 << 70]).to_pylist() == [str(1 << 70)]  # beyond int64: exact, as text
-    assert sources.typed_array(["a", 5, {"k": [1]}]).to_pylist() == ["a", "5", '{"k": [1]}']
+    assert readers.typed_array([1, None, 3]).type == pa.int64()
+    assert readers.typed_array([1, 2.5]).to_pylist() == [1.0, 2.5]
+    assert readers.typed_array([True, None]).type == pa.bool_()
+    assert readers.typed_array([None, None]).type == pa.null()
+    assert readers.typed_array([1 << 70]).to_pylist() == [str(1 << 70)]  # beyond int64: exact, as text
+    assert readers.typed_array(["a", 5, {"k": [1]}]).to_pylist() == ["a", "5", '{"k": [1]}']
     # A lone surrogate (a JSON \ud800 escape) in a string field rejects its record, as in the text;
     # inside a nested value it stays escaped in the value's JSON text.
     lines = [
         b'{"text": "good one", "note": "caf\\u00e9", "deep": {"k": "x\\ud800"}}',
         b'{"text": "bad one", "note": "lone \\udc00 here"}',
     ]
-    got = sources.read_file("a.jsonl", b"\n".join(lines), "jsonl", "text", max_chars=100, fields=sources.FieldChoice())
+    got = readers.read_file("a.jsonl", b"\n".join(lines), "jsonl", "text", max_chars=100, fields=readers.FieldChoice())
     assert got.text == ["good one"] and [r.reason for r in got.rejects] == ["invalid_utf8"]
     table = got.fields_table()
     assert table.column("note").to_pylist() == ["café"] and table.column("deep").to_pylist() == ['{"k": "x\\ud800"}']

@@ -31,7 +31,7 @@ RAY_FREE = (
     "petatrain.cost.workload",
     "petatrain.cost.calibration",
     "petatrain.serve.engine",
-    "petatrain.data.stream",
+    "petatrain.data.loading.stream",
     "petatrain.train.checkpoint",
     "petatrain.train.loop",
     "petatrain.train.steps",
@@ -39,7 +39,7 @@ RAY_FREE = (
     "petatrain.train.parallel",
     "petatrain.train.pipeline.costs",
     "petatrain.data.index",
-    "petatrain.data.stages",
+    "petatrain.data.ingest.stages",
 )
 
 # Imports each layer with `ray` blocked (an import of it raises ImportError) and prints the ones that failed.

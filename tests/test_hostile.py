@@ -133,7 +133,7 @@ def test_a_manifest_changed_under_an_ingest_is_not_overwritten(tmp_path, monkeyp
     out = tmp_path / "ds"
     ingest(_corpus(tmp_path, 44, files=1), out, dedup="none")
     rows = _rows(out)
-    from petatrain.data import ingest as ingest_mod
+    from petatrain.data.ingest import pipeline as ingest_mod
 
     real_commit = ingest_mod._commit
 
@@ -166,7 +166,7 @@ def test_a_crashed_first_ingest_can_be_rerun(tmp_path):
     """What a first ingest leaves before its manifest is ours: a rerun may clean it up."""
     out = tmp_path / "ds"
     sources = _corpus(tmp_path, 52, files=1)
-    from petatrain.data import ingest as ingest_mod
+    from petatrain.data.ingest import pipeline as ingest_mod
 
     original = index.write_manifest
 

@@ -19,15 +19,15 @@ import pyarrow.parquet as pq
 import pytest
 
 from petatrain.config import IngestConfig
-from petatrain.data import index, sources
+from petatrain.data import index, readers
 from petatrain.data.ingest import IngestJob, run
-from petatrain.data.stages import ReadCleanSign, whole_file
+from petatrain.data.ingest.stages import ReadCleanSign, whole_file
 from petatrain.storage import read_bytes
 from petatrain.storage.fs import expand_sources
 
 
-def _read(data: bytes, fmt: str, name: str = "in") -> sources.FileRecords:
-    return sources.read_file(f"{name}.{fmt}", data, fmt, "text", max_chars=IngestConfig().max_chars)
+def _read(data: bytes, fmt: str, name: str = "in") -> readers.FileRecords:
+    return readers.read_file(f"{name}.{fmt}", data, fmt, "text", max_chars=IngestConfig().max_chars)
 
 
 def _tar(members: list[tuple[str, bytes]]) -> bytes:
@@ -40,7 +40,7 @@ def _tar(members: list[tuple[str, bytes]]) -> bytes:
     return buf.getvalue()
 
 
-def _stage_one_read(path, **cfg) -> sources.FileRecords:
+def _stage_one_read(path, **cfg) -> readers.FileRecords:
     """What ingest's first stage reads from one source file, in this process (so a test can
     patch a module constant)."""
     stage = ReadCleanSign(staging=str(path.parent / "staging"), cfg=IngestConfig(**cfg), options=None, lsh=None)
@@ -69,7 +69,7 @@ def _peak_bytes(fn):
         tracemalloc.stop()
 
 
-def _reasons(records: sources.FileRecords) -> dict[int, tuple[str, str]]:
+def _reasons(records: readers.FileRecords) -> dict[int, tuple[str, str]]:
     return {r.index: (r.reason, r.detail) for r in records.rejects}
 
 
@@ -107,7 +107,7 @@ def test_a_webdataset_json_member_that_breaks_the_parser_costs_only_its_sample()
 
 # -- 4. decompression and record size are bounded before anything is parsed ----------------
 def test_a_gzip_bomb_is_unreadable_past_the_cap_and_never_expanded_whole(tmp_path, monkeypatch):
-    monkeypatch.setattr(sources, "MAX_DECOMPRESSED_BYTES", 4 << 20, raising=False)
+    monkeypatch.setattr(readers.registry, "MAX_DECOMPRESSED_BYTES", 4 << 20)
     bomb = tmp_path / "bomb.jsonl.gz"
     bomb.write_bytes(_gzip_bomb(128 << 20))
     assert bomb.stat().st_size < 1 << 20

@@ -303,7 +303,7 @@ def test_inspect_of_something_that_is_not_a_dataset(tmp_path):
 
 
 def test_byte_tokenizer_fast_path_matches_the_tokenizer():
-    from petatrain.data import tokenize as tk
+    from petatrain.data.ingest import tokenize as tk
 
     tok = tk.byte_level()
     texts = ["héllo wörld ✓\n\t" * 20, "plain ascii", "", "日本語のテキスト"]

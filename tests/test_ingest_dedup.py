@@ -75,9 +75,9 @@ def test_dedup_decisions_do_not_depend_on_partitioning(corpus, tmp_path):
     import pyarrow.parquet as pq
 
     from petatrain.config import IngestConfig
-    from petatrain.data import dedup
-    from petatrain.data.minhash import LSHParams
-    from petatrain.data.stages import FILE_BITS, ReadCleanSign, whole_file
+    from petatrain.data.ingest import dedup
+    from petatrain.data.ingest.minhash import LSHParams
+    from petatrain.data.ingest.stages import FILE_BITS, ReadCleanSign, whole_file
 
     lsh = LSHParams.for_threshold(0.8)
     stage = ReadCleanSign(staging=str(tmp_path / "stg"), cfg=IngestConfig(), options=None, lsh=lsh)

@@ -100,7 +100,7 @@ def test_spark_reads_data_and_its_partitioned_output_registers_with_the_partitio
     ingest([str(out)], tmp_path / "registered", register=True)
     table = read_dataset(tmp_path / "registered")
     assert table.num_rows == 6 and "lang" not in table.column_names  # in the folder names only ...
-    from petatrain.data.stream import StreamingDataset
+    from petatrain.data.loading.stream import StreamingDataset
 
     got = list(StreamingDataset(str(tmp_path / "registered"), columns=["id", "lang"]))
     assert sorted((s["id"], s["lang"]) for s in got) == [(f"u{i}", "en") for i in range(6)]  # ... and recovered

@@ -5,7 +5,7 @@ import pyarrow as pa
 import pytest
 
 from petatrain.data import synth
-from petatrain.data.minhash import LSHParams, band_keys, estimate_jaccard, signatures
+from petatrain.data.ingest.minhash import LSHParams, band_keys, estimate_jaccard, signatures
 
 
 def _pair(share: float, seed: int = 0) -> tuple[str, str]:

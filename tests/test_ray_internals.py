@@ -1,5 +1,5 @@
 """Every private Ray name petatrain relies on (all of them used in src/petatrain/runtime/_ray/ and
-runtime/spares.py's warm-up list) is still where petatrain expects it.
+runtime/startup/spares.py's warm-up list) is still where petatrain expects it.
 
 After a Ray upgrade this is the test that fails first, naming the attribute that moved; the
 runtime falls back to Ray's stock behaviour (slower restarts) rather than break, so without
@@ -100,7 +100,7 @@ def test_private_ray_name_is_where_petatrain_expects_it(module, path):
 
 
 def test_the_setup_hook_variable_is_rays():
-    """runtime.constants spells the worker setup hook's variable as Ray does (spares depend on it)."""
+    """petatrain.constants spells the worker setup hook's variable as Ray does (spares depend on it)."""
     from ray._private import ray_constants
 
     from petatrain import constants
@@ -127,7 +127,7 @@ def test_private_ray_imports_live_only_in_the_ray_corner():
 
 def test_the_lean_trainer_is_in_use():
     """With every name above in place the lean trainer (not Ray's stock one) runs attempts."""
-    from petatrain.runtime.trainer import trainer_class
+    from petatrain.runtime.startup.lean import trainer_class
 
     assert trainer_class().__name__ == "LeanTorchTrainer"
 

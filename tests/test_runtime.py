@@ -20,7 +20,7 @@ def test_placement_group_of_a_dead_controller_is_removed_between_attempts(ray_lo
     from ray.util.placement_group import placement_group, placement_group_table
 
     from petatrain.runtime.cluster import remove_leftover_placement_groups
-    from petatrain.runtime.trainer import trainer_class
+    from petatrain.runtime.startup.lean import trainer_class
 
     # Tasks of earlier tests (a session fixture's Ray Data ingest) may still be giving their CPUs back.
     total = ray_local.cluster_resources().get("CPU", 0)
@@ -43,7 +43,7 @@ def test_local_attempts_send_no_autoscaler_requests(monkeypatch):
     from ray.train import ScalingConfig
     from ray.train.v2._internal.execution.scaling_policy import FixedScalingPolicy
 
-    from petatrain.runtime.trainer import trainer_class as lean_trainer_class
+    from petatrain.runtime.startup.lean import trainer_class as lean_trainer_class
 
     class Started(Exception):
         pass
@@ -76,7 +76,7 @@ def test_heartbeat_dates_the_last_step_not_the_message(ray_local, tmp_path):
     long ago that was, and the hub dates the beat by it on its own clock."""
     import time
 
-    from petatrain.runtime.hub import RunHub
+    from petatrain.runtime.hub.actor import RunHub
     from petatrain.runtime.worker import Telemetry
 
     sent = []
@@ -150,7 +150,7 @@ def test_waiting_on_its_own_checkpoint_write_keeps_a_rank_alive_but_waiting_for_
 def test_watchdog_long_poll_answers_when_there_is_something_to_act_on(ray_local, tmp_path):
     """RunHub.watch holds the watchdog's call until the first step (unless announced), a hang
     is due, a new attempt starts, or its wait ends; a heartbeat moves the hang deadline."""
-    from petatrain.runtime.hub import RunHub
+    from petatrain.runtime.hub.actor import RunHub
 
     hub = RunHub.remote(str(tmp_path), None)
     ray_local.get(hub.new_attempt.remote(0))
@@ -306,7 +306,7 @@ def test_workers_of_a_driver_controller_get_a_stand_in_for_its_handle(ray_local)
 
 
 def test_standby_is_used_only_for_the_attempt_and_world_it_was_built_for():
-    from petatrain.runtime.trainer import Standby
+    from petatrain.runtime.startup.standby import Standby
 
     built, discarded = [], []
 

@@ -77,7 +77,8 @@ def s3_token_ds(s3_bucket, ray_local, tmp_path):
 
 
 def test_stream_from_s3_fetches_each_shard_once_per_node(s3_token_ds, tmp_path, monkeypatch):
-    from petatrain.data import StreamingDataset, cache
+    from petatrain.data import StreamingDataset
+    from petatrain.data.loading import cache
 
     fetched = []
     original = cache.ShardCache._fetch

@@ -291,7 +291,7 @@ def test_encrypted_shards_stream_the_same_samples_and_hold_no_plaintext(encrypte
     import pyarrow.parquet as pq
 
     from petatrain.data.index import read_manifest
-    from petatrain.data.stream import StreamingDataset
+    from petatrain.data.loading.stream import StreamingDataset
 
     plain, enc = encrypted_tokens / "plain", encrypted_tokens / "enc"
     manifest = read_manifest(str(enc))
@@ -322,7 +322,7 @@ def test_encrypted_shards_stream_the_same_samples_and_hold_no_plaintext(encrypte
 def test_an_encrypted_dataset_without_or_with_the_wrong_key_is_one_line_and_nothing_is_read(
     encrypted_tokens, other_ring, tmp_path
 ):
-    from petatrain.data.stream import StreamingDataset
+    from petatrain.data.loading.stream import StreamingDataset
 
     enc = str(encrypted_tokens / "enc")
     with pytest.raises(PetatrainError, match=r"is encrypted; set storage\.encryption\.key") as missing:
@@ -343,7 +343,7 @@ def test_a_replaced_encrypted_shard_with_a_matching_checksum_is_refused(encrypte
     import pyarrow as pa
 
     from petatrain.data import index as idx
-    from petatrain.data.stream import StreamingDataset
+    from petatrain.data.loading.stream import StreamingDataset
     from petatrain.storage.checksum import checksum_bytes
 
     copy = tmp_path / "enc"
@@ -379,7 +379,7 @@ def test_keys_rotate_rewraps_datasets_and_runs_without_rewriting_data(encrypted_
     run still read: their wrapped keys were re-wrapped, while every shard and sealed file kept its bytes."""
     import safetensors.torch
 
-    from petatrain.data.stream import StreamingDataset
+    from petatrain.data.loading.stream import StreamingDataset
     from petatrain.train import run_dir
     from petatrain.train.checkpoint import latest_verified, read_final, write_final
 
@@ -431,7 +431,7 @@ def test_a_signed_dataset_rewritten_with_matching_checksums_is_refused(encrypted
     from petatrain import config
     from petatrain.data import index as idx
     from petatrain.data.ingest import IngestJob, run
-    from petatrain.data.stream import StreamingDataset
+    from petatrain.data.loading.stream import StreamingDataset
     from petatrain.storage.checksum import checksum_bytes
 
     signer = StorageOptions(signing_key=ring)
@@ -544,7 +544,7 @@ def test_training_joins_a_tls_cluster_with_the_configs_certificates_and_a_client
 def test_a_shard_changed_after_it_was_verified_is_caught_at_its_next_read(encrypted_tokens, tmp_path):
     """Shards are hashed once per process (not once per epoch); a shard rewritten in place after
     that, same size, has another stat and is hashed again."""
-    from petatrain.data.stream import StreamingDataset
+    from petatrain.data.loading.stream import StreamingDataset
 
     copy = tmp_path / "plain"
     shutil.copytree(encrypted_tokens / "plain", copy)

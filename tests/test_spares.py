@@ -1,4 +1,4 @@
-"""Spare worker processes (petatrain.runtime.spares): started while a rank trains, taken by the next ranks."""
+"""Spare worker processes (petatrain.runtime.startup.spares): started while a rank trains, taken by the next ranks."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from petatrain.runtime import spares
+from petatrain.runtime.startup import spares
 
 
 def _wait_ready(rank, ray, count: int, timeout_s: float = 120.0) -> list[dict]:

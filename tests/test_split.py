@@ -17,7 +17,8 @@ import pytest
 from conftest import run_cli
 from helpers import duplicates, ingest, read_dataset, rejects
 from petatrain.config import IngestConfig
-from petatrain.data import index, lineage, sources, split
+from petatrain.data import index, lineage, readers
+from petatrain.data.ingest import split
 
 
 def _records(n: int, seed: int = 0) -> list[str]:
@@ -76,11 +77,11 @@ def _pieces_of(path, fmt: str, split_bytes: int) -> dict:
     return split.plan_pieces([scan(item) for item in split.chunks(0, str(path), size, fmt, split_bytes)])[0]
 
 
-def _read_split(path, fmt: str, split_bytes: int) -> sources.FileRecords:
+def _read_split(path, fmt: str, split_bytes: int) -> readers.FileRecords:
     data = path.read_bytes()
-    out = sources.FileRecords()
+    out = readers.FileRecords()
     for piece in _pieces_of(path, fmt, split_bytes)["pieces"]:
-        got = sources.read_piece(
+        got = readers.read_piece(
             str(path),
             data[piece["start"] : piece["end"]],
             fmt,
@@ -99,7 +100,7 @@ def _read_split(path, fmt: str, split_bytes: int) -> sources.FileRecords:
 def test_every_cut_reads_each_record_once_with_its_number_in_the_file(tmp_path, fmt):
     path = tmp_path / f"big.{fmt}"
     path.write_bytes(_MAKERS[fmt](60))
-    whole = sources.read_file(str(path), path.read_bytes(), fmt, "text", max_chars=IngestConfig().max_chars)
+    whole = readers.read_file(str(path), path.read_bytes(), fmt, "text", max_chars=IngestConfig().max_chars)
     assert len(whole.index) > 40 and whole.rejects
     # Cuts at every few bytes land inside records, on line breaks, between \r and \n, and on blank lines.
     for split_bytes in [*range(7, 120, 7), 997, path.stat().st_size - 1]:
@@ -132,7 +133,7 @@ def test_a_quoted_csv_is_read_whole_with_the_reason(tmp_path):
 
 def test_a_csv_malformed_row_keeps_its_place_in_the_numbering():
     data = b"id,text\n0,a\n1,b,extra\n\n2,c\n"
-    got = sources.read_file("in.csv", data, "csv", "text", max_chars=100)
+    got = readers.read_file("in.csv", data, "csv", "text", max_chars=100)
     assert list(zip(got.index, got.text, strict=True)) == [(0, "a"), (2, "c")]
     assert [(r.index, r.reason) for r in got.rejects] == [(1, "malformed_csv_row")]
 
@@ -315,7 +316,7 @@ def test_a_file_that_changes_during_a_split_ingest_is_refused_and_nothing_is_com
 
 def test_a_whole_file_cut_after_it_was_listed_is_refused(tmp_path, ray_local, monkeypatch):
     from petatrain import console
-    from petatrain.data import ingest as ingest_mod
+    from petatrain.data.ingest import pipeline as ingest_mod
 
     path = tmp_path / "small.jsonl"
     path.write_bytes(_jsonl(100))

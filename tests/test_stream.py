@@ -267,7 +267,7 @@ def test_the_next_epoch_starts_loading_in_this_one_and_reads_the_same(token_ds, 
     a copy in another process) starts afresh, with the same samples."""
     import pickle
 
-    from petatrain.data import stream
+    from petatrain.data.loading import stream
 
     made, real = [], stream._ShardReader
 

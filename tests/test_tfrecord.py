@@ -16,7 +16,7 @@ import pytest
 
 from helpers import ingest, read_dataset, rejects
 from petatrain.config import IngestConfig
-from petatrain.data import index, lineage, sources
+from petatrain.data import index, lineage, readers
 
 
 def _masked_crc(data: bytes) -> bytes:
@@ -54,8 +54,8 @@ def _example(**features: bytes | int) -> bytes:
     return _field(1, entries)
 
 
-def _read(data: bytes, text_field: str = "text") -> sources.FileRecords:
-    return sources.read_file("in.tfrecord", data, "tfrecord", text_field, max_chars=IngestConfig().max_chars)
+def _read(data: bytes, text_field: str = "text") -> readers.FileRecords:
+    return readers.read_file("in.tfrecord", data, "tfrecord", text_field, max_chars=IngestConfig().max_chars)
 
 
 def _file(n: int) -> tuple[bytes, list[int]]:

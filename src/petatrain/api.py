@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from petatrain.config import IngestConfig, JobConfig
-from petatrain.data.job import IngestJob, IngestSummary
+from petatrain.data.ingest.job import IngestJob, IngestSummary
 from petatrain.errors import ConfigError, PetatrainError
 from petatrain.observe.ledger import LedgerFollower
 from petatrain.storage import StorageOptions
@@ -223,7 +223,7 @@ def inspect(
 def check_resume(dataset: str) -> ResumeCheck:
     """The loader's promise on `dataset`: every sample exactly once across a stop and a resume
     at another world size (simulated ranks in this process)."""
-    from petatrain.data.elastic_demo import elastic_resume
+    from petatrain.data.loading.elastic_demo import elastic_resume
 
     d = elastic_resume(dataset)
     return ResumeCheck(
@@ -327,16 +327,15 @@ def train(
     finally:
         if follower:
             follower.stop()
-    fields = launched.to_dict()  # runtime.driver.RunResult
-    return TrainResult(
-        run=fields["run"],
-        final=fields["final"],
-        steps=fields["steps"],
-        attempts=fields["attempts"],
-        failures=[FaultRecord(cause=str(f["cause"]), rank=f["rank"], detail=f["detail"]) for f in fields["failures"]],
-        wall_s=fields["wall_s"],
-        report=report(fields["run"], options=options),
-        fields=fields,
+    return TrainResult(  # from the driver's runtime.driver.RunResult
+        run=launched.run,
+        final=launched.final,
+        steps=launched.steps,
+        attempts=launched.attempts,
+        failures=[FaultRecord(cause=f.cause.value, rank=f.rank, detail=f.detail) for f in launched.failures],
+        wall_s=launched.wall_s,
+        report=report(launched.run, options=options),
+        fields=launched.to_dict(),  # the run's summary, as its ledger and `train --json` have it
     )
 
 

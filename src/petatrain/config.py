@@ -33,21 +33,40 @@ SourceFormat = Literal["auto", "jsonl", "parquet", "csv", "text", "webdataset", 
 class IngestConfig:
     """How raw files become a dataset."""
 
+    # Each field is also a flag of `petatrain ingest` (--text-field for text_field): its `help` metadata
+    # is the flag's help (a Literal's values when it has none), `default_help` says what an empty default means.
+
     format: SourceFormat = "auto"
-    text_field: str = "text"
+    text_field: str = field(
+        default="text", metadata={"help": "Field (column, member extension, TFRecord feature) holding the text."}
+    )
     dedup: DedupMode = "near"
-    near_threshold: float = 0.8
-    tokenizer: str = ""  # "" (no tokens), "bytes", "train:VOCAB" or a tokenizer.json path
-    pack_length: int = 0  # 0 keeps one row per document; L packs tokens into L-token rows
-    shard_size: str = "256MB"
+    near_threshold: float = field(
+        default=0.8, metadata={"help": "Jaccard similarity over word 5-grams that counts as a near duplicate."}
+    )
+    tokenizer: str = field(  # "" (no tokens), "bytes", "train:VOCAB" or a tokenizer.json path
+        default="", metadata={"help": "bytes | train:VOCAB | path/to/tokenizer.json", "default_help": "keep text only"}
+    )
+    pack_length: int = field(  # 0 keeps one row per document; L packs tokens into L-token rows
+        default=0, metadata={"help": "Pack tokens into rows of this many tokens (0: no)."}
+    )
+    shard_size: str = field(default="256MB", metadata={"help": "Target shard size, e.g. 256MB."})
     # A JSONL, text or unquoted CSV file larger than this is read as pieces of about this size in
     # parallel, cut at record boundaries; "0" reads every file whole. Ids do not depend on it.
-    split_size: str = "256MB"
-    max_chars: int = 1_000_000
-    min_chars: int = 1
+    split_size: str = field(
+        default="256MB",
+        metadata={"help": "Read JSONL, text and unquoted CSV files over this size as pieces in parallel; 0: never."},
+    )
+    max_chars: int = field(default=1_000_000, metadata={"help": "Reject records longer than this."})
+    min_chars: int = field(default=1, metadata={"help": "Reject records shorter than this."})
     # The source fields kept beside the text, as columns: "*" every one, "a,b" those, "" none.
-    fields: str = "*"
-    drop_fields: str = ""  # "c,d": every field but these
+    fields: str = field(
+        default="*",
+        metadata={"help": "Source fields kept as columns beside the text: a,b (those), * (every one), '' (none)."},
+    )
+    drop_fields: str = field(  # "c,d": every field but these
+        default="", metadata={"help": "Source fields not kept: c,d (every other one is)."}
+    )
 
     def __post_init__(self) -> None:
         if not 0.0 < self.near_threshold < 1.0:
@@ -320,7 +339,7 @@ class FaultsConfig:
     standby: bool = True
     # Once an attempt trains, start and import the next attempt's worker processes (spares) at
     # idle priority, so a restart's ranks skip Python, Ray, torch and Ray Train start-up
-    # (petatrain.train.spares).
+    # (petatrain.runtime.startup.spares).
     spares: bool = True
     # On a cluster petatrain joined (--address): how long an attempt waits for room for the smallest
     # worker count (a replaced pod, the autoscaler's new node) before the run fails. A local Ray never grows.

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
+
+from petatrain.console import RAY_SESSION_LOGS
+
+if TYPE_CHECKING:
+    from petatrain.api import TrainResult
 
 out = Console()
 
@@ -371,3 +376,54 @@ def search(s: dict[str, Any]) -> None:
     else:
         out.print("[yellow]no trial reported the metric[/yellow]")
     out.print(f"search: {s['html']} ({s['wall_s']:.1f} s)", highlight=False)
+
+
+def training(result: TrainResult) -> None:
+    """A finished run: steps, attempts, each fault recovered from, its goodput report."""
+    out.print(f"trained {result.steps} steps in {result.wall_s:.1f}s, {result.attempts} attempt(s)", highlight=False)
+    for f in result.failures:
+        rank = "" if f.rank is None else f" (rank {f.rank})"
+        out.print(f"  recovered from {f.cause}{rank}", highlight=False)
+    report(result.report.to_dict())
+    if result.failures and result.ray_log:
+        out.print(f"Ray's own logs: {result.ray_log}; workers': {RAY_SESSION_LOGS}", highlight=False, soft_wrap=True)
+
+
+def demo_next(result: dict[str, Any]) -> None:
+    """What to try after the demo (its tables were printed as it went)."""
+    run = result.get("train", {}).get("run", "")
+    out.print(f"\nNext: [bold].venv/bin/petatrain report {run}[/bold]")
+    out.print(f"      [bold].venv/bin/petatrain serve {run}[/bold]  (its model over HTTP; README, Serving)")
+
+
+def keys_created(made: dict[str, Any]) -> None:
+    where = "keyring" if made["keyref"].startswith("file:") else "key container"
+    mode = " (mode 0600)" if where == "keyring" else ""
+    out.print(
+        f"{where} {made['keyref']}{mode}: master key version {made['primary']}, signing key {made['key_id']}",
+        highlight=False,
+        soft_wrap=True,
+    )
+
+
+def public_key(made: dict[str, Any]) -> None:
+    out.print(f"verification key {made['key_id']} -> {made['path']}")
+
+
+def keys_rotated(done: dict[str, Any]) -> None:
+    out.print(f"{done['keyref']}: master key version {done['key_version']} is now primary", highlight=False)
+    for item in done["rewrapped"]:
+        what = item.get("dataset") or item.get("run")
+        rest = {k: v for k, v in item.items() if k not in ("dataset", "run")}
+        out.print(f"  re-wrapped {what}: {json.dumps(rest)}", highlight=False, soft_wrap=True)
+    if done["retired"]:
+        out.print(f"  retired versions {', '.join(map(str, done['retired']))}", highlight=False)
+
+
+def ray_tls(made: dict[str, Any]) -> None:
+    out.print(f"wrote {made['folder']}: ca.pem, node.pem, and keys ca.key, node.key (mode 0600)", highlight=False)
+    out.print("job config:", highlight=False)
+    for key, value in made["config"].items():
+        out.print(f"  resources.tls.{key}: {value}", highlight=False, soft_wrap=True)
+    out.print("every node, before `ray start`:", highlight=False)
+    out.print("  export " + " ".join(f"{k}={v}" for k, v in made["env"].items()), highlight=False, soft_wrap=True)

@@ -21,7 +21,7 @@ from typing import Any
 
 import ray
 
-from petatrain.data.job import IngestJob, IngestSummary
+from petatrain.data.ingest.job import IngestJob, IngestSummary
 from petatrain.storage import StorageOptions
 from petatrain.storage.fs import is_local
 

@@ -19,7 +19,7 @@ class Watchdog:
     worker death that Ray Train reports at once, instead of a collective that waits for
     its timeout. Until the first step the allowance is three times longer (start-up, resume).
     Once an attempt has stepped, `on_training(attempt, world_size)` is called (once). It
-    waits on the hub's long poll (`RunHub.watch`), which answers when one of these is due.
+    waits on the hub's long poll (`RunHub.watch`: hub/watch.py), which answers when one of these is due.
     A hub that does not answer is logged (once per outage): without it, hangs go undetected.
 
     With `grow` (the worker count the alive cluster could host now, if more than the attempt's, else

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from petatrain.runtime import spares
+from petatrain.runtime.startup import spares
 
 
 class PreemptionNotice:

@@ -51,7 +51,7 @@ class TokenBatches:
 
     def __init__(self, cfg: JobConfig, *, rank: int, world: int, micro: int, options: StorageOptions | None):
         from petatrain.data import index as idx
-        from petatrain.data.stream import StreamingDataset
+        from petatrain.data.loading.stream import StreamingDataset
 
         url = cfg.data.dataset
         n_shards = idx.open_dataset(url, options).manifest.totals.shards

@@ -14,11 +14,11 @@ Ray Train while the workers start, then idles beside them taking CPU from traini
   controller is an object of the driver, its loop run on the thread that calls `fit()`
   (`DriverController`): no controller process to start on every restart's path, nor to idle
   beside the workers for the whole run. Where it is an actor (also under a Ray Client driver),
-  `prepare()` starts it ahead of `fit()` (`runtime.trainer.Standby`), and a finished controller
+  `prepare()` starts it ahead of `fit()` (`runtime.startup.standby.Standby`), and a finished controller
   is killed rather than left to exit gracefully.
 
 benchmarks/recovery.py measures what each of these saves. Importing this module fails (and
-`runtime.trainer` falls back to the stock `TorchTrainer`) if Ray's internals moved;
+`runtime.startup.lean` falls back to the stock `TorchTrainer`) if Ray's internals moved;
 tests/test_ray_internals.py says which.
 """
 

@@ -7,7 +7,7 @@ import json
 from collections import Counter
 from typing import Any
 
-from petatrain.data.stream import loader
+from petatrain.data.loading.stream import loader
 
 
 def elastic_resume(url: str, *, batch_size: int = 16, seed: int = 0, before: int = 2, after: int = 3) -> dict[str, Any]:

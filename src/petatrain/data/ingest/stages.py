@@ -3,7 +3,7 @@
 `ReadCleanSign` turns one source file into staged documents, dedup signatures and rejects;
 `plan_shards` cuts the kept documents, in input order, into shards; `ShardWriter` writes
 one shard (tokenised and packed if asked) and the dedup state an `--append` compares
-against. `ingest.py` runs them in order and commits.
+against. `pipeline.py` runs them in order and commits.
 
 A document's id (`ord`, the shards' `doc_id`) is `file_ord << FILE_BITS | record number`:
 input order, which makes every decision independent of how many workers ran.
@@ -30,12 +30,12 @@ import pyarrow.parquet as pq
 import xxhash
 
 from petatrain.config import IngestConfig
-from petatrain.data import clean as cleaning
-from petatrain.data import sources as src
-from petatrain.data import split
-from petatrain.data import tokenize as tk
+from petatrain.data import readers as src
 from petatrain.data.buffers import arrow_reader
-from petatrain.data.minhash import LSHParams, signatures
+from petatrain.data.ingest import clean as cleaning
+from petatrain.data.ingest import split
+from petatrain.data.ingest import tokenize as tk
+from petatrain.data.ingest.minhash import LSHParams, signatures
 from petatrain.data.partitions import partition_array
 from petatrain.errors import PetatrainError
 from petatrain.storage import StorageOptions, atomic_write, join, read_bytes, signing

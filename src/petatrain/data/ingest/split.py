@@ -33,13 +33,12 @@ from typing import Any
 import xxhash
 from fsspec.utils import infer_compression
 
-from petatrain.data import sources as src
+from petatrain.data import readers as src
 from petatrain.errors import PetatrainError
 from petatrain.storage import StorageOptions
 from petatrain.storage.checksum import ALGORITHM
 from petatrain.storage.fs import read_range
 
-SPLITTABLE = ("jsonl", "text", "csv")
 CHECKSUM_BLOCK = 64 << 20
 _SCAN_STEP = 8 << 20
 _QUOTED_CSV = "a CSV with quotes or bare carriage returns is read whole (a quoted field may hold a line break)"
@@ -60,7 +59,7 @@ def split_format(url: str, fmt: str) -> str | None:
         fmt = src.detect_format(url) if fmt == "auto" else fmt
     except Exception:  # no format from its name: read whole, where the first stage quarantines it
         return None
-    return fmt if fmt in SPLITTABLE else None
+    return fmt if fmt in src.SPLITTABLE else None  # the registry says which formats
 
 
 def chunks(file_ord: int, url: str, size: int, fmt: str, split_bytes: int) -> list[dict[str, Any]]:
@@ -184,7 +183,7 @@ class BoundaryScan:
 
 class _LineCount:
     """Lines in a piece fed in buffers: newlines for line formats; for CSV also the non-empty
-    lines (Arrow's rows) and whether rows are lines at all (see `sources.csv_rows_are_lines`)."""
+    lines (Arrow's rows) and whether rows are lines at all (see `readers.csv_rows_are_lines`)."""
 
     def __init__(self) -> None:
         self.newlines = 0

@@ -35,7 +35,7 @@ import pyarrow.parquet as pq
 import ray
 
 from petatrain.data.buffers import arrow_reader
-from petatrain.data.minhash import LSHParams, band_keys
+from petatrain.data.ingest.minhash import LSHParams, band_keys
 from petatrain.storage import StorageOptions, atomic_write, read_bytes
 
 EXACT, NEAR = 1, 2

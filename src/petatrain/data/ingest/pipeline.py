@@ -36,18 +36,16 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from petatrain.config import parse_size
-from petatrain.data import dedup as dedup_mod
 from petatrain.data import index as idx
-from petatrain.data import lineage, split
-from petatrain.data import tokenize as tk
+from petatrain.data import lineage
 from petatrain.data.card import write_card
-from petatrain.data.job import IngestJob, IngestSummary
-from petatrain.data.manifest import Batch, Column, Manifest, Source, TokenizerInfo, Totals, now
-from petatrain.data.minhash import LSHParams
-from petatrain.data.partitions import hive_partitions
-from petatrain.data.register import refresh, register
-from petatrain.data.sources import FieldChoice
-from petatrain.data.stages import (
+from petatrain.data.ingest import dedup as dedup_mod
+from petatrain.data.ingest import split
+from petatrain.data.ingest import tokenize as tk
+from petatrain.data.ingest.job import IngestJob, IngestSummary
+from petatrain.data.ingest.minhash import LSHParams
+from petatrain.data.ingest.register import refresh, register
+from petatrain.data.ingest.stages import (
     FILE_BITS,
     RESERVED_COLUMNS,
     ReadCleanSign,
@@ -59,6 +57,9 @@ from petatrain.data.stages import (
     unify_fields,
     whole_file,
 )
+from petatrain.data.manifest import Batch, Column, Manifest, Source, TokenizerInfo, Totals, now
+from petatrain.data.partitions import hive_partitions
+from petatrain.data.readers import FieldChoice
 from petatrain.errors import PetatrainError
 from petatrain.storage import (
     StorageOptions,

@@ -49,7 +49,7 @@ from petatrain import constants
 log = logging.getLogger(__name__)
 
 HOOK_ENV = constants.WORKER_SETUP_HOOK_ENV  # a module path in it: imported and called by every new worker process
-HOOK = "petatrain.runtime.spares.warm_up"
+HOOK = "petatrain.runtime.startup.spares.warm_up"
 # What a rank imports before its first step, heaviest first.
 MODULES = (
     "torch",

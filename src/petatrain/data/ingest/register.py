@@ -22,7 +22,7 @@ from petatrain.data import index as idx
 from petatrain.data import lineage
 from petatrain.data.buffers import arrow_reader
 from petatrain.data.card import write_card
-from petatrain.data.job import IngestJob, IngestSummary
+from petatrain.data.ingest.job import IngestJob, IngestSummary
 from petatrain.data.manifest import Batch, Column, Manifest, Source, Totals, now
 from petatrain.data.partitions import hive_partitions, partition_type
 from petatrain.errors import PetatrainError

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import unicodedata
 
-from petatrain.data.sources import FileRecords
+from petatrain.data.readers import FileRecords
 
 
 def clean(records: FileRecords, *, min_chars: int, max_chars: int) -> FileRecords:

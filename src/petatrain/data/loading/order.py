@@ -81,21 +81,35 @@ class SampleOrder:
         return self.shard_order[k], q - before
 
     def deal(self, start: int, rank: int, world_size: int, *, drop_last: bool, batch_size: int = 1) -> Deal:
-        """This rank's share of S[start:].
+        """This rank's share of S[start:] (see `deal`)."""
+        return deal(self.num_samples, start, rank, world_size, drop_last=drop_last, batch_size=batch_size)
 
-        Without drop_last every remaining sample is consumed once; ranks may differ by one
-        sample. With drop_last the remainder is cut to a multiple of world_size *
-        batch_size so every rank gets the same number of full batches; the cut tail is
-        `dropped`.
-        """
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is outside world_size {world_size}")
-        if not 0 <= start <= self.num_samples:
-            raise ValueError(f"start position {start} is outside the epoch (0..{self.num_samples})")
-        remaining = self.num_samples - start
-        if drop_last:
-            unit = world_size * batch_size
-            kept = remaining // unit * unit
-            return Deal(start, rank, world_size, kept // world_size, remaining - kept)
-        count = remaining // world_size + (1 if rank < remaining % world_size else 0)
-        return Deal(start, rank, world_size, count, 0)
+    def window_shards(self, window: int) -> list[int]:
+        """The shards positions [window·W, (window+1)·W) read, to load them ahead."""
+        lo = window * self.window
+        if lo >= self.num_samples:
+            return []
+        hi = min(lo + self.window, self.num_samples) - 1
+        k0, k1 = np.searchsorted(self.ends, [lo, hi], side="right")
+        return self.shard_order[k0 : k1 + 1].tolist()
+
+
+def deal(num_samples: int, start: int, rank: int, world_size: int, *, drop_last: bool, batch_size: int = 1) -> Deal:
+    """One rank's share of a sequence of `num_samples` positions, from `start`.
+
+    Without drop_last every remaining sample is consumed once; ranks may differ by one
+    sample. With drop_last the remainder is cut to a multiple of world_size *
+    batch_size so every rank gets the same number of full batches; the cut tail is
+    `dropped`.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside world_size {world_size}")
+    if not 0 <= start <= num_samples:
+        raise ValueError(f"start position {start} is outside the epoch (0..{num_samples})")
+    remaining = num_samples - start
+    if drop_last:
+        unit = world_size * batch_size
+        kept = remaining // unit * unit
+        return Deal(start, rank, world_size, kept // world_size, remaining - kept)
+    count = remaining // world_size + (1 if rank < remaining % world_size else 0)
+    return Deal(start, rank, world_size, count, 0)

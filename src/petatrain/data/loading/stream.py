@@ -33,8 +33,8 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from petatrain.data import index as idx
-from petatrain.data.cache import ShardCache, default_cache_dir
-from petatrain.data.order import Deal, SampleOrder
+from petatrain.data.loading.cache import ShardCache, default_cache_dir
+from petatrain.data.loading.order import Deal, SampleOrder
 from petatrain.data.partitions import hive_partitions, partition_array
 from petatrain.errors import CorruptDataError, PetatrainError
 from petatrain.storage import StorageOptions

@@ -1,0 +1,103 @@
+"""`deploy k8s`: KubeRay manifests from a job config and its plan, and their offline validation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.markup import escape
+
+from petatrain import api, render
+from petatrain import config as config_mod
+from petatrain.cli.common import Json, Sets, print_json, say, show, verb
+from petatrain.errors import ConfigError
+
+deploy_app = typer.Typer(
+    no_args_is_help=True, help="Run on Kubernetes: KubeRay manifests from a job config and its plan."
+)
+
+
+@deploy_app.command("k8s")
+@verb()
+def deploy_k8s(
+    config: Annotated[Path | None, typer.Argument(help="Job config YAML (not needed with --validate).")] = None,
+    out_dir: Annotated[
+        str, typer.Option("--out", help="Folder the manifests are written to (one YAML file each).")
+    ] = "",
+    run_dir: Annotated[
+        str, typer.Option("--run-dir", help="The run directory on the object store (s3://...): what a retry continues.")
+    ] = "",
+    image: Annotated[str, typer.Option(help="Container image with petatrain installed.")] = "",
+    namespace: Annotated[str, typer.Option(help="Kubernetes namespace.")] = "default",
+    name: Annotated[
+        str, typer.Option(help="Name of the RayJob/RayCluster/RayService (default: petatrain-CONFIG).")
+    ] = "",
+    accelerator: Annotated[str, typer.Option(help="Catalog accelerator (H100-SXM, ...); default: CPU pods.")] = "",
+    count: Annotated[int, typer.Option(help="Accelerators (or CPU workers) to train on; default: the config's.")] = 0,
+    from_plan: Annotated[
+        bool, typer.Option("--from-plan", help="Size from `petatrain plan`'s recommendation.")
+    ] = False,
+    kind: Annotated[
+        str, typer.Option(help="rayjob (train, then finish), raycluster (interactive) or rayservice (serve --run-dir).")
+    ] = "rayjob",
+    checkpoint: Annotated[
+        str, typer.Option(help="rayservice: the checkpoint served: final, latest (follows new ones) or a step.")
+    ] = "final",
+    s3_secret: Annotated[
+        str, typer.Option(help="Secret holding AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (default: NAME-s3).")
+    ] = "",
+    cache_size: Annotated[str, typer.Option(help="Size of each node's shard cache.")] = "100Gi",
+    cache_storage_class: Annotated[
+        str, typer.Option(help="Storage class for the shard cache (a PVC per pod); default: an emptyDir.")
+    ] = "",
+    validate: Annotated[
+        str, typer.Option("--validate", help="Only check the manifests in this folder, offline; exit 1 on a problem.")
+    ] = "",
+    set_: Sets = None,
+    as_json: Json = False,
+) -> None:
+    """Write KubeRay manifests (a RayJob, RayCluster or RayService, with its ServiceAccount, ConfigMap and
+    PodMonitor) sized from the config or its plan; a RayJob's retry continues the run. --validate DIR checks them."""
+    if validate:
+        problems = api.validate_k8s(validate)
+        if as_json:
+            print_json({"folder": validate, "problems": problems})
+        else:
+            for line in problems:
+                render.out.print(escape(line), highlight=False, soft_wrap=True)
+        if problems:
+            raise typer.Exit(1)
+        if not as_json:
+            render.out.print(f"{escape(validate)}: every manifest is valid", highlight=False, soft_wrap=True)
+        return
+    if config is None or not out_dir:
+        raise ConfigError("deploy k8s needs a CONFIG and --out DIR (or --validate DIR)")
+    if kind not in ("rayjob", "raycluster", "rayservice"):
+        raise ConfigError(f"--kind {kind!r}: rayjob, raycluster or rayservice")
+    from petatrain.deploy.manifests import Target, name_from
+
+    cfg = config_mod.load(config, list(set_ or []))
+    # kind: one of the three (checked above); image: the Target's own default unless one is given
+    chosen: dict[str, Any] = {"kind": kind, **({"image": image} if image else {})}
+    target = Target(
+        name=name or name_from(str(config)), run_dir=run_dir or "", namespace=namespace, accelerator=accelerator,
+        s3_secret=s3_secret, cache_size=cache_size, checkpoint=checkpoint, cache_storage_class=cache_storage_class,
+        **chosen,
+    )  # fmt: skip
+    if kind != "raycluster" and not run_dir:
+        raise ConfigError(
+            f"--run-dir s3://BUCKET/runs/NAME: a {kind} trains into (or serves) a run directory on the object store"
+        )
+    done = api.deploy_k8s(cfg, target, out_dir, from_plan=from_plan, count=count)
+
+    def written(_: object) -> None:  # on stderr, as progress: the manifests are the output
+        lo, hi = done.worker_pods
+        pods = f"{lo}" if lo == hi else f"{lo}-{hi} (autoscaled)"
+        per = f" x {done.devices_per_node} {done.accelerator}" if done.devices_per_node else " (CPU)"
+        say(f"{done.kind}: {pods} worker pod(s){per}, sized by {escape(done.sized_by)}")
+        for path in done.files:
+            say(f"  {path}")
+        say(f"apply: kubectl apply -f {out_dir}   watch: kubectl get {done.kind} -n {namespace} -w")
+
+    show(done.to_dict(), written)

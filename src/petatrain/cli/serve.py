@@ -1,0 +1,53 @@
+"""`serve`: a trained run's model over HTTP with Ray Serve, until Ctrl-C."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Annotated, Any
+
+import typer
+
+from petatrain import api
+from petatrain.cli.common import Address, Json, Sets, say, show, verb
+
+
+@verb()
+def serve(
+    run: Annotated[str, typer.Argument(help="Run directory URL or path (holds config.yaml and its weights).")],
+    checkpoint: Annotated[str, typer.Option(help="final, latest, or a checkpoint's step.")] = "final",
+    host: Annotated[str, typer.Option(help="Address to listen on (loopback unless told otherwise).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="HTTP port.")] = 8000,
+    replicas: Annotated[str | None, typer.Option(help="Replicas: N, or MIN-MAX to autoscale (serve.replicas).")] = None,
+    max_batch: Annotated[int | None, typer.Option(help="Requests completed together (serve.max_batch).")] = None,
+    follow: Annotated[bool, typer.Option(help="With --checkpoint latest: switch to each new checkpoint.")] = False,
+    set_: Sets = None,
+    address: Address = "",
+    as_json: Json = False,
+) -> None:
+    """Serve a trained run's model with Ray Serve: POST /v1/completions, GET /v1/models, GET /healthz.
+
+    The weights are checked against what the run committed before anything is served. The run's
+    `serve:` config sets replicas, batching and autoscaling; the flags and --set serve.KEY=VALUE
+    override it. Runs until Ctrl-C."""
+    overrides = list(set_ or [])
+    overrides += [f"serve.replicas={replicas}"] if replicas is not None else []
+    overrides += [f"serve.max_batch={max_batch}"] if max_batch is not None else []
+    serving = api.serve(
+        run, checkpoint=checkpoint, host=host, port=port, address=address, follow=follow, overrides=overrides
+    )
+    show(serving.to_dict(), _serving)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        say("stopping")
+    finally:
+        with contextlib.suppress(KeyboardInterrupt):  # a second Ctrl-C while the replicas stop
+            api.stop_serving()
+
+
+def _serving(served: dict[str, Any]) -> None:
+    m, url = served["model"], served["url"]
+    say(f"serving {m['run']} ({m['source']}, step {m['step']}, {m['checksum']}) at {url}")
+    say(f'  curl {url}/v1/completions -d \'{{"prompt": "Once", "max_tokens": 32}}\'')

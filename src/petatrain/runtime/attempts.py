@@ -1,0 +1,96 @@
+"""The supervisor's attempts on Ray (runtime.supervisor.Attempts): the standby, the watchdog, the TorchTrainer."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from petatrain import constants
+from petatrain.config import JobConfig
+from petatrain.runtime import cluster
+from petatrain.runtime.failures import CAUSES, AttemptFailed, FailureCause
+from petatrain.runtime.hub.handle import HubHandle
+from petatrain.runtime.job import TrainJob
+from petatrain.runtime.startup.standby import Standby
+from petatrain.runtime.supervisor import AttemptOutcome
+from petatrain.runtime.trainer import fit, make_trainer
+from petatrain.runtime.watchdog import Watchdog
+
+
+class RayAttempts:
+    """Runs each attempt on Ray Train, and writes the driver's events through the hub."""
+
+    def __init__(
+        self,
+        job: TrainJob,
+        cfg: JobConfig,
+        run_url: str,
+        run_id: str,
+        hub: HubHandle,
+        grow: Callable[[int], int | None] | None = None,
+    ):
+        self.job, self.cfg, self.run_url, self.run_id, self.hub = job, cfg, run_url, run_id, hub
+        self.started = time.time()
+        self.ended = False  # the ledger has the run's end (finished or given up)
+        self.local = not (job.address or cfg.resources.address or os.environ.get(constants.RAY_ADDRESS_ENV))
+        self.standby = Standby(self.build, enabled=cfg.faults.standby)
+        self.watch = Watchdog(hub.actor, cfg.faults.hang_timeout_s, on_training=self.standby.prepare, grow=grow)
+        from petatrain.train.loop import NonFiniteLoss
+
+        self.causes = {**CAUSES, NonFiniteLoss: FailureCause.NONFINITE}
+
+    def emit(self, event: str, **fields: Any) -> dict[str, Any]:
+        record = self.hub.call("emit", event, fields)
+        self.ended = self.ended or event == "end"
+        if self.job.on_event:
+            self.job.on_event(record)
+        return record
+
+    def build(self, attempt: int, world: int) -> Any:
+        return make_trainer(self.cfg, self._payload(attempt), world, self.run_id, attempt, local=self.local)
+
+    def run(self, attempt: int, world: int) -> AttemptOutcome:
+        from petatrain.runtime._ray.errors import attempt_failed
+
+        trainer = self.standby.take(attempt, world)
+        warm = trainer is not None
+        trainer = trainer or self.build(attempt, world)
+        self.hub.call("new_attempt", attempt)
+        in_driver = getattr(trainer, "controller_in_driver", False)
+        self.emit(
+            "attempt_start", attempt=attempt, world_size=world, controller="driver" if in_driver else "actor",
+            warm_controller=warm,
+        )  # fmt: skip
+        error = fit(trainer, attempt, world, self.watch, shared_job=self.job.gate is not None)
+        if error is None:
+            return AttemptOutcome()
+        return AttemptOutcome(error=attempt_failed(error, self.causes), hang=self.watch.verdict)
+
+    def rank_died(self, error: AttemptFailed) -> int | None:
+        try:
+            beats = self.hub.call("heartbeats", timeout=5)
+        except Exception:  # a hub that does not answer: the error's own cause stands
+            return None
+        return cluster.died_on_its_own({(b["pid"], b["node_id"]): rank for rank, b in beats.items()})
+
+    def close(self) -> None:
+        self.watch.stop()
+        self.standby.discard()
+
+    def _payload(self, attempt: int) -> Any:
+        from petatrain.train.loop import Payload
+
+        job = self.job
+        return Payload(
+            config=self.cfg.to_dict(),
+            run_url=self.run_url,
+            options=job.worker_options(),
+            hub=self.hub.actor,
+            attempt=attempt,
+            run_started=self.started,
+            injections=list(job.injections),  # the workers leave out those that fired already
+            stop_at=self.started + job.stop_after_s if job.stop_after_s else None,
+            hold_at_eval=job.gate is not None,
+        )

@@ -1,0 +1,98 @@
+"""What a training run is asked to do (`TrainJob`, `Branch`, `EvalGate`) and how it ended (`RunResult`)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from petatrain.chaos.inject import Injection
+from petatrain.config import JobConfig
+from petatrain.runtime.failures import Failure
+from petatrain.storage import StorageOptions
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainJob:
+    config: JobConfig
+    run_url: str
+    options: StorageOptions | None = None  # None: the config's `storage` section
+    address: str = ""
+    injections: list[Injection] = field(default_factory=list)
+    on_event: Callable[[dict[str, Any]], None] | None = None  # progress for the CLI
+    local_cpus: int = 0
+    stop_after_s: float | None = None  # end the run (checkpointed, final weights) this long after it started
+    # Continue the run the run directory holds (a RayJob retry, a lost head pod, a new cluster):
+    # same run id, the next attempt number, from its newest committed checkpoint. Without it, a
+    # run directory that holds a run is refused.
+    resume: bool = False
+    # Start from another run's checkpoint instead (`train --from`, PBT's exploit in petatrain.tune).
+    branch: Branch | None = None
+    # Hold the run after each evaluation until the gate releases it (a search's trial, petatrain.tune).
+    gate: EvalGate | None = None
+
+    def worker_options(self) -> StorageOptions:
+        """Options for Ray processes: they may have started before the driver's AWS_* variables were set."""
+        return (self.options or StorageOptions()).for_workers()
+
+
+class EvalGate:
+    """The run waits after each evaluation until `release(step)`: a search's trial lets it go on
+    once Tune has taken the evaluation, so the run never trains past a decision it has not had
+    (ASHA stopping it, PBT replacing its state)."""
+
+    def __init__(self) -> None:
+        self._hub: Any = None
+        self._connected = threading.Event()
+
+    def connect(self, hub: Any) -> None:
+        self._hub = hub
+        self._connected.set()
+
+    def release(self, step: int) -> None:
+        self._connected.wait()
+        self._hub.release.remote(step)
+
+
+@dataclass(frozen=True, slots=True)
+class Branch:
+    """Continue from checkpoint `step` of `source` (a run, or a folder laid out as one): its weights,
+    optimizer, loader position and RNG, with this job's config. `label` names the source in the
+    ledger ("trial 3f2a_00001", "RUN@STEP"). With `resume`, the run directory may hold a run
+    already (a trial that exploits another): `may_change` are the config fields (dotted, or a
+    section) that may then differ from that run's, besides what a resume may change."""
+
+    source: str
+    step: int
+    label: str
+    may_change: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"from": self.label, "step": self.step}
+
+
+@dataclass(kw_only=True, slots=True)
+class RunResult:
+    """How a run ended (also in its ledger): the run, its final weights, the step reached, the faults."""
+
+    run: str
+    final: str
+    steps: int
+    attempts: int
+    failures: list[Failure]
+    wall_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "run": self.run,
+            "final": self.final,
+            "steps": self.steps,
+            "attempts": self.attempts,
+            "failures": [f.to_dict() for f in self.failures],
+            "wall_s": self.wall_s,
+        }
+
+    def __getitem__(self, key: str) -> Any:
+        """`result["steps"]`, for callers written when run() returned the dict."""
+        return self.to_dict()[key]
