@@ -104,13 +104,23 @@ def test_a_stop_string_ends_the_completion_before_it():
 
 
 def test_bad_requests_say_what_to_fix():
-    from petatrain.serve.http import BadRequest, parse_completion
+    from petatrain.serve.http import BadRequest, parse_chat, parse_completion
 
     encode = lambda text: list(text.encode())  # noqa: E731
     bad = {
         b"{": "not JSON",
         b"[1]": "JSON object",
-        b'{"prompt": "x", "n": 2}': "unknown field 'n'",
+        b'{"prompt": "x", "n": 2}': "n 2 is not supported (only 1)",
+        b'{"prompt": "x", "presence_penalty": 0.5}': "presence_penalty 0.5 is not supported (only 0)",
+        b'{"prompt": "x", "logprobs": 1}': "logprobs 1 is not supported",
+        b'{"prompt": "x", "best_of": 3}': "best_of 3 is not supported",
+        b'{"prompt": "x", "frobnicate": 1}': "unknown field 'frobnicate'",
+        b'{"prompt": "x", "stream_options": {"include_usage": true}}': "stream_options is only for stream: true",
+        # Attack round 3: what one request may cost the others.
+        b'{"prompt": "x", "seed": 18446744073709551616}': "seed must be an integer in [0, ",
+        b'{"prompt": "x", "max_tokens": 1' + b"0" * 5000 + b"}": "not JSON a request can hold",
+        b"[" * 5000 + b"]" * 5000: "nested deeper than 32 levels",
+        b'{"prompt": "\\ud800x"}': "prompt is not valid Unicode (a lone surrogate)",
         b'{"prompt": 3}': "prompt must be a string",
         b'{"prompt": ""}': "prompt is empty",
         b'{"prompt": "x", "max_tokens": 0}': "max_tokens must be an integer >= 1",
@@ -123,15 +133,65 @@ def test_bad_requests_say_what_to_fix():
         b'{"prompt": ["ok", "' + b"y" * 40 + b'"]}': "prompt[1] of 40 tokens",
     }
     for body, message in bad.items():
-        with pytest.raises(BadRequest, match=re.escape(message)):
+        with pytest.raises(BadRequest, match=re.escape(message)) as refused:
             parse_completion(body, context=32, encode=encode)
-    two, stream = parse_completion(
+        assert refused.value.status == 400
+    two, stream, usage = parse_completion(
         b'{"prompt": ["ab", "c"], "max_tokens": 3, "seed": 5, "stop": "\\n"}', context=32, encode=encode
     )
-    assert not stream and [(r.ids, r.max_tokens, r.seed, r.stop) for r in two] == [
-        ((97, 98), 3, 5, ("\n",)),
-        ((99,), 3, 6, ("\n",)),
-    ]
+    assert (
+        not stream
+        and not usage
+        and [(r.ids, r.max_tokens, r.seed, r.stop) for r in two]
+        == [
+            ((97, 98), 3, 5, ("\n",)),
+            ((99,), 3, 6, ("\n",)),
+        ]
+    )
+    # What OpenAI-style clients always send, at the values that change nothing, is accepted.
+    defaults = (
+        b'{"prompt": "x", "max_tokens": 2, "n": 1, "presence_penalty": 0, "frequency_penalty": 0.0, "logprobs": null,'
+        b' "echo": false, "best_of": 1, "logit_bias": {}, "suffix": null, "user": "u", "temperature": 1e-310,'
+        b' "stream": true, "stream_options": {"include_usage": true}}'
+    )
+    (one,), stream, usage = parse_completion(defaults, context=32, encode=encode)
+    assert stream and usage and one.temperature == 0.0  # a temperature that would overflow is greedy decoding
+    with pytest.raises(BadRequest, match="does not exist here") as other:
+        parse_completion(b'{"prompt": "x", "model": "gpt-4"}', context=32, encode=encode, model="tiny")
+    assert (other.value.status, other.value.param, other.value.code) == (404, "model", "model_not_found")
+    (chat,), _, _ = parse_chat(
+        b'{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]}',
+        context=64, encode=encode,
+    )  # fmt: skip
+    assert bytes(chat.ids).decode() == "system: Be brief.\nuser: Hi\nassistant:"
+    with pytest.raises(BadRequest, match=r"messages\[0\] needs a role"):
+        parse_chat(b'{"messages": [{"content": "Hi"}]}', context=64, encode=encode)
+
+
+def test_a_row_that_fails_fails_alone():
+    """Attack round 3: one request's row that could not be sampled failed its whole batch (95% of the
+    other clients' requests). Each row now ends with its own error and the others complete."""
+    from petatrain.serve import engine as engine_mod
+    from petatrain.serve.engine import Engine, Request
+
+    engine = Engine(_gpt(), _Bytes())
+    good = [Request(ids=(65, 66), max_tokens=6, temperature=0), Request(ids=(70,), max_tokens=6, temperature=0)]
+    alone = engine.complete(good)
+    poisoned = Request(ids=(80,), max_tokens=6, temperature=0.5, seed=99)
+    sample = engine_mod.sample
+
+    def fails_for_the_poisoned_row(logits, temperature, top_p, generator):
+        if temperature == 0.5:
+            raise RuntimeError("probability tensor contains either inf, nan or element < 0")
+        return sample(logits, temperature, top_p, generator)
+
+    engine_mod.sample = fails_for_the_poisoned_row
+    try:
+        done = engine.complete([good[0], poisoned, good[1]])
+    finally:
+        engine_mod.sample = sample
+    assert [c.ids for c in (done[0], done[2])] == [c.ids for c in alone] and not done[0].error
+    assert done[1].finish_reason == "error" and "inf, nan" in done[1].error
 
 
 def test_serve_settings_become_the_deployments_options():
@@ -155,6 +215,18 @@ def test_serve_settings_become_the_deployments_options():
     for bad, message in bad_settings:
         with pytest.raises(ConfigError, match=re.escape(message)):
             ServeConfig(**bad)
+    # Attack round 3: these hung silently, or were "a bug in petatrain"; one line each now.
+    from petatrain.serve.app import ServeOptions, check_fits
+
+    with pytest.raises(ConfigError, match=r"need 1000000 CPUs at least; the cluster has 2"):
+        check_fits(ServeConfig(replicas="1000000"), cpus=2)
+    with pytest.raises(ConfigError, match=r"need 1000 CPUs at least; the cluster has 2"):
+        check_fits(ServeConfig(cpus_per_replica=1000), cpus=2)
+    check_fits(ServeConfig(replicas="1-1000000"), cpus=2)  # autoscaling up to what fits is fine
+    with pytest.raises(ConfigError, match=r"--port 99999: a TCP port is 1\.\.65535"):
+        ServeOptions(run_url="run", port=99999)
+    with pytest.raises(ConfigError, match=r"serve\.max_request_bytes must be >= 1024"):
+        ServeConfig(max_request_bytes=10)
 
 
 # -- the application on Ray, over HTTP ----------------------------------------------------------
@@ -170,7 +242,13 @@ def served(baseline):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    serving = api.serve(str(baseline), port=port, overrides=["serve.max_batch=8", "serve.cpus_per_replica=0"])
+    overrides = [
+        "serve.max_batch=8",
+        "serve.cpus_per_replica=0",
+        "serve.request_timeout_s=3",
+        "serve.max_request_bytes=65536",
+    ]
+    serving = api.serve(str(baseline), port=port, overrides=overrides)
     yield serving
     api.stop_serving()
 
@@ -195,6 +273,86 @@ def test_completions_models_and_health_over_http(served, baseline):
         reply = requests.post(f"{served.url}/v1/completions", data=bad, timeout=30)
         assert reply.status_code == status and "message" in reply.json()["error"]
     assert requests.get(f"{served.url}/v1/nothing", timeout=30).status_code == 404
+
+
+@pytest.mark.slow
+def test_the_official_openai_client_gets_what_it_asks_for(served):
+    """First contact, item 5: `n`, `presence_penalty`, `logprobs`, `echo`, `stream_options` got
+    400 "unknown field" even at their defaults; an unknown model was served; no chat endpoint."""
+    import openai
+    import requests
+
+    client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="not-checked", max_retries=0, timeout=60)
+    model = client.models.list().data[0].id
+    card = client.models.retrieve(model).model_dump()
+    assert card["id"] == model and not any(str(v).startswith("/") for v in card.values())  # no server path
+    common = {"model": model, "prompt": "Once upon", "max_tokens": 8, "temperature": 0, "seed": 1}
+    whole = client.completions.create(
+        **common, n=1, presence_penalty=0, frequency_penalty=0, logprobs=None, echo=False, best_of=1, top_p=1
+    )
+    assert whole.choices[0].finish_reason in ("length", "stop") and 0 < whole.usage.completion_tokens <= 8
+    chunks = list(client.completions.create(**common, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks[:-1]) == whole.choices[0].text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Once upon"}], max_tokens=6, temperature=0
+    )
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens <= 6
+    streamed = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Once upon"}], max_tokens=6, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == chat.choices[0].message.content
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.completions.create(model="gpt-4", prompt="x")
+    assert missing.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as unsupported:
+        client.completions.create(model=model, prompt="x", n=2)
+    assert unsupported.value.param == "n" and unsupported.value.code == "unsupported_value"
+    assert requests.head(f"{served.url}/healthz", timeout=30).status_code == 200  # load balancers probe with HEAD
+
+
+@pytest.mark.slow
+def test_one_client_cannot_take_the_server_down(served):
+    """Attack round 3: a 50 MB prompt OOM-killed the replica; 32 connections sending partial bodies
+    hung every request and /healthz for 100 s; one bad request failed its whole batch."""
+    import socket
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    import requests
+
+    huge = requests.post(f"{served.url}/v1/completions", data=b'{"prompt": "' + b"x" * 100_000 + b'"}', timeout=30)
+    assert huge.status_code == 413 and "at most 65536" in huge.json()["error"]["message"]
+    host, port = served.url.removeprefix("http://").split(":")
+    slow = []
+    for _ in range(24):  # more than a replica's ongoing requests (2 x max_batch = 16)
+        conn = socket.create_connection((host, int(port)), timeout=30)
+        head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        conn.sendall((head + "Content-Length: 1000\r\n\r\n").encode() + b'{"prompt": "')
+        slow.append(conn)
+    try:
+        t0 = time.monotonic()
+        assert requests.get(f"{served.url}/healthz", timeout=30).text == "ok"
+        body = {"prompt": "The", "max_tokens": 4, "temperature": 0}
+        assert requests.post(f"{served.url}/v1/completions", json=body, timeout=30).status_code == 200
+        assert time.monotonic() - t0 < 10, "the slow bodies held the server past their timeout"
+        assert b"408" in slow[0].recv(200).split(b"\r\n")[0]  # the slow client is told, after 3 s
+    finally:
+        for conn in slow:
+            conn.close()
+
+    # Poisoned values among good requests: every good request answers, the bad ones are refused alone.
+    def ask(i: int) -> int:
+        if i % 5 == 0:
+            bad = {"prompt": "x", "max_tokens": 4, "seed": 2**64} if i % 10 else {"prompt": "x", "temperature": 1e-310}
+            return requests.post(f"{served.url}/v1/completions", json=bad, timeout=60).status_code
+        good = {"prompt": f"Story {i}", "max_tokens": 4, "temperature": 0.8, "seed": i}
+        return requests.post(f"{served.url}/v1/completions", json=good, timeout=60).status_code
+
+    with ThreadPoolExecutor(8) as pool:
+        statuses = list(pool.map(ask, range(40)))
+    assert [s for i, s in enumerate(statuses) if i % 5] == [200] * 32
+    assert sorted({s for i, s in enumerate(statuses) if i % 5 == 0}) == [200, 400]  # 1e-310: greedy
 
 
 @pytest.mark.slow

@@ -522,9 +522,15 @@ class ServeConfig:
     downscale_delay_s: float = 60.0
     cpus_per_replica: float = 1.0
     follow_poll_s: float = 5.0  # --follow: how often a replica looks for a newer checkpoint
+    max_request_bytes: int = 4 * 2**20  # a larger request body is refused (HTTP 413)
+    request_timeout_s: float = 10.0  # a body that takes longer to arrive is refused (HTTP 408)
 
     def __post_init__(self) -> None:
         self.replica_range()
+        if self.max_request_bytes < 1024 or not (math.isfinite(self.request_timeout_s) and self.request_timeout_s > 0):
+            raise ConfigError(
+                "serve.max_request_bytes must be >= 1024 and serve.request_timeout_s a positive number of seconds"
+            )
         if self.max_batch < 1 or self.target_ongoing_requests < 0:
             raise ConfigError("serve.max_batch must be >= 1 and serve.target_ongoing_requests >= 0")
         for key in ("batch_wait_s", "upscale_delay_s", "downscale_delay_s", "cpus_per_replica"):

@@ -1,7 +1,8 @@
 """The Ray Serve application: one deployment (`Completions`) whose replicas each load the run's
-verified model and answer `POST /v1/completions`, `GET /v1/models` and `GET /healthz`. Requests are
-batched (`@serve.batch`) and completed together by the engine, in a thread so the replica keeps
-taking requests meanwhile."""
+verified model and answer `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`
+(and `/v1/models/NAME`) and `GET|HEAD /healthz`, as OpenAI's API and its official client expect.
+Requests are batched (`@serve.batch`) and completed together by the engine, in a thread so the
+replica keeps taking requests meanwhile; a request that fails fails alone."""
 
 from __future__ import annotations
 
@@ -37,6 +38,12 @@ class ServeOptions:
     settings: ServeConfig = field(default_factory=ServeConfig)  # replicas, batching, autoscaling
     storage: StorageOptions | None = None
     follow: bool = False  # switch to each newly committed checkpoint (with checkpoint "latest")
+
+    def __post_init__(self) -> None:
+        from petatrain.errors import ConfigError
+
+        if not 0 < self.port <= 65535:
+            raise ConfigError(f"--port {self.port}: a TCP port is 1..65535")
 
 
 @serve.deployment(name="completions")
@@ -108,39 +115,97 @@ class Completions:
         path, method = request.url.path.rstrip("/") or "/", request.method
         request_id = uuid.uuid4().hex[:12]
         try:
-            if path == "/v1/completions" and method == "POST":
-                return await self._completions(await request.body(), request_id)
+            if path in ("/v1/completions", "/v1/chat/completions") and method == "POST":
+                body = await self._body(request)
+                return await self._completions(body, request_id, chat=path == "/v1/chat/completions")
             if path == "/v1/models" and method == "GET":
-                card = {"id": self.name, "object": "model", "owned_by": "petatrain", **self.served}
-                return JSONResponse({"object": "list", "data": [card]})
-            if path == "/healthz" and method == "GET":
+                return JSONResponse({"object": "list", "data": [self._card()]})
+            if path.startswith("/v1/models/") and method == "GET":
+                if path.removeprefix("/v1/models/") != self.name:
+                    raise http.BadRequest(
+                        f"the model {path.removeprefix('/v1/models/')[:80]!r} does not exist here: this server "
+                        f"serves {self.name!r}", "model", "model_not_found", status=404,
+                    )  # fmt: skip
+                return JSONResponse(self._card())
+            if path == "/healthz" and method in ("GET", "HEAD"):  # load balancers probe with HEAD
                 return PlainTextResponse("ok")
-            known = "POST /v1/completions, GET /v1/models, GET /healthz"
-            return JSONResponse(http.error_body(f"no route {method} {path} ({known})", "not_found"), status_code=404)
+            known = "POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /healthz"
+            return JSONResponse(http.error_body(f"no route {method} {path} ({known})", code="not_found"), 404)
         except http.BadRequest as exc:
-            return JSONResponse(http.error_body(str(exc)), status_code=400)
-        except Exception:
-            log.exception("request %s failed", request_id)
-            body = http.error_body(
+            return JSONResponse(http.error_body(str(exc), param=exc.param, code=exc.code), status_code=exc.status)
+        except Exception as exc:  # one line in the log; the traceback only at debug level
+            log.warning("request %s failed: %s: %s", request_id, type(exc).__name__, str(exc)[:200])
+            log.debug("request %s failed", request_id, exc_info=True)
+            failure = http.error_body(
                 "the model failed on this request; see the replica's log", "server_error", request_id
             )
-            return JSONResponse(body, status_code=500)
+            return JSONResponse(failure, status_code=500)
 
-    async def _completions(self, body: bytes, request_id: str) -> Response:
-        wanted, stream = http.parse_completion(body, context=self.context, encode=self.engine.encode)
+    def _card(self) -> dict[str, Any]:
+        """What /v1/models says of the model: its name and what is served, not where it lies."""
+        served = {k: v for k, v in self.served.items() if k != "run"}
+        return {"id": self.name, "object": "model", "created": 0, "owned_by": "petatrain", **served}
+
+    async def _body(self, request: Request) -> bytes:
+        """The request's body, at most `serve.max_request_bytes` (HTTP 413 beyond) and read within
+        `serve.request_timeout_s` (HTTP 408 after): a client sending a body slowly, or a huge one,
+        must not hold a slot the others need."""
+        limit, deadline = self.options.settings.max_request_bytes, self.options.settings.request_timeout_s
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise http.BadRequest(
+                f"the body is {declared} bytes; at most {limit} a request", code="too_large", status=413
+            )
+        chunks: list[bytes] = []
+        size = 0
+
+        async def read() -> None:
+            nonlocal size
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise http.BadRequest(f"the body is over {limit} bytes", code="too_large", status=413)
+                chunks.append(chunk)
+
+        try:
+            await asyncio.wait_for(read(), timeout=deadline)
+        except TimeoutError:
+            raise http.BadRequest(f"the body took over {deadline:g} s to arrive", code="timeout", status=408) from None
+        return b"".join(chunks)
+
+    async def _completions(self, body: bytes, request_id: str, *, chat: bool = False) -> Response:
+        parse = http.parse_chat if chat else http.parse_completion
+        wanted, stream, usage = parse(body, context=self.context, encode=self.engine.encode, model=self.name)
         if stream:  # token by token, on Starlette's thread pool (a sync iterator), outside the batches
-            pieces = ((i, text, finish) for i, r in enumerate(wanted) for text, finish in self.engine.stream(r))
-            events = http.stream_events(self.name, request_id, pieces)
+            counts = {"prompt_tokens": sum(len(r.ids) for r in wanted), "completion_tokens": 0}
+
+            def pieces():
+                for i, r in enumerate(wanted):
+                    for text, finish in self.engine.stream(r, counts):
+                        yield i, text, finish
+
+            def totals() -> dict[str, int]:
+                return {**counts, "total_tokens": counts["prompt_tokens"] + counts["completion_tokens"]}
+
+            events = http.stream_events(self.name, request_id, pieces(), chat=chat, usage=totals if usage else None)
             return StreamingResponse(events, media_type="text/event-stream")
         done = await asyncio.gather(*(self.complete(r) for r in wanted))  # each prompt joins a batch
-        return JSONResponse(http.completion_body(self.name, request_id, list(done)))
+        failed = [c.error for c in done if c.error]
+        if failed:  # this request's own rows failed; the others in their batches were answered
+            log.warning("request %s: %d of its prompt(s) failed: %s", request_id, len(failed), failed[0][:200])
+            failure = http.error_body(
+                "the model failed on this request; see the replica's log", "server_error", request_id
+            )
+            return JSONResponse(failure, status_code=500)
+        build = http.chat_body if chat else http.completion_body
+        return JSONResponse(build(self.name, request_id, list(done)))
 
 
 class _Metrics:
     """A replica's series on Ray's metrics endpoint (each node's, `ray_` prefixed): requests by route
     and status, their latency, completion tokens, batch sizes, and the step being served."""
 
-    ROUTES = ("/v1/completions", "/v1/models", "/healthz")
+    ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/healthz")
 
     def __init__(self, model: str):
         from ray.util import metrics
@@ -176,9 +241,26 @@ class _Metrics:
             self.tokens.inc(tokens)
 
 
+def check_fits(settings: ServeConfig, cpus: float) -> None:
+    """ConfigError (one line) for replicas the cluster cannot hold: Serve would wait for them forever."""
+    from petatrain.errors import ConfigError
+
+    low, _ = settings.replica_range()
+    need = low * settings.cpus_per_replica
+    if need > cpus:
+        raise ConfigError(
+            f"serve.replicas {settings.replicas} x serve.cpus_per_replica {settings.cpus_per_replica:g} "
+            f"need {need:.12g} CPUs at least; the cluster has {cpus:g}"
+        )
+
+
 def start(options: ServeOptions) -> str:
     """Deploy on the connected Ray cluster and return the URL; returns once the replicas answer."""
+    import ray
+
     from petatrain.console import ray_output_to_console
+
+    check_fits(options.settings, ray.cluster_resources().get("CPU", 0.0))
 
     if not ray_output_to_console():  # Serve's own lines stay in Ray's logs unless --verbose
         logging.getLogger("ray.serve").setLevel(logging.WARNING)
