@@ -139,6 +139,9 @@ class _Reporter:
         self.committed: set[int] = set()
         self.pending: dict[str, Any] | None = None  # an evaluation waiting for its step's checkpoint
         self.reported: set[int] = set()  # steps whose evaluation Tune has (an attempt after a fault repeats some)
+        # The last step's evaluation goes to Tune once the run has ended: a scheduler stops a trial that
+        # reached train.steps (ASHA's max_t), and the stop would cut the run's end (final weights, ledger).
+        self.last: dict[str, Any] | None = None
 
     def run(self) -> None:
         follower = LedgerFollower(self.job.run_url, self.job.options, self.events.put)
@@ -151,6 +154,9 @@ class _Reporter:
         driver.join()
         if self.error is not None:
             raise self.error
+        if self.last is not None:
+            checkpoint = self.setup.checkpoints and self.last["step"] in self.committed
+            self._hand_over(self.last, checkpoint=checkpoint)
 
     def _drive(self, follower: LedgerFollower) -> None:
         from petatrain.runtime.driver import run
@@ -178,15 +184,19 @@ class _Reporter:
             if self.pending is not None:  # its checkpoint never came (a retention race, a fault)
                 self._report(self.pending, checkpoint=False)
                 self.pending = None
+            step = int(event["step"])
             metrics = {
                 "eval_loss": float(event["loss"]),
                 "train_loss": self.loss,
-                "step": int(event["step"]),
+                "step": step,
                 "startup_s": self.startup_s,  # trial called -> its run's first step done
             }
-            if metrics["step"] in self.reported:
-                self.job.gate.release(metrics["step"])
-            elif self.setup.checkpoints and metrics["step"] not in self.committed:
+            if step in self.reported:
+                self.job.gate.release(step)
+            elif step >= self.setup.steps:
+                self.last = metrics
+                self.job.gate.release(step)
+            elif self.setup.checkpoints and step not in self.committed:
                 self.pending = metrics
             else:
                 self._report(metrics, checkpoint=self.setup.checkpoints)
