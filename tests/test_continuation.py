@@ -4,6 +4,9 @@ of v's rows continuing the run's own sequence)."""
 
 from __future__ import annotations
 
+import shutil
+from unittest import mock
+
 import numpy as np
 import pytest
 
@@ -99,3 +102,217 @@ def test_window_shards_are_what_the_window_reads():
     for w in range(-(-order.num_samples // order.window)):
         positions = np.arange(w * order.window, min((w + 1) * order.window, order.num_samples))
         assert set(order.window_shards(w)) == set(order.locate(positions)[0].tolist())
+
+
+# -- the loader over a dataset that grew: v1 ingested, v2 appended -----------------------------
+
+BATCH = 8
+
+
+@pytest.fixture(scope="module")
+def grown(tmp_path_factory, ray_local):
+    """A token dataset of two versions: v1 (~12 shards), then an append of about half as much (v2)."""
+    from helpers import ingest
+    from petatrain.data import synth
+
+    root = tmp_path_factory.mktemp("grown")
+    settings = dict(dedup="exact", tokenizer="bytes", pack_length=65, shard_size="20KB")
+    first = synth.generate(str(root / "a"), documents=500, files=2, mean_words=60, bad_records=False, seed=3)
+    ingest(first.files, root / "ds", **settings)
+    second = synth.generate(str(root / "b"), documents=250, files=1, mean_words=60, bad_records=False, seed=4)
+    ingest([*first.files, *second.files], root / "ds", append=True, **settings)
+    return str(root / "ds")
+
+
+def _loaders(url, world, **kw):
+    from petatrain.data import StreamingDataset
+
+    return [
+        StreamingDataset(url, rank=r, world_size=world, batch_size=BATCH, seed=7, held_out=0.1, **kw)
+        for r in range(world)
+    ]
+
+
+def _lockstep(loaders, state=None, steps=None, carry=None):
+    """Run ranks in lockstep from `state` (carried onto their version with replay `carry`); the
+    indices each step read (all ranks), and the state after them."""
+    import json
+
+    for d in loaders:
+        if state is not None:
+            d.load_state_dict(json.loads(json.dumps(d.carried_over(state, carry) if carry is not None else state)))
+    iters, read = [d.iter_batches() for d in loaders], []
+    while steps is None or len(read) < steps:
+        got = [next(it, None) for it in iters]
+        if all(g is None for g in got):
+            break
+        read.append([int(i) for g in got if g is not None for i in g["index"]])
+    return read, loaders[0].state_dict(consumed=len(read) * BATCH)
+
+
+def test_held_out_rows_stay_held_out_when_the_dataset_grows(grown):
+    from petatrain.data import StreamingDataset
+
+    def indices(url, split):
+        return {int(i) for b in StreamingDataset(url, held_out=0.1, split=split, shuffle=False).iter_batches()
+                for i in b["index"]}  # fmt: skip
+
+    old_eval, new_eval, new_train = indices(f"{grown}@v1", "eval"), indices(grown, "eval"), indices(grown, "train")
+    v1_rows, v2_rows = (StreamingDataset(u).num_samples for u in (f"{grown}@v1", grown))
+    assert old_eval < new_eval and not new_eval & new_train and new_eval | new_train == set(range(v2_rows))
+    added = new_eval - old_eval
+    assert added and min(added) >= v1_rows  # the append's own held-out rows
+    assert abs(len(new_eval) - 0.1 * v2_rows) <= StreamingDataset(grown).manifest.totals.shards
+
+
+def test_a_position_in_v1_is_carried_onto_v2_every_new_row_once_with_replay_at_any_world_size(grown):
+    """A run over v1 at 2 ranks stops a third of the way through its epoch; carried onto v2 at 3
+    ranks, the pass reads every training row v2 added once, and a 25% share of v1's rows that
+    continues the run's own order (none it read in this epoch); resumed in the middle of the pass
+    at 1 rank, the pass reads the same rows."""
+    from petatrain.data import StreamingDataset
+
+    replay = 0.25
+    v1 = StreamingDataset(f"{grown}@v1", held_out=0.1)
+    before, state = _lockstep(_loaders(f"{grown}@v1", 2), steps=v1.num_samples // (3 * 2 * BATCH))
+    read_before = {i for step in before for i in step}
+    whole, _ = _lockstep(_loaders(grown, 3), state, carry=replay)
+    passed = [i for step in whole for i in step]
+    v1_rows = StreamingDataset(f"{grown}@v1").num_samples
+    new_train = sorted(
+        int(i) for b in StreamingDataset(grown, held_out=0.1, shuffle=False).iter_batches() for i in b["index"]
+    )
+    fresh, replays = [i for i in passed if i >= v1_rows], [i for i in passed if i < v1_rows]
+    assert sorted(fresh) == [i for i in new_train if i >= v1_rows]  # every new training row, once
+    assert len(replays) == replayed(len(fresh), v1.num_samples, replay) and len(set(replays)) == len(replays)
+    assert not set(replays) & read_before  # the rest of the run's epoch over v1, nothing read again
+    eval_rows = {int(i) for b in StreamingDataset(grown, held_out=0.1, split="eval").iter_batches() for i in b["index"]}
+    assert not set(passed) & eval_rows
+    for step in whole[:-1]:  # every step holds its share of replays, to within a row or two
+        assert abs(sum(i < v1_rows for i in step) - replay * len(step)) <= 2, step
+
+    head, mid = _lockstep(_loaders(grown, 3), state, steps=5, carry=replay)
+    assert mid["continuation"]["from_version"] == 1 and len(str(mid)) < 600  # four numbers, no row list
+    tail, _ = _lockstep(_loaders(grown, 1), mid)  # a resize in the middle of the pass
+    assert sorted(i for step in head + tail for i in step) == sorted(passed)
+
+
+def test_a_position_that_cannot_be_carried_is_refused_in_one_line(grown):
+    from petatrain.data import StreamingDataset
+    from petatrain.errors import PetatrainError
+
+    _, state = _lockstep(_loaders(f"{grown}@v1", 1), steps=3)
+    (later,) = _loaders(grown, 1)
+    with pytest.raises(PetatrainError, match=r"holds out 0\.1 rows per shard, this loader none"):
+        StreamingDataset(grown, batch_size=BATCH, seed=7).carried_over(state, 0.05)
+    (v1,) = _loaders(f"{grown}@v1", 1)
+    _, carried = _lockstep(_loaders(grown, 1), state, steps=2, carry=0.05)
+    with pytest.raises(PetatrainError, match=r"version 2 .* is version 1: a run continues onto the same or a later"):
+        v1.carried_over(carried, 0.05)
+    assert later.carried_over(carried, 0.05) == carried  # the same version: nothing to carry
+
+
+# -- train --continue ---------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.chaos
+def test_train_continue_goes_on_with_the_next_version_and_kills_in_it_change_nothing(grown, tmp_path):
+    """A run trained on v1 is continued onto v2: a new run from its checkpoint, its data position
+    carried over (the new rows once, 25% replay), its schedule warmed up again. Killed before its
+    first checkpoint of its own (the recovery carries the position over again) and after it, it
+    ends with the weights of the uninterrupted continuation. What cannot be continued is one line."""
+    from helpers import read_events, sha256, tiny
+    from petatrain import api
+    from petatrain.errors import ConfigError, PetatrainError
+
+    base = ("parallel.workers=2", "checkpoint.every=5", "train.eval_every=0", "train.warmup_steps=3")
+    first = tmp_path / "first"
+    assert api.train(tiny(f"{grown}@v1", *base, "train.steps=10"), run_dir=str(first)).steps == 10
+    later = tiny(grown, *base, "train.steps=25", "data.replay=0.25")
+
+    whole = api.train(later, run_dir=str(tmp_path / "whole"), carry=str(first))
+    killed = api.train(
+        later,
+        run_dir=str(tmp_path / "killed"),
+        carry=str(first),
+        injections=["kill@step=13,rank=1", "kill@step=18,rank=0"],
+    )
+    assert whole.steps == killed.steps == 25 and killed.attempts == 3
+    assert sha256(tmp_path / "whole" / "final" / "model.safetensors") == sha256(
+        tmp_path / "killed" / "final" / "model.safetensors"
+    )
+    events = read_events(str(tmp_path / "whole"))
+    start = events[0]
+    carried = {"from_version": 1, "to_version": 2, "new_rows": mock.ANY, "replay_rows": mock.ANY}
+    assert start["source"] == {"from": f"{first}@10", "step": 10, "carry": carried}
+    pass_ = start["source"]["carry"]
+    assert pass_["new_rows"] > 0 and pass_["replay_rows"] == replayed(pass_["new_rows"], 1, 0.25)
+    assert start["config"]["data"]["dataset"] == f"{grown}@v2" and start["config"]["train"]["schedule_start"] == 10
+    lr = {e["step"]: e["lr"] for e in events if e["event"] == "step" and e.get("rank", 0) == 0}
+    assert min(lr) == 11 and lr[11] < lr[13] and lr[13] == pytest.approx(0.003) and lr[25] < lr[14]  # re-warmed
+    resumes = [e["step"] for e in read_events(str(tmp_path / "killed")) if e["event"] == "resume"]
+    assert resumes == [10, 10, 15]
+
+    # The lineage: the continuation, then the run it came from, each with what it read.
+    newest, oldest = api.lineage(str(tmp_path / "killed"))
+    assert (newest["how"], newest["source"], newest["start_step"], newest["step"]) == (
+        "continue",
+        f"{first}@10",
+        10,
+        25,
+    )
+    replays = 15 * 16 * pass_["replay_rows"] // (pass_["new_rows"] + pass_["replay_rows"])
+    assert [(r["version"], r["kind"], r["rows"]) for r in newest["reads"]] == [
+        (2, "new", 240 - replays),
+        (1, "replay", replays),
+    ]
+    assert (oldest["run"], oldest["how"], oldest["reads"]) == (str(first), "start", [
+        {"dataset": grown, "version": 1, "kind": "epochs", "rows": 160}])  # fmt: skip
+    assert api.report(str(tmp_path / "killed")).to_dict()["trained_on"] == newest["reads"]
+
+    # The gate and the registry: the first run is version 1; the continuation is compared with it
+    # on the same held-out rows (v2's: those of the new shards, and those of v1's) and promoted.
+    reg, whole_run = str(tmp_path / "registry"), str(tmp_path / "whole")
+    first_version = api.promote(str(first), "tiny", registry=reg)
+    assert first_version["version"] == 1 and first_version["eval"]["verdict"]["passed"]
+    picky = tiny(grown, "promote.min_improvement=0.9")
+    with pytest.raises(PetatrainError, match="does not pass the gate against registry://tiny@champion: newest data"):
+        api.promote(whole_run, "tiny", config=picky, registry=reg)
+    gate = api.evaluate(whole_run, against="registry://tiny@champion", registry=reg)
+    losses = gate["losses"]
+    assert all(losses[who][split]["rows"] > 0 for who in ("candidate", "against") for split in ("newest", "earlier"))
+    assert losses["candidate"]["newest"]["loss"] < losses["against"]["newest"]["loss"]  # it learnt the new data
+    second = api.promote(whole_run, "tiny", registry=reg, force=True)
+    assert second["version"] == 2 and second["dataset"] == f"{grown}@v2" and second["lineage"][1]["run"] == str(first)
+    assert [link["promotions"] for link in api.lineage(whole_run, registry=reg)] == [["tiny@v2"], ["tiny@v1"]]
+
+    def refused(match, *overrides, spec=str(first), dataset=grown):
+        with pytest.raises(ConfigError, match=match):
+            api.train(tiny(dataset, *base, "train.steps=25", *overrides), run_dir=str(tmp_path / "no"), carry=spec)
+        assert not (tmp_path / "no" / "events.jsonl").exists()
+
+    refused(r"model\.d_model is 64 there, 128 here", "model.d_model=128")
+    refused(r"data\.eval_split rows 0\.01, this run shards", "data.eval_split=shards")
+    refused(r"train\.steps 8 is not past step 10", "train.steps=8")
+    refused(r"no committed checkpoint of step 7", spec=f"{first}@7")
+    shutil.copytree(grown, tmp_path / "copy")  # the same rows, but another dataset
+    refused(
+        r"it trained on .*grown.*, data\.dataset is .*copy; a continuation goes on with later versions",
+        dataset=str(tmp_path / "copy"),
+    )
+
+
+def test_inspect_lists_the_versions_and_a_missing_one_is_one_line_naming_those_there(grown):
+    from petatrain import api
+    from petatrain.data import index
+    from petatrain.errors import PetatrainError
+
+    report = api.inspect(grown, samples=0).fields
+    v1, v2 = report["versions"]
+    assert (v1["version"], v2["version"]) == (1, 2) and v1["rows_added"] + v2["rows_added"] == report["rows"] == v2[
+        "rows"
+    ]
+    assert v2["sources_added"] == 1 and v1["sources"] == 2 and v2["tokens"] > v1["tokens"] > 0
+    with pytest.raises(PetatrainError, match=r"has no version 99: its versions are v1-v2$"):
+        index.open_dataset(f"{grown}@v99")

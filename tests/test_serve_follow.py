@@ -60,3 +60,55 @@ def test_follow_switches_to_a_newly_committed_checkpoint_without_failing_a_reque
         worker.join(timeout=60)
         api.stop_serving()
     assert len(statuses) > 5 and set(statuses) == {200}, statuses
+
+
+def test_serving_a_registered_model_follows_its_alias_with_no_failed_request(baseline, tmp_path):
+    """registry://tiny@champion is served; a rollback moves the alias and every replica switches
+    while a client keeps asking, every request answered; a version whose weights are not those its
+    record names is skipped and the version served goes on serving."""
+    import socket
+
+    import requests
+
+    from petatrain import api
+    from petatrain.registry.store import Registry
+
+    reg = str(tmp_path / "registry")
+    first = api.promote(str(baseline), "tiny", registry=reg)  # final, step 30
+    second = api.promote(str(baseline), "tiny", checkpoint="20", registry=reg, force=True)
+    assert (first["step"], second["step"], second["checkpoint"]) == (30, 20, "20")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    fast = ["serve.follow_poll_s=0.5", "serve.cpus_per_replica=0"]
+    serving = api.serve("registry://tiny@champion", follow=True, port=port, overrides=fast, registry=reg)
+    statuses: list[int] = []
+    stop = threading.Event()
+
+    def client() -> None:
+        while not stop.is_set():
+            body = {"prompt": "The", "max_tokens": 6, "seed": 1}
+            statuses.append(requests.post(f"{serving.url}/v1/completions", json=body, timeout=60).status_code)
+
+    def card() -> dict:
+        return requests.get(f"{serving.url}/v1/models", timeout=30).json()["data"][0]
+
+    worker = threading.Thread(target=client)
+    try:
+        assert (card()["id"], card()["version"], card()["step"], card()["alias"]) == ("tiny", 2, 20, "champion")
+        assert card()["lineage"][0]["step"] == 30 and "run" not in card()
+        worker.start()
+        api.rollback("tiny", registry=reg)
+        deadline = time.monotonic() + 60
+        while card()["version"] != 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert (card()["version"], card()["step"]) == (1, 30)
+        # A version whose record names other weights than those there: skipped, version 1 serves on.
+        Registry(reg).register("tiny", {**first, "checksum": "xxh3-128:" + "0" * 32})
+        time.sleep(3)
+        assert card()["version"] == 1
+    finally:
+        stop.set()
+        worker.join(timeout=60)
+        api.stop_serving()
+    assert len(statuses) > 5 and set(statuses) == {200}, statuses

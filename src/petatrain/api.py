@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from petatrain.config import IngestConfig, JobConfig
 from petatrain.data.ingest.job import IngestJob, IngestSummary
-from petatrain.errors import ConfigError, PetatrainError
+from petatrain.errors import ConfigError, CorruptDataError, PetatrainError
 from petatrain.observe.ledger import LedgerFollower
 from petatrain.storage import StorageOptions
 
@@ -293,6 +293,7 @@ def train(
     options: StorageOptions | None = None,
     resume: bool = False,
     branch: str | None = None,
+    carry: str | None = None,
 ) -> TrainResult:
     """Train `config` in `run_dir` (default `.petatrain/runs/DATE-TIME`), recovering from faults.
 
@@ -303,6 +304,10 @@ def train(
     `branch`: "RUN" or "RUN@STEP": start from that run's checkpoint (its newest, or of step
     STEP): weights, optimizer, loader position and RNG, trained on with this config (a new
     learning rate, more steps).
+    `carry`: "RUN" or "RUN@STEP" (`train --continue`): start a new run from that checkpoint with
+    its data position carried onto a later version of the dataset (every new row once, with a
+    `data.replay` share of the old) and the learning-rate schedule started again at its step
+    (`train.schedule_start`), trained to `train.steps`.
     """
     from petatrain.chaos.inject import parse
     from petatrain.runtime.driver import TrainJob
@@ -310,7 +315,17 @@ def train(
 
     options = options or config.storage.options()
     run_url = run_dir or os.path.join(".petatrain", "runs", time.strftime("%Y%m%d-%H%M%S"))
-    fork = _branch(branch, options) if branch else None
+    if branch and carry:
+        raise ConfigError("--from and --continue are two ways to start from a checkpoint: give one")
+    fork = _branch(branch, options) if branch else _branch(carry, options, carry=True) if carry else None
+    if fork is not None and fork.carry:
+        if config.train.steps <= fork.step:
+            raise ConfigError(
+                f"--continue {fork.label}: train.steps {config.train.steps} is not past step {fork.step}; a "
+                f"continuation trains to a later step (e.g. --set train.steps={fork.step + config.train.steps})"
+            )
+        if not config.train.schedule_start:
+            config = dataclasses.replace(config, train=dataclasses.replace(config.train, schedule_start=fork.step))
     job = TrainJob(
         config=config,
         run_url=run_url,
@@ -339,7 +354,7 @@ def train(
     )
 
 
-def _branch(spec: str, options: StorageOptions | None) -> Any:
+def _branch(spec: str, options: StorageOptions | None, *, carry: bool = False) -> Any:
     """ "RUN" or "RUN@STEP" -> runtime.driver.Branch, the step checked against RUN's committed checkpoints."""
     from petatrain.runtime.driver import Branch
     from petatrain.storage.fs import is_local
@@ -350,8 +365,8 @@ def _branch(spec: str, options: StorageOptions | None) -> Any:
         source, step = spec, ""
     if is_local(source):
         source = os.path.abspath(source)
-    chosen = source_step(source, int(step) if step else None, options)
-    return Branch(source=source, step=chosen, label=f"{source}@{chosen}")
+    chosen = source_step(source, int(step) if step else None, options, flag="--continue" if carry else "--from")
+    return Branch(source=source, step=chosen, label=f"{source}@{chosen}", carry=carry)
 
 
 def tune(
@@ -395,6 +410,159 @@ def report(run: str, *, options: StorageOptions | None = None) -> RunReport:
     return RunReport.from_dict(write_report(run, options))
 
 
+def lineage(run: str, *, options: StorageOptions | None = None, registry: str | None = None) -> list[dict[str, Any]]:
+    """The run and each run it started from (`train --continue`, `--from`), newest first: the
+    dataset versions each read and how much (new rows, replayed rows, whole epochs), its steps,
+    tokens, status, last evaluation loss, and the registry versions it was promoted as (`registry`,
+    else $PETATRAIN_REGISTRY, else .petatrain/registry, where there is one)."""
+    from petatrain.observe.lineage import chain
+    from petatrain.registry.store import Registry
+
+    links = chain(run, options)
+    promoted = Registry(registry, options).promotions_of({str(link["run"]) for link in links})
+    for link in links:
+        if not link.get("missing"):
+            link["promotions"] = promoted.get(str(link["run"]), [])
+    return links
+
+
+# -- the model registry ---------------------------------------------------------------------
+
+
+def _model_at(ref: str, registry: Any, options: StorageOptions | None) -> tuple[str, str, dict[str, Any] | None]:
+    """(run, checkpoint, registry record or None) of a model reference: a run, or registry://NAME@X."""
+    from petatrain.registry.store import parse_ref
+
+    parsed = parse_ref(ref)
+    if not parsed.is_registry:
+        return ref, "final", None
+    record = registry.resolve(parsed)
+    return str(record["run"]), str(record["checkpoint"]), record
+
+
+def evaluate(
+    candidate: str,
+    *,
+    against: str | None = None,
+    config: JobConfig | None = None,
+    registry: str | None = None,
+    dataset: str | None = None,
+    options: StorageOptions | None = None,
+) -> dict[str, Any]:
+    """The evaluation gate (registry/gate.py): `candidate` (a run, or registry://NAME@X) and
+    `against` (the model it would replace) on the same held-out rows of `dataset` (default: the
+    version the candidate trained on), split into all / newest / earlier rows, and the verdict of
+    `config.promote`'s policy. A registry record is verified, and the weights against it."""
+    from petatrain.registry import gate
+    from petatrain.registry.store import Registry
+
+    cfg = config or JobConfig()
+    options = options or cfg.storage.options()
+    store = Registry(registry or cfg.promote.registry or None, options)
+    loaded: list[Any] = []  # registry.gate.Loaded, or None where there is nothing to compare with
+    for ref in (candidate, against):
+        if ref is None:
+            loaded.append(None)
+            continue
+        run, checkpoint, record = _model_at(ref, store, options)
+        model = gate.load_model(run, checkpoint, options, ref)
+        if record is not None and model.describe["checksum"] != record["checksum"]:
+            raise CorruptDataError(
+                f"{ref}: the weights of {run} ({checkpoint}) do not match the registry record "
+                f"({model.describe['checksum']} != {record['checksum']})"
+            )
+        loaded.append(model)
+    cand, inc = loaded
+    assert cand is not None
+    data = cand.config.data
+    if data.eval_split != "rows" or not data.eval_fraction:
+        raise ConfigError(
+            f"{candidate}: it held out data.eval_split {data.eval_split}; evaluate compares models on the rows "
+            "split (data.eval_split: rows), whose held-out rows are the same in every version"
+        )
+    target = dataset or data.dataset
+    if inc is not None:
+        from petatrain.data.index import split_version
+
+        if split_version(inc.config.data.dataset)[0] != split_version(target)[0]:
+            raise ConfigError(
+                f"{against} trained on {split_version(inc.config.data.dataset)[0]}, {candidate} on "
+                f"{split_version(target)[0]}: models are compared on the held-out rows of one dataset"
+            )
+    limit = cfg.promote.max_rows
+    results = {"candidate": gate.held_out_losses(cand, target, data.eval_fraction, options, limit)}
+    if inc is not None:
+        results["against"] = gate.held_out_losses(inc, target, data.eval_fraction, options, limit)
+    return {
+        "candidate": {"ref": candidate, **cand.describe},
+        "against": {"ref": against, **inc.describe} if inc is not None else None,
+        "dataset": target,
+        "eval_fraction": data.eval_fraction,
+        "losses": results,
+        "verdict": gate.verdict(results["candidate"], results.get("against"), cfg.promote),
+    }
+
+
+def promote(
+    run: str,
+    model: str,
+    *,
+    checkpoint: str = "final",
+    force: bool = False,
+    config: JobConfig | None = None,
+    registry: str | None = None,
+    options: StorageOptions | None = None,
+) -> dict[str, Any]:
+    """Register `run`'s weights (final, or checkpoint STEP) as the next version of `model` and move
+    its `champion` alias to it, if the evaluation gate against the current champion passes (or
+    `force`). The version's record: run, checkpoint, checksum, lineage, evaluation."""
+    from petatrain.registry.store import DEFAULT_ALIAS, SCHEME, Registry, check_name
+    from petatrain.serve.weights import load
+
+    cfg = config or JobConfig()
+    options = options or cfg.storage.options()
+    store = Registry(registry or cfg.promote.registry or None, options)
+    check_name(model)
+    champion = store.alias(model, DEFAULT_ALIAS)
+    against = f"{SCHEME}{model}@{DEFAULT_ALIAS}" if champion is not None else None
+    served = load(run, checkpoint, options)  # verified: what the record names is what is there
+    evaluation = None
+    try:
+        evaluation = evaluate(run, against=against, config=cfg, registry=store.url, options=options)
+    except ConfigError:
+        if not force:
+            raise
+    if evaluation is not None and not evaluation["verdict"]["passed"] and not force:
+        raise PetatrainError(
+            f"{run} does not pass the gate against {against}: {evaluation['verdict']['reason']} "
+            "(petatrain evaluate shows the figures; --force promotes anyway)"
+        )
+    chain = lineage(run, options=options, registry=store.url)
+    fields = {
+        "run": served.run,
+        "run_id": chain[0].get("run_id", ""),
+        "checkpoint": checkpoint if checkpoint == "final" else str(served.step),
+        "step": served.step,
+        "checksum": served.checksum,
+        "dataset": served.config.data.dataset,
+        "lineage": chain,
+        "eval": evaluation,
+        "forced": bool(force and (evaluation is None or not evaluation["verdict"]["passed"])),
+    }
+    return store.register(model, fields)
+
+
+def rollback(
+    model: str, *, registry: str | None = None, options: StorageOptions | None = None, config: JobConfig | None = None
+) -> dict[str, Any]:
+    """Move `model`'s champion alias back to the version it named before."""
+    from petatrain.registry.store import Registry
+
+    cfg = config or JobConfig()
+    store = Registry(registry or cfg.promote.registry or None, options or cfg.storage.options())
+    return store.rollback(model)
+
+
 def sample(config: JobConfig, run: str, prompts: Sequence[str], *, new_tokens: int = 60) -> list[str]:
     """Continue each prompt with the committed final weights of the run in `run`."""
     from petatrain.train.sample import sample_text
@@ -427,22 +595,41 @@ def serve(
     follow: bool = False,
     overrides: Sequence[str] = (),
     options: StorageOptions | None = None,
+    registry: str | None = None,
 ) -> Serving:
     """Serve `run`'s model with Ray Serve on `address` (a local Ray by default), as the run's
     `serve:` config says with `overrides` ("serve.max_batch=8") applied. The weights are verified
     here first: a corrupt, torn or uncommitted checkpoint is refused before anything is deployed,
     and every replica verifies what it loads again. With `follow` (checkpoint "latest"), each replica
-    switches to every newer checkpoint the run commits. `stop_serving()` ends it."""
+    switches to every newer checkpoint the run commits. `stop_serving()` ends it.
+
+    `run` may be `registry://NAME@ALIAS` (or `@VERSION`): the version the registry (`registry`, else
+    $PETATRAIN_REGISTRY, else .petatrain/registry) names, its record and weights verified; with
+    `follow`, each replica switches whenever the alias moves (a promotion, a rollback)."""
     import dataclasses
 
     from petatrain import config as config_mod
+    from petatrain.registry.store import Registry, parse_ref
     from petatrain.runtime import cluster
     from petatrain.serve import weights
 
-    if follow and checkpoint != "latest":
+    ref, model_ref, registry_url = parse_ref(run), "", ""
+    if ref.is_registry:
+        store = Registry(registry, options)
+        record = store.resolve(ref)
+        if follow and ref.selector.isdigit():
+            raise ConfigError(f"--follow follows an alias (registry://{ref.name}@champion), not version {ref.selector}")
+        model_ref, registry_url = run, store.url
+        run, checkpoint = str(record["run"]), str(record["checkpoint"])
+    elif follow and checkpoint != "latest":
         raise ConfigError(f"--follow switches to each new checkpoint: use --checkpoint latest, not {checkpoint}")
     options = weights.run_options(run, options)  # the run's keyring unless the command names one
     served = weights.load(run, checkpoint, options)
+    if model_ref and served.checksum != record["checksum"]:
+        raise CorruptDataError(
+            f"{model_ref}: the weights of {run} ({checkpoint}) are not those its registry record names "
+            f"({served.checksum} != {record['checksum']})"
+        )
     settings = served.config.serve
     if overrides:
         values = config_mod.apply_overrides({"serve": dataclasses.asdict(settings)}, list(overrides))
@@ -458,6 +645,8 @@ def serve(
         settings=settings,
         storage=options.for_workers(),  # replicas may lack this process's AWS_* / OS_* variables
         follow=follow,
+        model_ref=model_ref,
+        registry=registry_url,
     )
     return Serving(url=app.start(serve_options), model=served.describe())
 

@@ -101,7 +101,16 @@ class DataConfig:
 
     dataset: str = ".petatrain/datasets/demo"
     seed: int = 0
-    eval_shards: int = 1  # the dataset's last shards held out for evaluation (when it has more)
+    # The held-out evaluation rows. "rows": every round(1/eval_fraction)-th row of each shard, from a row
+    # a hash of the shard's number picks: an append adds held-out rows of its own and never moves one into
+    # training (data/loading/heldout.py). "shards": the dataset's last eval_shards shards (when it has
+    # more), as runs held out before; an append moves them, so a run on it cannot be continued onto one.
+    eval_split: Literal["rows", "shards"] = "rows"
+    eval_fraction: float = 0.01
+    eval_shards: int = 1
+    # `train --continue` onto a later version: the share of the carry-over pass drawn from the rows
+    # the run trained on before (the new rows are read once each, with this share of old ones mixed in).
+    replay: float = 0.05
     # The node-local shard cache of a remote dataset; "" is the node's own (PETATRAIN_CACHE_DIR, else
     # ~/.cache/petatrain), shared by every job and trial on the node, so a shard crosses the network once.
     cache_dir: str = ""
@@ -109,6 +118,12 @@ class DataConfig:
     def __post_init__(self) -> None:
         if self.eval_shards < 0:
             raise ConfigError(f"data.eval_shards must be >= 0, got {self.eval_shards}")
+        if self.eval_split not in ("rows", "shards"):
+            raise ConfigError(f"data.eval_split must be rows or shards, got {self.eval_split!r}")
+        if not 0.0 <= self.eval_fraction <= 0.5:
+            raise ConfigError(f"data.eval_fraction must be in [0, 0.5] (0.01: a row in 100), got {self.eval_fraction}")
+        if not 0.0 <= self.replay < 1.0:
+            raise ConfigError(f"data.replay must be in [0, 1) (0.05: 5% of the carry-over pass), got {self.replay}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -150,6 +165,9 @@ class TrainConfig:
     lr: float = 3e-4
     min_lr: float = 3e-5  # cosine decays to this
     warmup_steps: int = 10
+    # The step the learning-rate schedule starts at: warm-up from it, cosine decay from its end to
+    # train.steps. `train --continue` sets it to the step it continues from (the schedule re-warms).
+    schedule_start: int = 0
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -192,6 +210,10 @@ class TrainConfig:
                 raise ConfigError(f"train.{name} must be in [0, 1), got {getattr(self, name)}")
         if self.warmup_steps < 0 or self.eval_every < 0 or self.tokens < 0:
             raise ConfigError("train.warmup_steps, train.eval_every and train.tokens must be >= 0")
+        if not 0 <= self.schedule_start < self.steps:
+            raise ConfigError(
+                f"train.schedule_start must be in [0, train.steps={self.steps}), got {self.schedule_start}"
+            )
 
 
 Strategy = Literal["ddp", "zero1", "zero2", "fsdp", "pipeline"]
@@ -510,6 +532,26 @@ class StorageConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class PromoteConfig:
+    """The evaluation gate of `petatrain evaluate` and `promote` (registry/gate.py), and the registry."""
+
+    # The candidate's loss on the held-out rows of the newest data must be lower than the incumbent's
+    # by this share (0.0: not worse), and on the earlier data higher by at most max_regression.
+    min_improvement: float = 0.0
+    max_regression: float = 0.01
+    max_rows: int = 2048  # held-out rows evaluated per split (the same for both models)
+    registry: str = ""  # the registry's URL; "" is $PETATRAIN_REGISTRY, else .petatrain/registry
+
+    def __post_init__(self) -> None:
+        for key in ("min_improvement", "max_regression"):
+            value = getattr(self, key)
+            if not (math.isfinite(value) and -1.0 < value < 1.0):
+                raise ConfigError(f"promote.{key} must be a share in (-1, 1) (0.01: 1%), got {value}")
+        if self.max_rows < 1:
+            raise ConfigError(f"promote.max_rows must be >= 1, got {self.max_rows}")
+
+
+@dataclass(kw_only=True, slots=True)
 class ServeConfig:
     """How `petatrain serve` runs the model a run trained (the run's config.yaml holds it; the
     command's flags override it)."""
@@ -665,6 +707,7 @@ class JobConfig:
     plan: PlanConfig = field(default_factory=PlanConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
     tune: TuneConfig = field(default_factory=TuneConfig)
+    promote: PromoteConfig = field(default_factory=PromoteConfig)
 
     def to_dict(self) -> dict[str, Any]:
         """The config as plain data, less the storage credentials that are set."""
@@ -686,7 +729,7 @@ class JobConfig:
 # refused with the difference named.
 RESUMABLE = (
     "train.steps", "train.micro_batch", "train.activation_checkpointing", "train.compile", "parallel", "checkpoint",
-    "faults", "resources", "observe", "storage", "plan", "serve", "ingest", "tune", "data.cache_dir",
+    "faults", "resources", "observe", "storage", "plan", "serve", "ingest", "tune", "promote", "data.cache_dir",
 )  # fmt: skip
 
 

@@ -83,6 +83,16 @@ def inspect(r: dict[str, Any]) -> None:
     if r["verified"] is not None:
         table.add_row("verify", "all shards match their checksums" if r["verified"] else "FAILED")
     out.print(table)
+    if len(r.get("versions") or []) > 1:
+        versions = Table(title="versions (DATASET@vN opens one)")
+        for column in ("version", "committed", "rows", "tokens", "+rows", "+source files", "duplicates dropped"):
+            versions.add_column(column, justify="left" if column == "committed" else "right")
+        for v in r["versions"]:
+            versions.add_row(
+                f"v{v['version']}", v["committed"], f"{v['rows']:,}", f"{v['tokens']:,}", f"{v['rows_added']:,}",
+                f"{v['sources_added']:,}", f"{v['duplicates_dropped']:,}",
+            )  # fmt: skip
+        out.print(versions)
     for i, row in enumerate(r["samples"]):
         out.print(f"[bold]sample {i}[/bold] " + json.dumps(row, ensure_ascii=False)[:400], highlight=False)
 
@@ -117,6 +127,8 @@ def report(r: dict[str, Any]) -> None:
         share = f"{100 * seconds / wall:.1f}%" if wall > 0 else "–"
         split.add_row(name.removesuffix("_s").replace("_", " "), f"{seconds:.2f}", share)
     out.print(split)
+    if r.get("trained_on"):
+        out.print(f"trained on: {_reads(r['trained_on'])}", highlight=False, soft_wrap=True)
     if r["note"]:
         out.print(f"[yellow]{r['note']}[/yellow]", highlight=False)
     if r["faults"]:
@@ -180,6 +192,74 @@ def _pipeline_title(p: dict[str, Any]) -> str:
         f"pipeline {p.get('schedule')}: {p.get('stages')} stages x {p.get('chunks')} chunks, {p.get('microbatches')} "
         f"micro-batches; {bubble}, {theory or 0:.1%} in theory"
     )
+
+
+def _reads(reads: list[dict[str, Any]]) -> str:
+    """What a run read: "ds@v2: 1,541 new rows, 513 replayed of v1"."""
+    parts = []
+    for r in reads:
+        name = f"{r['dataset']}@v{r['version']}" if r["version"] is not None else r["dataset"]
+        how = {"new": "new rows once", "replay": "rows replayed", "epochs": "rows"}.get(r["kind"], r["kind"])
+        parts.append(f"{name}: {r['rows']:,} {how}")
+    return "; ".join(parts) or "–"
+
+
+def evaluation(result: dict[str, Any]) -> None:
+    """`petatrain evaluate`: both models' held-out losses per split, and the verdict."""
+    table = Table(title=f"held-out rows of {result['dataset']} ({result['eval_fraction']:g} of each shard)")
+    table.add_column("split")
+    table.add_column("rows", justify="right")
+    table.add_column(f"candidate {result['candidate']['ref']}", justify="right")
+    if result["against"]:
+        table.add_column(f"against {result['against']['ref']}", justify="right")
+    losses = result["losses"]
+    for split in ("all", "newest", "earlier"):
+        row = [split, str(losses["candidate"][split]["rows"]), _or_dash(losses["candidate"][split]["loss"], "{:.4f}")]
+        if result["against"]:
+            row.append(_or_dash(losses["against"][split]["loss"], "{:.4f}"))
+        table.add_row(*row)
+    out.print(table)
+    verdict = result["verdict"]
+    mark = "[green]passes[/green]" if verdict["passed"] else "[red]does not pass[/red]"
+    out.print(f"gate: {mark}: {verdict['reason']}", highlight=False, soft_wrap=True)
+
+
+def promoted(record: dict[str, Any]) -> None:
+    forced = " (forced past the gate)" if record.get("forced") else ""
+    out.print(
+        f"registry://{record['name']}@{record['version']} is the champion{forced}: {record['run']} "
+        f"({record['checkpoint']}, step {record['step']}, {record['checksum']})",
+        highlight=False,
+        soft_wrap=True,
+    )
+    if record.get("eval") and record["eval"].get("verdict"):
+        out.print(f"gate: {record['eval']['verdict']['reason']}", highlight=False, soft_wrap=True)
+
+
+def rolled_back(alias: dict[str, Any]) -> None:
+    out.print(f"registry://{alias['name']}@{alias['alias']} is version {alias['version']} again", highlight=False)
+
+
+def lineage(result: dict[str, Any]) -> None:
+    """A run's chain, newest first, as `petatrain lineage` prints it."""
+    table = Table(title=f"lineage of {result['run']}")
+    for column in ("run", "how", "steps", "status", "eval loss", "trained on", "promoted as"):
+        table.add_column(column, justify="right" if column in ("steps", "eval loss") else "left")
+    for link in result["chain"]:
+        if link.get("missing"):
+            table.add_row(link["run"], "(gone)", "", "", "", "", "")
+            continue
+        how = link["how"] if link["replay"] is None else f"continue (replay {link['replay']:g})"
+        table.add_row(
+            link["run"],
+            how,
+            f"{link['start_step']}→{link['step']}",
+            link["status"],
+            _or_dash(link["eval_loss"], "{:.4f}"),
+            _reads(link["reads"]),
+            ", ".join(link.get("promotions") or []) or "–",
+        )
+    out.print(table)
 
 
 def _or_dash(value: Any, fmt: str = "{}") -> str:

@@ -13,7 +13,7 @@ from typing import Annotated
 import typer
 
 from petatrain import console as quiet
-from petatrain.cli import config, data, deploy, keys, plan, serve, train, tune
+from petatrain.cli import config, data, deploy, keys, models, plan, serve, train, tune
 from petatrain.cli.common import claim_stdout, guarded, print_json
 
 app = typer.Typer(
@@ -45,6 +45,10 @@ for name, verb in (
     ("tune", tune.tune),
     ("chaos", train.chaos),
     ("report", train.report),
+    ("lineage", train.lineage),
+    ("evaluate", models.evaluate),
+    ("promote", models.promote),
+    ("rollback", models.rollback),
     ("serve", serve.serve),
     ("plan", plan.plan),
     ("profile", train.profile),

@@ -14,13 +14,25 @@ from petatrain.cli.common import Address, Json, Sets, say, show, verb
 
 @verb()
 def serve(
-    run: Annotated[str, typer.Argument(help="Run directory URL or path (holds config.yaml and its weights).")],
+    run: Annotated[
+        str,
+        typer.Argument(help="Run directory URL or path, or registry://NAME@champion (a registered model's version)."),
+    ],
     checkpoint: Annotated[str, typer.Option(help="final, latest, or a checkpoint's step.")] = "final",
     host: Annotated[str, typer.Option(help="Address to listen on (loopback unless told otherwise).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="HTTP port.")] = 8000,
     replicas: Annotated[str | None, typer.Option(help="Replicas: N, or MIN-MAX to autoscale (serve.replicas).")] = None,
     max_batch: Annotated[int | None, typer.Option(help="Requests completed together (serve.max_batch).")] = None,
-    follow: Annotated[bool, typer.Option(help="With --checkpoint latest: switch to each new checkpoint.")] = False,
+    follow: Annotated[
+        bool,
+        typer.Option(
+            help="With --checkpoint latest: switch to each new checkpoint; with registry://NAME@ALIAS: "
+            "to each version the alias moves to."
+        ),
+    ] = False,
+    registry: Annotated[
+        str | None, typer.Option(help="The registry's URL (default: $PETATRAIN_REGISTRY, else .petatrain/registry).")
+    ] = None,
     set_: Sets = None,
     address: Address = "",
     as_json: Json = False,
@@ -34,8 +46,9 @@ def serve(
     overrides += [f"serve.replicas={replicas}"] if replicas is not None else []
     overrides += [f"serve.max_batch={max_batch}"] if max_batch is not None else []
     serving = api.serve(
-        run, checkpoint=checkpoint, host=host, port=port, address=address, follow=follow, overrides=overrides
-    )
+        run, checkpoint=checkpoint, host=host, port=port, address=address, follow=follow, overrides=overrides,
+        registry=registry,
+    )  # fmt: skip
     show(serving.to_dict(), _serving)
     try:
         while True:

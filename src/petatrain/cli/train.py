@@ -52,10 +52,22 @@ def train(
             "weights, optimizer, loader position and RNG, trained on with this config (a new lr, more steps).",
         ),
     ] = None,
+    carry: Annotated[
+        str | None,
+        typer.Option(
+            "--continue",
+            help="Continue a run onto newer data, RUN or RUN@STEP: a new run from that checkpoint whose data "
+            "position is carried onto data.dataset's later version (each new row once, data.replay of the old) "
+            "and whose lr schedule re-warms at that step; train.steps counts on from it.",
+        ),
+    ] = None,
     as_json: Json = False,
 ) -> None:
     """Train on Ray Train (DDP or FSDP), checkpointing asynchronously and recovering from faults."""
-    _train(config, list(set_ or []), run_dir, address, list(inject or []), as_json, resume=resume, branch=branch)
+    _train(
+        config, list(set_ or []), run_dir, address, list(inject or []), as_json, resume=resume, branch=branch,
+        carry=carry,
+    )  # fmt: skip
 
 
 @verb(ray_log="petatrain-driver.log")
@@ -89,11 +101,12 @@ def _train(
     stop_after_s: float | None = None,
     resume: bool = False,
     branch: str | None = None,
+    carry: str | None = None,
 ) -> None:
     cfg = config_mod.load(config, overrides)
     run_url = run_dir or os.path.join(DEMO_ROOT, "runs", time.strftime("%Y%m%d-%H%M%S"))
     logs = ray_session(cfg)
-    result = run_training(cfg, run_url, address, specs, as_json, logs, stop_after_s, resume, branch)
+    result = run_training(cfg, run_url, address, specs, as_json, logs, stop_after_s, resume, branch, carry)
     show(result, _show_trained)
 
 
@@ -112,6 +125,7 @@ def run_training(
     stop_after_s: float | None = None,
     resume: bool = False,
     branch: str | None = None,
+    carry: str | None = None,
 ) -> api.TrainResult:
     """api.train with progress on the console, and Ray's driver log in RUN/logs once the run exists."""
     targets = api.metrics_targets_path(run_dir, cfg.storage.options())
@@ -133,6 +147,7 @@ def run_training(
         stop_after_s=stop_after_s,
         resume=resume,
         branch=branch,
+        carry=carry,
     )
     if logs:
         result = dataclasses.replace(result, ray_log=logs.finish("petatrain-driver.log"))
@@ -149,6 +164,21 @@ def report(
     """Goodput of a run: where its wall time went, its faults, loss curve and timeline (PNG + HTML)."""
     options = config_mod.load(config, list(set_ or [])).storage.options()
     show(api.report(run, options=options).to_dict(), render.report)
+
+
+@verb()
+def lineage(
+    run: Annotated[str, typer.Argument(help="Run directory URL or path.")],
+    config: StorageConfig = None,
+    set_: Sets = None,
+    registry: Annotated[
+        str | None, typer.Option(help="The registry whose promotions to show (default: $PETATRAIN_REGISTRY).")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object: {run, chain}.")] = False,
+) -> None:
+    """The run and each run it started from (train --continue, --from): data read, steps, eval loss, promotions."""
+    options = config_mod.load(config, list(set_ or [])).storage.options()
+    show({"run": run, "chain": api.lineage(run, options=options, registry=registry)}, render.lineage)
 
 
 @verb()

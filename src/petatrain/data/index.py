@@ -124,12 +124,24 @@ def _manifest_file(root: str, version: int | None, options: StorageOptions | Non
     current = _generation(latest, options)
     if current == version:
         return latest
+    kept_versions = _listed(version_numbers(root, options) or [current])
     if version > current:
-        raise PetatrainError(f"{root} has no version {version}: its latest is v{current}")
+        raise PetatrainError(f"{root} has no version {version}: its versions are {kept_versions}")
     raise PetatrainError(
         f"{root}@v{version} is not kept (committed before petatrain kept every version, or removed since); "
-        f"the latest is v{current}"
+        f"its versions are {kept_versions}"
     )
+
+
+def _listed(numbers: list[int]) -> str:
+    """v1-v4, v6 for [1, 2, 3, 4, 6]."""
+    runs: list[list[int]] = []
+    for n in numbers:
+        if runs and n == runs[-1][-1] + 1:
+            runs[-1].append(n)
+        else:
+            runs.append([n])
+    return ", ".join(f"v{r[0]}" if len(r) == 1 else f"v{r[0]}-v{r[-1]}" for r in runs)
 
 
 def _generation(target: str, options: StorageOptions | None) -> int:
@@ -440,6 +452,17 @@ def write_manifest(url: str, manifest: Manifest, options: StorageOptions | None 
     data = json.dumps(record, indent=2, sort_keys=True).encode()
     atomic_write(join(url, version_path(manifest.generation)), data, options)
     atomic_write(join(url, MANIFEST), data, options)
+
+
+def version_numbers(url: str, options: StorageOptions | None = None) -> list[int]:
+    """The versions of the dataset at `url` whose records are kept (`_index/versions/vN.json`), ascending."""
+    fs, path = resolve(join(split_version(url)[0], VERSIONS), options)
+    try:
+        names = retrying(f"list {url}/{VERSIONS}", lambda: fs.ls(path, detail=False))
+    except FileNotFoundError:
+        return []
+    found = (re.fullmatch(r"v(\d{8})\.json", name.rsplit("/", 1)[-1]) for name in names)
+    return sorted(int(m[1]) for m in found if m)
 
 
 def _versions_indexes(url: str, options: StorageOptions | None) -> set[str]:

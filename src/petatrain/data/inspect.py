@@ -53,10 +53,40 @@ def describe(
         "verified": None,
         "problems": [],
     }
+    report["versions"] = versions(url, options)
     if verify:
         report["problems"] = idx.verify_shards(dataset)
         report["verified"] = not report["problems"]
     return report
+
+
+def versions(url: str, options: StorageOptions | None = None) -> list[dict[str, Any]]:
+    """Every kept version of the dataset, oldest first: its number, when it was committed, its rows
+    and tokens, and what its commit added (rows, source files) and dropped as duplicates."""
+    root = idx.split_version(url)[0]
+    listed, before = [], None
+    for number in idx.version_numbers(root, options):
+        m = idx.read_manifest(idx.versioned(root, number), options)
+        if m is None:
+            continue
+        t = m.totals
+        dropped = t.exact_duplicates + t.near_duplicates
+        listed.append(
+            {
+                "version": number,
+                "committed": m.updated or m.created,
+                "rows": t.rows,
+                "tokens": t.tokens,
+                "shards": t.shards,
+                "sources": m.lineage.num_sources,
+                "rows_added": t.rows - (before.totals.rows if before else 0),
+                "sources_added": m.lineage.num_sources - (before.lineage.num_sources if before else 0),
+                "duplicates_dropped": dropped
+                - ((before.totals.exact_duplicates + before.totals.near_duplicates) if before else 0),
+            }
+        )
+        before = m
+    return listed
 
 
 def _encryption(dataset: idx.Dataset) -> dict[str, Any] | None:

@@ -15,6 +15,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -159,3 +160,59 @@ class LedgerFollower:
         self._done.set()
         self._thread.join()
         self._poll()  # the events written since the last poll, the run's end among them
+
+
+@dataclass(frozen=True, slots=True)
+class PriorRun:
+    """What a run's ledger says about it: how a continuing driver (`train --resume`) takes it over, its
+    lineage (observe.lineage)."""
+
+    run_id: str
+    config: dict[str, Any]  # the config the run started with, or a branch's since (run_start, run_continue)
+    next_attempt: int  # the attempt number a continuing driver starts with
+    step: int  # the step the run last reached
+    ended: str  # "" when the last driver stopped without an end event; else the end's status (ok | failed)
+    fired: list[str]  # injected faults that fired already (none fires again)
+    failures: list[dict[str, Any]]  # the failure events so far
+    placement_groups: list[str]  # of its attempts (worker_start events): a dead driver's stay reserved
+    # A run started by `train --continue`: the step of the checkpoint it continued from, whose loader
+    # position each recovery carries onto the run's dataset version again (until a checkpoint of its own).
+    carry_step: int | None = None
+
+    def describe(self) -> str:
+        how = {"": "interrupted", "ok": "finished", "failed": "failed"}.get(self.ended, self.ended)
+        return f"run {self.run_id} ({how} at step {self.step}, {self.next_attempt} attempt(s))"
+
+
+def prior_run_from(events: list[dict[str, Any]]) -> PriorRun | None:
+    """The run a ledger's events hold; None when it never started."""
+    start = next((e for e in events if e.get("event") == "run_start"), None)
+    if start is None:
+        return None
+    attempts = [int(e["attempt"]) for e in events if isinstance(e.get("attempt"), int)]
+    steps = [int(e["step"]) for e in events if e.get("event") == "step" and isinstance(e.get("step"), int)]
+    end, config = None, start.get("config") or {}
+    for e in events:
+        if e.get("event") == "end":
+            end = e
+        elif e.get("event") in ("run_continue", "attempt_start"):
+            end = None  # an end before a later driver's start belongs to an earlier driver
+        if e.get("event") == "run_continue" and isinstance(e.get("config"), dict):
+            config = e["config"]  # a branch went on with other hyperparameters
+    return PriorRun(
+        run_id=str(start.get("run_id") or ""),
+        config=config,
+        next_attempt=max(attempts, default=-1) + 1,
+        step=steps[-1] if steps else 0,  # a branch may have gone back to an earlier step
+        ended=str(end.get("status") or "failed") if end else "",
+        fired=sorted({str(e["key"]) for e in events if e.get("event") == "fault_injected" and e.get("key")}),
+        failures=[e for e in events if e.get("event") == "failure"],
+        placement_groups=sorted({str(e["placement_group"]) for e in events if e.get("placement_group")}),
+        carry_step=_carry_step(start.get("source")),
+    )
+
+
+def _carry_step(source: Any) -> int | None:
+    if isinstance(source, dict) and source.get("carry") and isinstance(source.get("step"), int):
+        return int(source["step"])
+    return None

@@ -16,6 +16,7 @@ from typing import Any
 from petatrain.errors import PetatrainError
 from petatrain.observe.goodput import Goodput, account, thin
 from petatrain.observe.ledger import EVENTS_FILE, read_events
+from petatrain.observe.lineage import trained_on
 from petatrain.storage import StorageOptions, join
 from petatrain.storage.fs import atomic_write, exists
 
@@ -48,6 +49,7 @@ def write_report(run_url: str, options: StorageOptions | None = None) -> dict[st
     goodput = account(events)
     report = goodput.to_dict()
     report["run"] = run_url
+    report["trained_on"] = trained_on(events, run_url)  # observe.lineage: the dataset versions it read
     report["files"] = {
         "json": join(run_url, REPORT_JSON),
         "html": join(run_url, REPORT_HTML),
@@ -205,6 +207,12 @@ def render_html(report: dict[str, Any], loss_png: bytes, timeline_png: bytes) ->
     ]
     if report["note"]:
         parts.append(f'<p class="note">{e(report["note"])}</p>')
+    if report.get("trained_on"):
+        rows = [
+            [r["dataset"], "" if r["version"] is None else f"v{r['version']}", r["kind"], f"{r['rows']:,}"]
+            for r in report["trained_on"]
+        ]
+        parts += ["<h2>Trained on</h2>", _table(["dataset", "version", "rows", "count"], rows)]
     parts += [
         "<h2>Where the wall time went</h2>",
         _table(["part", "seconds", "share of wall"], split_rows),

@@ -33,6 +33,7 @@ class RayAttempts:
     ):
         self.job, self.cfg, self.run_url, self.run_id, self.hub = job, cfg, run_url, run_id, hub
         self.started = time.time()
+        self.carry_step: int | None = None  # setup.Run.carry_step
         self.ended = False  # the ledger has the run's end (finished or given up)
         self.local = not (job.address or cfg.resources.address or os.environ.get(constants.RAY_ADDRESS_ENV))
         self.standby = Standby(self.build, enabled=cfg.faults.standby)
@@ -93,4 +94,5 @@ class RayAttempts:
             injections=list(job.injections),  # the workers leave out those that fired already
             stop_at=self.started + job.stop_after_s if job.stop_after_s else None,
             hold_at_eval=job.gate is not None,
+            carry_step=self.carry_step,
         )

@@ -52,6 +52,7 @@ def _supervise(ready: setup.Run, hub: HubHandle, held: contextlib.ExitStack) -> 
         attempts = RayAttempts(
             ready.job, cfg, ready.url, ready.run_id, hub, grow=lambda world: policy.larger(world, *alive.resources())
         )
+        attempts.carry_step = ready.carry_step
     except BaseException:  # the hub and its metrics port go with the run that could not start
         hub.close()
         raise

@@ -67,9 +67,13 @@ class Branch:
     step: int
     label: str
     may_change: tuple[str, ...] = ()
+    # `train --continue`: the loader's position is carried onto a later version of the dataset (its
+    # new rows once, with data.replay of the old), and the run is a new one with its own config.
+    carry: bool = False
+    carried: dict[str, Any] | None = None  # what the carry-over pass holds (preflight.may_carry), for lineage
 
     def to_dict(self) -> dict[str, Any]:
-        return {"from": self.label, "step": self.step}
+        return {"from": self.label, "step": self.step, **({"carry": self.carried or True} if self.carry else {})}
 
 
 @dataclass(kw_only=True, slots=True)

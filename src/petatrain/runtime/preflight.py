@@ -83,31 +83,105 @@ def may_continue(prior: Any, cfg: JobConfig, run_url: str, resume: bool, may_cha
         )
 
 
-def reads_its_dataset(cfg: JobConfig, run_url: str, options: StorageOptions | None) -> None:
+def reads_its_dataset(
+    cfg: JobConfig, run_url: str, options: StorageOptions | None, *, carry_step: int | None = None
+) -> None:
     """A continuing run resumes its newest checkpoint's loader position: refuse (one line, before
-    anything starts) a dataset that is not the one that position counts in."""
+    anything starts) a dataset that is not the one that position counts in. (A run started by
+    `train --continue` that has no checkpoint of its own yet carries its first one's position over.)"""
     from petatrain.data import index
-    from petatrain.train.batches import held_out
+    from petatrain.train.batches import training_samples
     from petatrain.train.checkpoint import latest_verified
 
     state = latest_verified(run_url, options)
     loader = state.loader if state is not None else None
-    if state is None or not isinstance(loader, dict):
+    if state is None or not isinstance(loader, dict) or state.step == carry_step:
         return
     try:
         dataset = index.open_dataset(cfg.data.dataset, options)
     except PetatrainError:
         return  # the loader says what is wrong with it, as it does for a new run
     version = loader.get("dataset_version")
-    rows = dataset.shards.column("rows").to_pylist()
-    samples = sum(rows[: len(rows) - held_out(cfg, len(rows))])
+    samples = training_samples(cfg, dataset.shards.column("rows").to_pylist())
     if version not in (None, dataset.manifest.generation) or loader.get("num_samples") not in (None, samples):
         trained = f"version {version}" if version is not None else f"{loader.get('num_samples')} samples"
         raise PetatrainError(
             f"--run-dir {run_url}: its checkpoint of step {state.step} is a position in {trained} of "
             f"{index.split_version(cfg.data.dataset)[0]}; data.dataset {cfg.data.dataset} gives version "
-            f"{dataset.manifest.generation} ({samples} samples): a run resumes on the data it trained on"
+            f"{dataset.manifest.generation} ({samples} samples): a run resumes on the data it trained on "
+            "(train --continue carries a run onto a later version)"
         )
+
+
+def may_carry(branch: Any, cfg: JobConfig, options: StorageOptions | None) -> dict[str, Any]:
+    """`train --continue RUN@STEP`: the source's checkpoint can be carried onto cfg's dataset, or one
+    line says why not: another model shape or vocabulary, another dataset, an earlier version, a
+    held-out split an append moves. (That it has steps left to train, api.train checks.)
+
+    Returns what the carry-over pass holds, for the run's lineage: {"from_version", "to_version",
+    "new_rows" (training rows the later versions added), "replay_rows" (rows of the earlier one
+    mixed in)}; no new rows when it continues on the same version."""
+    from petatrain.config import _flat
+    from petatrain.data import index
+    from petatrain.train import run_dir
+    from petatrain.train.checkpoint.reader import read_state
+
+    where = branch.label
+    prior = run_dir.prior_run(branch.source, options)
+    source = prior.config if prior is not None else {}
+    if not source:
+        raise ConfigError(f"--continue {where}: no run ledger there to take the model and data from")
+    before, here = _flat(source.get("model") or {}), _flat(cfg.to_dict()["model"])
+    for key, value in here.items():
+        if key in before and before[key] != value:
+            raise ConfigError(
+                f"--continue {where}: model.{key} is {before[key]!r} there, {value!r} here; "
+                "a continuation keeps the model's shape and vocabulary"
+            )
+    data = source.get("data") or {}
+    split, fraction = data.get("eval_split", "shards"), data.get("eval_fraction")
+    if split != "rows" or cfg.data.eval_split != "rows" or fraction != cfg.data.eval_fraction:
+        raise ConfigError(
+            f"--continue {where}: it held out data.eval_split {split}"
+            f"{'' if split != 'rows' else f' {fraction}'}, this run {cfg.data.eval_split}"
+            f"{'' if cfg.data.eval_split != 'rows' else f' {cfg.data.eval_fraction}'}; a run is carried onto new "
+            "data only with the rows split at the same fraction (the shards split moves with each append); "
+            "--from continues it on the same data"
+        )
+    state = read_state(branch.source, branch.step, options)
+    root, _ = index.split_version(cfg.data.dataset)
+    old_root = index.split_version(str(data.get("dataset") or ""))[0]
+    same = old_root == root or (is_local(old_root) and is_local(root) and os.path.abspath(old_root) == root)
+    if not same:
+        raise ConfigError(
+            f"--continue {where}: it trained on {old_root}, data.dataset is {root}; "
+            "a continuation goes on with later versions of the same dataset"
+        )
+    old_version = state.loader.get("dataset_version") if isinstance(state.loader, dict) else None
+    version = index.read_manifest(cfg.data.dataset, options)
+    if not isinstance(old_version, int) or version is None or version.generation < old_version:
+        shown = version.generation if version is not None else "none"
+        raise ConfigError(
+            f"--continue {where}: its checkpoint is a position in version {old_version} of {root}; "
+            f"data.dataset gives version {shown}: a continuation goes on with that version or a later one"
+        )
+    old = index.read_manifest(index.versioned(root, old_version), options)
+    if old is not None and old.tokenizer != version.tokenizer:
+        raise ConfigError(
+            f"--continue {where}: version {old_version} and version {version.generation} of {root} "
+            "were tokenized differently"
+        )
+    from petatrain.data.loading.continuation import replayed
+    from petatrain.train.batches import training_samples
+
+    rows = index.open_dataset(cfg.data.dataset, options).shards.column("rows").to_pylist()
+    old_shards = old.totals.shards if old is not None else len(rows)
+    old_rows = training_samples(cfg, rows[:old_shards])
+    new_rows = training_samples(cfg, rows) - old_rows if version.generation > old_version else 0
+    return {
+        "from_version": old_version, "to_version": version.generation, "new_rows": new_rows,
+        "replay_rows": replayed(new_rows, old_rows, cfg.data.replay),
+    }  # fmt: skip
 
 
 def has_final(run_url: str, options: StorageOptions | None) -> bool:

@@ -4,6 +4,7 @@ config pinned to one dataset version, Ray, the run directory's start and the run
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import uuid
@@ -46,6 +47,15 @@ class Run:
         prior = self.prior
         return prior if prior is not None and prior.ended == "ok" and self.job.branch is None else None
 
+    @property
+    def carry_step(self) -> int | None:
+        """The step whose checkpoint's loader position is carried onto this run's dataset version
+        (`train --continue`, and every recovery of such a run); None for any other run."""
+        branch = self.job.branch
+        if branch is not None:
+            return branch.step if branch.carry else None
+        return self.prior.carry_step if self.prior is not None else None
+
 
 def claim(job: TrainJob, held: contextlib.ExitStack) -> Run | RunResult:
     """The run directory's lease (on `held`), the run it holds and the checked, pinned config; the
@@ -61,10 +71,12 @@ def claim(job: TrainJob, held: contextlib.ExitStack) -> Run | RunResult:
     lease = held.enter_context(run_dir.held(url, job.options, wait_s=RESUME_LEASE_WAIT_S if job.resume else 0))
     prior = run_dir.prior_run(url, job.options)
     cfg = preflight.pinned(cfg, prior, job.options)
+    if job.branch is not None and job.branch.carry:
+        job.branch = dataclasses.replace(job.branch, carried=preflight.may_carry(job.branch, cfg, job.options))
     if prior is not None:
         preflight.may_continue(prior, cfg, url, job.resume, job.branch.may_change if job.branch else ())
         if job.branch is None:
-            preflight.reads_its_dataset(cfg, url, job.options)
+            preflight.reads_its_dataset(cfg, url, job.options, carry_step=prior.carry_step)
         finished = prior.ended == "ok" and prior.step >= cfg.train.steps and preflight.has_final(url, job.options)
         if finished and job.branch is None:
             log.info("%s already trained to step %d: nothing to do", prior.describe(), prior.step)

@@ -38,6 +38,10 @@ class ServeOptions:
     settings: ServeConfig = field(default_factory=ServeConfig)  # replicas, batching, autoscaling
     storage: StorageOptions | None = None
     follow: bool = False  # switch to each newly committed checkpoint (with checkpoint "latest")
+    # registry://NAME@ALIAS|VERSION: serve the version the registry names (run_url and checkpoint are
+    # its record's), verified against the record; with `follow`, switch whenever the alias moves.
+    model_ref: str = ""
+    registry: str = ""
 
     def __post_init__(self) -> None:
         from petatrain.errors import ConfigError
@@ -54,28 +58,83 @@ class Completions:
         torch.set_num_threads(max(1, int(options.settings.cpus_per_replica)))
         self.options = options
         self.name = options.run_url.rstrip("/").rsplit("/", 1)[-1]
+        self.record: dict[str, Any] | None = None  # the registry version served (model_ref)
+        if options.model_ref:
+            from petatrain.registry.store import Registry, parse_ref
+
+            self.ref = parse_ref(options.model_ref)
+            self.registry = Registry(options.registry, options.storage)
+            self.name = str(self.ref.name)
         self.metrics = _Metrics(self.name)
-        self._load(options.checkpoint)  # verified, or it raises and the replica never serves
+        if options.model_ref:
+            self._load_version(self.registry.resolve(self.ref))
+        else:
+            self._load(options.checkpoint)  # verified, or it raises and the replica never serves
         self.complete.set_max_batch_size(options.settings.max_batch)
         self.complete.set_batch_wait_timeout_s(options.settings.batch_wait_s)
         if options.follow:
-            threading.Thread(target=self._follow, name="petatrain-follow", daemon=True).start()
+            follow = self._follow_alias if options.model_ref else self._follow
+            threading.Thread(target=follow, name="petatrain-follow", daemon=True).start()
 
-    def _load(self, checkpoint: str) -> None:
+    def _load(self, checkpoint: str, run: str = "", expect: str = "") -> None:
         """The model at `checkpoint`, built aside and then put in place: a batch under way finishes on
-        the engine it started with."""
+        the engine it started with. `expect`: the checksum a registry record names (CorruptDataError
+        when the weights are others)."""
         from tokenizers import Tokenizer
 
+        from petatrain.errors import CorruptDataError
         from petatrain.models import build_model
         from petatrain.serve import weights
 
-        served = weights.load(self.options.run_url, checkpoint, self.options.storage)
+        served = weights.load(run or self.options.run_url, checkpoint, self.options.storage)
+        if expect and served.checksum != expect:
+            raise CorruptDataError(
+                f"{run} ({checkpoint}): its weights ({served.checksum}) are not those the registry record "
+                f"names ({expect})"
+            )
         spec = build_model(served.config.model, served.config.train)
         spec.module.load_state_dict(served.weights, strict=False)  # tied names: both point at one tensor
         self.context = served.config.model.seq_len
         self.engine = engine_mod.Engine(spec.module, Tokenizer.from_str(served.tokenizer_json), served.eos_id)
         self.served = served.describe()
         self.metrics.serving(served.step, served.source)
+
+    def _load_version(self, record: dict[str, Any]) -> None:
+        """A registry version: its record verified (Registry.resolve), then its weights against it."""
+        self._load(str(record["checkpoint"]), run=str(record["run"]), expect=str(record["checksum"]))
+        self.record = record
+        chain = record.get("lineage") or []
+        self.served = {
+            **self.served,
+            "version": record["version"],
+            "alias": None if self.ref.selector.isdigit() else self.ref.selector,
+            "lineage": [
+                {k: link.get(k) for k in ("run_id", "how", "start_step", "step", "reads")} for link in chain[:10]
+            ],
+        }
+
+    def _follow_alias(self) -> None:
+        """Every `follow_poll_s`: the version the alias names; when it moved, that version's record and
+        weights verified and swapped in. One that does not verify is skipped (and not tried again):
+        the version served goes on serving."""
+        from petatrain.errors import PetatrainError
+
+        refused: set[int] = set()
+        while True:
+            time.sleep(self.options.settings.follow_poll_s)
+            wanted = None
+            try:
+                moved = self.registry.alias(str(self.ref.name), self.ref.selector)
+                wanted = int(moved["version"]) if moved else None
+                if wanted is not None and wanted != self.served.get("version") and wanted not in refused:
+                    self._load_version(self.registry.record(str(self.ref.name), wanted))
+                    log.info("now serving %s version %d", self.name, wanted)
+            except PetatrainError as exc:
+                if wanted is not None:
+                    refused.add(wanted)
+                log.warning("not switching to %s version %s: %s", self.name, wanted, exc)
+            except Exception:  # storage unreachable for a while: keep serving what is loaded
+                log.warning("checking the registry failed", exc_info=True)
 
     def _follow(self) -> None:
         """Every `follow_poll_s`: the newest committed checkpoint past the one served, verified and

@@ -15,8 +15,24 @@ from petatrain.storage import StorageOptions
 
 
 def held_out(cfg: JobConfig, n_shards: int) -> int:
-    """Shards held out for evaluation: the last `data.eval_shards`, when the dataset has more."""
+    """Shards held out for evaluation with data.eval_split "shards": the last `data.eval_shards`,
+    when the dataset has more (none with the "rows" split)."""
+    if cfg.data.eval_split != "shards":
+        return 0
     return cfg.data.eval_shards if n_shards > cfg.data.eval_shards else 0
+
+
+def training_samples(cfg: JobConfig, rows: list[int]) -> int:
+    """Samples of one epoch of the training split of a dataset whose shards hold `rows` rows."""
+    import numpy as np
+
+    from petatrain.data.loading.heldout import HeldOut
+
+    if cfg.data.eval_split == "rows":
+        if not cfg.data.eval_fraction:
+            return sum(rows)
+        return int(HeldOut(np.asarray(rows, np.int64), cfg.data.eval_fraction).train_counts().sum())
+    return sum(rows[: len(rows) - held_out(cfg, len(rows))])
 
 
 def check_dataset(cfg: JobConfig, url: str, manifest: Any) -> None:
@@ -45,8 +61,9 @@ def check_dataset(cfg: JobConfig, url: str, manifest: Any) -> None:
 class TokenBatches:
     """Micro-batches of token sequences from the petatrain loader, rolling over epochs.
 
-    The held-out split is the dataset's last `data.eval_shards` shards; training reads
-    the others. The state is the loader's JSON state.
+    The held-out split is `data.eval_split`'s: a share of every shard's rows (stable across the
+    dataset's versions), or its last `data.eval_shards` shards; training reads the rest. The state
+    is the loader's JSON state.
     """
 
     def __init__(self, cfg: JobConfig, *, rank: int, world: int, micro: int, options: StorageOptions | None):
@@ -56,34 +73,23 @@ class TokenBatches:
         url = cfg.data.dataset
         n_shards = idx.open_dataset(url, options).manifest.totals.shards
         held = held_out(cfg, n_shards)
+        fraction = cfg.data.eval_fraction if cfg.data.eval_split == "rows" else 0.0
         self.cfg, self.micro, self.seq = cfg, micro, cfg.model.seq_len + 1
-        self.train = StreamingDataset(
-            url,
-            seed=cfg.data.seed,
-            rank=rank,
-            world_size=world,
-            batch_size=micro,
-            drop_last=True,
-            shards=(0, n_shards - held),
-            columns=["tokens"],
-            options=options,
-            cache_dir=cfg.data.cache_dir or None,
-        )
-        self.eval = (
-            StreamingDataset(
-                url,
-                shuffle=False,
-                rank=rank,
-                world_size=world,
-                batch_size=micro,
-                shards=(n_shards - held, n_shards),
-                columns=["tokens"],
-                options=options,
-                cache_dir=cfg.data.cache_dir or None,
-            )
-            if held
-            else None
-        )
+
+        def loader(**split: Any) -> StreamingDataset:
+            return StreamingDataset(
+                url, rank=rank, world_size=world, batch_size=micro, columns=["tokens"], options=options,
+                cache_dir=cfg.data.cache_dir or None, held_out=fraction, **split,
+            )  # fmt: skip
+
+        self.train = loader(seed=cfg.data.seed, drop_last=True, shards=(0, n_shards - held) if held else None)
+        self.eval: StreamingDataset | None = None
+        if held:
+            self.eval = loader(shuffle=False, shards=(n_shards - held, n_shards))
+        elif fraction:
+            self.eval = loader(shuffle=False, split="eval")
+            if not self.eval.num_samples:
+                self.eval = None
         check_dataset(cfg, url, self.train.manifest)
         if len(self.train) < micro:
             raise ConfigError(f"{url}: fewer than train.micro_batch samples per rank in the training split")
@@ -108,7 +114,11 @@ class TokenBatches:
     def state_dict(self) -> dict[str, Any]:
         return self.train.state_dict(consumed=self.consumed)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], *, carry_replay: float | None = None) -> None:
+        """Continue at the state's position; with `carry_replay`, a position in an earlier version
+        of the dataset is first carried onto this one (`train --continue`) with that replay share."""
+        if carry_replay is not None:
+            state = self.train.carried_over(state, carry_replay)
         self.train.load_state_dict(state)
         self.consumed, self._it = 0, None
 

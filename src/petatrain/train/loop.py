@@ -59,6 +59,9 @@ class Payload:
     # Wait after each evaluation until the driver's owner has taken it (a search's trial: Tune may
     # stop the trial there, or PBT replace its state), so the run never trains past a decision.
     hold_at_eval: bool = False
+    # `train --continue`: the checkpoint of this step holds a position in an earlier version of the
+    # dataset, carried onto the run's version (data.replay) whenever the run resumes from it.
+    carry_step: int | None = None
 
 
 @dataclass(slots=True)
@@ -198,7 +201,8 @@ def _resume(r: Rank, emit) -> int:
     start = 0
     if state is not None:
         load_into(r.model, r.optimizer, state, shards, rank=r.rank, cfg=r.cfg)
-        r.data.load_state_dict(state.loader)
+        carry = r.payload.carry_step is not None and state.step == r.payload.carry_step
+        r.data.load_state_dict(state.loader, carry_replay=r.cfg.data.replay if carry else None)
         rng = shards.get(r.rank, {}).get("rng/cpu")
         if rng is not None and state.world_size == r.world:
             torch.set_rng_state(rng)

@@ -44,10 +44,12 @@ def build_optimizer(model: torch.nn.Module, train: TrainConfig) -> torch.optim.O
 
 
 def lr_at(step: int, train: TrainConfig) -> float:
-    """Linear warmup to train.lr, then cosine decay to train.min_lr at train.steps."""
+    """Linear warmup to train.lr, then cosine decay to train.min_lr at train.steps, from the step
+    train.schedule_start (a continued run's schedule re-warms and decays again over its own steps)."""
+    step -= train.schedule_start
     if step < train.warmup_steps:
-        return train.lr * (step + 1) / train.warmup_steps
-    progress = (step - train.warmup_steps) / max(1, train.steps - train.warmup_steps)
+        return train.lr * (max(step, 0) + 1) / train.warmup_steps
+    progress = (step - train.warmup_steps) / max(1, train.steps - train.schedule_start - train.warmup_steps)
     return train.min_lr + 0.5 * (train.lr - train.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
 
 

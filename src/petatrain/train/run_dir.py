@@ -14,10 +14,8 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
 
-from petatrain.observe.ledger import EVENTS_FILE, read_events
+from petatrain.observe.ledger import EVENTS_FILE, PriorRun, prior_run_from, read_events
 from petatrain.storage import StorageOptions, folder, join
 from petatrain.storage.fs import refuse_linked_entries, resolve
 from petatrain.storage.lock import LEASE_FILE, Lease
@@ -87,50 +85,10 @@ def run_id(run_url: str, options: StorageOptions | None = None) -> str:
     return folder.identity(run_url, MARKER, options)
 
 
-@dataclass(frozen=True, slots=True)
-class PriorRun:
-    """What a run directory's ledger says about the run it holds (`train --resume` continues it)."""
-
-    run_id: str
-    config: dict[str, Any]  # the config the run started with, or a branch's since (run_start, run_continue)
-    next_attempt: int  # the attempt number a continuing driver starts with
-    step: int  # the step the run last reached
-    ended: str  # "" when the last driver stopped without an end event; else the end's status (ok | failed)
-    fired: list[str]  # injected faults that fired already (none fires again)
-    failures: list[dict[str, Any]]  # the failure events so far
-    placement_groups: list[str]  # of its attempts (worker_start events): a dead driver's stay reserved
-
-    def describe(self) -> str:
-        how = {"": "interrupted", "ok": "finished", "failed": "failed"}.get(self.ended, self.ended)
-        return f"run {self.run_id} ({how} at step {self.step}, {self.next_attempt} attempt(s))"
-
-
 def prior_run(run_url: str, options: StorageOptions | None = None) -> PriorRun | None:
     """The run this folder's ledger holds, or None for a new folder (or a run that never started)."""
     try:
         events = read_events(run_url, options)
     except FileNotFoundError:
         return None
-    start = next((e for e in events if e.get("event") == "run_start"), None)
-    if start is None:
-        return None
-    attempts = [int(e["attempt"]) for e in events if isinstance(e.get("attempt"), int)]
-    steps = [int(e["step"]) for e in events if e.get("event") == "step" and isinstance(e.get("step"), int)]
-    end, config = None, start.get("config") or {}
-    for e in events:
-        if e.get("event") == "end":
-            end = e
-        elif e.get("event") in ("run_continue", "attempt_start"):
-            end = None  # an end before a later driver's start belongs to an earlier driver
-        if e.get("event") == "run_continue" and isinstance(e.get("config"), dict):
-            config = e["config"]  # a branch went on with other hyperparameters
-    return PriorRun(
-        run_id=str(start.get("run_id") or ""),
-        config=config,
-        next_attempt=max(attempts, default=-1) + 1,
-        step=steps[-1] if steps else 0,  # a branch may have gone back to an earlier step
-        ended=str(end.get("status") or "failed") if end else "",
-        fired=sorted({str(e["key"]) for e in events if e.get("event") == "fault_injected" and e.get("key")}),
-        failures=[e for e in events if e.get("event") == "failure"],
-        placement_groups=sorted({str(e["placement_group"]) for e in events if e.get("placement_group")}),
-    )
+    return prior_run_from(events)

@@ -34,6 +34,8 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from petatrain.data import index as idx
 from petatrain.data.loading.cache import ShardCache, default_cache_dir
+from petatrain.data.loading.continuation import ContinuedOrder, Switch
+from petatrain.data.loading.heldout import HeldOut
 from petatrain.data.loading.order import Deal, SampleOrder
 from petatrain.data.partitions import hive_partitions, partition_array
 from petatrain.errors import CorruptDataError, PetatrainError
@@ -71,6 +73,11 @@ class StreamingDataset(IterableDataset):
             ranks and workers of a node), and its byte limit with LRU eviction.
         shards: (start, stop) to read only those shards, e.g. a held-out split; samples
             keep their global row `index`.
+        held_out, split: with a fraction > 0, that share of every shard's rows is held out for
+            evaluation (`loading/heldout.py`: the same rows in every later version), and the
+            loader reads the "train" rows or the held-out "eval" ones.
+    A loader state that records a continuation (`loading/continuation.py`) makes its epoch the
+    pass that carries a run from an earlier version onto this one.
     """
 
     def __init__(
@@ -91,10 +98,14 @@ class StreamingDataset(IterableDataset):
         options: StorageOptions | None = None,
         prefetch: bool = True,
         shards: tuple[int, int] | None = None,
+        held_out: float = 0.0,
+        split: str = "train",
     ):
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if split not in ("train", "eval"):
+            raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
         self.url = url
         self.options = options
         self.shard_range = tuple(shards) if shards is not None else None
@@ -130,6 +141,14 @@ class StreamingDataset(IterableDataset):
             self._paths, self._checksums, self._keys = self._paths[lo:hi], self._checksums[lo:hi], self._keys[lo:hi]
             self._sha256 = self._sha256[lo:hi] if self._sha256 is not None else None
             self._rows, self._bytes, self._first_row = self._rows[lo:hi], self._bytes[lo:hi], self._first_row[lo:hi]
+        first_shard = self.shard_range[0] if self.shard_range is not None else 0
+        self.held_out = HeldOut(self._rows, held_out, first_shard=first_shard) if held_out else None
+        self.eval_fraction, self.split = float(held_out), split
+        # The rows the sequence deals out, per shard: every row, or one side of the held-out split.
+        self._counts = self._rows
+        if self.held_out is not None:
+            self._counts = self.held_out.train_counts() if split == "train" else self.held_out.eval_counts()
+        self.continuation: Switch | None = None  # set by a loader state that continues from another version
         names = [c.name for c in manifest.schema]
         if columns is not None:
             unknown = [c for c in columns if c not in names]
@@ -137,11 +156,11 @@ class StreamingDataset(IterableDataset):
                 raise PetatrainError(f"no column {unknown[0]!r} in {url} (columns: {', '.join(names)})")
         self.columns = list(columns) if columns is not None else names
         self.token_dtype = idx.token_dtype(url, manifest)
-        mean_rows = float(self._rows.mean()) if len(self._rows) else 1.0
+        mean_rows = float(self._counts.mean()) if len(self._counts) else 1.0
         self.shuffle_window = int(shuffle_window or max(1, math.ceil(_WINDOW_SHARDS * mean_rows)))
         self._start = 0  # global position in this epoch's sequence where iteration resumes
         self._yielded = 0  # samples this process yielded since _start (main-process iteration)
-        self._order_cache: SampleOrder | None = None
+        self._order_cache: SampleOrder | ContinuedOrder | None = None
         self._handoff: _Handoff | None = None  # the next epoch's reader, started near this one's end
 
     def __getstate__(self) -> dict[str, Any]:
@@ -153,10 +172,10 @@ class StreamingDataset(IterableDataset):
     # -- sequence --------------------------------------------------------------------------
     @property
     def num_samples(self) -> int:
-        """Samples in one epoch of the whole dataset (all ranks)."""
-        return int(self._rows.sum())
+        """Samples in one epoch of the whole dataset (all ranks): its rows, or one side of its split."""
+        return int(self._counts.sum())
 
-    def order(self) -> SampleOrder:
+    def order(self) -> SampleOrder | ContinuedOrder:
         o = self._order_cache
         if o is None or o.epoch != self.epoch:
             handoff = self._handoff
@@ -167,8 +186,21 @@ class StreamingDataset(IterableDataset):
             self._order_cache = o
         return o
 
-    def _sample_order(self, epoch: int) -> SampleOrder:
-        return SampleOrder(self._rows, seed=self.seed, epoch=epoch, shuffle=self.shuffle, window=self.shuffle_window)
+    def _sample_order(self, epoch: int) -> SampleOrder | ContinuedOrder:
+        switch = self.continuation
+        if switch is not None and epoch == switch.epoch:  # the pass onto this version
+            old, new = self._counts[: switch.old_shards], self._counts[switch.old_shards :]
+            return ContinuedOrder(
+                old, new, switch=switch, to_version=self.manifest.generation, seed=self.seed, shuffle=self.shuffle,
+                window=self.shuffle_window,
+            )  # fmt: skip
+        return SampleOrder(self._counts, seed=self.seed, epoch=epoch, shuffle=self.shuffle, window=self.shuffle_window)
+
+    def _row_of(self, shards: np.ndarray, k: np.ndarray) -> np.ndarray:
+        """The row of each shard that is the k-th the sequence reads there (a split skips the other side's)."""
+        if self.held_out is None:
+            return k
+        return self.held_out.train_row(shards, k) if self.split == "train" else self.held_out.eval_row(shards, k)
 
     def deal(self) -> Deal:
         return self.order().deal(
@@ -203,7 +235,52 @@ class StreamingDataset(IterableDataset):
             "world_size": self.world_size,
             "batch_size": self.batch_size,
             "dataset_version": self.manifest.generation,  # the dataset's commit it reads (DATASET@vN)
+            **({"held_out": self.eval_fraction} if self.held_out is not None else {}),
+            **({"continuation": self.continuation.to_json()} if self.continuation else {}),
         }
+
+    def carried_over(self, state: dict[str, Any], replay: float) -> dict[str, Any]:
+        """The state that carries a position saved in an earlier version of this dataset onto this
+        version (`train --continue`): the next pass reads every row the later versions added once,
+        with a `replay` share of the earlier version's rows, continuing that version's own sequence
+        from where the state was (`loading/continuation.py`); the epochs after it read this version
+        whole. PetatrainError, one line, for a state this cannot carry."""
+        old_version, here = state.get("dataset_version"), self.manifest.generation
+        if not isinstance(old_version, int) or old_version > here:
+            raise PetatrainError(
+                f"the loader state counts in version {old_version} of {self.root}; {self.url} is version {here}: "
+                "a run continues onto the same or a later version"
+            )
+        if state.get("held_out") != (self.eval_fraction if self.held_out is not None else None):
+            raise PetatrainError(
+                f"the loader state holds out {state.get('held_out') or 'no'} rows per shard, this loader "
+                f"{self.eval_fraction if self.held_out is not None else 'none'}: a run continues with the "
+                "held-out split it trained with (data.eval_split: rows and its data.eval_fraction)"
+            )
+        if old_version == here:
+            return state
+        if self.shard_range is not None:
+            raise PetatrainError("a loader over a range of shards cannot carry a run onto a later version")
+        earlier = state.get("continuation")
+        if earlier is not None and earlier.get("epoch") == state.get("epoch"):
+            raise PetatrainError(
+                f"the loader state is inside its own carry-over pass onto version {old_version}; continue "
+                "from a checkpoint after that pass (its new rows read once) ended"
+            )
+        old_shards = idx.open_dataset(f"{self.root}@v{old_version}", self.options).manifest.totals.shards
+        old_samples = int(self._counts[:old_shards].sum())
+        if old_shards > len(self._counts) or old_samples != state.get("num_samples"):
+            raise PetatrainError(
+                f"version {old_version} of {self.root} has {old_samples} samples in its first {old_shards} "
+                f"shards; the loader state counts {state.get('num_samples')}: not the dataset the run trained on"
+            )
+        switch = Switch(
+            from_version=old_version, old_shards=old_shards, epoch=int(state["epoch"]),
+            position=int(state["position"]), replay=float(replay), window=int(state["shuffle_window"]),
+        )  # fmt: skip
+        carried = dict(state, dataset_version=here, continuation=switch.to_json(), position=0)
+        carried.update(num_samples=self.num_samples, shuffle_window=self.shuffle_window)
+        return carried
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue at the exact next sample of the saved sequence, for any rank/worker layout."""
@@ -219,10 +296,22 @@ class StreamingDataset(IterableDataset):
             raise PetatrainError(
                 f"loader state is for a dataset of {state['num_samples']} samples; {self.url} has {self.num_samples}"
             )
+        held = self.eval_fraction if self.held_out is not None else None
+        if state.get("held_out") != held:
+            raise PetatrainError(
+                f"loader state holds out {state.get('held_out') or 'no'} rows per shard; this loader {held or 'none'}"
+            )
         for key in ("seed", "shuffle", "shuffle_window"):
             if state[key] != getattr(self, key):
                 raise PetatrainError(f"loader state has {key}={state[key]!r}, this loader {getattr(self, key)!r}")
-        if not 0 <= state["position"] <= self.num_samples:
+        try:
+            switch = Switch.from_json(state["continuation"]) if "continuation" in state else None
+        except ValueError as exc:
+            raise PetatrainError(str(exc)) from None
+        if switch is not None and switch.old_shards > len(self._counts):
+            raise PetatrainError(f"loader state continues from {switch.old_shards} shards; {self.url} has fewer")
+        self.continuation, self._order_cache = switch, None
+        if not 0 <= state["position"] <= self._sample_order(state["epoch"]).num_samples:
             raise PetatrainError(f"loader state position {state['position']} is outside the epoch")
         self.epoch, self._start, self._yielded = state["epoch"], int(state["position"]), 0
 
@@ -312,7 +401,7 @@ class StreamingDataset(IterableDataset):
                 if last_window < 0 and self.prefetch:  # load the first window's shards in parallel
                     reader.prefetch(_window_shards(order, int(positions[0] // order.window)))
                 shards, rows = order.locate(positions)
-                gathered = reader.read(shards, rows)
+                gathered = reader.read(shards, self._row_of(shards, rows))
                 offset = 0
                 for size in sizes:
                     yield {k: v[offset : offset + size] for k, v in gathered.items()}
@@ -336,13 +425,8 @@ class StreamingDataset(IterableDataset):
                 self._handoff = None
 
 
-def _window_shards(order: SampleOrder, window: int) -> list[int]:
-    lo = window * order.window
-    if lo >= order.num_samples:
-        return []
-    hi = min(lo + order.window, order.num_samples) - 1
-    k0, k1 = np.searchsorted(order.ends, [lo, hi], side="right")
-    return order.shard_order[k0 : k1 + 1].tolist()
+def _window_shards(order: SampleOrder | ContinuedOrder, window: int) -> list[int]:
+    return order.window_shards(window)
 
 
 class _Shard:
@@ -412,7 +496,7 @@ def _mapped(source: pa.MemoryMappedFile) -> pa.Buffer:
 @dataclass(frozen=True)
 class _Handoff:
     key: tuple  # StreamingDataset._layout of the iteration it is for
-    order: SampleOrder
+    order: SampleOrder | ContinuedOrder
     reader: _ShardReader
 
 

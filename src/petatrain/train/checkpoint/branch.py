@@ -21,16 +21,16 @@ from petatrain.train.checkpoint.reader import committed_steps, read_state, remov
 from petatrain.train.checkpoint.state import CheckpointState
 
 
-def source_step(source: str, step: int | None, options: StorageOptions | None = None) -> int:
+def source_step(source: str, step: int | None, options: StorageOptions | None = None, *, flag: str = "--from") -> int:
     """`step`, or the newest committed checkpoint of `source`; ConfigError when it has none."""
     steps = committed_steps(source, options)
     if step is None:
         if not steps:
-            raise ConfigError(f"--from {source}: it holds no committed checkpoint")
+            raise ConfigError(f"{flag} {source}: it holds no committed checkpoint")
         return steps[-1]
     if step not in steps:
         held = ", ".join(str(s) for s in steps[-5:]) or "none"
-        raise ConfigError(f"--from {source}@{step}: no committed checkpoint of step {step} (newest: {held})")
+        raise ConfigError(f"{flag} {source}@{step}: no committed checkpoint of step {step} (newest: {held})")
     return step
 
 
