@@ -20,6 +20,7 @@ os.environ.setdefault("AWS_RESPONSE_CHECKSUM_VALIDATION", "WHEN_REQUIRED")
 
 
 BARBICAN = ROOT / "tests" / "kms" / "barbican.sh"
+MLFLOW = ROOT / "tests" / "mlflowserver" / "mlflow.sh"
 _installs: list[subprocess.Popen] = []
 
 
@@ -29,6 +30,9 @@ def pytest_collection_modifyitems(session, config, items) -> None:
     if os.geteuid() == 0 and any(item.path.name == "test_kms.py" for item in items):
         log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), "petatrain-barbican-install.log"), "w")  # noqa: SIM115
         _installs.append(subprocess.Popen(["bash", str(BARBICAN), "install"], stdout=log, stderr=log))
+    if any(item.path.name == "test_mlflow.py" for item in items):  # the MLflow server's environment, likewise
+        log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), "petatrain-mlflow-install.log"), "w")  # noqa: SIM115
+        _installs.append(subprocess.Popen(["bash", str(MLFLOW), "install"], stdout=log, stderr=log))
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:

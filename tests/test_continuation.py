@@ -316,3 +316,31 @@ def test_inspect_lists_the_versions_and_a_missing_one_is_one_line_naming_those_t
     assert v2["sources_added"] == 1 and v1["sources"] == 2 and v2["tokens"] > v1["tokens"] > 0
     with pytest.raises(PetatrainError, match=r"has no version 99: its versions are v1-v2$"):
         index.open_dataset(f"{grown}@v99")
+
+
+def test_dataset_gc_removes_old_versions_but_those_a_run_or_a_registered_model_names(grown, tmp_path):
+    from petatrain import api
+    from petatrain.data import index
+    from petatrain.data.loading.stream import StreamingDataset
+    from petatrain.errors import PetatrainError
+    from petatrain.registry.store import Registry
+
+    ds = tmp_path / "ds"
+    shutil.copytree(grown, ds)
+    runs = tmp_path / "runs"
+    (runs / "a").mkdir(parents=True)
+    (runs / "a" / "config.yaml").write_text(f"data:\n  dataset: {ds}@v1\n")
+    reg = str(tmp_path / "registry")
+    Registry(reg).register("tiny", {"run": "/r", "checkpoint": "final", "checksum": "x", "dataset": f"{ds}@v1"})
+    kept = api.dataset_gc(str(ds), keep=1, runs=[str(runs)], registry=reg)
+    assert kept["removed"] == [] and kept["in_use"] == {"1": [f"run {runs / 'a'}", "registry://tiny@1"]}
+    assert StreamingDataset(f"{ds}@v1").num_samples > 0
+
+    (runs / "a" / "config.yaml").write_text(f"data:\n  dataset: {ds}@v2\n")
+    shutil.rmtree(reg)
+    done = api.dataset_gc(str(ds), keep=1, runs=[str(runs)], registry=reg)
+    assert (done["removed"], done["kept"]) == ([1], [2])
+    with pytest.raises(PetatrainError, match=r"@v1 is not kept .* its versions are v2"):
+        index.open_dataset(f"{ds}@v1")
+    assert StreamingDataset(str(ds)).num_samples == StreamingDataset(grown).num_samples  # every shard still there
+    assert len(list((ds / "_index").glob("shards-*.parquet"))) == 1

@@ -195,3 +195,45 @@ def test_a_large_file_on_s3_is_split_into_ranged_reads_and_ingests_as_unsplit(
         for out in (tmp_path / "from-s3", tmp_path / "local")
     )
     assert (source["url"], source["checksum"]) == (url, unsplit["checksum"])
+
+
+def test_versions_the_carry_over_gc_and_the_registry_on_s3(s3_endpoint, s3_bucket, ray_local, tmp_path):
+    """Continuous training's storage side on S3: an append is version 2 and v1 still opens; a position
+    in v1 is carried onto v2 (each new row once); gc removes v1 once nothing names it; the registry
+    writes, moves and rolls back its alias there, and a tampered record is refused naming it."""
+    from petatrain import api
+    from petatrain.data import StreamingDataset, synth
+    from petatrain.errors import CorruptDataError, PetatrainError
+    from petatrain.registry.store import Registry, parse_ref
+
+    settings = dict(dedup="exact", tokenizer="bytes", pack_length=65, shard_size="20KB")
+    a = synth.generate(str(tmp_path / "a"), documents=200, files=1, mean_words=60, bad_records=False, seed=3)
+    b = synth.generate(str(tmp_path / "b"), documents=100, files=1, mean_words=60, bad_records=False, seed=4)
+    ds = storage.join(s3_bucket, "datasets", "grows")
+    ingest(a.files, ds, **settings)
+    ingest([*a.files, *b.files], ds, append=True, **settings)
+    old, new = (
+        StreamingDataset(f"{ds}@v1", held_out=0.1, batch_size=8),
+        StreamingDataset(ds, held_out=0.1, batch_size=8),
+    )
+    state = old.state_dict(consumed=16)
+    new.load_state_dict(new.carried_over(state, 0.0))
+    n1 = StreamingDataset(f"{ds}@v1").num_samples
+    read = [int(i) for batch in new.iter_batches() for i in batch["index"]]
+    assert read and min(read) >= n1 and len(set(read)) == len(read) == new.num_samples - old.num_samples
+
+    assert api.dataset_gc(ds, keep=1, runs=[str(tmp_path / "no-runs")], registry=str(tmp_path / "no-reg"))[
+        "removed"
+    ] == [1]
+    with pytest.raises(PetatrainError, match="its versions are v2"):
+        index.open_dataset(f"{ds}@v1")
+
+    reg = Registry(storage.join(s3_bucket, "registry"))
+    for step in (10, 20):
+        reg.register("tiny", {"run": f"{s3_bucket}/runs/a", "checkpoint": "final", "step": step, "checksum": "x"})
+    assert reg.resolve(parse_ref("registry://tiny@champion"))["step"] == 20
+    assert reg.rollback("tiny")["version"] == 1
+    record = storage.join(s3_bucket, "registry", "tiny", "versions", "v00000001.json")
+    storage.atomic_write(record, storage.read_bytes(record).replace(b'"step": 10', b'"step": 11'))
+    with pytest.raises(CorruptDataError, match=r"v00000001\.json: its digest does not match"):
+        reg.resolve(parse_ref("registry://tiny@champion"))

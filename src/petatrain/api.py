@@ -342,6 +342,9 @@ def train(
     finally:
         if follower:
             follower.stop()
+    run_report = report(launched.run, options=options)
+    if config.observe.mlflow_uri:
+        _mirror_run(launched.run, config, options)
     return TrainResult(  # from the driver's runtime.driver.RunResult
         run=launched.run,
         final=launched.final,
@@ -349,9 +352,41 @@ def train(
         attempts=launched.attempts,
         failures=[FaultRecord(cause=f.cause.value, rank=f.rank, detail=f.detail) for f in launched.failures],
         wall_s=launched.wall_s,
-        report=report(launched.run, options=options),
+        report=run_report,
         fields=launched.to_dict(),  # the run's summary, as its ledger and `train --json` have it
     )
+
+
+def _redacted(uri: str) -> str:
+    """A URL without the user and password it may carry."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(uri)
+    host = parts.hostname or ""
+    return urlunsplit(parts._replace(netloc=host + (f":{parts.port}" if parts.port else ""))) if parts.netloc else uri
+
+
+def _mirror_run(run: str, config: JobConfig, options: StorageOptions | None) -> dict[str, Any]:
+    """The run logged to MLflow (observe.mlflow_uri); the ledger's `mlflow` event says whether it was,
+    or why not (then `petatrain mlflow sync RUN` logs it later). Training's result does not depend on it."""
+    from petatrain.observe import mlflow
+    from petatrain.observe.ledger import EventLog
+
+    uri = config.observe.mlflow_uri
+    try:
+        done = mlflow.sync_run(run, uri, config.observe.mlflow_experiment, options)
+        fields = {"status": "logged", "mlflow_run_id": done["mlflow_run_id"]}
+    except Exception as exc:  # MLflow down, unreachable, refusing: the run stands, the ledger says so
+        detail = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+        log.warning("%s was not logged to MLflow at %s (%s); `petatrain mlflow sync %s` logs it later",
+                    run, _redacted(uri), detail, run)  # fmt: skip
+        fields, done = {"status": "pending", "detail": detail}, {"pending": detail}
+    ledger = EventLog(run, options)
+    try:
+        ledger.emit("mlflow", uri=_redacted(uri), **fields)
+    finally:
+        ledger.close()
+    return done
 
 
 def _branch(spec: str, options: StorageOptions | None, *, carry: bool = False) -> Any:
@@ -424,6 +459,27 @@ def lineage(run: str, *, options: StorageOptions | None = None, registry: str | 
         if not link.get("missing"):
             link["promotions"] = promoted.get(str(link["run"]), [])
     return links
+
+
+def dataset_gc(
+    dataset: str,
+    *,
+    keep: int,
+    runs: Sequence[str] = (),
+    registry: str | None = None,
+    options: StorageOptions | None = None,
+) -> dict[str, Any]:
+    """Remove the versions of `dataset` older than its latest `keep`, but any that a run under the
+    `runs` folders (default .petatrain/runs) or a version of the registry still names (data/gc.py).
+    {"removed", "kept", "in_use": {version: [who names it]}}."""
+    from petatrain.data import gc
+    from petatrain.data.index import split_version
+    from petatrain.registry.store import Registry
+
+    folders = list(runs) or [os.path.join(".petatrain", "runs")]
+    root = split_version(dataset)[0]
+    named = gc.users(root, folders, Registry(registry, options), options)
+    return gc.collect(root, keep, named, options)
 
 
 # -- the model registry ---------------------------------------------------------------------
@@ -549,7 +605,61 @@ def promote(
         "eval": evaluation,
         "forced": bool(force and (evaluation is None or not evaluation["verdict"]["passed"])),
     }
-    return store.register(model, fields)
+    record = store.register(model, fields)
+    if cfg.observe.mlflow_uri:
+        record = {**record, "mlflow": _mirror_promotion(record, cfg, options)}
+    return record
+
+
+def _mirror_promotion(record: dict[str, Any], cfg: JobConfig, options: StorageOptions | None) -> dict[str, Any]:
+    """A promotion mirrored in MLflow's registry (the run logged first if it was not); what was done."""
+    from petatrain.observe import mlflow
+
+    uri, experiment = cfg.observe.mlflow_uri, cfg.observe.mlflow_experiment
+    try:
+        run_id = mlflow.mlflow_run_id(str(record["run"]), uri, experiment, options)
+        if run_id is None:
+            run_id = mlflow.sync_run(str(record["run"]), uri, experiment, options)["mlflow_run_id"]
+        return {"version": mlflow.mirror_version(record, uri, run_id), "run_id": run_id}
+    except Exception as exc:  # the registry of record has it; MLflow gets it with `petatrain mlflow sync`
+        detail = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+        log.warning("registry://%s@%s was not mirrored to MLflow (%s)", record["name"], record["version"], detail)
+        return {"pending": detail}
+
+
+def mlflow_sync(
+    run: str, *, config: JobConfig | None = None, registry: str | None = None, options: StorageOptions | None = None
+) -> dict[str, Any]:
+    """Log `run` to MLflow now (what its last sync did not, or what was pending), and mirror the
+    registry versions it was promoted as, with each model's champion alias."""
+    from petatrain.observe import mlflow
+    from petatrain.registry.store import DEFAULT_ALIAS, Registry
+
+    cfg = config or JobConfig()
+    if not cfg.observe.mlflow_uri:
+        raise ConfigError("observe.mlflow_uri is not set: --set observe.mlflow_uri=http://HOST:5000")
+    options = options or cfg.storage.options()
+    uri = cfg.observe.mlflow_uri
+    done = mlflow.sync_run(run, uri, cfg.observe.mlflow_experiment, options)
+    store = Registry(registry or cfg.promote.registry or None, options)
+    versions = []
+    for promoted in store.promotions_of({run}).get(run, []):
+        name, _, number = promoted.partition("@v")
+        record = store.record(name, int(number))
+        champion = store.alias(name, DEFAULT_ALIAS)
+        alias = DEFAULT_ALIAS if champion is not None and champion["version"] == record["version"] else None
+        versions.append(
+            {"model": promoted, "mlflow_version": mlflow.mirror_version(record, uri, done["mlflow_run_id"], alias)}
+        )
+    ledger_fields = {"status": "logged", "mlflow_run_id": done["mlflow_run_id"]}
+    from petatrain.observe.ledger import EventLog
+
+    ledger = EventLog(run, options)
+    try:
+        ledger.emit("mlflow", uri=_redacted(uri), **ledger_fields)
+    finally:
+        ledger.close()
+    return {**done, "versions": versions}
 
 
 def rollback(
@@ -560,7 +670,15 @@ def rollback(
 
     cfg = config or JobConfig()
     store = Registry(registry or cfg.promote.registry or None, options or cfg.storage.options())
-    return store.rollback(model)
+    moved = store.rollback(model)
+    if cfg.observe.mlflow_uri:
+        from petatrain.observe import mlflow
+
+        try:
+            mlflow.move_alias(model, str(moved["alias"]), int(moved["version"]), cfg.observe.mlflow_uri)
+        except Exception as exc:  # the registry of record moved; MLflow's alias follows on the next sync
+            log.warning("MLflow's alias of %s was not moved back: %s", model, str(exc).splitlines()[0][:300])
+    return moved
 
 
 def sample(config: JobConfig, run: str, prompts: Sequence[str], *, new_tokens: int = 60) -> list[str]:
@@ -651,10 +769,18 @@ def serve(
     return Serving(url=app.start(serve_options), model=served.describe())
 
 
-def stop_serving() -> None:
+def stop_serving(*, ray_too: bool = False) -> None:
+    """Delete the application and shut Serve down; with `ray_too`, Ray as well (the local Ray `serve`
+    started goes with its dashboard and agents; from a cluster, this process disconnects)."""
     from petatrain.serve import app
 
-    app.stop()
+    try:
+        app.stop()
+    finally:
+        if ray_too:
+            import ray
+
+            ray.shutdown()
 
 
 # -- planning -------------------------------------------------------------------------------

@@ -411,7 +411,9 @@ class ResourcesConfig:
 @dataclass(kw_only=True, slots=True)
 class ObserveConfig:
     metrics_port: int = 0  # 0 picks a free port (written to the ledger's run_start)
-    metrics_host: str = "127.0.0.1"  # "" turns the Prometheus endpoint off
+    # "" turns the Prometheus endpoint off; "pod-ip": the driver's pod IP (POD_IP, else what its host name
+    # resolves to), read where the driver runs (a Kubernetes head pod: manifests write it).
+    metrics_host: str = "127.0.0.1"
     # After a run ends, an endpoint that was scraped stays up until the next scrape has read the
     # final values (goodput above all), at most this long: Prometheus' scrape interval (15 s by
     # default) or more. One nobody scraped closes at once; 0 never waits.
@@ -421,6 +423,11 @@ class ObserveConfig:
     health_host: str = "127.0.0.1"
     health_port: int = 0
     health_window_s: float = 300.0  # /livez fails once no step completed (nor attempt started) for this long
+    # An MLflow tracking server (http://host:5000): every run is mirrored there once it ends (config as
+    # params, loss/eval/goodput as metrics, the report as artifacts), every promotion as a registered
+    # model version. "" turns it off. Needs the client: pip install 'petatrain[mlflow]' (mlflow-skinny).
+    mlflow_uri: str = ""
+    mlflow_experiment: str = "petatrain"
 
     def __post_init__(self) -> None:
         for key in ("metrics_port", "health_port"):

@@ -204,6 +204,24 @@ def _reads(reads: list[dict[str, Any]]) -> str:
     return "; ".join(parts) or "–"
 
 
+def dataset_gc(done: dict[str, Any]) -> None:
+    removed = ", ".join(f"v{v}" for v in done["removed"]) or "nothing"
+    out.print(f"{done['dataset']}: removed {removed}; kept {len(done['kept'])} version(s)", highlight=False)
+    for version, who in done["in_use"].items():
+        shown = ", ".join(who[:3]) + (f" and {len(who) - 3} more" if len(who) > 3 else "")
+        out.print(f"  v{version} kept: {shown} names it", highlight=False, soft_wrap=True)
+
+
+def mlflow_synced(done: dict[str, Any]) -> None:
+    out.print(
+        f"MLflow run {done['mlflow_run_id']} ({done['experiment']}): {done['params']} params, "
+        f"{done['metrics']} metric points logged",
+        highlight=False,
+    )
+    for v in done["versions"]:
+        out.print(f"  {v['model']} -> MLflow model version {v['mlflow_version']}", highlight=False)
+
+
 def evaluation(result: dict[str, Any]) -> None:
     """`petatrain evaluate`: both models' held-out losses per split, and the verdict."""
     table = Table(title=f"held-out rows of {result['dataset']} ({result['eval_fraction']:g} of each shard)")

@@ -55,6 +55,8 @@ for name, verb in (
 ):
     app.command(name)(verb)
 del name, verb
+app.add_typer(data.dataset_app, name="dataset")
+app.add_typer(models.mlflow_app, name="mlflow")
 app.add_typer(keys.keys_app, name="keys")
 app.add_typer(keys.access_app, name="access")
 app.add_typer(deploy.deploy_app, name="deploy")

@@ -154,3 +154,30 @@ def _demo_train(root: str, dataset: str, as_json: bool, logs: quiet.RayLogs | No
         for text in samples:
             render.out.print(f"[bold]sample[/bold] {text!r}", highlight=False)
     return {**result.fields, "goodput": result.report.goodput, "samples": samples}
+
+
+dataset_app = typer.Typer(help="Dataset versions: gc (remove old ones nothing names).", no_args_is_help=True)
+
+
+@dataset_app.command("gc")
+@verb()
+def dataset_gc(
+    dataset: Annotated[str, typer.Argument(help="Dataset URL or path.")],
+    keep: Annotated[int, typer.Option(help="The latest versions kept whatever names them.")] = 5,
+    runs: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--runs",
+            help="A folder of run directories whose pinned versions are kept (repeatable; default .petatrain/runs).",
+        ),
+    ] = None,
+    registry: Annotated[str | None, typer.Option(help="The registry whose versions' datasets are kept.")] = None,
+    config: StorageConfig = None,
+    set_: Sets = None,
+    as_json: Json = False,
+) -> None:
+    """Remove old versions of a dataset (their records and index files; shards are shared), never
+    one that a run or a registered model still names: it says which."""
+    options = config_mod.load(config, list(set_ or [])).storage.options()
+    done = api.dataset_gc(dataset, keep=keep, runs=list(runs or []), registry=registry, options=options)
+    show(done, render.dataset_gc)

@@ -70,3 +70,23 @@ def rollback(
     """Move the model's champion alias back to the version it named before."""
     cfg = config_mod.load(config, list(set_ or []))
     show(api.rollback(model, registry=registry, config=cfg), render.rolled_back)
+
+
+mlflow_app = typer.Typer(
+    help="The MLflow mirror (observe.mlflow_uri): sync a run and its promotions.", no_args_is_help=True
+)
+
+
+@mlflow_app.command("sync")
+@verb()
+def mlflow_sync(
+    run: Annotated[str, typer.Argument(help="Run directory URL or path.")],
+    registry: Registry = None,
+    config: StorageConfig = None,
+    set_: Sets = None,
+    as_json: Json = False,
+) -> None:
+    """Log the run to MLflow now (what was pending, or new since the last sync) and mirror the
+    registry versions it was promoted as."""
+    cfg = config_mod.load(config, list(set_ or []))
+    show(api.mlflow_sync(run, config=cfg, registry=registry), render.mlflow_synced)

@@ -236,6 +236,18 @@ class End(Event):
     final: str | None = None  # URL of the final weights
 
 
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Mlflow(Event):
+    """The run's mirror in MLflow (observe/mlflow.py): logged, or pending with why (`petatrain mlflow
+    sync RUN` logs it later)."""
+
+    kind: ClassVar[str] = "mlflow"
+    status: str  # logged | pending
+    uri: str  # the tracking server
+    mlflow_run_id: str = ""
+    detail: str = ""
+
+
 KINDS: dict[str, type[Event]] = {
     cls.kind: cls
     for cls in (
@@ -257,6 +269,7 @@ KINDS: dict[str, type[Event]] = {
         Failure,
         Restart,
         End,
+        Mlflow,
     )
 }
 
