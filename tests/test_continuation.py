@@ -344,3 +344,12 @@ def test_dataset_gc_removes_old_versions_but_those_a_run_or_a_registered_model_n
         index.open_dataset(f"{ds}@v1")
     assert StreamingDataset(str(ds)).num_samples == StreamingDataset(grown).num_samples  # every shard still there
     assert len(list((ds / "_index").glob("shards-*.parquet"))) == 1
+
+
+def test_a_dataset_too_small_to_hold_out_rows_says_so_at_the_start(grown, caplog):
+    from helpers import tiny
+    from petatrain.runtime import preflight
+
+    with caplog.at_level("WARNING", logger="petatrain.runtime.preflight"):
+        preflight.checked(tiny(grown, "data.eval_split=shards", "data.eval_shards=40"), None)
+    assert "not more than data.eval_shards 40: nothing is held out and the run is not evaluated" in caplog.text

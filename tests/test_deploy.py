@@ -50,8 +50,9 @@ def test_a_rayjob_continues_its_run_and_scales_between_the_worker_range():
     job = docs[2]["spec"]
     assert job["entrypoint"].startswith("petatrain train /etc/petatrain/job.yaml --run-dir s3://b/runs/tiny")
     assert "--resume" in job["entrypoint"].split() and "observe.health_port=8079" in job["entrypoint"]
-    # The driver's metrics listen on the pod's IP only (the downward API's status.podIP), not on every interface.
-    assert job["entrypoint"].endswith('--set "observe.metrics_host=$POD_IP"')
+    # The driver's metrics listen on the pod's IP only (the downward API's status.podIP), not on every
+    # interface; the submitter runs the line as `bash -c` in its own pod, so nothing in it is a variable.
+    assert job["entrypoint"].endswith("--set observe.metrics_host=pod-ip") and "$" not in job["entrypoint"]
     head_env = job["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["env"]
     assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in head_env
     assert job["shutdownAfterJobFinishes"] is True and job["backoffLimit"] >= 1
@@ -224,3 +225,15 @@ def _unused_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_pod_ip_is_read_where_the_driver_runs(monkeypatch):
+    """observe.metrics_host pod-ip: POD_IP of the driver's own environment, else its host name's address."""
+    import socket
+
+    from petatrain.runtime.preflight import pod_ip
+
+    monkeypatch.setenv("POD_IP", "10.1.2.3")
+    assert pod_ip() == "10.1.2.3"
+    monkeypatch.delenv("POD_IP")
+    assert pod_ip() == socket.gethostbyname(socket.gethostname())

@@ -14,9 +14,9 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import shlex
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -100,11 +100,15 @@ def test_the_manifests_pods_survive_a_worker_pod_and_a_head_pod_loss(baseline, t
     config_file = tmp_path / "job.yaml"  # the ConfigMap, mounted
     config_file.write_text(docs["ConfigMap"]["data"]["job.yaml"])
     head_env = _env(head, secrets, tmp_path / "cache", "10.231.0.1")
-    # The entrypoint is a shell command line (Ray's job supervisor runs it with a shell): expand as it would.
-    line = re.sub(r"\$(\w+)", lambda m: head_env[m.group(1)], docs["RayJob"]["spec"]["entrypoint"])
-    argv = shlex.split(line.replace(CONFIG_PATH, str(config_file)))
-    argv[0] = str(Path(sys.executable).with_name(argv[0]))
-    assert "--resume" in argv and "observe.metrics_host=10.231.0.1" in argv
+    # KubeRay's submitter runs the entrypoint as `bash -c "ray job submit ... -- ENTRYPOINT"` in its own
+    # pod, without the head's variables: the arguments the driver gets are what that shell leaves.
+    line = docs["RayJob"]["spec"]["entrypoint"].replace(CONFIG_PATH, str(config_file))
+    echoed = subprocess.run(
+        ["bash", "-c", f"{shlex.quote(sys.executable)} -c 'import json, sys; print(json.dumps(sys.argv[1:]))' {line}"],
+        env={"PATH": os.environ["PATH"]}, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    argv = [str(Path(sys.executable).with_name("petatrain")), *json.loads(echoed.stdout)[1:]]
+    assert "--resume" in argv and "observe.metrics_host=pod-ip" in argv  # the driver reads POD_IP where it runs
 
     def pods() -> TwoNodeCluster:
         # One pod of the worker group: its 2-CPU limit holds both training workers (parallel.workers 2).

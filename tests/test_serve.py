@@ -441,3 +441,97 @@ def test_the_serving_metrics_reach_rays_metrics_endpoint(served):
     assert any('route="/v1/completions"' in s and 'status="200"' in s and "requests_total" in s for s in series)
     assert any("latency_seconds_bucket" in s for s in series) and any("batch_size_bucket" in s for s in series)
     assert any("checkpoint_step" in s and s.rstrip().endswith(" 30.0") for s in series), series
+
+
+@pytest.mark.slow
+def test_sigterm_stops_serve_as_ctrl_c_does_and_leaves_nothing_running(baseline):
+    """How a pod stops: SIGTERM. `petatrain serve` drains, shuts Serve and its local Ray down and
+    exits 0; no Ray stack on stderr, none of the processes it started left behind."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import threading
+    import time
+    from pathlib import Path
+
+    import requests
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    argv = [
+        sys.executable,
+        "-m",
+        "petatrain",
+        "serve",
+        str(baseline),
+        "--port",
+        str(port),
+        "--set",
+        "serve.cpus_per_replica=0",
+    ]
+    server = subprocess.Popen(
+        argv,
+        cwd=Path(__file__).resolve().parent.parent,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(server.stderr.readline, "")), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and server.poll() is None and not any(" at http://" in x for x in lines):
+            time.sleep(0.2)  # "serving RUN (...) at URL": up, and SIGTERM is handled from then on
+        assert server.poll() is None, "".join(lines)[-3000:]
+        assert requests.get(f"http://127.0.0.1:{port}/healthz", timeout=10).status_code == 200
+        started = _descendants(server.pid)
+        assert started  # Ray's processes, under the CLI
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=120)
+        reader.join(timeout=30)
+        err = "".join(lines)
+    finally:
+        if server.poll() is None:
+            server.kill()
+    assert server.returncode == 0, err[-3000:]
+    assert "stopping" in err and "SIGTERM" not in err and "Stack trace" not in err, err[-3000:]
+    deadline = time.monotonic() + 30
+    while (alive := {p: c for p, c in started.items() if _cmdline(p) == c}) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not alive, list(alive.values())
+
+
+def _cmdline(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")[:200]
+    except OSError:
+        return None
+
+
+def _descendants(root: int) -> dict[int, str]:
+    """{pid: command line} of every process under `root` (from /proc)."""
+    import os
+
+    parent = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    found, frontier = {}, [root]
+    while frontier:
+        pid = frontier.pop()
+        for child, up in parent.items():
+            if up == pid and child not in found:
+                found[child] = _cmdline(child) or ""
+                frontier.append(child)
+    return found

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import signal
 import time
 from typing import Annotated, Any
 
@@ -49,6 +50,10 @@ def serve(
         run, checkpoint=checkpoint, host=host, port=port, address=address, follow=follow, overrides=overrides,
         registry=registry,
     )  # fmt: skip
+    # SIGTERM is how a pod (or systemd, or a supervisor) stops a server: the same as Ctrl-C. Set after
+    # Ray's init, whose own handler would exit at once with Ray's C++ stack and leave its agents behind,
+    # and before the server says it serves.
+    signal.signal(signal.SIGTERM, _interrupt)
     show(serving.to_dict(), _serving)
     try:
         while True:
@@ -56,8 +61,13 @@ def serve(
     except KeyboardInterrupt:
         say("stopping")
     finally:
-        with contextlib.suppress(KeyboardInterrupt):  # a second Ctrl-C while the replicas stop
-            api.stop_serving()
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second signal while the replicas stop
+        with contextlib.suppress(KeyboardInterrupt):  # a second Ctrl-C, likewise
+            api.stop_serving(ray_too=True)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 def _serving(served: dict[str, Any]) -> None:

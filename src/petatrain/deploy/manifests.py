@@ -152,14 +152,17 @@ def build(cfg: JobConfig, target: Target) -> list[dict[str, Any]]:
 
 
 def _entrypoint(target: Target) -> str:
-    """A shell command line (Ray's job supervisor runs it with a shell). The driver's metrics listen on
-    the pod's IP only (`POD_IP`, from the downward API), where the PodMonitor's Prometheus scrapes
-    them; the health endpoint stays on loopback: the probe runs in the pod."""
+    """A command line with nothing for a shell to expand: KubeRay's submitter joins it into one
+    `bash -c` string run in the submitter's pod, which has none of the head's variables. The driver's
+    metrics listen on the head pod's IP only (`pod-ip`: the driver reads POD_IP, from the downward
+    API, where it runs), where the PodMonitor's Prometheus scrapes them; the health endpoint stays on
+    loopback: the probe runs in the pod."""
     argv = [
         "petatrain", "train", CONFIG_PATH, "--run-dir", target.run_dir, "--address", "auto", "--resume",
         "--set", f"observe.metrics_port={METRICS_PORT}", "--set", f"observe.health_port={HEALTH_PORT}",
+        "--set", "observe.metrics_host=pod-ip",
     ]  # fmt: skip
-    return shlex.join(argv) + ' --set "observe.metrics_host=$POD_IP"'
+    return shlex.join(argv)
 
 
 def _serve_config(cfg: JobConfig, target: Target) -> str:

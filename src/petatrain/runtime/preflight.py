@@ -4,6 +4,7 @@ after Ray started, fails here, in one line."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from typing import Any
 
@@ -12,6 +13,25 @@ from petatrain.config import JobConfig
 from petatrain.errors import ConfigError, PetatrainError
 from petatrain.storage import StorageOptions, join
 from petatrain.storage.fs import is_local, resolve
+
+log = logging.getLogger(__name__)
+
+POD_IP = "pod-ip"  # observe.metrics_host: this pod's IP, resolved by the driver where it runs
+
+
+def pod_ip() -> str:
+    """POD_IP (Kubernetes' downward API), else the address this host's name resolves to."""
+    import socket
+
+    found = os.environ.get("POD_IP", "").strip()
+    if found:
+        return found
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError as exc:
+        raise ConfigError(
+            f"observe.metrics_host pod-ip: POD_IP is not set and this host's name does not resolve ({exc})"
+        ) from None
 
 
 def checked(cfg: JobConfig, options: StorageOptions | None) -> JobConfig:
@@ -22,6 +42,8 @@ def checked(cfg: JobConfig, options: StorageOptions | None) -> JobConfig:
     from petatrain.train import strategies
 
     strategies.get(cfg.parallel.strategy).check_config(cfg)
+    if cfg.observe.metrics_host == POD_IP:
+        cfg = dataclasses.replace(cfg, observe=dataclasses.replace(cfg.observe, metrics_host=pod_ip()))
     if is_local(cfg.data.dataset):  # Ray workers do not share the driver's working directory
         dataset = os.path.abspath(resolve(cfg.data.dataset)[1])
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, dataset=dataset))
@@ -41,8 +63,30 @@ def checked(cfg: JobConfig, options: StorageOptions | None) -> JobConfig:
         from petatrain.train.batches import check_dataset
 
         check_dataset(cfg, cfg.data.dataset, manifest)  # not three faults on the workers, 20 s later
+        _says_if_nothing_is_held_out(cfg, options)
     constants.controller_mode()  # a bad PETATRAIN_CONTROLLER fails here, before anything starts
     return cfg
+
+
+def _says_if_nothing_is_held_out(cfg: JobConfig, options: StorageOptions | None) -> None:
+    """A dataset too small for the held-out split: said at the start (evaluation is skipped), not found later."""
+    from petatrain.data import index
+    from petatrain.train.batches import held_out, training_samples
+
+    try:
+        rows = index.open_dataset(cfg.data.dataset, options).shards.column("rows").to_pylist()
+    except PetatrainError:
+        return  # the loader says what is wrong with it
+    if cfg.data.eval_split == "rows" and cfg.data.eval_fraction and training_samples(cfg, rows) == sum(rows):
+        log.warning(
+            "%s holds out no row at data.eval_fraction %g (its shards hold %d rows or fewer): the run is not "
+            "evaluated; raise data.eval_fraction", cfg.data.dataset, cfg.data.eval_fraction, max(rows, default=0),
+        )  # fmt: skip
+    elif cfg.data.eval_split == "shards" and cfg.data.eval_shards and not held_out(cfg, len(rows)):
+        log.warning(
+            "%s has %d shard(s), not more than data.eval_shards %d: nothing is held out and the run is not "
+            "evaluated", cfg.data.dataset, len(rows), cfg.data.eval_shards,
+        )  # fmt: skip
 
 
 def pinned(cfg: JobConfig, prior: Any, options: StorageOptions | None) -> JobConfig:
