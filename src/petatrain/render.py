@@ -6,6 +6,7 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from petatrain.console import RAY_SESSION_LOGS
@@ -86,7 +87,7 @@ def inspect(r: dict[str, Any]) -> None:
     if len(r.get("versions") or []) > 1:
         versions = Table(title="versions (DATASET@vN opens one)")
         for column in ("version", "committed", "rows", "tokens", "+rows", "+source files", "duplicates dropped"):
-            versions.add_column(column, justify="left" if column == "committed" else "right")
+            versions.add_column(column, justify="left" if column == "committed" else "right", overflow="fold")
         for v in r["versions"]:
             versions.add_row(
                 f"v{v['version']}", v["committed"], f"{v['rows']:,}", f"{v['tokens']:,}", f"{v['rows_added']:,}",
@@ -259,25 +260,22 @@ def rolled_back(alias: dict[str, Any]) -> None:
 
 
 def lineage(result: dict[str, Any]) -> None:
-    """A run's chain, newest first, as `petatrain lineage` prints it."""
-    table = Table(title=f"lineage of {result['run']}")
-    for column in ("run", "how", "steps", "status", "eval loss", "trained on", "promoted as"):
-        table.add_column(column, justify="right" if column in ("steps", "eval loss") else "left")
-    for link in result["chain"]:
+    """A run's chain, newest first, as `petatrain lineage` prints it: a block per run, so that no
+    path or count is cut in a narrow terminal or a CI log."""
+    out.print(f"[bold]lineage of {escape(result['run'])}[/bold] (newest first)", soft_wrap=True)
+    for i, link in enumerate(result["chain"], 1):
         if link.get("missing"):
-            table.add_row(link["run"], "(gone)", "", "", "", "", "")
+            out.print(f"{i}. {link['run']}  (gone: its ledger is no longer there)", highlight=False, soft_wrap=True)
             continue
         how = link["how"] if link["replay"] is None else f"continue (replay {link['replay']:g})"
-        table.add_row(
-            link["run"],
-            how,
-            f"{link['start_step']}→{link['step']}",
-            link["status"],
-            _or_dash(link["eval_loss"], "{:.4f}"),
-            _reads(link["reads"]),
-            ", ".join(link.get("promotions") or []) or "–",
+        loss = _or_dash(link["eval_loss"], "{:.4f}")
+        steps = f"steps {link['start_step']}->{link['step']}"
+        out.print(
+            f"{i}. {link['run']}  {how}  {steps}  {link['status']}  eval loss {loss}", highlight=False, soft_wrap=True
         )
-    out.print(table)
+        out.print(f"   trained on: {_reads(link['reads'])}", highlight=False, soft_wrap=True)
+        if link.get("promotions"):
+            out.print(f"   promoted as: {', '.join(link['promotions'])}", highlight=False, soft_wrap=True)
 
 
 def _or_dash(value: Any, fmt: str = "{}") -> str:

@@ -103,8 +103,8 @@ def verdict(
         ok = gain >= promote.min_improvement
         passed &= ok
         reasons.append(
-            f"newest data: {new_c:.4f} vs {new_i:.4f} ({100 * gain:+.2f}% better, "
-            f"needs >= {100 * promote.min_improvement:.2f}%)"
+            f"newest data: {new_c:.4f} vs {new_i:.4f} ({_relative(gain)}, needs {100 * promote.min_improvement:.2f}% "
+            "better or more)"
         )
     old_c, old_i = candidate["earlier"]["loss"], incumbent["earlier"]["loss"]
     if old_c is not None and old_i is not None:
@@ -112,8 +112,8 @@ def verdict(
         ok = regression <= promote.max_regression
         passed &= ok
         reasons.append(
-            f"earlier data: {old_c:.4f} vs {old_i:.4f} ({100 * regression:+.2f}% worse, allowed "
-            f"{100 * promote.max_regression:.2f}%)"
+            f"earlier data: {old_c:.4f} vs {old_i:.4f} ({_relative(-regression)}, may be up to "
+            f"{100 * promote.max_regression:.2f}% worse)"
         )
     if not reasons:
         all_c, all_i = candidate["all"]["loss"], incumbent["all"]["loss"]
@@ -123,3 +123,8 @@ def verdict(
     if any(isinstance(v, float) and not math.isfinite(v) for v in (new_c, old_c)):
         passed, reasons = False, [*reasons, "the candidate's loss is not finite"]
     return {"passed": bool(passed), "reason": "; ".join(reasons)}
+
+
+def _relative(gain: float) -> str:
+    """+0.043 -> "4.30% better", -0.01 -> "1.00% worse"."""
+    return f"{100 * abs(gain):.2f}% {'better' if gain >= 0 else 'worse'}"
