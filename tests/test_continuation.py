@@ -351,5 +351,5 @@ def test_a_dataset_too_small_to_hold_out_rows_says_so_at_the_start(grown, caplog
     from petatrain.runtime import preflight
 
     with caplog.at_level("WARNING", logger="petatrain.runtime.preflight"):
-        preflight.checked(tiny(grown, "data.eval_split=shards", "data.eval_shards=40"), None)
+        preflight.says_if_nothing_is_held_out(tiny(grown, "data.eval_split=shards", "data.eval_shards=40"), None)
     assert "not more than data.eval_shards 40: nothing is held out and the run is not evaluated" in caplog.text

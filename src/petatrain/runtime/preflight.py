@@ -63,13 +63,13 @@ def checked(cfg: JobConfig, options: StorageOptions | None) -> JobConfig:
         from petatrain.train.batches import check_dataset
 
         check_dataset(cfg, cfg.data.dataset, manifest)  # not three faults on the workers, 20 s later
-        _says_if_nothing_is_held_out(cfg, options)
     constants.controller_mode()  # a bad PETATRAIN_CONTROLLER fails here, before anything starts
     return cfg
 
 
-def _says_if_nothing_is_held_out(cfg: JobConfig, options: StorageOptions | None) -> None:
-    """A dataset too small for the held-out split: said at the start (evaluation is skipped), not found later."""
+def says_if_nothing_is_held_out(cfg: JobConfig, options: StorageOptions | None) -> None:
+    """A dataset too small for the held-out split: said when the run starts (evaluation is skipped),
+    not found later. (A run refused before it starts says only why it is refused.)"""
     from petatrain.data import index
     from petatrain.train.batches import held_out, training_samples
 
@@ -77,6 +77,8 @@ def _says_if_nothing_is_held_out(cfg: JobConfig, options: StorageOptions | None)
         rows = index.open_dataset(cfg.data.dataset, options).shards.column("rows").to_pylist()
     except PetatrainError:
         return  # the loader says what is wrong with it
+    if not sum(rows):
+        return  # an empty dataset: the loader refuses it
     if cfg.data.eval_split == "rows" and cfg.data.eval_fraction and training_samples(cfg, rows) == sum(rows):
         log.warning(
             "%s holds out no row at data.eval_fraction %g (its shards hold %d rows or fewer): the run is not "

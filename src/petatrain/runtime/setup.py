@@ -82,6 +82,7 @@ def claim(job: TrainJob, held: contextlib.ExitStack) -> Run | RunResult:
             log.info("%s already trained to step %d: nothing to do", prior.describe(), prior.step)
             return _finished(prior, url)
     run_id = prior.run_id if prior else uuid.uuid4().hex[:8]
+    preflight.says_if_nothing_is_held_out(cfg, job.options)
     return Run(job=job, cfg=cfg, url=url, lease=lease, prior=prior, run_id=run_id)
 
 
