@@ -15,7 +15,6 @@ def test_follow_switches_to_a_newly_committed_checkpoint_without_failing_a_reque
     """Served from step 20 (the newest then); step 30 is committed as a writer commits it (files,
     then state.json, then COMMITTED): the replica switches to it while a client keeps asking, and
     every request succeeds. A refused --follow without --checkpoint latest is one line."""
-    import socket
 
     import requests
 
@@ -26,18 +25,12 @@ def test_follow_switches_to_a_newly_committed_checkpoint_without_failing_a_reque
         api.serve(str(baseline), follow=True)
     run = tmp_path / "run"
     shutil.copytree(baseline, run, ignore=shutil.ignore_patterns("step-00000030"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     fast = ["serve.follow_poll_s=0.5", "serve.cpus_per_replica=0"]
     serving = api.serve(str(run), checkpoint="latest", follow=True, port=port, overrides=fast)
     statuses: list[int] = []
     stop = threading.Event()
-
-    def client() -> None:
-        while not stop.is_set():
-            body = {"prompt": "The", "max_tokens": 6, "seed": 1}
-            statuses.append(requests.post(f"{serving.url}/v1/completions", json=body, timeout=60).status_code)
+    client = _asking(serving.url, statuses, stop)
 
     def step() -> int:
         return requests.get(f"{serving.url}/v1/models", timeout=30).json()["data"][0]["step"]
@@ -66,7 +59,6 @@ def test_serving_a_registered_model_follows_its_alias_with_no_failed_request(bas
     """registry://tiny@champion is served; a rollback moves the alias and every replica switches
     while a client keeps asking, every request answered; a version whose weights are not those its
     record names is skipped and the version served goes on serving."""
-    import socket
 
     import requests
 
@@ -77,18 +69,12 @@ def test_serving_a_registered_model_follows_its_alias_with_no_failed_request(bas
     first = api.promote(str(baseline), "tiny", registry=reg)  # final, step 30
     second = api.promote(str(baseline), "tiny", checkpoint="20", registry=reg, force=True)
     assert (first["step"], second["step"], second["checkpoint"]) == (30, 20, "20")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     fast = ["serve.follow_poll_s=0.5", "serve.cpus_per_replica=0"]
     serving = api.serve("registry://tiny@champion", follow=True, port=port, overrides=fast, registry=reg)
     statuses: list[int] = []
     stop = threading.Event()
-
-    def client() -> None:
-        while not stop.is_set():
-            body = {"prompt": "The", "max_tokens": 6, "seed": 1}
-            statuses.append(requests.post(f"{serving.url}/v1/completions", json=body, timeout=60).status_code)
+    client = _asking(serving.url, statuses, stop)
 
     def card() -> dict:
         return requests.get(f"{serving.url}/v1/models", timeout=30).json()["data"][0]
@@ -112,3 +98,23 @@ def test_serving_a_registered_model_follows_its_alias_with_no_failed_request(bas
         worker.join(timeout=60)
         api.stop_serving()
     assert len(statuses) > 5 and set(statuses) == {200}, statuses
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _asking(url: str, statuses: list[int], stop: threading.Event):
+    """A client that keeps asking for a completion until `stop`, each answer's status in `statuses`."""
+    import requests
+
+    def client() -> None:
+        while not stop.is_set():
+            body = {"prompt": "The", "max_tokens": 6, "seed": 1}
+            statuses.append(requests.post(f"{url}/v1/completions", json=body, timeout=60).status_code)
+
+    return client

@@ -370,7 +370,6 @@ def _mirror_run(run: str, config: JobConfig, options: StorageOptions | None) -> 
     """The run logged to MLflow (observe.mlflow_uri); the ledger's `mlflow` event says whether it was,
     or why not (then `petatrain mlflow sync RUN` logs it later). Training's result does not depend on it."""
     from petatrain.observe import mlflow
-    from petatrain.observe.ledger import EventLog
 
     uri = config.observe.mlflow_uri
     try:
@@ -381,12 +380,19 @@ def _mirror_run(run: str, config: JobConfig, options: StorageOptions | None) -> 
         log.warning("%s was not logged to MLflow at %s (%s); `petatrain mlflow sync %s` logs it later",
                     run, _redacted(uri), detail, run)  # fmt: skip
         fields, done = {"status": "pending", "detail": detail}, {"pending": detail}
+    _record_mlflow(run, uri, fields, options)
+    return done
+
+
+def _record_mlflow(run: str, uri: str, fields: dict[str, Any], options: StorageOptions | None) -> None:
+    """The run ledger's `mlflow` event: logged (with the MLflow run), or pending and why."""
+    from petatrain.observe.ledger import EventLog
+
     ledger = EventLog(run, options)
     try:
         ledger.emit("mlflow", uri=_redacted(uri), **fields)
     finally:
         ledger.close()
-    return done
 
 
 def _branch(spec: str, options: StorageOptions | None, *, carry: bool = False) -> Any:
@@ -651,14 +657,7 @@ def mlflow_sync(
         versions.append(
             {"model": promoted, "mlflow_version": mlflow.mirror_version(record, uri, done["mlflow_run_id"], alias)}
         )
-    ledger_fields = {"status": "logged", "mlflow_run_id": done["mlflow_run_id"]}
-    from petatrain.observe.ledger import EventLog
-
-    ledger = EventLog(run, options)
-    try:
-        ledger.emit("mlflow", uri=_redacted(uri), **ledger_fields)
-    finally:
-        ledger.close()
+    _record_mlflow(run, uri, {"status": "logged", "mlflow_run_id": done["mlflow_run_id"]}, options)
     return {**done, "versions": versions}
 
 
