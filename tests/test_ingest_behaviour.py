@@ -242,15 +242,15 @@ def test_inspect_verify_names_a_flipped_byte(tmp_path):
 
 
 @pytest.mark.slow  # end to end: the same ingest on Ray twice
-def test_same_output_with_one_and_with_several_workers(corpus, tmp_path):
-    outs = []
-    for cpus in ("1", "2"):
-        out = tmp_path / f"ds{cpus}"
-        result = run_cli(
-            "ingest", *corpus.files, "--out", str(out), "--local-cpus", cpus, "--shard-size", "200KB", "--json"
-        )
-        assert result.returncode == 0, result.stderr[-2000:]
-        outs.append(index.open_dataset(str(out)))
+def test_same_output_with_one_and_with_several_workers(corpus, tmp_path, ray_local):
+    """The CLI on a Ray of one CPU, and the same job on the suite's Ray of two (one Ray start, not two)."""
+    one = run_cli(
+        "ingest", *corpus.files, "--out", str(tmp_path / "ds1"), "--local-cpus", "1", "--shard-size", "200KB", "--json"
+    )
+    assert one.returncode == 0, one.stderr[-2000:]
+    assert ray_local.cluster_resources()["CPU"] == 2
+    ingest(corpus.files, tmp_path / "ds2", shard_size="200KB")
+    outs = [index.open_dataset(str(tmp_path / name)) for name in ("ds1", "ds2")]
     assert outs[0].shards.to_pylist() == outs[1].shards.to_pylist()
     assert outs[0].num_rows == outs[1].num_rows > 0
 

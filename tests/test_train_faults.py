@@ -90,9 +90,13 @@ def test_every_fault_recovered_with_bit_identical_weights(baseline, token_datase
     assert {e["torch_threads"] for e in starts} == {1}, f"every rank, spare or cold, uses the one CPU it has ({layout})"
 
 
-def test_synchronous_checkpoints_stall_for_the_whole_write(baseline, token_dataset, tmp_path):
-    """checkpoint.asynchronous=false: the loop waits for each commit; the weights are the same."""
-    train(tiny(token_dataset, "checkpoint.asynchronous=false"), tmp_path)
+def test_synchronous_checkpoints_stall_for_the_whole_write_and_storage_errors_are_retried(
+    baseline, token_dataset, tmp_path
+):
+    """checkpoint.asynchronous=false: the loop waits for each commit, the retries of three storage
+    errors in the step-10 write included; every checkpoint commits; the weights are the same."""
+    summary = train(tiny(token_dataset, "checkpoint.asynchronous=false"), tmp_path, "storage@step=9,rank=1,count=3")
+    assert summary["failures"] == []
     assert sha256(tmp_path / "final" / "model.safetensors") == sha256(baseline / "final" / "model.safetensors")
     events = read_events(str(tmp_path))
     order = [(e["event"], e["step"]) for e in events if e["event"] in ("checkpoint_snapshot", "checkpoint_commit")]
@@ -104,14 +108,6 @@ def test_synchronous_checkpoints_stall_for_the_whole_write(baseline, token_datas
     report = goodput.account(events)
     assert [c.step for c in report.checkpoints if c.committed] == [10, 20, 30]
     assert report.checkpoint_stall_s >= sum(writes.values())
-
-
-def test_storage_errors_during_checkpoint_are_retried(baseline, token_dataset, tmp_path):
-    summary = train(tiny(token_dataset), tmp_path, "storage@step=9,rank=1,count=3")
-    assert summary["failures"] == []
-    commits = [e["step"] for e in read_events(str(tmp_path)) if e["event"] == "checkpoint_commit"]
-    assert commits == [10, 20, 30]
-    assert sha256(tmp_path / "final" / "model.safetensors") == sha256(baseline / "final" / "model.safetensors")
 
 
 def test_preemption_waits_for_rank_0_to_commit(baseline, token_dataset, tmp_path):
@@ -127,22 +123,29 @@ def test_preemption_waits_for_rank_0_to_commit(baseline, token_dataset, tmp_path
     assert sha256(tmp_path / "final" / "model.safetensors") == sha256(baseline / "final" / "model.safetensors")
 
 
-@pytest.mark.parametrize("fault,strategy", [("kill", "ddp"), ("raise", "ddp"), ("kill", "fsdp")])
+@pytest.mark.parametrize(
+    "strategy,faults", [("ddp", ("kill", "raise")), ("fsdp", ("kill",))], ids=["ddp-kill-then-raise", "fsdp-kill"]
+)
 def test_another_ranks_fault_lets_rank_0_finish_the_checkpoint_in_flight(
-    fault, strategy, baseline, token_dataset, tmp_path
+    strategy, faults, baseline, token_dataset, tmp_path
 ):
-    """Rank 1 fails right after the step-10 checkpoint, while rank 0's file of it still retries
-    storage errors (>= 1.5 s of back-off). Rank 1's part (FSDP: its shards) is written, so the
-    checkpoint can complete: Ray Train's shutdown waits for rank 0's commit, and the run
-    resumes at step 10, not 0."""
+    """Rank 1 fails right after a checkpoint (step 10, then, for DDP, step 20), while rank 0's file
+    of it still retries storage errors (>= 1.5 s of back-off). Rank 1's part (FSDP: its shards) is
+    written, so the checkpoint can complete: Ray Train's shutdown waits for rank 0's commit, and the
+    run resumes at that step, not the one before. A kill and an exception, in one run."""
     cfg = tiny(token_dataset, f"parallel.strategy={strategy}")
-    summary = train(cfg, tmp_path, "storage@step=9,rank=0,count=4", f"{fault}@step=11,rank=1")
-    assert [f["cause"] for f in summary["failures"]] == ["kill" if fault == "kill" else "exception"]
+    steps = [10 * (i + 1) for i in range(len(faults))]
+    injected = [
+        (f"storage@step={s - 1},rank=0,count=4", f"{f}@step={s + 1},rank=1") for f, s in zip(faults, steps, strict=True)
+    ]
+    summary = train(cfg, tmp_path, *(spec for pair in injected for spec in pair))
+    assert [f["cause"] for f in summary["failures"]] == ["kill" if f == "kill" else "exception" for f in faults]
     events = read_events(str(tmp_path))
-    assert [e["step"] for e in events if e["event"] == "resume"] == [0, 10]
-    assert 10 in [e["step"] for e in events if e["event"] == "checkpoint_commit" and e["attempt"] == 0]
-    drains = [e for e in events if e["event"] == "checkpoint_drain"]
-    assert [(d["lost"], d["done"], d["committed"]) for d in drains] == [([1] if fault == "kill" else [], True, 10)]
+    assert [e["step"] for e in events if e["event"] == "resume"] == [0, *steps]
+    for attempt, step in enumerate(steps):
+        assert step in [e["step"] for e in events if e["event"] == "checkpoint_commit" and e["attempt"] == attempt]
+    drains = [(d["lost"], d["done"], d["committed"]) for d in events if d["event"] == "checkpoint_drain"]
+    assert drains == [([1] if f == "kill" else [], True, s) for f, s in zip(faults, steps, strict=True)]
     if strategy == "ddp":  # the reference run is DDP's
         assert sha256(tmp_path / "final" / "model.safetensors") == sha256(baseline / "final" / "model.safetensors")
 

@@ -77,7 +77,11 @@ class HealthServer:
         self._http = ThreadingHTTPServer((host, port), Handler)
         self._http.daemon_threads = True
         self.url = f"http://{host}:{self._http.server_address[1]}"
-        self._thread = threading.Thread(target=self._http.serve_forever, name="petatrain-health", daemon=True)
+        # serve_forever checks for shutdown every poll_interval: its default 0.5 s was half a second
+        # added to the end of every run.
+        self._thread = threading.Thread(
+            target=self._http.serve_forever, kwargs={"poll_interval": 0.05}, name="petatrain-health", daemon=True
+        )
         self._thread.start()
 
     def answer(self, path: str) -> tuple[int, dict[str, Any]]:

@@ -55,6 +55,7 @@ MODULES = (
     "torch",
     "torch.distributed",
     "torch.nn.parallel",
+    "torch._dynamo",  # DDP's and FSDP's constructors import it: 1.5-2 s of CPU per rank
     "ray.train.torch",
     "ray.train.v2._internal.execution.worker_group.worker",
     "petatrain.train.loop",
