@@ -124,6 +124,57 @@ def grown(tmp_path_factory, ray_local):
     return str(root / "ds")
 
 
+def test_each_commit_is_a_dataset_committed_event_that_a_poller_reads_from_an_offset(grown, tmp_path):
+    """The commit log (data/commit_log.py): an event per version, what it added and its record's
+    SHA-256; read after a version; an event lost after its commit is read from the version's record;
+    gc removes version records, never events; `petatrain dataset events` shows and emits them."""
+    import hashlib
+    import json
+
+    from typer.testing import CliRunner
+
+    from petatrain import api
+    from petatrain.cli import app
+    from petatrain.data import commit_log
+    from petatrain.data.index import version_path
+
+    ds = tmp_path / "ds"
+    shutil.copytree(grown, ds)  # gc below must not touch the module's dataset
+    events = commit_log.read(str(ds))
+    assert [(e["event"], e["version"], e.get("derived")) for e in events] == [
+        ("dataset.committed", 1, None),
+        ("dataset.committed", 2, None),
+    ]
+    v1, v2 = events
+    assert v1["rows_added"] == v1["rows"] > 0 and v2["rows_added"] == v2["rows"] - v1["rows"] > 0
+    assert v2["tokens_added"] == v2["tokens"] - v1["tokens"] > 0 and v2["shards_added"] > 0
+    for e in events:
+        assert e["manifest_sha256"] == hashlib.sha256((ds / version_path(e["version"])).read_bytes()).hexdigest()
+    assert commit_log.read(str(ds), after=1) == [v2] and commit_log.read(str(ds), after=2) == []
+    (ds / commit_log.event_path(2)).unlink()  # written after the commit: a write that failed
+    assert commit_log.read(str(ds), after=1) == [{**v2, "derived": True}]
+    (ds / commit_log.event_path(1)).write_text("{not json")  # damaged: the record says the same
+    assert commit_log.read(str(ds)) == [{**v1, "derived": True}, {**v2, "derived": True}]
+    commit_log.record(str(ds), v1)
+    (tmp_path / "runs").mkdir()
+    done = api.dataset_gc(str(ds), keep=1, runs=[str(tmp_path / "runs")], registry=str(tmp_path / "registry"))
+    assert done["removed"] == [1] and not (ds / version_path(1)).exists()
+    # v1's event outlives its record, and says what v2 added
+    after_gc = {**v2, "derived": True, "duplicates_dropped": None, "rejected": None}
+    assert commit_log.read(str(ds)) == [v1, after_gc]
+    runner = CliRunner()
+    shown = runner.invoke(app, ["dataset", "events", str(ds), "--after", "1", "--json"], catch_exceptions=False)
+    assert shown.exit_code == 0 and json.loads(shown.stdout)["events"] == [after_gc]
+    text = runner.invoke(app, ["dataset", "events", str(ds)], catch_exceptions=False).stdout
+    assert f"v2  {v2['committed']}  rows {v2['rows']:,} (+{v2['rows_added']:,})" in text and "v1" in text
+    bad = runner.invoke(app, ["dataset", "events", str(ds), "--after", "-1"])
+    assert bad.exit_code == 2 and "--after must be a version number >= 0" in bad.stderr
+    missing = runner.invoke(app, ["dataset", "events", str(tmp_path / "nothing")])
+    assert missing.exit_code == 2 and missing.stderr.strip().splitlines() == [
+        f"error: {tmp_path / 'nothing'} is not a committed dataset (no {tmp_path / 'nothing'}/_index/manifest.json)"
+    ]
+
+
 def _loaders(url, world, **kw):
     from petatrain.data import StreamingDataset
 

@@ -33,6 +33,18 @@ def test_versions_are_numbered_the_alias_moves_last_and_rolls_back(tmp_path):
     with pytest.raises(PetatrainError, match="has no alias 'staging'"):
         reg.resolve(parse_ref("registry://tiny@staging"))
     assert reg.promotions_of({"/runs/b", "/runs/x"}) == {"/runs/b": ["tiny@v2"]}
+    moves = [(e["sequence"], e["event"], e["version"], e["from"], e["run"]) for e in reg.events("tiny")]
+    assert moves == [
+        (1, "model.promoted", 1, None, "/runs/a"),
+        (2, "model.promoted", 2, 1, "/runs/b"),
+        (3, "model.rolled_back", 1, 2, "/runs/a"),
+    ]
+    assert [e["sequence"] for e in reg.events("tiny", after=2)] == [3] and reg.events("other") == []
+    assert reg.events("tiny")[1]["record_digest"] == reg.record("tiny", 2)["digest"]
+    event = tmp_path / "reg" / "tiny" / "_events" / "e00000002.json"
+    event.write_text(event.read_text().replace('"version": 2', '"version": 1'))
+    with pytest.raises(CorruptDataError, match=r"e00000002\.json: its digest does not match"):
+        reg.events("tiny")
 
 
 def test_a_tampered_record_or_alias_is_refused_naming_the_file(tmp_path):

@@ -488,6 +488,20 @@ def dataset_gc(
     return gc.collect(root, keep, named, options)
 
 
+def dataset_events(dataset: str, *, after: int = 0, options: StorageOptions | None = None) -> dict[str, Any]:
+    """The `dataset.committed` events of `dataset`'s versions after `after` (data/commit_log.py):
+    {"dataset", "after", "events": [...]}, oldest first."""
+    from petatrain.data import commit_log
+    from petatrain.data.index import read_manifest, split_version
+
+    if after < 0:
+        raise ConfigError(f"--after must be a version number >= 0, got {after}")
+    root = split_version(dataset)[0]
+    if read_manifest(root, options) is None:
+        raise PetatrainError(f"{root} is not a committed dataset (no {root}/_index/manifest.json)")
+    return {"dataset": root, "after": after, "events": commit_log.read(root, after, options)}
+
+
 # -- the model registry ---------------------------------------------------------------------
 
 

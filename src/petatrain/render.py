@@ -213,6 +213,27 @@ def dataset_gc(done: dict[str, Any]) -> None:
         out.print(f"  v{version} kept: {shown} names it", highlight=False, soft_wrap=True)
 
 
+def dataset_events(done: dict[str, Any]) -> None:
+    """`petatrain dataset events`: a line per version, what it added."""
+    events = done["events"]
+    if not events:
+        out.print(f"{done['dataset']}: no version after v{done['after']}", highlight=False, soft_wrap=True)
+        return
+    for e in events:
+        if e.get("removed"):
+            out.print(f"v{e['version']}  (its record was removed by gc before its event was written)", highlight=False)
+            continue
+        added = "?" if e["rows_added"] is None else f"{e['rows_added']:+,}"
+        line = f"v{e['version']}  {e['committed']}  rows {e['rows']:,} ({added})"
+        if e["tokens"]:
+            line += f", tokens {e['tokens']:,}"
+        if e.get("duplicates_dropped"):
+            line += f", {e['duplicates_dropped']:,} duplicates dropped"
+        if e.get("rejected"):
+            line += f", {e['rejected']:,} rejected"
+        out.print(line + f"  sha256 {e['manifest_sha256'][:12]}", highlight=False, soft_wrap=True)
+
+
 def mlflow_synced(done: dict[str, Any]) -> None:
     out.print(
         f"MLflow run {done['mlflow_run_id']} ({done['experiment']}): {done['params']} params, "

@@ -156,7 +156,25 @@ def _demo_train(root: str, dataset: str, as_json: bool, logs: quiet.RayLogs | No
     return {**result.fields, "goodput": result.report.goodput, "samples": samples}
 
 
-dataset_app = typer.Typer(help="Dataset versions: gc (remove old ones nothing names).", no_args_is_help=True)
+dataset_app = typer.Typer(
+    help="Dataset versions: events (what each commit added), gc (remove old ones nothing names).",
+    no_args_is_help=True,
+)
+
+
+@dataset_app.command("events")
+@verb()
+def dataset_events(
+    dataset: Annotated[str, typer.Argument(help="Dataset URL or path.")],
+    after: Annotated[int, typer.Option(help="Only the versions after this one (the last a poller handled).")] = 0,
+    config: StorageConfig = None,
+    set_: Sets = None,
+    as_json: Json = False,
+) -> None:
+    """The dataset's commit log: a dataset.committed event per version (rows, tokens and shards
+    added, duplicates dropped, the record's SHA-256), oldest first."""
+    options = config_mod.load(config, list(set_ or [])).storage.options()
+    show(api.dataset_events(dataset, after=after, options=options), render.dataset_events)
 
 
 @dataset_app.command("gc")

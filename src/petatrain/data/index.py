@@ -426,19 +426,20 @@ def mark_folder(url: str, options: StorageOptions | None = None) -> None:
 
 def commit_manifest(
     url: str, manifest: Manifest, previous: Manifest | None, options: StorageOptions | None = None
-) -> None:
+) -> bytes:
     """Publish `manifest` if the dataset is still at `previous` (the manifest this writer started
-    from); the fence behind the writer's lease, in case the lease was lost while it worked."""
+    from); the fence behind the writer's lease, in case the lease was lost while it worked. The
+    version's record, as written."""
     if read_manifest(url, options) != previous:
         raise PetatrainError(
             f"{url} changed while this ingest ran (another writer committed); nothing was published. "
             "Run the ingest again"
         )
     manifest.generation = (previous.generation if previous else 0) + 1
-    write_manifest(url, manifest, options)
+    return write_manifest(url, manifest, options)
 
 
-def write_manifest(url: str, manifest: Manifest, options: StorageOptions | None = None) -> None:
+def write_manifest(url: str, manifest: Manifest, options: StorageOptions | None = None) -> bytes:
     """Publish the manifest, signed when a signing key is configured (over its canonical JSON, which
     holds the index's SHA-256, which holds every shard's): first as its version's record, kept
     (`_index/versions/`), then as the latest (`_index/manifest.json`, the commit point)."""
@@ -452,6 +453,7 @@ def write_manifest(url: str, manifest: Manifest, options: StorageOptions | None 
     data = json.dumps(record, indent=2, sort_keys=True).encode()
     atomic_write(join(url, version_path(manifest.generation)), data, options)
     atomic_write(join(url, MANIFEST), data, options)
+    return data
 
 
 def version_numbers(url: str, options: StorageOptions | None = None) -> list[int]:

@@ -3,6 +3,7 @@ the aliases (`champion`) that promotions move and serving follows.
 
     REGISTRY/NAME/versions/v00000003.json   version 3's record, written once, never changed
     REGISTRY/NAME/aliases/champion.json     {"version": 3, "history": [1, 2], ...}, moved by promote/rollback
+    REGISTRY/NAME/_events/e00000004.json    the 4th move of an alias: model.promoted or model.rolled_back
     REGISTRY/NAME/_lock                     the lease that serialises promotions of NAME
 
 A record names the run, its checkpoint (`final` or a step) and the weights' checksum, its lineage
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import time
@@ -28,6 +30,8 @@ from petatrain.storage import StorageOptions, join
 from petatrain.storage.fs import atomic_write, exists, is_local, read_bytes, resolve
 from petatrain.storage.lock import Lease, LeaseHeld
 
+log = logging.getLogger(__name__)
+
 REGISTRY_ENV = "PETATRAIN_REGISTRY"
 DEFAULT_REGISTRY = ".petatrain/registry"
 SCHEME = "registry://"
@@ -35,6 +39,7 @@ FORMAT = "petatrain-model"
 DEFAULT_ALIAS = "champion"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _VERSION_FILE = re.compile(r"v(\d{8})\.json")
+_EVENT_FILE = re.compile(r"e(\d{8})\.json")
 _RESERVED = ("format", "name", "version", "created", "digest", "signature")  # the registry's own fields
 
 
@@ -103,6 +108,9 @@ class Registry:
     def _alias_path(self, name: str, alias: str) -> str:
         return join(self._model(name), "aliases", f"{check_name(alias, 'alias')}.json")
 
+    def _event_path(self, name: str, sequence: int) -> str:
+        return join(self._model(name), "_events", f"e{sequence:08d}.json")
+
     # -- reading -------------------------------------------------------------------------------
     def models(self) -> list[str]:
         fs, path = resolve(self.url, self.options)
@@ -133,6 +141,18 @@ class Registry:
             return []
         found = (_VERSION_FILE.fullmatch(n.rsplit("/", 1)[-1]) for n in names)
         return sorted(int(m[1]) for m in found if m)
+
+    def events(self, name: str, after: int = 0) -> list[dict[str, Any]]:
+        """`name`'s alias moves after the `after`-th, oldest first: model.promoted (a promotion) and
+        model.rolled_back events, each numbered (`sequence`) and checked as every record is."""
+        fs, path = resolve(join(self._model(name), "_events"), self.options)
+        try:
+            names = fs.ls(path, detail=False)
+        except FileNotFoundError:
+            return []
+        found = (_EVENT_FILE.fullmatch(n.rsplit("/", 1)[-1]) for n in names)
+        sequences = sorted(int(m[1]) for m in found if m and int(m[1]) > after)
+        return [self._read_checked(self._event_path(name, n)) for n in sequences]
 
     def record(self, name: str, version: int) -> dict[str, Any]:
         """Version `version` of `name`, its digest (and signature, where a key verifies) checked."""
@@ -210,7 +230,8 @@ class Registry:
             lease.check()
             self._write(self._version_path(name, version), record)
             if alias:
-                self._move(name, alias, version, lease)
+                moved = self._move(name, alias, version, lease)
+                self._event(name, "model.promoted", moved, self.record(name, version), lease)
             return self.record(name, version)
         finally:
             lease.release()
@@ -224,8 +245,10 @@ class Registry:
                 raise PetatrainError(f"{SCHEME}{name}@{alias}: nothing to roll back to (no earlier version held it)")
             history = list(current["history"])
             back = int(history.pop())
-            self.record(name, back)  # it must still verify
-            return self._write_alias(name, alias, back, history, lease)
+            back_to = self.record(name, back)  # it must still verify
+            moved = self._write_alias(name, alias, back, history, lease)
+            self._event(name, "model.rolled_back", {**moved, "from": current["version"]}, back_to, lease)
+            return moved
         finally:
             lease.release()
 
@@ -233,6 +256,37 @@ class Registry:
         current = self.alias(name, alias)
         history = [*current.get("history", []), current["version"]] if current else []
         return self._write_alias(name, alias, version, history, lease)
+
+    def _event(self, name: str, kind: str, moved: dict[str, Any], record: dict[str, Any], lease: Lease) -> None:
+        """Append `kind` to the model's event log, numbered after the last (under the model's lease).
+        The alias has moved: a failed write is a warning (the alias record is the truth)."""
+        fs, path = resolve(join(self._model(name), "_events"), self.options)
+        try:
+            names = fs.ls(path, detail=False)
+        except FileNotFoundError:
+            names = []
+        found = (_EVENT_FILE.fullmatch(n.rsplit("/", 1)[-1]) for n in names)
+        sequence = max((int(m[1]) for m in found if m), default=0) + 1
+        event = {
+            "event": kind,
+            "sequence": sequence,
+            "model": name,
+            "alias": moved["alias"],
+            "version": moved["version"],
+            "from": moved.get("from", moved["history"][-1] if moved.get("history") else None),
+            "time": moved["moved"],
+            "run": record.get("run"),
+            "checkpoint": record.get("checkpoint"),
+            "checksum": record.get("checksum"),
+            "dataset": record.get("dataset"),
+            "record_digest": record["digest"],
+        }
+        try:
+            lease.check()
+            self._write(self._event_path(name, sequence), event)
+        except Exception as exc:
+            log.warning("%s%s@%s moved to v%d; its %s event was not written (%s)", SCHEME, name, moved["alias"],
+                        moved["version"], kind, exc)  # fmt: skip
 
     def _write_alias(self, name: str, alias: str, version: int, history: list[int], lease: Lease) -> dict[str, Any]:
         record = {"name": name, "alias": alias, "version": version, "history": history, "moved": _now()}

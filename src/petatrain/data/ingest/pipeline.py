@@ -36,8 +36,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from petatrain.config import parse_size
+from petatrain.data import commit_log, lineage
 from petatrain.data import index as idx
-from petatrain.data import lineage
 from petatrain.data.card import write_card
 from petatrain.data.ingest import dedup as dedup_mod
 from petatrain.data.ingest import split
@@ -269,11 +269,12 @@ def _ingest(
             job, manifest, files, file_stats, written, staging, batch, first_file, lsh, tokenizer_json, summary, crypt
         )
         lease.check()
-        idx.commit_manifest(job.out, new_manifest, manifest, options)
+        written_record = idx.commit_manifest(job.out, new_manifest, manifest, options)
         idx.remove_old_indexes(job.out, new_manifest, manifest, options)
         lineage.remove_unused(job.out, new_manifest, manifest, options)
         write_card(job.out, new_manifest, options)
         remove_tree(staging, options)
+        commit_log.record(job.out, commit_log.committed(job.out, new_manifest, manifest, written_record), options)
 
 
 def _refuse_gone_files(job: IngestJob, known: pa.Table, files: list[SourceFile]) -> None:

@@ -18,8 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from petatrain.data import commit_log, lineage
 from petatrain.data import index as idx
-from petatrain.data import lineage
 from petatrain.data.buffers import arrow_reader
 from petatrain.data.card import write_card
 from petatrain.data.ingest.job import IngestJob, IngestSummary
@@ -196,7 +196,8 @@ def _commit(job, manifest, lease, index, columns, keys, totals, history) -> None
         lineage=history,
     )
     lease.check()
-    idx.commit_manifest(job.out, new_manifest, manifest, job.options)
+    written_record = idx.commit_manifest(job.out, new_manifest, manifest, job.options)
     idx.remove_old_indexes(job.out, new_manifest, manifest, job.options)
     lineage.remove_unused(job.out, new_manifest, manifest, job.options)
     write_card(job.out, new_manifest, job.options)
+    commit_log.record(job.out, commit_log.committed(job.out, new_manifest, manifest, written_record), job.options)
