@@ -5,6 +5,7 @@ of v's rows continuing the run's own sequence)."""
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 from unittest import mock
 
 import numpy as np
@@ -282,7 +283,11 @@ def test_train_continue_goes_on_with_the_next_version_and_kills_in_it_change_not
     assert api.train(tiny(f"{grown}@v1", *base, "train.steps=10"), run_dir=str(first)).steps == 10
     later = tiny(grown, *base, "train.steps=25", "data.replay=0.25")
 
-    whole = api.train(later, run_dir=str(tmp_path / "whole"), carry=str(first))
+    whole = api.train(later, carry=str(first))  # no --run-dir: idempotent, beside the run it continues
+    assert Path(whole.run).parent == tmp_path and Path(whole.run).name.startswith("first+v2-")
+    ledger = read_events(whole.run)
+    again = api.train(later, carry=str(first))  # a retry of a finished continuation: its result, no work
+    assert (again.run, again.steps, again.attempts) == (whole.run, 25, 1) and read_events(whole.run) == ledger
     killed = api.train(
         later,
         run_dir=str(tmp_path / "killed"),
@@ -290,10 +295,13 @@ def test_train_continue_goes_on_with_the_next_version_and_kills_in_it_change_not
         injections=["kill@step=13,rank=1", "kill@step=18,rank=0"],
     )
     assert whole.steps == killed.steps == 25 and killed.attempts == 3
-    assert sha256(tmp_path / "whole" / "final" / "model.safetensors") == sha256(
+    assert sha256(Path(whole.run) / "final" / "model.safetensors") == sha256(
         tmp_path / "killed" / "final" / "model.safetensors"
     )
-    events = read_events(str(tmp_path / "whole"))
+    killed_ledger = read_events(str(tmp_path / "killed"))  # its retry with --resume: not started again
+    retried = api.train(later, run_dir=str(tmp_path / "killed"), carry=str(first), resume=True)
+    assert retried.attempts == 3 and read_events(str(tmp_path / "killed")) == killed_ledger
+    events = read_events(whole.run)
     start = events[0]
     carried = {"from_version": 1, "to_version": 2, "new_rows": mock.ANY, "replay_rows": mock.ANY}
     assert start["source"] == {"from": f"{first}@10", "step": 10, "carry": carried}
@@ -324,7 +332,7 @@ def test_train_continue_goes_on_with_the_next_version_and_kills_in_it_change_not
 
     # The gate and the registry: the first run is version 1; the continuation is compared with it
     # on the same held-out rows (v2's: those of the new shards, and those of v1's) and promoted.
-    reg, whole_run = str(tmp_path / "registry"), str(tmp_path / "whole")
+    reg, whole_run = str(tmp_path / "registry"), whole.run
     first_version = api.promote(str(first), "tiny", registry=reg)
     assert first_version["version"] == 1 and first_version["eval"]["verdict"]["passed"]
     picky = tiny(grown, "promote.min_improvement=0.9")

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import json
 import logging
 import os
 import time
@@ -29,7 +31,7 @@ from petatrain.config import IngestConfig, JobConfig
 from petatrain.data.ingest.job import IngestJob, IngestSummary
 from petatrain.errors import ConfigError, CorruptDataError, PetatrainError
 from petatrain.observe.ledger import LedgerFollower
-from petatrain.storage import StorageOptions
+from petatrain.storage import StorageOptions, join
 
 if TYPE_CHECKING:
     from petatrain.data.synth import Corpus
@@ -314,7 +316,6 @@ def train(
     from petatrain.runtime.driver import run as launch
 
     options = options or config.storage.options()
-    run_url = run_dir or os.path.join(".petatrain", "runs", time.strftime("%Y%m%d-%H%M%S"))
     if branch and carry:
         raise ConfigError("--from and --continue are two ways to start from a checkpoint: give one")
     fork = _branch(branch, options) if branch else _branch(carry, options, carry=True) if carry else None
@@ -326,6 +327,9 @@ def train(
             )
         if not config.train.schedule_start:
             config = dataclasses.replace(config, train=dataclasses.replace(config.train, schedule_start=fork.step))
+        if run_dir is None:  # idempotent: a retry of this continuation resumes (or returns) the same run
+            run_dir, resume = continuation_dir(fork, config, options), True
+    run_url = run_dir or os.path.join(".petatrain", "runs", time.strftime("%Y%m%d-%H%M%S"))
     job = TrainJob(
         config=config,
         run_url=run_url,
@@ -355,6 +359,40 @@ def train(
         report=run_report,
         fields=launched.to_dict(),  # the run's summary, as its ledger and `train --json` have it
     )
+
+
+def continuation_run_dir(config: JobConfig, carry: str, options: StorageOptions | None = None) -> str:
+    """The run directory of `train --continue CARRY` without --run-dir (see continuation_dir)."""
+    options = options or config.storage.options()
+    fork = _branch(carry, options, carry=True)
+    if not config.train.schedule_start:
+        config = dataclasses.replace(config, train=dataclasses.replace(config.train, schedule_start=fork.step))
+    return continuation_dir(fork, config, options)
+
+
+def continuation_dir(fork: Any, config: JobConfig, options: StorageOptions | None) -> str:
+    """Where `train --continue` runs without --run-dir: beside the run it continues, named by what
+    makes the continuation (the checkpoint, the dataset version it goes on to, the config), so that
+    running it again (an orchestrator's retry) finds the same run: `RUN+vVERSION-DIGEST`."""
+    from petatrain.data.index import read_manifest, split_version
+    from petatrain.observe.ledger import prior_run_from, read_events
+
+    root, version = split_version(config.data.dataset)
+    if version is None:  # the latest version, as the run will pin it
+        manifest = read_manifest(root, options)
+        if manifest is None:
+            raise ConfigError(f"data.dataset: {root} is not a committed dataset")
+        version = manifest.generation
+    prior = prior_run_from(read_events(fork.source, options))
+    pinned = dataclasses.replace(config, data=dataclasses.replace(config.data, dataset=f"{root}@v{version}"))
+    key = json.dumps(
+        {"source": prior.run_id if prior else fork.source, "step": fork.step, "config": pinned.to_dict()},
+        sort_keys=True,
+        default=str,
+    )
+    digest = hashlib.sha256(key.encode()).hexdigest()[:8]
+    parent, _, name = fork.source.rstrip("/").rpartition("/")
+    return join(parent or ".", f"{name}+v{version}-{digest}")
 
 
 def _redacted(uri: str) -> str:

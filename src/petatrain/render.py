@@ -497,7 +497,14 @@ def search(s: dict[str, Any]) -> None:
 
 def training(result: TrainResult) -> None:
     """A finished run: steps, attempts, each fault recovered from, its goodput report."""
-    out.print(f"trained {result.steps} steps in {result.wall_s:.1f}s, {result.attempts} attempt(s)", highlight=False)
+    if result.wall_s == 0.0:  # the run had trained to its end already (a retry, --resume): nothing was done
+        out.print(
+            f"{result.run} had trained {result.steps} steps already: nothing to do", highlight=False, soft_wrap=True
+        )
+    else:
+        out.print(
+            f"trained {result.steps} steps in {result.wall_s:.1f}s, {result.attempts} attempt(s)", highlight=False
+        )
     for f in result.failures:
         rank = "" if f.rank is None else f" (rank {f.rank})"
         out.print(f"  recovered from {f.cause}{rank}", highlight=False)

@@ -58,7 +58,9 @@ def train(
             "--continue",
             help="Continue a run onto newer data, RUN or RUN@STEP: a new run from that checkpoint whose data "
             "position is carried onto data.dataset's later version (each new row once, data.replay of the old) "
-            "and whose lr schedule re-warms at that step; train.steps counts on from it.",
+            "and whose lr schedule re-warms at that step; train.steps counts on from it. Without --run-dir it runs "
+            "in RUN+vVERSION-DIGEST beside RUN: the same continuation run again resumes that run, or returns its "
+            "result if it finished.",
         ),
     ] = None,
     as_json: Json = False,
@@ -104,6 +106,8 @@ def _train(
     carry: str | None = None,
 ) -> None:
     cfg = config_mod.load(config, overrides)
+    if carry and not run_dir:  # idempotent: running the same continuation again finds its run
+        run_dir, resume = api.continuation_run_dir(cfg, carry), True
     run_url = run_dir or os.path.join(DEMO_ROOT, "runs", time.strftime("%Y%m%d-%H%M%S"))
     logs = ray_session(cfg)
     result = run_training(cfg, run_url, address, specs, as_json, logs, stop_after_s, resume, branch, carry)

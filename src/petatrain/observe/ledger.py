@@ -178,6 +178,7 @@ class PriorRun:
     # A run started by `train --continue`: the step of the checkpoint it continued from, whose loader
     # position each recovery carries onto the run's dataset version again (until a checkpoint of its own).
     carry_step: int | None = None
+    source: dict[str, Any] | None = None  # run_start's: the checkpoint a --from or --continue started from
 
     def describe(self) -> str:
         how = {"": "interrupted", "ok": "finished", "failed": "failed"}.get(self.ended, self.ended)
@@ -209,6 +210,7 @@ def prior_run_from(events: list[dict[str, Any]]) -> PriorRun | None:
         failures=[e for e in events if e.get("event") == "failure"],
         placement_groups=sorted({str(e["placement_group"]) for e in events if e.get("placement_group")}),
         carry_step=_carry_step(start.get("source")),
+        source=start.get("source") if isinstance(start.get("source"), dict) else None,
     )
 
 

@@ -70,6 +70,11 @@ def claim(job: TrainJob, held: contextlib.ExitStack) -> Run | RunResult:
     # A continuing driver first waits out the lease of a previous driver that died (it stops renewing).
     lease = held.enter_context(run_dir.held(url, job.options, wait_s=RESUME_LEASE_WAIT_S if job.resume else 0))
     prior = run_dir.prior_run(url, job.options)
+    if prior is not None and job.resume and job.branch is not None and _same_continuation(prior, job.branch):
+        # A retry of `train --continue` (an orchestrator's, or a person's): the run it started goes
+        # on (or, finished, is returned as it ended); it is not started again from the source.
+        log.info("%s is the continuation of %s: resumed, not started again", prior.describe(), job.branch.label)
+        job.branch = None
     cfg = preflight.pinned(cfg, prior, job.options)
     if job.branch is not None and job.branch.carry:
         job.branch = dataclasses.replace(job.branch, carried=preflight.may_carry(job.branch, cfg, job.options))
@@ -125,6 +130,14 @@ def start_hub(run: Run) -> HubHandle:
     if run.job.gate is not None:
         run.job.gate.connect(hub.actor)
     return hub
+
+
+def _same_continuation(prior: Any, branch: Any) -> bool:
+    """The run holds the continuation `branch` would start: from the same checkpoint, carried over."""
+    source = prior.source or {}
+    return bool(
+        branch.carry and source.get("carry") and (source.get("from"), source.get("step")) == (branch.label, branch.step)
+    )
 
 
 def _finished(prior: Any, run_url: str) -> RunResult:
