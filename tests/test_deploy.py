@@ -24,13 +24,18 @@ from petatrain import api, config
 from petatrain.deploy import manifests, probe
 from petatrain.deploy.manifests import Target
 from petatrain.deploy.validate import validate_dir, validate_documents
+from petatrain.errors import ConfigError
 
 # What examples/k8s/ holds, and the command that writes each (the README shows them).
 EXAMPLES = {
-    "tiny": ["examples/tiny.yaml", "--run-dir", "s3://petatrain/runs/tiny", "--set", "parallel.workers=2-4"],
+    "tiny": [
+        "examples/tiny.yaml", "--run-dir", "s3://petatrain/runs/tiny",
+        "--set", "data.dataset=s3://petatrain/datasets/demo", "--set", "parallel.workers=2-4",
+    ],
     "plan-70b-64xh100": [
         "examples/plan-70b.yaml", "--from-plan", "--accelerator", "H100-SXM", "--count", "64",
-        "--run-dir", "s3://petatrain/runs/70b", "--image", "registry.example.com/petatrain:0.1.0",
+        "--run-dir", "s3://petatrain/runs/70b", "--set", "data.dataset=s3://petatrain/datasets/web",
+        "--image", "registry.example.com/petatrain:0.1.0",
     ],
 }  # fmt: skip
 
@@ -40,7 +45,7 @@ def _docs(folder: Path) -> dict[str, dict]:
 
 
 def _tiny(*overrides: str):
-    return config.load(ROOT / "examples" / "tiny.yaml", list(overrides))
+    return config.load(ROOT / "examples" / "tiny.yaml", ["data.dataset=s3://b/datasets/demo", *overrides])
 
 
 def test_a_rayjob_continues_its_run_and_scales_between_the_worker_range():
@@ -74,42 +79,109 @@ def test_a_fixed_worker_count_does_not_autoscale():
 
 
 def test_secrets_are_referenced_never_written(tmp_path, monkeypatch):
-    """Credentials in the environment and in the config, and an encryption keyring: none of their
-    values is in any file written; the pods read them from Secrets by name."""
+    """Credentials in the environment and in the config, keyrings, an SSE-C key and a CA bundle: none
+    of their values is in any file written; the pods read them from Secrets by name, the files at a
+    path of petatrain's own (a keyring at /etc/ring.json must not hide the pod's /etc), and the config
+    they read names them there."""
     secret = "s3cr3t-VALUE-never-written"
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
     cfg = _tiny(f"storage.s3_secret_access_key={secret}", "storage.s3_access_key_id=AKIAEXAMPLE",
-                "storage.encryption.key=file:/var/run/petatrain/keyring.json")  # fmt: skip
+                "storage.encryption.key=file:/etc/ring.json", "storage.signing.key=file:/etc/petatrain/sign.json",
+                "storage.ca_bundle=ca/bundle.pem")  # fmt: skip
     target = Target(name="tiny", run_dir="s3://b/r", s3_secret="team-s3")
-    api.deploy_k8s(cfg, target, str(tmp_path))
+    done = api.deploy_k8s(cfg, target, str(tmp_path))
     written = "".join(p.read_text() for p in tmp_path.iterdir())
     assert secret not in written and "AKIAEXAMPLE" not in written
-    pod = _docs(tmp_path)["RayJob"]["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"]
-    env = {e["name"]: e for e in pod["containers"][0]["env"]}
-    assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "team-s3"
-    keyring = next(v for v in pod["volumes"] if v["name"] == "keyring")
-    assert keyring["secret"] == {
-        "secretName": "tiny-keyring", "defaultMode": 0o400, "items": [{"key": "keyring.json", "path": "keyring.json"}]
-    }  # fmt: skip
-    mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "keyring")
-    assert mount == {"name": "keyring", "mountPath": "/var/run/petatrain", "readOnly": True}
-    assert "OS_AUTH_TOKEN" not in env
+    docs = _docs(tmp_path)
+    for group in ("headGroupSpec", "workerGroupSpecs"):
+        spec = docs["RayJob"]["spec"]["rayClusterSpec"][group]
+        pod = (spec if group == "headGroupSpec" else spec[0])["template"]["spec"]
+        env = {e["name"]: e for e in pod["containers"][0]["env"]}
+        # On S3 the Secret is required: a missing one stops the pod at once, naming it.
+        assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"] == {
+            "name": "team-s3", "key": "AWS_SECRET_ACCESS_KEY"
+        }  # fmt: skip
+        keyring = next(v for v in pod["volumes"] if v["name"] == "keyring")
+        assert keyring["secret"] == {
+            "secretName": "tiny-keyring", "defaultMode": 0o400,
+            "items": [{"key": n, "path": n} for n in ("bundle.pem", "ring.json", "sign.json")],
+        }  # fmt: skip
+        mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "keyring")
+        assert mount == {"name": "keyring", "mountPath": "/var/run/petatrain/keys", "readOnly": True}
+        assert "OS_AUTH_TOKEN" not in env
+    deployed = config.from_yaml(docs["ConfigMap"]["data"]["job.yaml"], "job.yaml").storage
+    assert (deployed.encryption.key, deployed.signing.key, deployed.ca_bundle) == (
+        "file:/var/run/petatrain/keys/ring.json", "file:/var/run/petatrain/keys/sign.json",
+        "/var/run/petatrain/keys/bundle.pem",
+    )  # fmt: skip
+    # What to create, with the local files named and no value.
+    assert done.secrets == [
+        "kubectl create secret generic team-s3 -n default --from-literal=AWS_ACCESS_KEY_ID=... "
+        "--from-literal=AWS_SECRET_ACCESS_KEY=...",
+        "kubectl create secret generic tiny-keyring -n default "
+        f"--from-file=bundle.pem={Path('ca/bundle.pem').absolute()} --from-file=ring.json=/etc/ring.json "
+        "--from-file=sign.json=/etc/petatrain/sign.json",
+    ]
+    with pytest.raises(ConfigError, match=r"^storage.signing.key: /b/ring.json and /a/ring.json have the same file"):
+        api.deploy_k8s(_tiny("storage.encryption.key=file:/a/ring.json", "storage.signing.key=file:/b/ring.json"),
+                       target, str(tmp_path / "clash"))  # fmt: skip
 
     container = "barbican+https://kms.internal:9311/v1/containers/0b9a3a34-9d35-4c1c-9d1e-6c2b8a0f1e2d"
     monkeypatch.setenv("OS_AUTH_TOKEN", secret)
-    api.deploy_k8s(_tiny(f"storage.encryption.key={container}"), target, str(tmp_path / "kms"))
+    monkeypatch.setenv("SSEC_KEY", secret)
+    kms = _tiny(
+        f"storage.encryption.key={container}", "storage.sse.mode=customer", "storage.sse.customer_key=env:SSEC_KEY"
+    )
+    api.deploy_k8s(kms, target, str(tmp_path / "kms"))
     assert secret not in "".join(p.read_text() for p in (tmp_path / "kms").iterdir())
     pod = _docs(tmp_path / "kms")["RayJob"]["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
     env = {e["name"]: e for e in pod["containers"][0]["env"]}
     for key in ("OS_AUTH_TOKEN", "OS_PROJECT_ID"):
         assert env[key]["valueFrom"]["secretKeyRef"] == {"name": "tiny-kms", "key": key, "optional": True}
+    assert env["SSEC_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "tiny-keyring", "key": "SSEC_KEY"}
     assert all(v["name"] != "keyring" for v in pod["volumes"])
+
+
+def test_paths_the_pods_cannot_see_are_refused_unless_a_volume_holds_them(tmp_path):
+    """A dataset, run directory or registry on this machine's disk would fail in the pods at their
+    start: refused in one line, naming the key; an absolute path under a volume the user names (an NFS
+    share as a PVC) is mounted on every pod at that path."""
+    local = config.load(ROOT / "examples" / "tiny.yaml")  # data.dataset: .petatrain/datasets/demo
+    s3 = Target(name="tiny", run_dir="s3://b/r")
+    for cfg, target, key in [
+        (local, s3, "data.dataset '.petatrain/datasets/demo'"),
+        (_tiny("promote.registry=/srv/registry"), s3, "promote.registry '/srv/registry'"),
+        (_tiny(), Target(name="tiny", run_dir="/tmp/run"), "--run-dir '/tmp/run'"),
+        (_tiny("data.dataset=/nfs/../etc/ds"), Target(name="t", run_dir="s3://b/r", volumes=(("nfs", "/nfs"),)),
+         "data.dataset '/nfs/../etc/ds'"),
+    ]:  # fmt: skip
+        with pytest.raises(ConfigError) as refused:
+            manifests.build(cfg, target)
+        message = str(refused.value)
+        assert message.startswith(f"{key} is a path on this machine, which the pods cannot see") and "\n" not in message
+    for spec, why in [("nfs:/", "absolute mount path"), ("NFS:/nfs", "RFC 1123"), ("nfs:/var/cache", "overlaps"),
+                      ("nfs", "absolute mount path")]:  # fmt: skip
+        with pytest.raises(ConfigError, match=f"^--volume {spec!r}: .*{why}"):
+            manifests.check_volume(spec)
+    shared = Target(name="tiny", run_dir="/nfs/runs/tiny", volumes=(manifests.check_volume("team-nfs:/nfs/"),))
+    docs = manifests.build(config.load(ROOT / "examples" / "tiny.yaml", ["data.dataset=/nfs/datasets/demo"]), shared)
+    assert validate_documents(docs) == []
+    cluster = docs[2]["spec"]["rayClusterSpec"]
+    for template in (cluster["headGroupSpec"]["template"], cluster["workerGroupSpecs"][0]["template"]):
+        assert {"name": "volume-0", "persistentVolumeClaim": {"claimName": "team-nfs"}} in template["spec"]["volumes"]
+        assert {"name": "volume-0", "mountPath": "/nfs"} in template["spec"]["containers"][0]["volumeMounts"]
+    # Nothing on S3: the S3 Secret stays optional (a gs:// or NFS run may not have one).
+    env = cluster["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["env"]
+    assert next(e for e in env if e["name"] == "AWS_ACCESS_KEY_ID")["valueFrom"]["secretKeyRef"]["optional"] is True
+    done = run_cli("deploy", "k8s", "examples/tiny.yaml", "--run-dir", "s3://b/r", "--out", str(tmp_path))
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "data.dataset" in done.stderr
+    assert not any(tmp_path.iterdir())
 
 
 def test_sizes_from_the_plan_on_gpus(tmp_path):
     """64 H100s as plan lays the 70B model out: 8 nodes of 8 GPUs, each pod asking for and limited
     to its node's GPUs, placed on H100 nodes, and the job config set to the planned layout."""
-    cfg = config.load(ROOT / "examples" / "plan-70b.yaml")
+    cfg = config.load(ROOT / "examples" / "plan-70b.yaml", ["data.dataset=s3://b/datasets/web"])
     target = Target(name="llm", run_dir="s3://b/r", accelerator="H100-SXM")
     done = api.deploy_k8s(cfg, target, str(tmp_path), from_plan=True, count=64)
     assert (done.worker_pods, done.devices_per_node, done.accelerator) == ((8, 8), 8, "H100-SXM")
@@ -130,7 +202,8 @@ def test_sizes_from_the_plan_on_gpus(tmp_path):
 
 
 def test_a_rayservice_carries_serves_autoscaling():
-    cfg = _tiny("serve.replicas=1-3", "serve.max_batch=8")
+    # Serving reads the run, not the data: the config's local dataset is no concern of its pods.
+    cfg = config.load(ROOT / "examples" / "tiny.yaml", ["serve.replicas=1-3", "serve.max_batch=8"])
     docs = manifests.build(cfg, Target(name="tiny-serve", run_dir="s3://b/r", kind="rayservice"))
     assert validate_documents(docs) == []
     service = docs[2]["spec"]
@@ -145,10 +218,6 @@ def test_a_rayservice_carries_serves_autoscaling():
 
 
 def test_bad_targets_are_one_line_errors():
-    from petatrain.errors import ConfigError
-
-    with pytest.raises(ConfigError, match="must be on an object store"):
-        manifests.build(_tiny(), Target(name="tiny", run_dir="/tmp/run"))
     with pytest.raises(ConfigError, match="--name 'Tiny_Job'"):
         manifests.build(_tiny(), Target(name="Tiny_Job", run_dir="s3://b/r"))
     assert manifests.name_from("examples/My Job.v2.yaml") == "petatrain-my-job-v2"

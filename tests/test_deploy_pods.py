@@ -91,7 +91,9 @@ def test_the_manifests_pods_survive_a_worker_pod_and_a_head_pod_loss(baseline, t
     endpoint = f"http://10.231.0.1:{port}"  # the S3 server as the pods reach it (TwoNodeCluster's head IP)
     cfg = tiny(token_dataset, f"storage.s3_endpoint_url={endpoint}")
     run_url = f"{s3_bucket}/runs/tiny"
-    docs = {d["kind"]: d for d in manifests.build(cfg, Target(name="tiny", run_dir=run_url))}
+    # The dataset is on a share both pods mount at the same path (here, the one file system they see).
+    shared = (("datasets", os.path.dirname(token_dataset)),)
+    docs = {d["kind"]: d for d in manifests.build(cfg, Target(name="tiny", run_dir=run_url, volumes=shared))}
     cluster_spec = docs["RayJob"]["spec"]["rayClusterSpec"]
     head, workers = cluster_spec["headGroupSpec"], cluster_spec["workerGroupSpecs"][0]
     secrets = {"tiny-s3": {k: os.environ[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}}

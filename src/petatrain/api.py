@@ -954,12 +954,13 @@ class Deployment:
     accelerator: str
     devices_per_node: int
     sized_by: str  # "config" | "plan: ..." | "--count"
+    secrets: list[str]  # the `kubectl create secret` commands of the Secrets referenced (no values)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "files": self.files, "kind": self.kind, "workers": list(self.workers),
             "worker_pods": list(self.worker_pods), "accelerator": self.accelerator,
-            "devices_per_node": self.devices_per_node, "sized_by": self.sized_by,
+            "devices_per_node": self.devices_per_node, "sized_by": self.sized_by, "secrets": self.secrets,
         }  # fmt: skip
 
 
@@ -1026,6 +1027,7 @@ def deploy_k8s(config: JobConfig, target: Any, out: str, *, from_plan: bool = Fa
     return Deployment(
         files=files, kind=target.kind, workers=(lo, hi), worker_pods=(-(-lo // per_pod), -(-hi // per_pod)),
         accelerator=target.accelerator or "cpu", devices_per_node=target.devices_per_node, sized_by=sized_by,
+        secrets=manifests.secrets_needed(config, target),
     )  # fmt: skip
 
 

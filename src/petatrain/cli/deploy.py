@@ -47,6 +47,13 @@ def deploy_k8s(
     s3_secret: Annotated[
         str, typer.Option(help="Secret holding AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (default: NAME-s3).")
     ] = "",
+    volume: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="CLAIM:/PATH: a PersistentVolumeClaim every pod mounts at /PATH (repeatable); local paths of the "
+            "config under /PATH (a dataset on NFS) are read there. Without one, they must be on the object store."
+        ),
+    ] = None,
     cache_size: Annotated[str, typer.Option(help="Size of each node's shard cache.")] = "100Gi",
     cache_storage_class: Annotated[
         str, typer.Option(help="Storage class for the shard cache (a PVC per pod); default: an emptyDir.")
@@ -75,7 +82,7 @@ def deploy_k8s(
         raise ConfigError("deploy k8s needs a CONFIG and --out DIR (or --validate DIR)")
     if kind not in ("rayjob", "raycluster", "rayservice"):
         raise ConfigError(f"--kind {kind!r}: rayjob, raycluster or rayservice")
-    from petatrain.deploy.manifests import Target, name_from
+    from petatrain.deploy.manifests import Target, check_volume, name_from
 
     cfg = config_mod.load(config, list(set_ or []))
     # kind: one of the three (checked above); image: the Target's own default unless one is given
@@ -83,7 +90,7 @@ def deploy_k8s(
     target = Target(
         name=name or name_from(str(config)), run_dir=run_dir or "", namespace=namespace, accelerator=accelerator,
         s3_secret=s3_secret, cache_size=cache_size, checkpoint=checkpoint, cache_storage_class=cache_storage_class,
-        **chosen,
+        volumes=tuple(check_volume(spec) for spec in volume or []), **chosen,
     )  # fmt: skip
     if kind != "raycluster" and not run_dir:
         raise ConfigError(
@@ -98,6 +105,10 @@ def deploy_k8s(
         say(f"{done.kind}: {pods} worker pod(s){per}, sized by {escape(done.sized_by)}")
         for path in done.files:
             say(f"  {path}")
+        if done.secrets:
+            say("the Secrets they reference (create them first, values not shown):")
+            for command in done.secrets:
+                say(f"  {escape(command)}")
         say(f"apply: kubectl apply -f {out_dir}   watch: kubectl get {done.kind} -n {namespace} -w")
 
     show(done.to_dict(), written)

@@ -9,10 +9,16 @@ should meet them: the ServiceAccount, the ConfigMap with the resolved job config
   needs, `minReplicas`/`maxReplicas` from a `parallel.workers` range (in-tree autoscaling on
   when they differ), GPUs requested and limited, a node selector on the GPU product label and
   a toleration for the GPU taint. On CPU, a pod holds one training worker.
-- Secrets by reference only: the S3 credentials come from a Secret's keys (`secretKeyRef`), a
-  keyring file (`storage.encryption.key: file:PATH`) from a Secret mounted read-only where the
-  config names it, a Barbican key container's credentials (OS_AUTH_TOKEN, OS_PROJECT_ID) from
-  the Secret NAME-kms. No value of any is ever written here.
+- Secrets by reference only: the S3 credentials come from a Secret's keys (`secretKeyRef`); the
+  files the config names (keyrings `file:PATH`, an SSE-C key `file:PATH`, a CA bundle) from the
+  Secret NAME-keyring, one key per file name, mounted read-only at KEYS_PATH, and the config the pods
+  read names them there; an SSE-C key `env:NAME` from that Secret's key NAME; a Barbican key
+  container's credentials (OS_AUTH_TOKEN, OS_PROJECT_ID) from the Secret NAME-kms. No value of any
+  is ever written here.
+- What the pods read and write must be where they can see it: the dataset, the run directory and a
+  registry the config names are object-store URLs, or absolute paths under a volume the user names
+  (`Target.volumes`: a PersistentVolumeClaim mounted on every pod, e.g. an NFS or Lustre share). A
+  path on the machine that wrote the manifests is refused in one line.
 - The node-local shard cache (`PETATRAIN_CACHE_DIR`) is an `emptyDir` with a size limit, or,
   with a storage class (local NVMe), a generic ephemeral volume: a PVC per pod, gone with it.
   `/dev/shm` is a memory-backed `emptyDir` as large as Ray's object store, which lives there (30% of
@@ -25,7 +31,9 @@ should meet them: the ServiceAccount, the ConfigMap with the resolved job config
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import posixpath
 import re
 import shlex
 from dataclasses import dataclass
@@ -42,6 +50,8 @@ METRICS_PORT = 8078  # the driver's Prometheus endpoint (observe.metrics_port)
 RAY_METRICS_PORT = 8080  # Ray's own metrics export port on every node
 CONFIG_PATH = "/etc/petatrain/job.yaml"
 CACHE_PATH = "/var/cache/petatrain"
+KEYS_PATH = "/var/run/petatrain/keys"  # the Secret NAME-keyring's files, read-only
+_RESERVED = ("/dev/shm", CACHE_PATH, "/etc/petatrain", KEYS_PATH)  # mount paths a --volume may not take
 # The label NVIDIA's GPU feature discovery puts on a node, per catalog accelerator; AMD's for MI300X.
 GPU_PRODUCT = {
     "H100-SXM": ("nvidia.com/gpu.product", "NVIDIA-H100-80GB-HBM3"),
@@ -80,6 +90,9 @@ class Target:
     backoff_limit: int = 3
     active_deadline_s: int = 7 * 24 * 3600
     idle_timeout_s: int = 120
+    # (PersistentVolumeClaim, mount path): shared volumes every pod mounts read-write, where local
+    # paths of the config (a dataset on NFS or Lustre) are found at the same absolute path
+    volumes: tuple[tuple[str, str], ...] = ()
 
 
 def check_name(name: str) -> str:
@@ -99,14 +112,110 @@ def name_from(path: str) -> str:
     return check_name(f"petatrain-{stem}"[:47].rstrip("-"))
 
 
+def check_volume(spec: str) -> tuple[str, str]:
+    """`CLAIM:/PATH` (the `--volume` option) as (claim, path), one-line errors."""
+    from petatrain.deploy.k8s_names import dns1123_subdomain
+
+    claim, sep, path = spec.partition(":")
+    problems = dns1123_subdomain(claim) if claim else ["names no PersistentVolumeClaim"]
+    if not sep or not path.startswith("/") or posixpath.normpath(path) == "/":
+        problems.append("needs an absolute mount path other than / (CLAIM:/PATH)")
+    elif any(_under(path, taken) or _under(taken, path) for taken in _RESERVED):
+        problems.append(f"{path} overlaps a path petatrain mounts ({', '.join(_RESERVED)})")
+    if problems:
+        raise ConfigError(f"--volume {spec!r}: {'; '.join(problems)}")
+    return claim, posixpath.normpath(path)
+
+
+def _under(path: str, folder: str) -> bool:
+    path, folder = posixpath.normpath(path), posixpath.normpath(folder)
+    return path == folder or path.startswith(folder.rstrip("/") + "/")
+
+
+def _check_reachable(value: str, what: str, target: Target) -> None:
+    """ConfigError unless the pods can reach `value`: an object-store URL, or an absolute path under
+    one of the target's volumes."""
+    from petatrain.storage.fs import is_local
+
+    if not is_local(value) and not value.startswith("memory://"):
+        return
+    path = value.removeprefix("file://")
+    if path.startswith("/") and any(_under(path, mount) for _, mount in target.volumes):
+        return
+    where = (
+        f"under a volume's mount ({', '.join(mount for _, mount in target.volumes)})"
+        if target.volumes
+        else "and name the volume that holds it (--volume CLAIM:/PATH)"
+    )
+    raise ConfigError(
+        f"{what} {value!r} is a path on this machine, which the pods cannot see: put it on the object store "
+        f"(s3://...), or give an absolute path {where}"
+    )
+
+
+def key_files(cfg: JobConfig) -> dict[str, str]:
+    """The files the config names that the pods read from the Secret NAME-keyring: file name -> the
+    local path it was read from here (what `kubectl create secret generic NAME-keyring
+    --from-file=NAME=PATH` needs)."""
+    files: dict[str, str] = {}
+    for what, ref in _file_refs(cfg):
+        local = ref.removeprefix("file:") if what != "storage.ca_bundle" else ref
+        local = posixpath.abspath(posixpath.expanduser(local))
+        name = posixpath.basename(local)
+        if files.get(name, local) != local:
+            raise ConfigError(
+                f"{what}: {local} and {files[name]} have the same file name ({name}); the pods read both from the "
+                "Secret's key of that name: rename one"
+            )
+        files[name] = local
+    return files
+
+
+def _file_refs(cfg: JobConfig) -> list[tuple[str, str]]:
+    storage = cfg.storage
+    refs = [
+        ("storage.encryption.key", storage.encryption.key),
+        ("storage.signing.key", storage.signing.key),
+        ("storage.sse.customer_key", storage.sse.customer_key),
+    ]
+    found = [(what, ref) for what, ref in refs if ref.startswith("file:")]
+    return found + ([("storage.ca_bundle", storage.ca_bundle)] if storage.ca_bundle else [])
+
+
+def for_pods(cfg: JobConfig, target: Target) -> JobConfig:
+    """The config as the pods read it: the files it names at KEYS_PATH, where the Secret is mounted.
+    ConfigError (one line) for a dataset, run directory or registry the pods cannot reach."""
+    if target.kind != "raycluster" or target.run_dir:
+        _check_reachable(target.run_dir, "--run-dir", target)
+    if target.kind != "rayservice":  # serving reads the run, not the data
+        _check_reachable(cfg.data.dataset, "data.dataset", target)
+    if cfg.promote.registry:
+        _check_reachable(cfg.promote.registry, "promote.registry", target)
+    storage = cfg.storage
+
+    def moved(ref: str, prefix: str = "file:") -> str:
+        if not ref.startswith(prefix):
+            return ref
+        return f"{prefix}{KEYS_PATH}/{posixpath.basename(posixpath.abspath(ref.removeprefix(prefix)))}"
+
+    key_files(cfg)  # names that collide are refused before anything is built
+    storage = dataclasses.replace(
+        storage,
+        encryption=dataclasses.replace(storage.encryption, key=moved(storage.encryption.key)),
+        signing=dataclasses.replace(storage.signing, key=moved(storage.signing.key)),
+        sse=dataclasses.replace(storage.sse, customer_key=moved(storage.sse.customer_key)),
+        ca_bundle=moved(storage.ca_bundle, "") if storage.ca_bundle else "",
+    )
+    return dataclasses.replace(cfg, storage=storage)
+
+
 def build(cfg: JobConfig, target: Target) -> list[dict[str, Any]]:
     """Every document `deploy k8s` writes, as data."""
     check_name(target.name)
-    if target.kind != "raycluster" and not target.run_dir.startswith(("s3://", "gs://", "abfs://")):
-        raise ConfigError(
-            f"--run-dir {target.run_dir!r}: the run directory must be on an object store (s3://...), "
-            "where every pod (and a retried job on a new cluster) finds it"
-        )
+    for claim, path in target.volumes:
+        check_volume(f"{claim}:{path}")
+    files = key_files(cfg)
+    cfg = for_pods(cfg, target)
     if target.kind == "rayservice":  # a pod per Serve replica, as many as Serve may autoscale to
         lo, hi = target.workers if target.workers != (0, 0) else cfg.serve.replica_range()
     else:
@@ -124,7 +233,7 @@ def build(cfg: JobConfig, target: Target) -> list[dict[str, Any]]:
             "data": {"job.yaml": cfg.to_yaml()},  # to_dict leaves the credentials out
         },
     ]
-    cluster = _cluster_spec(cfg, target, pods, labels)
+    cluster = _cluster_spec(cfg, target, pods, labels, files)
     if target.kind == "rayjob":
         documents.append(
             {
@@ -143,8 +252,8 @@ def build(cfg: JobConfig, target: Target) -> list[dict[str, Any]]:
             }
         )
     elif target.kind == "rayservice":
-        spec = {"serveConfigV2": _serve_config(cfg, target), "rayClusterConfig": cluster}
-        documents.append({"apiVersion": "ray.io/v1", "kind": "RayService", "metadata": meta, "spec": spec})
+        service = {"serveConfigV2": _serve_config(cfg, target), "rayClusterConfig": cluster}
+        documents.append({"apiVersion": "ray.io/v1", "kind": "RayService", "metadata": meta, "spec": service})
     else:
         documents.append({"apiVersion": "ray.io/v1", "kind": "RayCluster", "metadata": meta, "spec": cluster})
     documents.append(_pod_monitor(target, meta, labels))
@@ -184,7 +293,9 @@ def _serve_config(cfg: JobConfig, target: Target) -> str:
     return yaml.safe_dump({"http_options": {"host": "0.0.0.0", "port": 8000}, "applications": [app]}, sort_keys=False)
 
 
-def _cluster_spec(cfg: JobConfig, target: Target, pods: tuple[int, int], labels: dict[str, str]) -> dict[str, Any]:
+def _cluster_spec(
+    cfg: JobConfig, target: Target, pods: tuple[int, int], labels: dict[str, str], files: dict[str, str]
+) -> dict[str, Any]:
     autoscale = pods[0] != pods[1]
     spec: dict[str, Any] = {
         "rayVersion": RAY_VERSION,
@@ -194,7 +305,7 @@ def _cluster_spec(cfg: JobConfig, target: Target, pods: tuple[int, int], labels:
             "serviceType": "ClusterIP",
             # The head schedules no training worker: its CPUs are the driver's, the hub's and Ray's.
             "rayStartParams": {"num-cpus": "0", "metrics-export-port": str(RAY_METRICS_PORT)},
-            "template": _pod(cfg, target, labels, head=True),
+            "template": _pod(cfg, target, labels, files, head=True),
         },
         "workerGroupSpecs": [
             {
@@ -203,7 +314,7 @@ def _cluster_spec(cfg: JobConfig, target: Target, pods: tuple[int, int], labels:
                 "minReplicas": pods[0],
                 "maxReplicas": pods[1],
                 "rayStartParams": {"metrics-export-port": str(RAY_METRICS_PORT)},
-                "template": _pod(cfg, target, labels, head=False),
+                "template": _pod(cfg, target, labels, files, head=False),
             }
         ],
     }
@@ -212,7 +323,9 @@ def _cluster_spec(cfg: JobConfig, target: Target, pods: tuple[int, int], labels:
     return spec
 
 
-def _pod(cfg: JobConfig, target: Target, labels: dict[str, str], *, head: bool) -> dict[str, Any]:
+def _pod(
+    cfg: JobConfig, target: Target, labels: dict[str, str], files: dict[str, str], *, head: bool
+) -> dict[str, Any]:
     role = "head" if head else "worker"
     devices = 0 if head or not target.accelerator else target.devices_per_node
     resource = "amd.com/gpu" if target.accelerator == "MI300X" else "nvidia.com/gpu"
@@ -235,18 +348,14 @@ def _pod(cfg: JobConfig, target: Target, labels: dict[str, str], *, head: bool) 
     if head:
         mounts.append({"name": "job-config", "mountPath": "/etc/petatrain", "readOnly": True})
         volumes.append({"name": "job-config", "configMap": {"name": f"{target.name}-config"}})
-    keyref = cfg.storage.encryption.key
-    if keyref.startswith("file:"):
-        path = keyref.removeprefix("file:")
-        folder, _, file = path.rpartition("/")
-        mounts.append({"name": "keyring", "mountPath": folder or "/", "readOnly": True})
+    if files:
+        mounts.append({"name": "keyring", "mountPath": KEYS_PATH, "readOnly": True})
+        items = [{"key": name, "path": name} for name in sorted(files)]
         secret = target.keyring_secret or f"{target.name}-keyring"
-        volumes.append(
-            {
-                "name": "keyring",
-                "secret": {"secretName": secret, "defaultMode": 0o400, "items": [{"key": file, "path": file}]},
-            }
-        )
+        volumes.append({"name": "keyring", "secret": {"secretName": secret, "defaultMode": 0o400, "items": items}})
+    for number, (claim, path) in enumerate(target.volumes):
+        mounts.append({"name": f"volume-{number}", "mountPath": path})
+        volumes.append({"name": f"volume-{number}", "persistentVolumeClaim": {"claimName": claim}})
     ports = [{"name": "ray-metrics", "containerPort": RAY_METRICS_PORT}]
     if head:
         ports += [
@@ -295,15 +404,55 @@ def _env(cfg: JobConfig, target: Target) -> list[dict[str, Any]]:
         {"name": "PETATRAIN_CACHE_DIR", "value": CACHE_PATH},
         {"name": "RAY_USAGE_STATS_ENABLED", "value": "0"},
     ]
+    # Required when the run reads or writes S3: a missing Secret stops the pod at its start, with the
+    # Secret's name, instead of a run that fails later without credentials.
+    optional = {} if on_s3(cfg, target) else {"optional": True}
     for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
-        env.append({"name": key, "valueFrom": {"secretKeyRef": {"name": secret, "key": key, "optional": True}}})
+        env.append({"name": key, "valueFrom": {"secretKeyRef": {"name": secret, "key": key, **optional}}})
     if cfg.storage.s3_endpoint_url:
         env.append({"name": "AWS_ENDPOINT_URL", "value": cfg.storage.s3_endpoint_url})
+    customer_key = cfg.storage.sse.customer_key
+    if customer_key.startswith("env:"):  # SSE-C's key from the Secret NAME-keyring's key of that name
+        name = customer_key.removeprefix("env:")
+        keyring = target.keyring_secret or f"{target.name}-keyring"
+        env.append({"name": name, "valueFrom": {"secretKeyRef": {"name": keyring, "key": name}}})
     if any(ref.startswith("barbican+") for ref in (cfg.storage.encryption.key, cfg.storage.signing.key)):
         kms = f"{target.name}-kms"  # the key manager's credentials: a Keystone token, or a project id
         for key in ("OS_AUTH_TOKEN", "OS_PROJECT_ID"):
             env.append({"name": key, "valueFrom": {"secretKeyRef": {"name": kms, "key": key, "optional": True}}})
     return env
+
+
+def on_s3(cfg: JobConfig, target: Target) -> bool:
+    """Whether the pods read or write S3 (and so need the S3 Secret)."""
+    urls = (target.run_dir, cfg.data.dataset, cfg.promote.registry)
+    return any(url.startswith(("s3://", "s3a://")) for url in urls)
+
+
+def secrets_needed(cfg: JobConfig, target: Target) -> list[str]:
+    """The `kubectl create secret` commands of the Secrets the manifests reference (values elided)."""
+    commands = []
+    if on_s3(cfg, target):
+        secret = target.s3_secret or f"{target.name}-s3"
+        commands.append(
+            f"kubectl create secret generic {secret} -n {target.namespace} "
+            "--from-literal=AWS_ACCESS_KEY_ID=... --from-literal=AWS_SECRET_ACCESS_KEY=..."
+        )
+    files = key_files(cfg)
+    customer = cfg.storage.sse.customer_key
+    if files or customer.startswith("env:"):
+        keyring = target.keyring_secret or f"{target.name}-keyring"
+        sources = [f"--from-file={name}={shlex.quote(path)}" for name, path in sorted(files.items())]
+        if customer.startswith("env:"):
+            name = customer.removeprefix("env:")
+            sources.append(f'--from-literal={name}="${name}"')
+        commands.append(f"kubectl create secret generic {keyring} -n {target.namespace} {' '.join(sources)}")
+    if any(ref.startswith("barbican+") for ref in (cfg.storage.encryption.key, cfg.storage.signing.key)):
+        commands.append(
+            f"kubectl create secret generic {target.name}-kms -n {target.namespace} "
+            "--from-literal=OS_AUTH_TOKEN=... (or --from-literal=OS_PROJECT_ID=...)"
+        )
+    return commands
 
 
 def _cache_volume(target: Target) -> dict[str, Any]:
