@@ -20,7 +20,7 @@ from petatrain.config import IngestConfig
 
 VERBS = [
     "ingest", "inspect", "demo", "config", "train", "tune", "chaos", "report", "lineage", "evaluate", "promote",
-    "rollback", "serve", "plan", "profile", "dataset", "dataset events", "dataset gc", "mlflow", "mlflow sync",
+    "rollback", "loop", "serve", "plan", "profile", "dataset", "dataset events", "dataset gc", "mlflow", "mlflow sync",
     "keys", "keys create", "keys public", "keys rotate", "keys tls", "access", "access policy", "deploy", "deploy k8s",
 ]  # fmt: skip
 

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from petatrain.config import IngestConfig, JobConfig
 from petatrain.data.ingest.job import IngestJob, IngestSummary
-from petatrain.errors import ConfigError, CorruptDataError, PetatrainError
+from petatrain.errors import ConfigError, CorruptDataError, GateRefused, PetatrainError
 from petatrain.observe.ledger import LedgerFollower
 from petatrain.storage import StorageOptions, join
 
@@ -640,6 +640,10 @@ def promote(
     champion = store.alias(model, DEFAULT_ALIAS)
     against = f"{SCHEME}{model}@{DEFAULT_ALIAS}" if champion is not None else None
     served = load(run, checkpoint, options)  # verified: what the record names is what is there
+    weights = {"run": served.run, "checkpoint": checkpoint if checkpoint == "final" else str(served.step)}
+    registered = store.find(model, {**weights, "checksum": served.checksum})
+    if registered is not None and champion is not None and champion["version"] == registered["version"]:
+        return registered  # promoted already (a retry): nothing to evaluate, nothing to write
     evaluation = None
     try:
         evaluation = evaluate(run, against=against, config=cfg, registry=store.url, options=options)
@@ -647,15 +651,16 @@ def promote(
         if not force:
             raise
     if evaluation is not None and not evaluation["verdict"]["passed"] and not force:
-        raise PetatrainError(
+        raise GateRefused(
             f"{run} does not pass the gate against {against}: {evaluation['verdict']['reason']} "
-            "(petatrain evaluate shows the figures; --force promotes anyway)"
+            "(petatrain evaluate shows the figures; --force promotes anyway)",
+            evaluation,
         )
     chain = lineage(run, options=options, registry=store.url)
     fields = {
         "run": served.run,
         "run_id": chain[0].get("run_id", ""),
-        "checkpoint": checkpoint if checkpoint == "final" else str(served.step),
+        "checkpoint": weights["checkpoint"],
         "step": served.step,
         "checksum": served.checksum,
         "dataset": served.config.data.dataset,
@@ -730,6 +735,153 @@ def rollback(
         except Exception as exc:  # the registry of record moved; MLflow's alias follows on the next sync
             log.warning("MLflow's alias of %s was not moved back: %s", model, str(exc).splitlines()[0][:300])
     return moved
+
+
+@dataclass(slots=True)
+class LoopCycle:
+    """What one cycle of the loop did (`loop_cycle`)."""
+
+    outcome: str  # "idle" (no data), "done" (this version's cycle is over), "promoted", "rejected"
+    version: int = 0  # the dataset version the cycle is about (0: none yet)
+    record: dict[str, Any] = field(default_factory=dict)  # the cycle's record (loop/records.py)
+    ingested: IngestSummary | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        ingested = dataclasses.asdict(self.ingested) if self.ingested is not None else None
+        return {"outcome": self.outcome, "version": self.version, "record": self.record, "ingested": ingested}
+
+
+def loop_cycle(
+    spec: Any,
+    files: Sequence[str] = (),
+    *,
+    address: str = "",
+    options: StorageOptions | None = None,
+    on_step: Callable[[str, dict[str, Any]], None] | None = None,
+) -> LoopCycle:
+    """One cycle of the continuous-training loop `spec` (a `petatrain.loop.spec.LoopSpec`): append
+    `files` (stable new source files, the watcher's) to the dataset, then bring the model up to its
+    latest version: continue the champion's run onto it (the first time: train from scratch),
+    evaluate against the champion and promote if the gate passes. The first run trains `spec.steps`
+    (else the job's train.steps); a continuation trains its carry-over pass, every row the versions
+    since its source added once with a `data.replay` share of the rows before (and one step more, so
+    that it ends outside the pass and the next cycle can carry it on). `on_step(step, fields)` is told
+    each step as it starts ("ingest", "train", "promote") and the cycle's end ("done").
+
+    Every step is idempotent, so a cycle killed anywhere and run again ends as one uninterrupted:
+    the append skips the files the dataset holds, the continuation's run directory is named by what
+    makes it (it resumes, or returns its result), a promotion of registered weights returns their
+    version. A version whose cycle is over has a record (`RUNS/_loop/cycles/vN.json`) and is never
+    trained again; the gate's refusal is recorded with its reason, and the champion serves on."""
+    from petatrain.data import commit_log
+    from petatrain.data.index import read_manifest, split_version
+    from petatrain.loop import records
+    from petatrain.registry.store import DEFAULT_ALIAS, Registry
+
+    cfg = spec.job_config()
+    options = options or cfg.storage.options()
+    tell = on_step or (lambda step, fields: None)
+    started, times = time.time(), {}
+    summary = None
+    if files:
+        tell("ingest", {"files": len(files)})
+        begun = time.perf_counter()
+        fresh = read_manifest(spec.dataset, options) is None
+        summary = ingest(files, spec.dataset, config=cfg.ingest, append=not fresh, address=address, options=options)
+        times["ingest"] = round(time.perf_counter() - begun, 3)
+    manifest = read_manifest(spec.dataset, options)
+    if manifest is None:
+        return LoopCycle("idle", ingested=summary)
+    version = manifest.generation
+    done = records.read(spec.state, version, options)
+    if done is not None:
+        return LoopCycle("done", version, done, summary)
+    event = next(iter(commit_log.read(spec.dataset, after=version - 1, options=options)), {})
+    store = Registry(spec.registry or cfg.promote.registry or None, options)
+    champion = store.alias(spec.model, DEFAULT_ALIAS)
+    base = store.record(spec.model, int(champion["version"])) if champion is not None else None
+    pinned = f"{split_version(spec.dataset)[0]}@v{version}"
+    steps = spec.steps or cfg.train.steps  # the first run's
+    begun = time.perf_counter()
+    if base is not None and _same_version(str(base.get("dataset", "")), pinned):  # the champion trained on it
+        run, result_steps = str(base["run"]), int(base["step"])
+    else:
+        job = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, dataset=pinned))
+        if base is None:  # the first model: from scratch, in a run directory named by what makes it
+            job = dataclasses.replace(job, train=dataclasses.replace(job.train, steps=steps))
+            tell("train", {"version": version, "from": None, "steps": steps})
+            digest = hashlib.sha256(json.dumps(job.to_dict(), sort_keys=True, default=str).encode()).hexdigest()[:8]
+            run_dir = join(spec.runs, f"v{version}-{digest}")
+            trained = train(job, run_dir=run_dir, resume=True, address=address, options=options)
+        else:  # the champion goes on: every row the versions since added once, with its replay share
+            from petatrain.runtime.preflight import may_carry
+
+            step = int(base["step"])
+            carried = may_carry(_branch(f"{base['run']}@{step}", options, carry=True), job, options)
+            # One step past the carry-over pass: the run ends outside it, so the next cycle can carry it on.
+            passed = (carried["new_rows"] + carried["replay_rows"]) // job.train.global_batch + 1
+            job = dataclasses.replace(job, train=dataclasses.replace(job.train, steps=step + passed))
+            tell("train", {"version": version, "from": f"{base['run']}@{step}", "steps": step + passed})
+            trained = train(job, carry=f"{base['run']}@{step}", address=address, options=options)
+        run, result_steps = trained.run, trained.steps
+    times["train"] = round(time.perf_counter() - begun, 3)
+    tell("promote", {"run": run, "model": spec.model})
+    begun = time.perf_counter()
+    record: dict[str, Any] = {
+        "version": version, "dataset": pinned, "committed": event.get("committed"), "run": run,
+        "from": None if base is None or _same_version(str(base.get("dataset", "")), pinned) else base["run"],
+        "steps": result_steps,
+    }  # fmt: skip
+    try:
+        promoted = promote(run, spec.model, config=cfg, registry=store.url, options=options)
+        record.update(outcome="promoted", model_version=promoted["version"], reason="")
+        verdict = (promoted.get("eval") or {}).get("verdict") or {}
+        record["gate"] = verdict.get("reason", "")
+    except GateRefused as refused:
+        verdict = refused.evaluation.get("verdict") or {}
+        champion_now = store.alias(spec.model, DEFAULT_ALIAS)
+        record.update(
+            outcome="rejected", reason=verdict.get("reason", str(refused)),
+            model_version=champion_now["version"] if champion_now else None,
+        )  # fmt: skip
+    times["promote"] = round(time.perf_counter() - begun, 3)
+    finished = time.time()
+    committed_at = _epoch(record["committed"])
+    record.update(
+        started=_iso(started), finished=_iso(finished), times=times,
+        # data commit -> the model trained on it promoted (the served model follows the alias)
+        staleness_s=round(finished - committed_at, 3) if committed_at and record["outcome"] == "promoted" else None,
+    )  # fmt: skip
+    records.write(spec.state, record, options)
+    tell("done", record)
+    return LoopCycle(str(record["outcome"]), version, record, summary)
+
+
+def _same_version(a: str, b: str) -> bool:
+    """Whether two DATASET@vN name the same version of the same dataset (a local path however written)."""
+    from petatrain.data.index import split_version
+    from petatrain.storage.fs import is_local
+
+    (root_a, va), (root_b, vb) = split_version(a), split_version(b)
+    if is_local(root_a) and is_local(root_b):
+        root_a, root_b = (
+            os.path.abspath(root_a.removeprefix("file://")),
+            os.path.abspath(root_b.removeprefix("file://")),
+        )
+    return va is not None and va == vb and root_a.rstrip("/") == root_b.rstrip("/")
+
+
+def _iso(at: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at))
+
+
+def _epoch(iso: Any) -> float | None:
+    import calendar
+
+    try:
+        return float(calendar.timegm(time.strptime(str(iso), "%Y-%m-%dT%H:%M:%SZ")))
+    except ValueError:
+        return None
 
 
 def sample(config: JobConfig, run: str, prompts: Sequence[str], *, new_tokens: int = 60) -> list[str]:

@@ -878,7 +878,7 @@ class _JobConfigLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
-def _read_yaml(text: str, where: str, *, numbered: bool = True) -> Any:
+def read_yaml(text: str, where: str, *, numbered: bool = True) -> Any:
     """Parse job-config YAML; errors are one line naming `where` (and the line, if `numbered`)."""
     try:
         return yaml.load(text, Loader=_JobConfigLoader)  # a SafeLoader: builds plain data only
@@ -901,13 +901,13 @@ def apply_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, A
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"--set {dotted}: '{part}' is not a section")
-        node[parts[-1]] = _read_yaml(raw, f"--set {dotted}", numbered=False) if raw.strip() else ""
+        node[parts[-1]] = read_yaml(raw, f"--set {dotted}", numbered=False) if raw.strip() else ""
     return values
 
 
 def from_yaml(text: str, where: str) -> JobConfig:
     """A job config from YAML text (a run's config.yaml read from storage); `where` names it in errors."""
-    return build(JobConfig, _read_yaml(text, where) or {})
+    return build(JobConfig, read_yaml(text, where) or {})
 
 
 def load(path: str | Path | None = None, overrides: list[str] | None = None) -> JobConfig:
@@ -918,6 +918,6 @@ def load(path: str | Path | None = None, overrides: list[str] | None = None) -> 
             text = Path(path).read_text()
         except FileNotFoundError:
             raise ConfigError(f"config file not found: {path}") from None
-        values = _read_yaml(text, f"config file {path}") or {}
+        values = read_yaml(text, f"config file {path}") or {}
     values = apply_overrides(values, overrides or [])
     return build(JobConfig, values)

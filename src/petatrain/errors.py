@@ -20,3 +20,11 @@ class StorageAccessError(PetatrainError, OSError):
 
 class AccessDeniedError(StorageAccessError, PermissionError):
     """The identity in use may not do this (AccessDenied), or its credentials are not accepted."""
+
+
+class GateRefused(PetatrainError):
+    """A promotion the evaluation gate refused; `evaluation` holds the figures and the verdict."""
+
+    def __init__(self, message: str, evaluation: dict | None = None) -> None:
+        super().__init__(message)
+        self.evaluation = evaluation or {}

@@ -276,6 +276,28 @@ def promoted(record: dict[str, Any]) -> None:
         out.print(f"gate: {record['eval']['verdict']['reason']}", highlight=False, soft_wrap=True)
 
 
+def loop_cycle(cycle: Any) -> None:
+    """`petatrain loop`: what a cycle did, one line (and the times of a cycle that trained)."""
+    import time
+
+    stamp = time.strftime("%H:%M:%S")
+    record = cycle.record
+    if cycle.outcome == "idle":
+        out.print(f"{stamp} no data yet", highlight=False)
+        return
+    if cycle.outcome == "done":
+        out.print(f"{stamp} up to date: v{cycle.version} was handled ({record.get('outcome')})", highlight=False)
+        return
+    if cycle.outcome == "promoted":
+        line = f"{stamp} v{cycle.version}: {record['run']} promoted as version {record['model_version']}"
+    else:
+        line = f"{stamp} v{cycle.version}: {record['run']} not promoted ({record['reason']}); the champion serves on"
+    times = ", ".join(f"{k} {v:.1f}s" for k, v in record.get("times", {}).items())
+    staleness = record.get("staleness_s")
+    after = f"; {staleness:.1f}s from the commit" if staleness is not None else ""
+    out.print(f"{line} ({times}{after})", highlight=False, soft_wrap=True)
+
+
 def rolled_back(alias: dict[str, Any]) -> None:
     out.print(f"registry://{alias['name']}@{alias['alias']} is version {alias['version']} again", highlight=False)
 
@@ -516,6 +538,9 @@ def training(result: TrainResult) -> None:
 def demo_next(result: dict[str, Any]) -> None:
     """What to try after the demo (its tables were printed as it went)."""
     run = result.get("train", {}).get("run", "")
+    if not run:  # --no-train: the dataset is what there is
+        out.print("\nNext: [bold].venv/bin/petatrain train examples/tiny.yaml[/bold]  (README, Training)")
+        return
     out.print(f"\nNext: [bold].venv/bin/petatrain report {run}[/bold]")
     out.print(f"      [bold].venv/bin/petatrain serve {run}[/bold]  (its model over HTTP; README, Serving)")
 

@@ -13,7 +13,7 @@ from typing import Annotated
 import typer
 
 from petatrain import console as quiet
-from petatrain.cli import config, data, deploy, keys, models, plan, serve, train, tune
+from petatrain.cli import config, data, deploy, keys, loop, models, plan, serve, train, tune
 from petatrain.cli.common import claim_stdout, guarded, print_json
 
 app = typer.Typer(
@@ -49,6 +49,7 @@ for name, verb in (
     ("evaluate", models.evaluate),
     ("promote", models.promote),
     ("rollback", models.rollback),
+    ("loop", loop.loop),
     ("serve", serve.serve),
     ("plan", plan.plan),
     ("profile", train.profile),

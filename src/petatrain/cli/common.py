@@ -93,9 +93,10 @@ def claim_stdout(as_json: bool) -> None:
     os.dup2(sys.stderr.fileno(), fd)
 
 
-def print_json(obj: Any) -> None:
+def print_json(obj: Any, *, line: bool = False) -> None:
+    """`obj` as JSON on the claimed stdout; `line`: on one line (JSON Lines, for a verb that goes on)."""
     stream = _json_out or sys.stdout
-    stream.write(json.dumps(obj, indent=2, default=str) + "\n")
+    stream.write(json.dumps(obj, indent=None if line else 2, default=str) + "\n")
     stream.flush()
 
 

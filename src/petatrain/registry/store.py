@@ -219,11 +219,32 @@ class Registry:
             raise PetatrainError(f"{SCHEME}{name}: another promotion or rollback is under way ({held})") from None
         return lease
 
+    def find(self, name: str, fields: dict[str, Any]) -> dict[str, Any] | None:
+        """The newest version of `name` that records the weights `fields` names (the same run,
+        checkpoint and checksum), None if none does."""
+        wanted = (fields.get("run"), str(fields.get("checkpoint")), fields.get("checksum"))
+        for version in reversed(self.versions(name)):
+            record = self.record(name, version)
+            if (record.get("run"), str(record.get("checkpoint")), record.get("checksum")) == wanted:
+                return record
+        return None
+
     def register(self, name: str, fields: dict[str, Any], alias: str | None = DEFAULT_ALIAS) -> dict[str, Any]:
         """Write the next version of `name` from `fields` (run, checkpoint, checksum, lineage, eval),
-        then move `alias` to it; under the model's lease. The new record."""
+        then move `alias` to it; under the model's lease. The new record.
+
+        Idempotent: weights that already are a version (a retried promotion, one killed between its
+        record and the alias) are not registered twice; the alias is moved to that version if it
+        does not name it, and its record returned."""
         lease = self._lease(name, "promote")
         try:
+            existing = self.find(name, fields)
+            if existing is not None:
+                current = self.alias(name, alias) if alias else None
+                if alias and (current is None or current["version"] != existing["version"]):
+                    moved = self._move(name, alias, int(existing["version"]), lease)
+                    self._event(name, "model.promoted", moved, existing, lease)
+                return existing
             version = max(self.versions(name), default=0) + 1
             given = {k: v for k, v in fields.items() if k not in _RESERVED}
             record = {**given, "format": FORMAT, "name": name, "version": version, "created": _now()}

@@ -517,12 +517,15 @@ def _forget_listings(fs: fsspec.AbstractFileSystem, path: str) -> None:
     fs.invalidate_cache(prefix)
 
 
-def expand_sources(patterns: list[str], options: StorageOptions | None = None) -> list[SourceFile]:
+def expand_sources(
+    patterns: list[str], options: StorageOptions | None = None, *, allow_empty: bool = False
+) -> list[SourceFile]:
     """Expand paths, folders and globs into files, in argument order then sorted by name.
 
     A pattern that names an existing file or folder is taken as written, so `data[1].jsonl`
     is that file and never `data1.jsonl`. A pattern that matches nothing is an error naming
-    it: a typo must not ingest nothing.
+    it: a typo must not ingest nothing (`allow_empty`: an existing folder with no file yet, or a
+    glob matching none, is [], as a watcher of a folder files land in needs).
     """
     files: list[SourceFile] = []
     seen: set[str] = set()
@@ -546,6 +549,8 @@ def expand_sources(patterns: list[str], options: StorageOptions | None = None) -
                 infos = {path: info}
                 root = path.rpartition("/")[0]
         except FileNotFoundError:
+            if allow_empty and not is_local(pattern):  # an object-store prefix exists once a file is under it
+                continue
             raise PetatrainError(f"source not found: {pattern}") from None
         except PermissionError as exc:
             raise PetatrainError(f"source not readable: {pattern} ({exc})") from None
@@ -558,7 +563,7 @@ def expand_sources(patterns: list[str], options: StorageOptions | None = None) -
             for p, i in sorted(infos.items())
             if i.get("type") != "directory" and not os.path.basename(p).startswith((".", "_"))
         ]
-        if not matched:
+        if not matched and not allow_empty:
             raise PetatrainError(f"source matched no files: {pattern}")
         for p, info in matched:
             url = to_url(fs, p)

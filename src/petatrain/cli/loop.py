@@ -1,0 +1,97 @@
+"""`petatrain loop LOOP.yaml`: keep a model current on new data, on one machine, by itself.
+
+Thin: the watcher (loop/watch.py) says which source files are new and stable, `api.loop_cycle` does
+a cycle (append, continue, evaluate, promote); this module only schedules them, one at a time, and
+shows them. Not a scheduler of its own (no parallel cycles, no cluster): Airflow or Kubernetes is."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.markup import escape
+
+from petatrain import api, render
+from petatrain.cli.common import Address, Json, Sets, print_json, ray_session, say, verb
+
+
+@verb()
+def loop(
+    loop_file: Annotated[Path, typer.Argument(help="The loop's YAML: model, job, source, dataset, runs, steps.")],
+    once: Annotated[bool, typer.Option("--once", help="One cycle, then exit (as cron runs it).")] = False,
+    address: Address = "",
+    set_: Sets = None,
+    as_json: Json = False,
+) -> None:
+    """Watch a source for new files; for each new set of them: append them as a new dataset version,
+    continue the champion model onto it, evaluate, promote if the gate passes (a server started with
+    `serve registry://MODEL@champion --follow` swaps to it). Every step is idempotent: killed anywhere,
+    run it again and it goes on where it stopped, never training a version twice."""
+    from petatrain.loop import spec as spec_mod
+    from petatrain.loop.watch import Watcher
+    from petatrain.storage.fs import join
+    from petatrain.storage.lock import Lease, LeaseHeld
+
+    spec = spec_mod.load(loop_file, list(set_ or []))
+    cfg = spec.job_config()
+    options = cfg.storage.options()
+    ray_session(cfg)
+    watcher = Watcher(
+        spec.source, spec.dataset, options, min_bytes=spec.watch.min_size, max_wait_s=spec.watch.max_wait_s
+    )
+    lease = Lease(join(spec.state, "_lock"), kind="loop", what=f"loop {spec.model}", options=options)
+    try:
+        lease.acquire()
+    except LeaseHeld as held:
+        from petatrain.errors import PetatrainError
+
+        raise PetatrainError(f"another petatrain loop keeps {spec.model} current ({held})") from None
+    if not as_json:
+        say(f"loop {escape(spec.model)}: watching {escape(spec.source)} -> {escape(spec.dataset)}")
+    try:
+        _cycles(spec, watcher, address, once=once, as_json=as_json)
+    except KeyboardInterrupt:  # how a watcher is stopped: every step is idempotent, a rerun goes on
+        say("loop stopped: run it again and it goes on where it stopped")
+        raise typer.Exit(130) from None
+    finally:
+        lease.release()
+
+
+def _cycles(spec: Any, watcher: Any, address: str, *, once: bool, as_json: bool) -> None:
+    """Look, run a cycle, sleep; one cycle with `once`. A cycle with nothing to do is shown once,
+    not at every look; a changed source file is warned of once."""
+    warned: set[str] = set()
+    shown: tuple[str, int] | None = None
+    while True:
+        look = watcher.look()
+        for url in sorted(set(look.changed) - warned):
+            say(f"[yellow]warning:[/yellow] {escape(url)} changed since it was ingested; left alone")
+        warned |= set(look.changed)
+        if look.settling:  # look again soon: a file is taken once two looks agree
+            if not as_json:
+                say(f"  {len(look.settling)} new file(s) settling; looking again in {spec.watch.settle_s:g}s")
+            time.sleep(spec.watch.settle_s)
+            look = watcher.look()
+        cycle = api.loop_cycle(spec, [f.url for f in look.ready], address=address, on_step=_progress(as_json))
+        quiet = cycle.outcome in ("idle", "done") and (cycle.outcome, cycle.version) == shown
+        if as_json:
+            if not quiet:
+                print_json(cycle.to_dict(), line=not once)
+        elif not quiet:
+            render.loop_cycle(cycle)
+        shown = (cycle.outcome, cycle.version)
+        if once:
+            return
+        time.sleep(spec.watch.poll_s)
+
+
+def _progress(as_json: bool) -> Any:
+    def step(name: str, fields: dict[str, Any]) -> None:
+        if as_json or name == "done":
+            return
+        shown = ", ".join(f"{k} {v}" for k, v in fields.items() if v is not None)
+        say(f"  {name}: {escape(shown)}")
+
+    return step

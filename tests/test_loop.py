@@ -1,0 +1,186 @@
+"""`petatrain loop` (issue 40, section 4): new files in a source folder become a new dataset version,
+the champion model is continued onto it, evaluated and promoted, by itself; every step idempotent,
+so a loop killed anywhere and run again ends with one run and one model version per data version."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from helpers import ROOT, read_events
+from petatrain.errors import ConfigError
+
+SETTINGS = [
+    "parallel.workers=1", "train.eval_every=0", "train.warmup_steps=2", "checkpoint.every=5",
+    "faults.hang_timeout_s=10", "ingest.tokenizer=bytes", "ingest.pack_length=65", "ingest.shard_size=20KB",
+    "ingest.dedup=exact",
+]  # fmt: skip
+
+
+def _loop_file(tmp_path: Path, **extra) -> Path:
+    values = {
+        "model": "tiny",
+        "job": str(ROOT / "examples" / "tiny.yaml"),
+        "set": SETTINGS,
+        "source": str(tmp_path / "incoming"),
+        "dataset": str(tmp_path / "data"),
+        "runs": str(tmp_path / "runs"),
+        "registry": str(tmp_path / "registry"),
+        "steps": 10,
+        "watch": {"poll_s": 1, "settle_s": 0.5},
+        **extra,
+    }
+    path = tmp_path / "loop.yaml"
+    path.write_text(yaml.safe_dump(values))
+    return path
+
+
+def _drop(folder: Path, name: str, documents: int, seed: int) -> None:
+    from petatrain.data import synth
+
+    synth.generate(str(folder / name), documents=documents, files=1, mean_words=60, bad_records=False, seed=seed)
+
+
+def test_the_watcher_takes_a_file_once_it_is_stable_and_enough(tmp_path):
+    """Two looks that agree make a file stable (one being written is left for later); a cycle waits
+    for watch.min_bytes of stable new data, or for watch.max_wait_s since the oldest was seen."""
+    from petatrain.loop.watch import Watcher
+
+    source = tmp_path / "incoming"
+    source.mkdir()
+    now = [0.0]
+    watcher = Watcher(str(source), str(tmp_path / "data"), clock=lambda: now[0])
+    assert watcher.look().ready == [] and watcher.look().settling == []  # an empty folder is no error
+    (source / "a.jsonl").write_text('{"text": "one"}\n')
+    first = watcher.look()
+    assert [Path(f.url).name for f in first.settling] == ["a.jsonl"] and first.ready == []
+    with (source / "a.jsonl").open("a") as growing:  # still being written at the next look
+        growing.write('{"text": "two"}\n')
+    assert watcher.look().ready == []
+    assert [Path(f.url).name for f in watcher.look().ready] == ["a.jsonl"]
+
+    patient = Watcher(str(source), str(tmp_path / "data"), min_bytes=10**6, max_wait_s=60, clock=lambda: now[0])
+    patient.look()
+    now[0] = 30.0
+    held = patient.look()
+    assert held.stable and held.ready == [] and held.waited_s == 30.0  # too little new data, not long enough
+    now[0] = 61.0
+    assert patient.look().ready, "the oldest stable file waited watch.max_wait_s"
+    with pytest.raises(Exception, match="source not found"):
+        Watcher(str(tmp_path / "typo"), str(tmp_path / "data")).look()
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        ({"modle": "x"}, r"unknown config key 'modle' \(did you mean model\?\)"),
+        ({"model": ""}, "loop: model is required"),
+        ({"steps": -1}, "loop: steps must be >= 1"),
+        ({"set": "train.lr=1"}, "loop: set is a list of KEY=VALUE"),
+        ({"dataset": "/d@v3"}, "names a version"),
+        ({"watch": {"poll_s": 0}}, "watch.poll_s must be > 0"),
+        ({"watch": {"min_bytes": "lots"}}, "watch.min_bytes: cannot read size"),
+        ({"set": ["train.stpes=3"]}, "unknown config key 'train.stpes'"),
+    ],
+)
+def test_a_bad_loop_file_is_one_line(tmp_path, extra, match):
+    from petatrain.loop import spec
+
+    with pytest.raises(ConfigError, match=match):
+        spec.load(_loop_file(tmp_path, **extra))
+
+
+@pytest.mark.slow
+@pytest.mark.chaos
+def test_the_loop_keeps_a_model_current_and_a_kill_anywhere_reruns_to_one_result(tmp_path, ray_local):
+    """v1 from the first files (the loop killed mid-training, run again: the run resumes), v2 from a
+    new file (killed after training, before its promotion: nothing trained again), v3 refused by
+    the gate (the champion stays, the reason recorded, never trained again)."""
+    from petatrain import api
+    from petatrain.loop import records, spec
+    from petatrain.loop.watch import Watcher
+    from petatrain.registry.store import Registry
+
+    source = tmp_path / "incoming"
+    _drop(source, "a", 300, seed=3)
+    loop_file = _loop_file(tmp_path)
+    address = ray_local.get_runtime_context().gcs_address
+    argv = [sys.executable, "-m", "petatrain", "loop", str(loop_file), "--once", "--json", "--address", address]
+
+    # -- cycle 1, through the CLI as a user runs it; SIGKILLed once its run has a checkpoint
+    killed = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and killed.poll() is None:
+            ledgers = list((tmp_path / "runs").glob("v1-*/events.jsonl"))
+            if ledgers and any(e["event"] == "checkpoint_commit" for e in read_events(str(ledgers[0].parent))):
+                break
+            time.sleep(0.2)
+        assert killed.poll() is None, killed.communicate()[1].decode()[-3000:]
+    finally:
+        os.killpg(killed.pid, signal.SIGKILL)  # the loop and everything it started in its session
+        killed.wait()
+    again = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    first = json.loads(again.stdout)
+    assert (first["outcome"], first["version"], first["record"]["model_version"]) == ("promoted", 1, 1)
+    assert first["ingested"] is None, "the files were committed before the kill: nothing to append again"
+    run1 = first["record"]["run"]
+    assert [p.name for p in (tmp_path / "runs").iterdir() if p.name != "_loop"] == [Path(run1).name]
+    assert [e["event"] for e in read_events(run1)].count("run_continue") == 1  # resumed, not started over
+
+    # -- cycle 2, in-process: "killed" as its promotion starts, then run again
+    loop = spec.load(loop_file)
+    watcher = Watcher(loop.source, loop.dataset)
+    _drop(source, "b", 150, seed=4)
+    watcher.look()
+    ready = [f.url for f in watcher.look().ready]
+    assert [Path(u).parent.name for u in ready] == ["b"]
+
+    def kill_at(step: str):
+        def tell(name: str, fields: dict) -> None:
+            if name == step:
+                raise KeyboardInterrupt(f"killed as {step} starts")
+
+        return tell
+
+    with pytest.raises(KeyboardInterrupt):
+        api.loop_cycle(loop, ready, on_step=kill_at("promote"))
+    store = Registry(loop.registry)
+    assert store.versions("tiny") == [1]
+    run2 = next(str(p) for p in (tmp_path / "runs").iterdir() if p.name.startswith(Path(run1).name + "+v2-"))
+    ledger = read_events(run2)
+    second = api.loop_cycle(loop, [f.url for f in watcher.look().ready])  # nothing new: v2 goes on
+    assert (second.outcome, second.version, second.record["run"]) == ("promoted", 2, run2)
+    assert second.record["from"] == run1 and second.record["steps"] > 10
+    assert read_events(run2) == ledger, "the continuation had finished: its result, no training"
+    assert store.versions("tiny") == [1, 2] and store.alias("tiny")["version"] == 2
+    assert [e["event"] for e in store.events("tiny")] == ["model.promoted", "model.promoted"]
+
+    # -- cycle 3: the gate refuses; the champion stays, and the version is not trained again
+    _drop(source, "c", 150, seed=5)
+    strict = spec.load(loop_file, ["set=[" + ",".join([*SETTINGS, "promote.min_improvement=0.9"]) + "]"])
+    watcher.look()
+    third = api.loop_cycle(strict, [f.url for f in watcher.look().ready])
+    assert third.outcome == "rejected" and "needs 90.00% better" in third.record["reason"]
+    assert third.record["model_version"] == 2 and store.alias("tiny")["version"] == 2
+    assert api.loop_cycle(strict, []).outcome == "done"
+    assert [(r["version"], r["outcome"]) for r in records.history(loop.state)] == [
+        (1, "promoted"), (2, "promoted"), (3, "rejected")
+    ]  # fmt: skip
+    assert all(r["staleness_s"] > 0 for r in records.history(loop.state)[:2])
+    chain = api.lineage(run2)
+    assert [c["run"] for c in chain] == [run2, run1]
+
+    # An ingested file rewritten since is not new data: reported and left alone.
+    written = next((source / "a").iterdir())
+    written.write_text(written.read_text() + '{"text": "late"}\n')
+    assert written.as_uri().removeprefix("file://") in " ".join(watcher.look().changed)
