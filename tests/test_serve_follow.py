@@ -60,6 +60,8 @@ def test_serving_a_registered_model_follows_its_alias_with_no_failed_request(bas
     while a client keeps asking, every request answered; a version whose weights are not those its
     record names is skipped and the version served goes on serving."""
 
+    import calendar
+
     import requests
 
     from petatrain import api
@@ -83,6 +85,12 @@ def test_serving_a_registered_model_follows_its_alias_with_no_failed_request(bas
     try:
         assert (card()["id"], card()["version"], card()["step"], card()["alias"]) == ("tiny", 2, 20, "champion")
         assert card()["lineage"][0]["step"] == 30 and "run" not in card()
+        # What it was trained on, and its staleness once it answered (the commit to its first answer).
+        committed = card()["data_committed"]
+        assert card()["data_version"] == 1 and committed and card()["staleness_s"] is None
+        requests.post(f"{serving.url}/v1/completions", json={"prompt": "a", "max_tokens": 2}, timeout=60)
+        stale = card()["staleness_s"]
+        assert 0 < stale < time.time() - calendar.timegm(time.strptime(committed, "%Y-%m-%dT%H:%M:%SZ")) + 1
         worker.start()
         api.rollback("tiny", registry=reg)
         deadline = time.monotonic() + 60

@@ -59,6 +59,7 @@ class Completions:
         self.options = options
         self.name = options.run_url.rstrip("/").rsplit("/", 1)[-1]
         self.record: dict[str, Any] | None = None  # the registry version served (model_ref)
+        self.fresh: dict[str, Any] | None = None  # its data's commit time and its first response's
         if options.model_ref:
             from petatrain.registry.store import Registry, parse_ref
 
@@ -104,8 +105,14 @@ class Completions:
         self._load(str(record["checkpoint"]), run=str(record["run"]), expect=str(record["checksum"]))
         self.record = record
         chain = record.get("lineage") or []
+        data_version, committed = _data_commit(str(record.get("dataset") or ""), self.options.storage)
+        self.fresh = {"committed": committed, "first_served": None}  # reset at each swap
+        self.metrics.versions(int(record["version"]), data_version)
         self.served = {
             **self.served,
+            "data_version": data_version,
+            "data_committed": committed,
+            "staleness_s": None,  # the data's commit -> the first response of a model trained on it
             "version": record["version"],
             "alias": None if self.ref.selector.isdigit() else self.ref.selector,
             "lineage": [
@@ -257,7 +264,18 @@ class Completions:
             )
             return JSONResponse(failure, status_code=500)
         build = http.chat_body if chat else http.completion_body
+        self._first_response()
         return JSONResponse(build(self.name, request_id, list(done)))
+
+    def _first_response(self) -> None:
+        """Model staleness, once per version served: from its data's commit to this, its first answer."""
+        fresh = self.fresh
+        if fresh is None or fresh["first_served"] is not None or not fresh["committed"]:
+            return
+        now = fresh["first_served"] = time.time()
+        staleness = round(now - _epoch(fresh["committed"]), 3)
+        self.served = {**self.served, "staleness_s": staleness}
+        self.metrics.staleness(staleness)
 
 
 class _Metrics:
@@ -285,6 +303,27 @@ class _Metrics:
         self.step = metrics.Gauge(
             "petatrain_serve_checkpoint_step", description="Step of the weights served", tag_keys=("model", "source")
         )
+        self.model_version = metrics.Gauge(
+            "petatrain_serve_model_version", description="Registry version served", tag_keys=("model",)
+        )
+        self.data_version = metrics.Gauge(
+            "petatrain_serve_data_version",
+            description="Dataset version the served model was trained on (its newest)",
+            tag_keys=("model",),
+        )
+        self.stale = metrics.Gauge(
+            "petatrain_model_staleness_seconds",
+            description="From the commit of the served model's newest data to its first response",
+            tag_keys=("model",),
+        )
+
+    def versions(self, model_version: int, data_version: int | None) -> None:
+        self.model_version.set(model_version, tags={"model": self.model})
+        if data_version is not None:
+            self.data_version.set(data_version, tags={"model": self.model})
+
+    def staleness(self, seconds: float) -> None:
+        self.stale.set(seconds, tags={"model": self.model})
 
     def serving(self, step: int, source: str) -> None:
         self.step.set(step, tags={"model": self.model, "source": source})
@@ -298,6 +337,30 @@ class _Metrics:
         self.batch_size.observe(size)
         if tokens:
             self.tokens.inc(tokens)
+
+
+def _data_commit(dataset: str, options: StorageOptions | None) -> tuple[int | None, str | None]:
+    """(version, commit time) of the dataset version a registry record names (DATASET@vN); Nones when
+    it names none or its event cannot be read: staleness is then not measured, nothing else changes."""
+    from petatrain.data import commit_log
+    from petatrain.data.index import split_version
+
+    root, version = split_version(dataset)
+    if version is None:
+        return None, None
+    try:
+        events = commit_log.read(root, after=version - 1, options=options)
+    except Exception:  # storage unreachable, a damaged log: serving goes on
+        log.warning("the commit of %s could not be read: staleness is not measured", dataset, exc_info=True)
+        return version, None
+    committed = events[0].get("committed") if events and events[0].get("version") == version else None
+    return version, committed
+
+
+def _epoch(iso: str) -> float:
+    import calendar
+
+    return float(calendar.timegm(time.strptime(iso, "%Y-%m-%dT%H:%M:%SZ")))
 
 
 def check_fits(settings: ServeConfig, cpus: float) -> None:
