@@ -306,3 +306,69 @@ def test_pod_ip_is_read_where_the_driver_runs(monkeypatch):
     assert pod_ip() == "10.1.2.3"
     monkeypatch.delenv("POD_IP")
     assert pod_ip() == socket.gethostbyname(socket.gethostname())
+
+
+def test_the_loop_on_kubernetes_is_a_raycronjob_and_a_rayservice_following_the_champion(tmp_path):
+    """deploy k8s --loop: a RayCronJob running one cycle (`petatrain loop --once`) in a cluster of its
+    own on the schedule, a RayService serving registry://MODEL@champion with follow; valid against
+    the built-in schemas and the real v1.7.0 CRDs; what the pods cannot reach is refused in one line."""
+    from helpers import missing
+    from petatrain.loop import spec as spec_mod
+    from test_deploy_validate import REAL_CRDS
+
+    if not REAL_CRDS:
+        missing("../shared/k8s-crds is not beside the repository (the real RayCronJob CRD)")
+
+    values = {
+        "model": "tiny", "job": str(ROOT / "examples" / "tiny.yaml"), "set": ["ingest.tokenizer=bytes"],
+        "source": "s3://lake/incoming/", "dataset": "s3://lake/datasets/web", "runs": "s3://lake/loops/tiny",
+        "registry": "s3://lake/registry", "steps": 200,
+    }  # fmt: skip
+    loop_file = tmp_path / "loop.yaml"
+    loop_file.write_text(yaml.safe_dump(values))
+    spec = spec_mod.load(loop_file)
+    target = Target(name="tiny-loop", run_dir=spec.runs, s3_secret="lake-s3")
+    docs = manifests.build_loop(spec, target, "*/30 * * * *", "Europe/Paris")
+    kinds = [d["kind"] for d in docs]
+    assert kinds == [
+        "ServiceAccount", "ConfigMap", "RayCronJob", "ServiceAccount", "ConfigMap", "RayService", "PodMonitor",
+        "PodMonitor",
+    ]  # fmt: skip
+    assert validate_documents(docs) == [] and validate_documents(docs, crds=REAL_CRDS) == []
+    cron = docs[2]["spec"]
+    assert (cron["schedule"], cron["timeZone"]) == ("*/30 * * * *", "Europe/Paris")
+    assert cron["jobTemplate"]["entrypoint"] == "petatrain loop /etc/petatrain/loop.yaml --once --address auto"
+    assert cron["jobTemplate"]["backoffLimit"] >= 1  # a retried cycle goes on where it stopped
+    files = docs[1]["data"]
+    assert yaml.safe_load(files["loop.yaml"]) | {"watch": None} == {
+        **values, "job": "/etc/petatrain/job.yaml", "set": [], "watch": None
+    }  # fmt: skip
+    job = config.from_yaml(files["job.yaml"], "job.yaml")
+    assert (job.data.dataset, job.promote.registry, job.ingest.tokenizer) == (
+        "s3://lake/datasets/web", "s3://lake/registry", "bytes"
+    )  # fmt: skip
+    app = yaml.safe_load(docs[5]["spec"]["serveConfigV2"])["applications"][0]
+    assert app["args"] == {"run": "registry://tiny@champion", "registry": "s3://lake/registry", "follow": True}
+    for doc in (docs[2]["spec"]["jobTemplate"]["rayClusterSpec"], docs[5]["spec"]["rayClusterConfig"]):
+        env = doc["headGroupSpec"]["template"]["spec"]["containers"][0]["env"]
+        key = next(e for e in env if e["name"] == "AWS_ACCESS_KEY_ID")
+        assert key["valueFrom"]["secretKeyRef"]["name"] == "lake-s3"
+
+    for change, schedule, zone, match in [
+        ({}, "61 * * * *", "", r"^--schedule '61 \* \* \* \*': minute: '61' is beyond 0-59$"),
+        ({}, "* * *", "", "expected exactly 5 fields, found 3"),
+        ({}, "0 9 * * MON-FRI", "", None),
+        ({}, "TZ=UTC 0 9 * * *", "", "cannot use TZ"),
+        ({}, "@daily", "Mars/Olympus", "--time-zone 'Mars/Olympus': not a time zone name"),
+        ({"source": "/data/incoming"}, "@hourly", "", "^the loop's source '/data/incoming' is a path on this machine"),
+        ({"registry": ""}, "@hourly", "", "^the loop's registry is this machine's .petatrain/registry"),
+    ]:
+        other = tmp_path / "other.yaml"
+        other.write_text(yaml.safe_dump({**values, **change}))
+        if match is None:
+            assert validate_documents(manifests.build_loop(spec_mod.load(other), target, schedule, zone)) == []
+            continue
+        with pytest.raises(ConfigError, match=match):
+            manifests.build_loop(spec_mod.load(other), target, schedule, zone)
+    done = run_cli("deploy", "k8s", "examples/tiny.yaml", "--loop", str(loop_file), "--out", str(tmp_path / "k"))
+    assert done.returncode == 2 and "needs --out DIR and no CONFIG" in done.stderr

@@ -123,6 +123,15 @@ def ray_service():
     }
 
 
+def ray_cron_job():
+    return {
+        "apiVersion": "ray.io/v1",
+        "kind": "RayCronJob",
+        "metadata": {"name": "nightly"},
+        "spec": {"schedule": "0 3 * * *", "timeZone": "UTC", "jobTemplate": ray_job()["spec"]},
+    }
+
+
 def service_account():
     return {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "petatrain"}}
 
@@ -214,6 +223,7 @@ MANIFESTS = {
     "RayJob": ray_job,
     "RayCluster": ray_cluster,
     "RayService": ray_service,
+    "RayCronJob": ray_cron_job,
     "ServiceAccount": service_account,
     "PersistentVolumeClaim": pvc,
     "ConfigMap": config_map,
@@ -701,6 +711,26 @@ def bad_ray_services():
     incremental["metadata"]["annotations"] = {"ray.io/initializing-timeout": "5m"}
     incremental["spec"]["upgradeStrategy"] = {"type": "NewClusterWithIncrementalUpgrade"}
     return rolling, incremental
+
+
+def test_operator_rules_for_raycronjob():
+    """ValidateRayCronJobSpec: the schedule as robfig/cron reads it, no TZ in it, and the job template
+    as a RayJob's spec (its findings under spec.jobTemplate)."""
+    doc = ray_cron_job()
+    doc["spec"]["schedule"] = "0 25 * * *"
+    doc["spec"]["jobTemplate"] |= {"suspend": True, "shutdownAfterJobFinishes": False}
+    assert problems(doc) == [
+        "m.yaml: RayCronJob/nightly: spec.schedule: invalid cron schedule: hour: '25' is beyond 0-23",
+        "m.yaml: RayCronJob/nightly: spec.jobTemplate.suspend: a RayJob with shutdownAfterJobFinishes set to false "
+        "is not allowed to be suspended",
+        "m.yaml: RayCronJob/nightly: spec.jobTemplate.ttlSecondsAfterFinished: a RayJob with "
+        "shutdownAfterJobFinishes set to false cannot have TTLSecondsAfterFinished",
+    ]
+    doc = ray_cron_job()
+    doc["spec"]["schedule"] = "CRON_TZ=UTC 0 3 * * *"
+    assert problems(doc) == [
+        "m.yaml: RayCronJob/nightly: spec.schedule: cannot use TZ or CRON_TZ in schedule, use timeZone field instead"
+    ]
 
 
 def test_operator_rules_for_rayservice():

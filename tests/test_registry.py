@@ -113,3 +113,24 @@ def test_two_promotions_at_once_one_is_refused_and_a_kill_before_the_alias_leave
 def test_a_bad_reference_is_one_line(ref, match):
     with pytest.raises(ConfigError, match=match):
         parse_ref(ref)
+
+
+def test_the_gate_judges_a_newest_split_of_a_few_rows_on_all_of_them():
+    """Two held-out rows of a 1% append decide nothing (benchmarks/loop.py saw the gate refuse on
+    them by noise): below promote.min_rows the improvement is judged on every held-out row."""
+    from petatrain.config import PromoteConfig
+    from petatrain.registry.gate import verdict
+
+    def split(newest: float, rows: int, everything: float) -> dict:
+        return {"newest": {"loss": newest, "rows": rows}, "earlier": {"loss": 3.0, "rows": 500},
+                "all": {"loss": everything, "rows": 500 + rows}}  # fmt: skip
+
+    policy = PromoteConfig()  # not worse on the newest data; min_rows 64
+    noisy = verdict(split(3.39, 2, 2.99), split(3.35, 2, 3.0), policy)
+    assert noisy["passed"] and noisy["reason"].startswith(
+        "newest data has 2 held-out rows (fewer than promote.min_rows"
+    )
+    decided = verdict(split(3.39, 200, 2.99), split(3.35, 200, 3.0), policy)
+    assert not decided["passed"] and decided["reason"].startswith("newest data: 3.3900 vs 3.3500 (1.19% worse")
+    with pytest.raises(ConfigError, match=r"promote.min_rows must be in \[0, promote.max_rows\]"):
+        PromoteConfig(min_rows=5000)

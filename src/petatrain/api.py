@@ -1124,11 +1124,8 @@ def deploy_k8s(config: JobConfig, target: Any, out: str, *, from_plan: bool = Fa
     config's `parallel.workers`. Every file is validated before it is written."""
     import dataclasses as dc
 
-    import yaml
-
     from petatrain import config as config_mod
     from petatrain.deploy import manifests
-    from petatrain.deploy.validate import validate_documents
     from petatrain.plan.catalog import load_catalog
 
     sized_by = "config"
@@ -1162,9 +1159,26 @@ def deploy_k8s(config: JobConfig, target: Any, out: str, *, from_plan: bool = Fa
         target = dc.replace(target, devices_per_node=min(per_node, count or per_node))
     if count:
         target = dc.replace(target, workers=(count, count))
-    documents = manifests.build(config, target)
+    files = _write_manifests(manifests.build(config, target), out)
+    configured = config.serve.replica_range() if target.kind == "rayservice" else config.parallel.worker_range()
+    lo, hi = target.workers if target.workers != (0, 0) else configured
+    per_pod = target.devices_per_node or 1
+    return Deployment(
+        files=files, kind=target.kind, workers=(lo, hi), worker_pods=(-(-lo // per_pod), -(-hi // per_pod)),
+        accelerator=target.accelerator or "cpu", devices_per_node=target.devices_per_node, sized_by=sized_by,
+        secrets=manifests.secrets_needed(config, target),
+    )  # fmt: skip
+
+
+def _write_manifests(documents: list[dict[str, Any]], out: str) -> list[str]:
+    """Validate `documents` (a failure is a bug in the builder: all of it is said), then write one
+    YAML file each into `out`, numbered in the order `kubectl apply -f` meets them."""
+    import yaml
+
+    from petatrain.deploy.validate import validate_documents
+
     problems = validate_documents(documents, source="generated")
-    if problems:  # a bug in the builder, never the user's: say all of it
+    if problems:
         raise PetatrainError("the generated manifests do not validate: " + "; ".join(problems))
     os.makedirs(out, exist_ok=True)
     files = []
@@ -1173,13 +1187,23 @@ def deploy_k8s(config: JobConfig, target: Any, out: str, *, from_plan: bool = Fa
         with open(path, "w", encoding="utf-8") as handle:
             yaml.safe_dump(doc, handle, sort_keys=False)
         files.append(path)
-    configured = config.serve.replica_range() if target.kind == "rayservice" else config.parallel.worker_range()
-    lo, hi = target.workers if target.workers != (0, 0) else configured
-    per_pod = target.devices_per_node or 1
+    return files
+
+
+def deploy_loop_k8s(spec: Any, target: Any, out: str, *, schedule: str, time_zone: str = "") -> Deployment:
+    """Write what runs the loop `spec` (a `petatrain.loop.spec.LoopSpec`) on Kubernetes into `out`: a
+    KubeRay RayCronJob running one cycle (`petatrain loop --once`) on `schedule`, and a RayService
+    serving `registry://MODEL@champion` that follows it (deploy/manifests.build_loop)."""
+    from petatrain.deploy import manifests
+
+    documents = manifests.build_loop(spec, target, schedule, time_zone)
+    files = _write_manifests(documents, out)
+    cfg = spec.job_config()
+    lo, hi = cfg.parallel.worker_range()
     return Deployment(
-        files=files, kind=target.kind, workers=(lo, hi), worker_pods=(-(-lo // per_pod), -(-hi // per_pod)),
-        accelerator=target.accelerator or "cpu", devices_per_node=target.devices_per_node, sized_by=sized_by,
-        secrets=manifests.secrets_needed(config, target),
+        files=files, kind="raycronjob", workers=(lo, hi), worker_pods=(lo, hi), accelerator="cpu",
+        devices_per_node=0, sized_by=f"config; a cycle on {schedule!r}",
+        secrets=manifests.secrets_needed(cfg, dataclasses.replace(target, run_dir=spec.runs)),
     )  # fmt: skip
 
 

@@ -547,6 +547,8 @@ class PromoteConfig:
     min_improvement: float = 0.0
     max_regression: float = 0.01
     max_rows: int = 2048  # held-out rows evaluated per split (the same for both models)
+    # A split with fewer held-out rows than this is noise, not evidence: it is judged on all of them.
+    min_rows: int = 64
     registry: str = ""  # the registry's URL; "" is $PETATRAIN_REGISTRY, else .petatrain/registry
 
     def __post_init__(self) -> None:
@@ -556,6 +558,8 @@ class PromoteConfig:
                 raise ConfigError(f"promote.{key} must be a share in (-1, 1) (0.01: 1%), got {value}")
         if self.max_rows < 1:
             raise ConfigError(f"promote.max_rows must be >= 1, got {self.max_rows}")
+        if not 0 <= self.min_rows <= self.max_rows:
+            raise ConfigError(f"promote.min_rows must be in [0, promote.max_rows], got {self.min_rows}")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -54,6 +55,15 @@ def deploy_k8s(
             "config under /PATH (a dataset on NFS) are read there. Without one, they must be on the object store."
         ),
     ] = None,
+    loop: Annotated[
+        Path | None,
+        typer.Option(
+            help="A loop file (petatrain loop): write a RayCronJob running one cycle on --schedule, and a "
+            "RayService serving registry://MODEL@champion that follows it (instead of CONFIG)."
+        ),
+    ] = None,
+    schedule: Annotated[str, typer.Option(help="--loop: when a cycle runs, in cron's syntax.")] = "*/15 * * * *",
+    time_zone: Annotated[str, typer.Option(help="--loop: the schedule's time zone (default: the operator's).")] = "",
     cache_size: Annotated[str, typer.Option(help="Size of each node's shard cache.")] = "100Gi",
     cache_storage_class: Annotated[
         str, typer.Option(help="Storage class for the shard cache (a PVC per pod); default: an emptyDir.")
@@ -78,6 +88,12 @@ def deploy_k8s(
         if not as_json:
             render.out.print(f"{escape(validate)}: every manifest is valid", highlight=False, soft_wrap=True)
         return
+    if loop is not None:
+        if config is not None or not out_dir:
+            raise ConfigError("deploy k8s --loop LOOP.yaml needs --out DIR and no CONFIG (the loop file names its job)")
+        done = _loop(loop, out_dir, name, namespace, image, s3_secret, volume, schedule, time_zone, set_)
+        show(done.to_dict(), _written(done, out_dir, namespace))
+        return
     if config is None or not out_dir:
         raise ConfigError("deploy k8s needs a CONFIG and --out DIR (or --validate DIR)")
     if kind not in ("rayjob", "raycluster", "rayservice"):
@@ -97,7 +113,27 @@ def deploy_k8s(
             f"--run-dir s3://BUCKET/runs/NAME: a {kind} trains into (or serves) a run directory on the object store"
         )
     done = api.deploy_k8s(cfg, target, out_dir, from_plan=from_plan, count=count)
+    show(done.to_dict(), _written(done, out_dir, namespace))
 
+
+def _loop(
+    loop: Path, out_dir: str, name: str, namespace: str, image: str, s3_secret: str, volume: list[str] | None,
+    schedule: str, time_zone: str, set_: list[str] | None,
+) -> api.Deployment:  # fmt: skip
+    from petatrain.deploy.manifests import Target, check_volume, name_from
+    from petatrain.loop import spec as spec_mod
+
+    spec = spec_mod.load(loop, list(set_ or []))
+    target = Target(
+        name=name or name_from(str(loop)), run_dir=spec.runs, namespace=namespace, s3_secret=s3_secret,
+        volumes=tuple(check_volume(v) for v in volume or []),
+    )  # fmt: skip
+    if image:
+        target = dataclasses.replace(target, image=image)
+    return api.deploy_loop_k8s(spec, target, out_dir, schedule=schedule, time_zone=time_zone)
+
+
+def _written(done: api.Deployment, out_dir: str, namespace: str) -> Any:
     def written(_: object) -> None:  # on stderr, as progress: the manifests are the output
         lo, hi = done.worker_pods
         pods = f"{lo}" if lo == hi else f"{lo}-{hi} (autoscaled)"
@@ -105,10 +141,12 @@ def deploy_k8s(
         say(f"{done.kind}: {pods} worker pod(s){per}, sized by {escape(done.sized_by)}")
         for path in done.files:
             say(f"  {path}")
+        if done.kind == "raycronjob":
+            say("the RayCronJob needs KubeRay's operator started with --feature-gates=RayCronJob=true (v1.7.0: alpha)")
         if done.secrets:
             say("the Secrets they reference (create them first, values not shown):")
             for command in done.secrets:
                 say(f"  {escape(command)}")
         say(f"apply: kubectl apply -f {out_dir}   watch: kubectl get {done.kind} -n {namespace} -w")
 
-    show(done.to_dict(), written)
+    return written

@@ -109,7 +109,68 @@ def check_spec(doc: Mapping[str, Any]) -> list[Finding]:
         return list(_job_spec(spec, annotations))
     if kind == "RayService":
         return list(_service_spec(spec, annotations))
+    if kind == "RayCronJob":
+        return list(_cron_job_spec(spec))
     return []
+
+
+def _cron_job_spec(spec: Mapping[str, Any]) -> Iterator[Finding]:
+    # ValidateRayCronJobSpec: the schedule as robfig/cron's ParseStandard reads it (no TZ in it: the
+    # timeZone field says it), then the job template as a RayJob's spec.
+    schedule = str(spec.get("schedule", ""))
+    if "TZ" in schedule:
+        yield ("spec", "schedule"), "cannot use TZ or CRON_TZ in schedule, use timeZone field instead"
+    else:
+        problem = cron_problem(schedule)
+        if problem:
+            yield ("spec", "schedule"), f"invalid cron schedule: {problem}"
+    template = spec.get("jobTemplate") or {}
+    for path, message in _job_spec(template, {}):  # ValidateRayJobSpec's paths, under spec.jobTemplate
+        yield ("spec", "jobTemplate", *path[1:]), message
+
+
+_MONTHS = ("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec")
+_DAYS = ("sun", "mon", "tue", "wed", "thu", "fri", "sat")
+_CRON_FIELDS: tuple[
+    tuple[str, int, int, dict[str, int]], ...
+] = (  # robfig/cron/v3 ParseStandard: minute hour day-of-month month day-of-week
+    ("minute", 0, 59, {}),
+    ("hour", 0, 23, {}),
+    ("day of month", 1, 31, {}),
+    ("month", 1, 12, {m: i + 1 for i, m in enumerate(_MONTHS)}),
+    ("day of week", 0, 6, {d: i for i, d in enumerate(_DAYS)}),
+)
+_CRON_DESCRIPTORS = ("@yearly", "@annually", "@monthly", "@weekly", "@daily", "@midnight", "@hourly")
+
+
+def cron_problem(schedule: str) -> str:
+    """Why robfig/cron's standard parser refuses `schedule` ("" when it accepts it)."""
+    text = schedule.strip()
+    if text.startswith("@"):
+        if text in _CRON_DESCRIPTORS:
+            return ""
+        if text.startswith("@every "):
+            every = text.removeprefix("@every ").strip()
+            return "" if re.fullmatch(r"(\d+(\.\d+)?(ns|us|µs|ms|s|m|h))+", every) else f"bad duration {every!r}"
+        return f"unrecognized descriptor: {text}"
+    fields = text.split()
+    if len(fields) != 5:
+        return f"expected exactly 5 fields, found {len(fields)}: [{text}]"
+    for value, (name, low, high, names) in zip(fields, _CRON_FIELDS, strict=True):
+        for part in value.split(","):
+            body, _, step = part.partition("/")
+            if step and not (step.isdigit() and int(step) > 0):
+                return f"{name}: bad step {step!r} in {part!r}"
+            if body in ("*", "?"):
+                continue
+            ends = body.split("-", 1)
+            try:
+                numbers = [int(e) if e.isdigit() else names[e.lower()] for e in ends]
+            except KeyError:
+                return f"{name}: {part!r} is not a number or a name"
+            if any(n < low or n > high for n in numbers) or (len(numbers) == 2 and numbers[0] > numbers[1]):
+                return f"{name}: {part!r} is beyond {low}-{high}"
+    return ""
 
 
 def _metadata(meta: Mapping[str, Any], kind: str, max_length: int) -> Iterator[Finding]:

@@ -3,7 +3,8 @@
 Written by hand, as Python data, from the Go API types (field names, types, enums, required
 fields, defaults, the kubebuilder validation markers):
 
-- `ray.io/v1` RayCluster, RayJob and RayService from KubeRay v1.7.0 (ray-operator/apis/ray/v1),
+- `ray.io/v1` RayCluster, RayJob, RayService and RayCronJob from KubeRay v1.7.0
+  (ray-operator/apis/ray/v1),
 - `monitoring.coreos.com/v1` PodMonitor from prometheus-operator v0.93.0, the fields petatrain
   writes: selector, podMetricsEndpoints (port, path, interval, relabelings), namespaceSelector
   and jobLabel,
@@ -417,6 +418,19 @@ def ray_job_spec() -> Schema:
     )
 
 
+def ray_cron_job_spec() -> Schema:
+    """RayCronJobSpec, raycronjob_types.go (behind the operator's RayCronJob feature gate)."""
+    return _obj(
+        {
+            "jobTemplate": ray_job_spec(),
+            "schedule": _string(),
+            "suspend": _bool(),
+            "timeZone": _string(minLength=1),
+        },
+        required=["jobTemplate", "schedule"],
+    )
+
+
 def ray_service_spec() -> Schema:
     """RayServiceSpec, RayServiceUpgradeStrategy and ClusterUpgradeOptions, rayservice_types.go."""
     upgrade_options = _obj(
@@ -567,6 +581,7 @@ SCHEMAS: Mapping[tuple[str, str], Mapping[str, Schema]] = {
     ("ray.io", "RayCluster"): {"v1": _root(ray_cluster_spec())},
     ("ray.io", "RayJob"): {"v1": _root(ray_job_spec())},
     ("ray.io", "RayService"): {"v1": _root(ray_service_spec())},
+    ("ray.io", "RayCronJob"): {"v1": _root(ray_cron_job_spec())},
     ("monitoring.coreos.com", "PodMonitor"): {"v1": _root(pod_monitor_spec(), spec_required=True)},
     ("keda.sh", "ScaledObject"): {"v1alpha1": _root(scaled_object_spec(), spec_required=True)},
 }

@@ -93,6 +93,7 @@ class Target:
     # (PersistentVolumeClaim, mount path): shared volumes every pod mounts read-write, where local
     # paths of the config (a dataset on NFS or Lustre) are found at the same absolute path
     volumes: tuple[tuple[str, str], ...] = ()
+    registry: str = ""  # rayservice of registry://NAME@ALIAS: the registry's URL (follows the alias)
 
 
 def check_name(name: str) -> str:
@@ -235,22 +236,8 @@ def build(cfg: JobConfig, target: Target) -> list[dict[str, Any]]:
     ]
     cluster = _cluster_spec(cfg, target, pods, labels, files)
     if target.kind == "rayjob":
-        documents.append(
-            {
-                "apiVersion": "ray.io/v1",
-                "kind": "RayJob",
-                "metadata": meta,
-                "spec": {
-                    "entrypoint": _entrypoint(target),
-                    "shutdownAfterJobFinishes": True,
-                    "ttlSecondsAfterFinished": 600,
-                    # Each retry is a new cluster whose driver continues the run (train --resume).
-                    "backoffLimit": target.backoff_limit,
-                    "activeDeadlineSeconds": target.active_deadline_s,
-                    "rayClusterSpec": cluster,
-                },
-            }
-        )
+        spec = _job_spec(target, _entrypoint(target), cluster)
+        documents.append({"apiVersion": "ray.io/v1", "kind": "RayJob", "metadata": meta, "spec": spec})
     elif target.kind == "rayservice":
         service = {"serveConfigV2": _serve_config(cfg, target), "rayClusterConfig": cluster}
         documents.append({"apiVersion": "ray.io/v1", "kind": "RayService", "metadata": meta, "spec": service})
@@ -258,6 +245,82 @@ def build(cfg: JobConfig, target: Target) -> list[dict[str, Any]]:
         documents.append({"apiVersion": "ray.io/v1", "kind": "RayCluster", "metadata": meta, "spec": cluster})
     documents.append(_pod_monitor(target, meta, labels))
     return documents
+
+
+def _job_spec(target: Target, entrypoint: str, cluster: dict[str, Any]) -> dict[str, Any]:
+    """A RayJob's spec (a RayCronJob's jobTemplate): each retry is a new cluster whose driver goes on
+    where the last stopped (train --resume, loop --once)."""
+    return {
+        "entrypoint": entrypoint,
+        "shutdownAfterJobFinishes": True,
+        "ttlSecondsAfterFinished": 600,
+        "backoffLimit": target.backoff_limit,
+        "activeDeadlineSeconds": target.active_deadline_s,
+        "rayClusterSpec": cluster,
+    }
+
+
+LOOP_PATH = "/etc/petatrain/loop.yaml"
+
+
+def build_loop(spec: Any, target: Target, schedule: str, time_zone: str = "") -> list[dict[str, Any]]:
+    """What `deploy k8s --loop LOOP.yaml` writes: a KubeRay RayCronJob that runs one cycle of the loop
+    (`petatrain loop --once`) on `schedule`, in a cluster of its own each time, and a RayService
+    `NAME-serve` that serves `registry://MODEL@champion` and follows it. The source, dataset, runs
+    and registry must be where every pod finds them (the object store, or a named volume)."""
+    from petatrain.deploy.kuberay_rules import cron_problem
+
+    check_name(target.name)
+    check_name(f"{target.name}-serve")
+    problem = "cannot use TZ or CRON_TZ in it, use --time-zone" if "TZ" in schedule else cron_problem(schedule)
+    if problem:
+        raise ConfigError(f"--schedule {schedule!r}: {problem}")
+    if time_zone:
+        import zoneinfo
+
+        try:
+            zoneinfo.ZoneInfo(time_zone)
+        except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+            raise ConfigError(f"--time-zone {time_zone!r}: not a time zone name (e.g. Europe/Paris, UTC)") from None
+    cfg = spec.job_config()
+    registry = spec.registry or cfg.promote.registry
+    if not registry:
+        raise ConfigError(
+            "the loop's registry is this machine's .petatrain/registry, which the pods cannot see: set registry: "
+            "s3://BUCKET/registry in the loop file (or promote.registry in its job config)"
+        )
+    reach = dataclasses.replace(target, run_dir=spec.runs, kind="rayjob")
+    for value, what in ((spec.source, "source"), (spec.runs, "runs"), (registry, "registry")):
+        _check_reachable(value, f"the loop's {what}", reach)
+    cfg = dataclasses.replace(cfg, promote=dataclasses.replace(cfg.promote, registry=registry))
+    train = build(cfg, reach)  # the job config as the pods read it, checked; its cluster for the cycles
+    config_map = next(d for d in train if d["kind"] == "ConfigMap")
+    loop_file = {**spec.to_dict(), "job": CONFIG_PATH, "set": [], "registry": registry}
+    config_map["data"]["loop.yaml"] = yaml_dump(loop_file)
+    job = next(d for d in train if d["kind"] == "RayJob")
+    line = shlex.join(["petatrain", "loop", LOOP_PATH, "--once", "--address", "auto"])
+    template = _job_spec(target, line, job["spec"]["rayClusterSpec"])
+    cron: dict[str, Any] = {"schedule": schedule, "jobTemplate": template}
+    if time_zone:
+        cron["timeZone"] = time_zone
+    meta = job["metadata"]
+    documents = [d for d in train if d["kind"] in ("ServiceAccount", "ConfigMap")]
+    documents.append({"apiVersion": "ray.io/v1", "kind": "RayCronJob", "metadata": meta, "spec": cron})
+    served = dataclasses.replace(
+        target, name=f"{target.name}-serve", kind="rayservice", run_dir=f"registry://{spec.model}@champion",
+        registry=registry, workers=(0, 0), s3_secret=target.s3_secret or f"{target.name}-s3",
+        keyring_secret=target.keyring_secret or f"{target.name}-keyring",
+    )  # fmt: skip
+    serving = build(cfg, served)
+    documents += [d for d in serving if d["kind"] in ("ServiceAccount", "ConfigMap", "RayService")]
+    documents += [d for d in (*train, *serving) if d["kind"] == "PodMonitor"]
+    return documents
+
+
+def yaml_dump(values: dict[str, Any]) -> str:
+    import yaml
+
+    return yaml.safe_dump(values, sort_keys=False)
 
 
 def _entrypoint(target: Target) -> str:
@@ -284,7 +347,11 @@ def _serve_config(cfg: JobConfig, target: Target) -> str:
         "name": SERVE_APP,
         "import_path": "petatrain.serve.app:build_app",
         "route_prefix": "/",
-        "args": {"run": target.run_dir, "checkpoint": target.checkpoint},
+        "args": (
+            {"run": target.run_dir, "registry": target.registry, "follow": True}
+            if target.run_dir.startswith("registry://")
+            else {"run": target.run_dir, "checkpoint": target.checkpoint}
+        ),
         "deployments": [deployment],
     }
     # Serve's proxy runs on every node of the cluster, so one config cannot name each pod's IP: it

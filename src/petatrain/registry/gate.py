@@ -97,13 +97,21 @@ def verdict(
     if incumbent is None:
         return {"passed": True, "reason": "no model to compare with: the first version passes"}
     reasons, passed = [], True
-    new_c, new_i = candidate["newest"]["loss"], incumbent["newest"]["loss"]
+    newest, label = "newest", "newest data"
+    few = candidate["newest"]["loss"] is not None and candidate["newest"].get("rows", 0) < promote.min_rows
+    if few:  # a handful of rows decides nothing: the improvement is judged on every held-out row
+        newest = "all"
+        label = (
+            f"newest data has {candidate['newest']['rows']} held-out rows (fewer than promote.min_rows "
+            f"{promote.min_rows}), so all held-out rows"
+        )
+    new_c, new_i = candidate[newest]["loss"], incumbent[newest]["loss"]
     if new_c is not None and new_i is not None:
         gain = (new_i - new_c) / new_i if new_i else 0.0
         ok = gain >= promote.min_improvement
         passed &= ok
         reasons.append(
-            f"newest data: {new_c:.4f} vs {new_i:.4f} ({_relative(gain)}, needs {100 * promote.min_improvement:.2f}% "
+            f"{label}: {new_c:.4f} vs {new_i:.4f} ({_relative(gain)}, needs {100 * promote.min_improvement:.2f}% "
             "better or more)"
         )
     old_c, old_i = candidate["earlier"]["loss"], incumbent["earlier"]["loss"]

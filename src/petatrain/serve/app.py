@@ -395,13 +395,29 @@ def start(options: ServeOptions) -> str:
 
 def build_app(args: dict[str, Any]) -> Any:
     """The application builder a RayService's `serveConfigV2` names (`petatrain.serve.app:build_app`,
-    args `run` and `checkpoint`); its deployment's replicas and autoscaling come from that config."""
+    args `run` and `checkpoint`, or `run: registry://NAME@ALIAS` with `registry` and `follow`); its
+    deployment's replicas and autoscaling come from that config."""
     if not isinstance(args, dict) or not args.get("run"):
-        raise ValueError("petatrain.serve.app:build_app needs args: {run: RUN_URL, checkpoint: final|latest|STEP}")
+        raise ValueError(
+            "petatrain.serve.app:build_app needs args: {run: RUN_URL, checkpoint: final|latest|STEP} or "
+            "{run: registry://NAME@ALIAS, registry: URL, follow: true}"
+        )
+    run = str(args["run"])
+    if run.startswith("registry://"):
+        from petatrain.registry.store import Registry, parse_ref
+
+        store = Registry(str(args.get("registry") or "") or None)
+        record = store.resolve(parse_ref(run))  # verified, or the application does not start
+        options = ServeOptions(
+            run_url=str(record["run"]), checkpoint=str(record["checkpoint"]), follow=bool(args.get("follow")),
+            model_ref=run, registry=store.url,
+        )  # fmt: skip
+        deployment: Any = Completions
+        return deployment.bind(options)
     checkpoint = str(args.get("checkpoint", "final"))
-    options = ServeOptions(run_url=str(args["run"]), checkpoint=checkpoint, follow=checkpoint == "latest")
-    deployment: Any = Completions
-    return deployment.bind(options)
+    options = ServeOptions(run_url=run, checkpoint=checkpoint, follow=checkpoint == "latest")
+    plain: Any = Completions
+    return plain.bind(options)
 
 
 def stop() -> None:
