@@ -19,20 +19,18 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import re
 from typing import Any
 
 from petatrain.data import index
 from petatrain.data.manifest import Manifest
 from petatrain.errors import CorruptDataError
 from petatrain.storage import StorageOptions, join, read_bytes
-from petatrain.storage.fs import atomic_write, resolve, retrying
+from petatrain.storage.fs import atomic_write, numbered
 
 log = logging.getLogger(__name__)
 
 LOG = "_events"
 KIND = "dataset.committed"
-_FILE = re.compile(r"v(\d{8})\.json")
 
 
 def event_path(version: int) -> str:
@@ -88,13 +86,7 @@ def read(url: str, after: int = 0, options: StorageOptions | None = None) -> lis
 
 
 def _written(root: str, options: StorageOptions | None) -> set[int]:
-    fs, path = resolve(join(root, LOG), options)
-    try:
-        names = retrying(f"list {root}/{LOG}", lambda: fs.ls(path, detail=False))
-    except FileNotFoundError:
-        return set()
-    found = (_FILE.fullmatch(name.rsplit("/", 1)[-1]) for name in names)
-    return {int(m[1]) for m in found if m}
+    return set(numbered(join(root, LOG), "v", options))
 
 
 def _read_written(root: str, version: int, options: StorageOptions | None) -> dict[str, Any] | None:

@@ -38,7 +38,7 @@ from petatrain.storage import (
     signing,
 )
 from petatrain.storage.checksum import checksum_bytes
-from petatrain.storage.fs import refuse_linked_entries, to_url
+from petatrain.storage.fs import numbered, refuse_linked_entries, to_url
 from petatrain.storage.keys import open_keys
 from petatrain.storage.lock import LEASE_FILE, Lease
 from petatrain.storage.parquet_crypt import DatasetKeys
@@ -458,13 +458,7 @@ def write_manifest(url: str, manifest: Manifest, options: StorageOptions | None 
 
 def version_numbers(url: str, options: StorageOptions | None = None) -> list[int]:
     """The versions of the dataset at `url` whose records are kept (`_index/versions/vN.json`), ascending."""
-    fs, path = resolve(join(split_version(url)[0], VERSIONS), options)
-    try:
-        names = retrying(f"list {url}/{VERSIONS}", lambda: fs.ls(path, detail=False))
-    except FileNotFoundError:
-        return []
-    found = (re.fullmatch(r"v(\d{8})\.json", name.rsplit("/", 1)[-1]) for name in names)
-    return sorted(int(m[1]) for m in found if m)
+    return numbered(join(split_version(url)[0], VERSIONS), "v", options)
 
 
 def _versions_indexes(url: str, options: StorageOptions | None) -> set[str]:

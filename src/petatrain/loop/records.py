@@ -9,13 +9,10 @@ the promotion of a registered version returns it). A version with a record is ne
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
 from petatrain.errors import CorruptDataError
-from petatrain.storage.fs import StorageOptions, atomic_write, join, read_bytes, resolve
-
-_FILE = re.compile(r"v(\d{8})\.json")
+from petatrain.storage.fs import StorageOptions, atomic_write, join, numbered, read_bytes
 
 
 def _path(state: str, version: int) -> str:
@@ -44,10 +41,5 @@ def write(state: str, record: dict[str, Any], options: StorageOptions | None = N
 
 def history(state: str, options: StorageOptions | None = None) -> list[dict[str, Any]]:
     """Every cycle record, oldest version first."""
-    fs, path = resolve(join(state, "cycles"), options)
-    try:
-        names = fs.ls(path, detail=False)
-    except FileNotFoundError:
-        return []
-    versions = sorted(int(m[1]) for m in (_FILE.fullmatch(n.rsplit("/", 1)[-1]) for n in names) if m)
+    versions = numbered(join(state, "cycles"), "v", options)
     return [r for r in (read(state, v, options) for v in versions) if r is not None]

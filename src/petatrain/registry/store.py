@@ -27,7 +27,7 @@ from typing import Any
 
 from petatrain.errors import ConfigError, CorruptDataError, PetatrainError
 from petatrain.storage import StorageOptions, join
-from petatrain.storage.fs import atomic_write, exists, is_local, read_bytes, resolve
+from petatrain.storage.fs import atomic_write, exists, is_local, numbered, read_bytes, resolve
 from petatrain.storage.lock import Lease, LeaseHeld
 
 log = logging.getLogger(__name__)
@@ -38,8 +38,6 @@ SCHEME = "registry://"
 FORMAT = "petatrain-model"
 DEFAULT_ALIAS = "champion"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-_VERSION_FILE = re.compile(r"v(\d{8})\.json")
-_EVENT_FILE = re.compile(r"e(\d{8})\.json")
 _RESERVED = ("format", "name", "version", "created", "digest", "signature")  # the registry's own fields
 
 
@@ -134,24 +132,12 @@ class Registry:
         return found
 
     def versions(self, name: str) -> list[int]:
-        fs, path = resolve(join(self._model(name), "versions"), self.options)
-        try:
-            names = fs.ls(path, detail=False)
-        except FileNotFoundError:
-            return []
-        found = (_VERSION_FILE.fullmatch(n.rsplit("/", 1)[-1]) for n in names)
-        return sorted(int(m[1]) for m in found if m)
+        return numbered(join(self._model(name), "versions"), "v", self.options)
 
     def events(self, name: str, after: int = 0) -> list[dict[str, Any]]:
         """`name`'s alias moves after the `after`-th, oldest first: model.promoted (a promotion) and
         model.rolled_back events, each numbered (`sequence`) and checked as every record is."""
-        fs, path = resolve(join(self._model(name), "_events"), self.options)
-        try:
-            names = fs.ls(path, detail=False)
-        except FileNotFoundError:
-            return []
-        found = (_EVENT_FILE.fullmatch(n.rsplit("/", 1)[-1]) for n in names)
-        sequences = sorted(int(m[1]) for m in found if m and int(m[1]) > after)
+        sequences = [n for n in numbered(join(self._model(name), "_events"), "e", self.options) if n > after]
         return [self._read_checked(self._event_path(name, n)) for n in sequences]
 
     def record(self, name: str, version: int) -> dict[str, Any]:
@@ -281,13 +267,7 @@ class Registry:
     def _event(self, name: str, kind: str, moved: dict[str, Any], record: dict[str, Any], lease: Lease) -> None:
         """Append `kind` to the model's event log, numbered after the last (under the model's lease).
         The alias has moved: a failed write is a warning (the alias record is the truth)."""
-        fs, path = resolve(join(self._model(name), "_events"), self.options)
-        try:
-            names = fs.ls(path, detail=False)
-        except FileNotFoundError:
-            names = []
-        found = (_EVENT_FILE.fullmatch(n.rsplit("/", 1)[-1]) for n in names)
-        sequence = max((int(m[1]) for m in found if m), default=0) + 1
+        sequence = max(numbered(join(self._model(name), "_events"), "e", self.options), default=0) + 1
         event = {
             "event": kind,
             "sequence": sequence,

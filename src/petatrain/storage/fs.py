@@ -8,6 +8,7 @@ import errno
 import functools
 import logging
 import os
+import re
 import shutil
 import uuid
 from dataclasses import dataclass, field
@@ -202,6 +203,19 @@ def to_url(fs: fsspec.AbstractFileSystem, path: str) -> str:
     """Inverse of `resolve` for paths listed by `fs` (keeps the scheme of remote stores)."""
     protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
     return path if protocol in ("file", "local") else f"{protocol}://{path}"
+
+
+def numbered(url: str, prefix: str, options: StorageOptions | None = None) -> list[int]:
+    """The numbers of the files `PREFIXNNNNNNNN.json` directly in the folder `url`, ascending ([] when
+    the folder does not exist): a dataset's versions, a commit log, a model's versions and events."""
+    fs, path = resolve(url, options)
+    try:
+        names = retrying(f"list {url}", lambda: fs.ls(path, detail=False))
+    except FileNotFoundError:
+        return []
+    pattern = re.compile(re.escape(prefix) + r"(\d{8})\.json")
+    found = (pattern.fullmatch(str(name).rsplit("/", 1)[-1]) for name in names)
+    return sorted(int(m[1]) for m in found if m)
 
 
 def exists(url: str, options: StorageOptions | None = None) -> bool:
