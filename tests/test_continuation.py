@@ -349,7 +349,7 @@ def test_train_continue_goes_on_with_the_next_version_and_kills_in_it_change_not
     def refused(match, *overrides, spec=str(first), dataset=grown):
         with pytest.raises(ConfigError, match=match):
             api.train(tiny(dataset, *base, "train.steps=25", *overrides), run_dir=str(tmp_path / "no"), carry=spec)
-        assert not (tmp_path / "no" / "events.jsonl").exists()
+        assert not (tmp_path / "no").exists(), "a refused run leaves no folder behind"
 
     refused(r"model\.d_model is 64 there, 128 here", "model.d_model=128")
     refused(r"data\.eval_split rows 0\.01, this run shards", "data.eval_split=shards")

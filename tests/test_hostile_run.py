@@ -359,6 +359,23 @@ def test_a_new_an_empty_or_an_earlier_run_folder_is_accepted(tmp_path):
         run_dir.claim(str(tmp_path / "a-file"))
 
 
+def test_a_run_refused_under_its_lease_leaves_the_folder_as_it_found_it(tmp_path):
+    """A driver refused after it took the lease (a continuation that cannot be carried) leaves no run
+    folder behind where there was none, an empty folder the user made empty, and a run as it was."""
+    from petatrain.train import run_dir
+
+    (tmp_path / "empty").mkdir()
+    for name in ("new", "empty"):
+        with pytest.raises(PetatrainError, match="refused"), run_dir.held(str(tmp_path / name)):
+            raise PetatrainError("refused")
+    assert not (tmp_path / "new").exists() and _tree(tmp_path / "empty") == {}
+    with run_dir.held(str(tmp_path / "run")):
+        (tmp_path / "run" / "events.jsonl").write_text('{"event": "run_start"}\n')
+    with pytest.raises(PetatrainError), run_dir.held(str(tmp_path / "run")):
+        raise PetatrainError("refused")
+    assert set(_tree(tmp_path / "run")) == {run_dir.MARKER, "events.jsonl"}
+
+
 def test_retention_deletes_only_the_files_petatrain_wrote(tmp_path):
     """Dropping old checkpoints removes COMMITTED, state.json and the rank files of committed
     petatrain checkpoints; an unknown file in one stays (and so does its folder), and a

@@ -54,6 +54,21 @@ def mark(url: str, marker: str, *, kind: str, options: StorageOptions | None = N
         atomic_write(join(url, marker), json.dumps(record).encode(), options)
 
 
+def unmark_if_bare(url: str, marker: str, options: StorageOptions | None = None, *, remove_folder: bool) -> None:
+    """Undo `mark` where nothing else was written since (a writer refused before it started): the
+    marker, then, with `remove_folder` (the writer made it), the folder if it is left empty (a local
+    one; an object store has no empty folders). Call it after the lease is released."""
+    if set(_entries(url, options)) - {marker}:
+        return
+    fs, path = resolve(url, options)
+    try:
+        retrying(f"remove {url}/{marker}", lambda: fs.rm_file(join(path, marker)))
+        if remove_folder and not _entries(url, options) and fs.protocol in ("file", ("file", "local")):
+            os.rmdir(path)
+    except (FileNotFoundError, OSError):
+        pass  # a marker left behind is harmless: the folder is a run nobody started
+
+
 def _is_marker(raw: bytes, kind: str) -> bool:
     try:
         record = json.loads(raw)

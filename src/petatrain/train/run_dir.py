@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 from petatrain.observe.ledger import EVENTS_FILE, PriorRun, prior_run_from, read_events
 from petatrain.storage import StorageOptions, folder, join
-from petatrain.storage.fs import refuse_linked_entries, resolve
+from petatrain.storage.fs import exists, refuse_linked_entries, resolve
 from petatrain.storage.lock import LEASE_FILE, Lease
 
 MARKER = ".petatrain-run"
@@ -31,15 +31,22 @@ def held(run_url: str, options: StorageOptions | None = None, *, wait_s: float =
     """Refuse someone else's folder, then hold the run's lease (marking the folder a run) until
     the block ends; `LeaseHeld` (one line: host, pid, since when) while another driver holds it,
     after waiting up to `wait_s` for it (a driver that died stops renewing its lease)."""
-    _check(run_url, options)
+    made = not exists(run_url, options)
+    fresh = not _check(run_url, options)
     refuse_linked_entries(run_url, descend=WRITTEN_FOLDERS)
     lease = Lease(join(run_url, LEASE_FILE), kind="train", what=f"--run-dir {run_url}", options=options)
     lease.acquire(wait_s)
+    refused = False
     try:
         folder.mark(run_url, MARKER, kind=FORMAT, options=options)
         yield lease
+    except BaseException:
+        refused = fresh
+        raise
     finally:
         lease.release()
+        if refused:  # a new folder whose run was refused before it wrote anything: as it was before
+            folder.unmark_if_bare(run_url, MARKER, options, remove_folder=made)
 
 
 def claim(run_url: str, options: StorageOptions | None = None) -> None:
