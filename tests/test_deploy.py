@@ -7,6 +7,7 @@ committed examples/k8s/ are what the command writes today.
 
 from __future__ import annotations
 
+import dataclasses
 import filecmp
 import http.server
 import json
@@ -35,7 +36,7 @@ EXAMPLES = {
     "plan-70b-64xh100": [
         "examples/plan-70b.yaml", "--from-plan", "--accelerator", "H100-SXM", "--count", "64",
         "--run-dir", "s3://petatrain/runs/70b", "--set", "data.dataset=s3://petatrain/datasets/web",
-        "--image", "registry.example.com/petatrain:0.1.0",
+        "--image", "registry.example.com/petatrain:0.1.0", "--fabric", "efa",
     ],
 }  # fmt: skip
 
@@ -215,6 +216,38 @@ def test_a_rayservice_carries_serves_autoscaling():
     scaling = app["deployments"][0]["autoscaling_config"]
     assert (scaling["min_replicas"], scaling["max_replicas"], scaling["target_ongoing_requests"]) == (1, 3, 8)
     assert service["rayClusterConfig"]["workerGroupSpecs"][0]["maxReplicas"] == 3
+
+
+def test_a_queue_admits_the_job_whole_and_a_fabric_gives_the_gpu_pods_their_rdma_devices():
+    """--queue: Kueue's queue-name label, the RayJob created suspended (Kueue unsuspends it on
+    admission, all pods at once); --fabric: the device plugin's resource on each GPU pod, NCCL's and
+    libfabric's settings and IPC_LOCK (RDMA locks memory); the CPU head gets none."""
+    cfg = config.load(ROOT / "examples" / "plan-70b.yaml", ["data.dataset=s3://b/datasets/web"])
+    target = Target(name="llm", run_dir="s3://b/r", accelerator="H100-SXM", devices_per_node=8, queue="research")
+    docs = manifests.build(cfg, dataclasses.replace(target, fabric="efa"))
+    assert validate_documents(docs) == []
+    job = docs[2]
+    assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "research" and job["spec"]["suspend"] is True
+    cluster = job["spec"]["rayClusterSpec"]
+    worker = cluster["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
+    assert worker["resources"]["limits"]["vpc.amazonaws.com/efa"] == "32"
+    assert {"name": "FI_PROVIDER", "value": "efa"} in worker["env"]
+    assert worker["securityContext"] == {"capabilities": {"add": ["IPC_LOCK"]}}
+    head = cluster["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert "securityContext" not in head and "vpc.amazonaws.com/efa" not in head["resources"]["limits"]
+    own = manifests.build(cfg, dataclasses.replace(target, fabric="nvidia.com/hostdev=4", queue=""))
+    assert own[2]["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0][
+        "resources"]["requests"]["nvidia.com/hostdev"] == "4"  # fmt: skip
+    assert "suspend" not in own[2]["spec"]
+    for bad, match in [
+        (dataclasses.replace(target, fabric="efa=lots"), "count 'lots' is not a positive integer"),
+        (dataclasses.replace(target, fabric="myrinet"), "is not efa, infiniband or RESOURCE=COUNT"),
+        (Target(name="t", run_dir="s3://b/r", fabric="efa"), "an RDMA fabric is for GPU pods"),
+        (dataclasses.replace(target, queue="Team_A"), "--queue 'Team_A': a lowercase RFC 1123 label"),
+        (Target(name="t", run_dir="s3://b/r", kind="rayservice", queue="q"), "a RayService is not queued"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            manifests.build(cfg, bad)
 
 
 def test_bad_targets_are_one_line_errors():

@@ -1173,8 +1173,7 @@ def deploy_k8s(config: JobConfig, target: Any, out: str, *, from_plan: bool = Fa
 def _write_manifests(documents: list[dict[str, Any]], out: str) -> list[str]:
     """Validate `documents` (a failure is a bug in the builder: all of it is said), then write one
     YAML file each into `out`, numbered in the order `kubectl apply -f` meets them."""
-    import yaml
-
+    from petatrain.deploy.manifests import yaml_dump
     from petatrain.deploy.validate import validate_documents
 
     problems = validate_documents(documents, source="generated")
@@ -1185,7 +1184,7 @@ def _write_manifests(documents: list[dict[str, Any]], out: str) -> list[str]:
     for number, doc in enumerate(documents):
         path = os.path.join(out, f"{number:02d}-{doc['kind'].lower()}.yaml")
         with open(path, "w", encoding="utf-8") as handle:
-            yaml.safe_dump(doc, handle, sort_keys=False)
+            handle.write(yaml_dump(doc))
         files.append(path)
     return files
 

@@ -64,6 +64,17 @@ def deploy_k8s(
     ] = None,
     schedule: Annotated[str, typer.Option(help="--loop: when a cycle runs, in cron's syntax.")] = "*/15 * * * *",
     time_zone: Annotated[str, typer.Option(help="--loop: the schedule's time zone (default: the operator's).")] = "",
+    queue: Annotated[
+        str,
+        typer.Option(help="A Kueue LocalQueue: the job is created suspended and Kueue admits all its pods at once."),
+    ] = "",
+    fabric: Annotated[
+        str,
+        typer.Option(
+            help="GPU pods' RDMA network: efa (AWS, 32 interfaces a node), infiniband (the RDMA shared device "
+            "plugin), or RESOURCE=COUNT; with NCCL's and libfabric's settings and IPC_LOCK."
+        ),
+    ] = "",
     cache_size: Annotated[str, typer.Option(help="Size of each node's shard cache.")] = "100Gi",
     cache_storage_class: Annotated[
         str, typer.Option(help="Storage class for the shard cache (a PVC per pod); default: an emptyDir.")
@@ -106,7 +117,7 @@ def deploy_k8s(
     target = Target(
         name=name or name_from(str(config)), run_dir=run_dir or "", namespace=namespace, accelerator=accelerator,
         s3_secret=s3_secret, cache_size=cache_size, checkpoint=checkpoint, cache_storage_class=cache_storage_class,
-        volumes=tuple(check_volume(spec) for spec in volume or []), **chosen,
+        volumes=tuple(check_volume(spec) for spec in volume or []), queue=queue, fabric=fabric, **chosen,
     )  # fmt: skip
     if kind != "raycluster" and not run_dir:
         raise ConfigError(

@@ -94,6 +94,8 @@ class Target:
     # paths of the config (a dataset on NFS or Lustre) are found at the same absolute path
     volumes: tuple[tuple[str, str], ...] = ()
     registry: str = ""  # rayservice of registry://NAME@ALIAS: the registry's URL (follows the alias)
+    queue: str = ""  # a Kueue LocalQueue: the job's pods are admitted together, within its quota
+    fabric: str = ""  # "", "efa", "infiniband" or RESOURCE=COUNT: the GPU pods' RDMA network devices
 
 
 def check_name(name: str) -> str:
@@ -111,6 +113,40 @@ def name_from(path: str) -> str:
     """A valid default name from a config file's stem ("examples/tiny.yaml" -> "petatrain-tiny")."""
     stem = re.sub(r"[^a-z0-9-]+", "-", path.rsplit("/", 1)[-1].rsplit(".", 1)[0].lower()).strip("-")
     return check_name(f"petatrain-{stem}"[:47].rstrip("-"))
+
+
+# The RDMA fabrics a GPU pod can ask for: the device plugin's resource and count a node offers, and
+# what NCCL and libfabric need to use it (the image carries the NCCL plugin: aws-ofi-nccl for EFA).
+FABRICS: dict[str, tuple[str, str, dict[str, str]]] = {
+    # AWS p5/p5e/p5en: 32 EFA interfaces a node (p4d: 4; name the count with vpc.amazonaws.com/efa=4)
+    "efa": ("vpc.amazonaws.com/efa", "32", {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1"}),
+    # Mellanox/NVIDIA InfiniBand or RoCE through the RDMA shared device plugin's default resource
+    "infiniband": ("rdma/rdma_shared_device_a", "1", {"NCCL_IB_DISABLE": "0"}),
+}
+
+
+def check_fabric(spec: str) -> str:
+    """`--fabric`: efa, infiniband or RESOURCE=COUNT (a device plugin's resource), one-line errors."""
+    if spec in ("", *FABRICS):
+        return spec
+    resource, sep, count = spec.partition("=")
+    from petatrain.deploy.k8s_names import qualified_name
+
+    problems = qualified_name(resource) if sep else ["is not efa, infiniband or RESOURCE=COUNT"]
+    if sep and not (count.isdigit() and int(count) > 0):
+        problems.append(f"count {count!r} is not a positive integer")
+    if problems:
+        raise ConfigError(f"--fabric {spec!r}: {'; '.join(problems)}")
+    return spec
+
+
+def _fabric(target: Target) -> tuple[str, str, dict[str, str]] | None:
+    if not target.fabric:
+        return None
+    if target.fabric in FABRICS:
+        return FABRICS[target.fabric]
+    resource, _, count = target.fabric.partition("=")
+    return resource, count, {}
 
 
 def check_volume(spec: str) -> tuple[str, str]:
@@ -213,6 +249,17 @@ def for_pods(cfg: JobConfig, target: Target) -> JobConfig:
 def build(cfg: JobConfig, target: Target) -> list[dict[str, Any]]:
     """Every document `deploy k8s` writes, as data."""
     check_name(target.name)
+    check_fabric(target.fabric)
+    if target.fabric and not target.accelerator:
+        raise ConfigError(f"--fabric {target.fabric}: an RDMA fabric is for GPU pods; name the --accelerator")
+    if target.queue:
+        from petatrain.deploy.k8s_names import dns1123_label
+
+        problems = dns1123_label(target.queue)
+        if problems:
+            raise ConfigError(f"--queue {target.queue!r}: {'; '.join(problems)}")
+        if target.kind == "rayservice":
+            raise ConfigError("--queue: Kueue admits RayJobs and RayClusters; a RayService is not queued")
     for claim, path in target.volumes:
         check_volume(f"{claim}:{path}")
     files = key_files(cfg)
@@ -225,6 +272,8 @@ def build(cfg: JobConfig, target: Target) -> list[dict[str, Any]]:
     pods = (math.ceil(lo / per_pod), math.ceil(hi / per_pod))
     labels = {"app.kubernetes.io/name": "petatrain", "app.kubernetes.io/instance": target.name}
     meta = {"name": target.name, "namespace": target.namespace, "labels": labels}
+    if target.queue:  # Kueue admits the job (all its pods, as one gang) when its quota has room
+        meta = {**meta, "labels": {**labels, "kueue.x-k8s.io/queue-name": target.queue}}
     documents: list[dict[str, Any]] = [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta, "automountServiceAccountToken": False},
         {
@@ -235,8 +284,12 @@ def build(cfg: JobConfig, target: Target) -> list[dict[str, Any]]:
         },
     ]
     cluster = _cluster_spec(cfg, target, pods, labels, files)
+    if target.queue:  # created suspended: Kueue unsuspends it once admitted
+        cluster = {**cluster, "suspend": True} if target.kind == "raycluster" else cluster
     if target.kind == "rayjob":
         spec = _job_spec(target, _entrypoint(target), cluster)
+        if target.queue:
+            spec["suspend"] = True
         documents.append({"apiVersion": "ray.io/v1", "kind": "RayJob", "metadata": meta, "spec": spec})
     elif target.kind == "rayservice":
         service = {"serveConfigV2": _serve_config(cfg, target), "rayClusterConfig": cluster}
@@ -318,9 +371,20 @@ def build_loop(spec: Any, target: Target, schedule: str, time_zone: str = "") ->
 
 
 def yaml_dump(values: dict[str, Any]) -> str:
+    """A manifest (or a file it carries) as a person reads it: no anchors or aliases (an object used
+    twice is written twice), multi-line strings as block scalars (`|`), keys in the order built."""
     import yaml
 
-    return yaml.safe_dump(values, sort_keys=False)
+    class Dumper(yaml.SafeDumper):
+        def ignore_aliases(self, data: Any) -> bool:
+            return True
+
+    def text(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+        style = "|" if "\n" in value and not any(c in value for c in "\t\r") else None
+        return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+    Dumper.add_representer(str, text)
+    return yaml.dump(values, Dumper=Dumper, sort_keys=False)
 
 
 def _entrypoint(target: Target) -> str:
@@ -404,6 +468,10 @@ def _pod(
     if devices:
         resources["requests"][resource] = str(devices)
         resources["limits"][resource] = str(devices)
+    fabric = _fabric(target) if devices else None
+    if fabric is not None:
+        name, count, _ = fabric
+        resources["requests"][name] = resources["limits"][name] = count
     mounts: list[dict[str, Any]] = [
         {"name": "shm", "mountPath": "/dev/shm"},
         {"name": "shard-cache", "mountPath": CACHE_PATH},
@@ -442,6 +510,9 @@ def _pod(
         "ports": ports,
         "volumeMounts": mounts,
     }
+    if fabric is not None:  # RDMA registers (locks) memory
+        container["env"] = [*container["env"], *({"name": k, "value": v} for k, v in fabric[2].items())]
+        container["securityContext"] = {"capabilities": {"add": ["IPC_LOCK"]}}
     if head:
         probe = ["python", "-m", "petatrain.deploy.probe"]
         container["livenessProbe"] = {
