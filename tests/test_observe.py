@@ -117,7 +117,9 @@ def test_clean_run_is_all_productive_but_waits_stalls_and_start_up(tmp_path):
         "fault_detection_s": approx(0.0),
         "restart_s": approx(0.0),
         "recomputed_s": approx(0.0),
-        "idle_s": approx(1.3),
+        "startup_s": approx(1.0),  # run_start -> the first step
+        "finish_s": approx(0.3),  # the last step -> the end: the final save
+        "idle_s": approx(0.0),
     }
     assert g.goodput == approx(9.0 / 11.5)
     assert g.faults == [] and g.steps_kept == 20 and g.steps_recomputed == 0 and g.note == ""
@@ -137,7 +139,9 @@ def test_kill_after_checkpoint_recomputes_the_lost_steps(tmp_path):
         "fault_detection_s": approx(3.0),  # injected at 19.7, failure at 22.7
         "restart_s": approx(2.8),  # failure at 22.7 -> step 11 of attempt 1 starts at 25.5
         "recomputed_s": approx(7.0),  # steps 11-17 of attempt 0
-        "idle_s": approx(2.7),  # 2.0 start-up + 0.2 before the kill + 0.5 final save
+        "startup_s": approx(2.0),
+        "finish_s": approx(0.5),  # the final save
+        "idle_s": approx(0.2),  # between the last step of attempt 0 and the kill
     }
     assert sum(g.time_split().values()) == approx(g.wall_s)
     assert g.goodput == approx(18.5 / 36.5)
@@ -214,7 +218,9 @@ def test_hang_is_charged_detection_time_until_the_watchdog_fires(tmp_path):
         "fault_detection_s": approx(30.0),
         "restart_s": approx(2.0),
         "recomputed_s": approx(10.0),  # steps 31-40 of attempt 0
-        "idle_s": approx(1.5),
+        "startup_s": approx(1.0),
+        "finish_s": approx(0.2),
+        "idle_s": approx(0.3),  # the hung step 41's 0.3 s before the fault fired
     }
 
 
@@ -247,7 +253,9 @@ def test_preempt_checkpoints_at_the_step_boundary_and_loses_nothing(tmp_path):
         "fault_detection_s": approx(1.5),
         "restart_s": approx(2.0),
         "recomputed_s": approx(0.0),
-        "idle_s": approx(1.5),
+        "startup_s": approx(1.0),
+        "finish_s": approx(0.5),
+        "idle_s": approx(0.0),
     }
     assert g.wall_s == approx(35.5)
 
@@ -268,7 +276,7 @@ def test_failed_run_with_torn_last_line(tmp_path):
     assert fault.cause == "exception" and fault.step == 5
     assert fault.detected_after_s == approx(2.0)  # no injection: counted from the last step
     assert fault.recovered_after_s is None and fault.steps_lost is None and fault.restart_s == 0.0
-    assert g.productive_s == approx(4.5) and g.idle_s == approx(0.1)
+    assert g.productive_s == approx(4.5) and g.finish_s == approx(0.1) and g.idle_s == approx(0.0)
 
 
 def test_failure_before_the_first_step_has_no_detection_time(tmp_path):
@@ -284,7 +292,9 @@ def test_failure_before_the_first_step_has_no_detection_time(tmp_path):
     (fault,) = g.faults
     assert fault.detected_after_s is None and fault.step is None and fault.steps_lost == 0
     assert fault.restart_s == approx(1.0)  # failure at 3.0 -> step 1 starts at 4.0
-    assert g.idle_s == approx(3.1) and g.productive_s == approx(2.7)
+    # Attempt 0's 3 s before its failure were its start-up; the restart's second is counted once.
+    assert g.startup_s == approx(3.0) and g.finish_s == approx(0.1) and g.idle_s == approx(0.0)
+    assert g.productive_s == approx(2.7)
 
 
 def test_run_in_progress_and_empty_or_odd_ledgers():
@@ -324,9 +334,13 @@ def test_report_files_and_html(tmp_path):
     assert page.count('src="data:image/png;base64,') == 2 and "<img" in page and 'src="http' not in page
     fault_table = page[page.index('<table class="faults">') :]
     fault_table = fault_table[: fault_table.index("</table>")]
-    row = ["kill", "1", "0", "17", "22.70", "3.00", "4.30", "7", "rank 1 exited with SIGKILL"]
+    # Attempts are numbered from 1 where people read them (the console says "attempt 2 resumes").
+    row = ["kill", "1", "1", "17", "22.70", "3.00", "4.30", "7", "rank 1 exited with SIGKILL"]
     assert "<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" in fault_table
     assert "<td>recomputed (lost) steps</td><td>7.000</td>" in page
+    # Each part of the wall time is defined where it is shown.
+    assert "<td>start-up</td><td>2.000</td><td>5.5%</td><td>from a driver&#x27;s start to its first step" in page
+    assert "<td>finish</td><td>0.500</td>" in page and "the final save and the report" in page
 
 
 def _report_on_object_store(run: str) -> None:

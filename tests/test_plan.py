@@ -528,3 +528,36 @@ def test_fsdp_replicas_of_a_stage_split_its_optimizer_state():
     assert fsdp.gradients == ddp.gradients and fsdp.buffers == pytest.approx(w.gathered_width * w.params / 4)
     args = {"compute_s": 1.0, "accumulation": 8, "bandwidth": 1e11}
     assert Pipeline(4, "fsdp").communication_s(w, 32, **args) == Pipeline(4, "ddp").communication_s(w, 32, **args)
+
+
+def test_plan_tables_are_whole_in_a_ci_log_and_one_block_a_row_on_a_narrow_terminal():
+    """Without a terminal (a pipe, a CI log) a table is as wide as its values, no cell cut at 80
+    columns and no line wrapped; on an 80-column terminal the candidates are a block each,
+    `column: value` a line. The spot goodput and time are in the table, not only in --json."""
+    import os
+    import pty
+    import sys
+
+    piped = run_cli("plan", "examples/plan-70b.yaml", "--show", "3")
+    assert piped.returncode == 0, piped.stderr
+    assert "…" not in piped.stdout and "goodput spot" in piped.stdout and "time spot" in piped.stdout
+    assert any(len(line) > 120 for line in piped.stdout.splitlines())  # whole, not cut to 80
+
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: petatrain on an 80-column terminal
+        os.chdir(ROOT)
+        os.environ.update(COLUMNS="80", LINES="50", TERM="dumb")
+        os.execv(sys.executable, [sys.executable, "-m", "petatrain", "plan", "examples/plan-70b.yaml", "--show", "2"])
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        shown += chunk
+    os.waitpid(pid, 0)
+    text = shown.decode(errors="replace").replace("\r", "")
+    assert "…" not in text and "  goodput spot: " in text and "  strategy: pipeline" in text
+    assert max(len(line) for line in text.splitlines()) <= 80

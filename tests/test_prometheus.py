@@ -5,7 +5,9 @@ after the run's end: the endpoint stays up until that last scrape."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -15,7 +17,7 @@ import pytest
 import requests
 import yaml
 
-from helpers import tiny, train
+from helpers import ROOT, tiny, train
 from petatrain.observe.ledger import read_events
 from petatrain.observe.metrics import TARGETS_FILE, MetricsServer
 from ray_head import free_ports
@@ -104,6 +106,14 @@ def test_prometheus_finds_the_run_and_scrapes_its_final_goodput_after_it_ends(
         assert start["event"] == "run_start" and end["event"] == "end" and end["status"] == "ok"
         query = f'petatrain_goodput{{run_id="{start["run_id"]}",run_dir="{run}"}}[5m]'
         answer = requests.get(f"{server}/api/v1/query", params={"query": query}, timeout=10).json()
+        panels = dashboard_queries(**{"$run_id": start["run_id"], "$__range": "5m"})
+        answers = {}
+        for title, expr in panels:
+            asked = {"query": expr, "time": str(end["t"] - 1.0)}
+            got = requests.get(f"{server}/api/v1/query", params=asked, timeout=10).json()
+            if answers.get(title, {}).get("data", {}).get("result"):
+                continue  # a panel shows data when one of its queries has some
+            answers[title] = got
     assert answer["status"] == "success", answer
     (series,) = answer["data"]["result"]
     assert series["metric"]["job"] == "petatrain"
@@ -113,4 +123,62 @@ def test_prometheus_finds_the_run_and_scrapes_its_final_goodput_after_it_ends(
     assert float(value) == pytest.approx(final_goodput(events), abs=1e-12)
     assert float(stamp) >= end["t"] - 1.0
     assert len(series["values"]) >= 2  # scraped while it ran, too
+    # The dashboard's training panels show this run, as Prometheus answered at the end of it.
+    empty = {"Faults by cause", "Pipeline stages idle (bubble)"}  # no fault, no pipeline here
+    for title, expr in panels:
+        if "ray_" in expr:
+            continue  # serving: Ray's endpoint, not this run's
+        assert title in answers and answers[title]["status"] == "success", (title, answers.get(title))
+        assert bool(answers[title]["data"]["result"]) == (title not in empty), (title, expr)
     assert not (run / TARGETS_FILE).exists()  # the endpoint is gone, and so is the target naming it
+
+
+DASHBOARD = ROOT / "examples" / "grafana" / "petatrain.json"
+_GRAFANA = {"$__rate_interval": "1m", "$__range": "1h", "$run_id": ".*", "$model": ".*"}
+
+
+def dashboard_queries(**values: str) -> list[tuple[str, str]]:
+    """(panel title, PromQL) of every query of the dashboard, Grafana's variables filled in."""
+    board = json.loads(DASHBOARD.read_text())
+    found = []
+    for panel in board["panels"]:
+        for target in panel.get("targets", []):
+            expr = target["expr"]
+            for name, value in {**_GRAFANA, **values}.items():
+                expr = expr.replace(name, value)
+            found.append((panel["title"], expr))
+    return found
+
+
+def exported_metrics() -> set[str]:
+    """Every series name petatrain exports: the driver's endpoint (its registry, as scraped) and the
+    serving replicas' Ray metrics (ray_ prefixed; counters _total, histograms _bucket/_sum/_count)."""
+    names = set()
+    with MetricsServer() as server:
+        for family in server.registry.collect():
+            names.add(family.name + ("_total" if family.type == "counter" else ""))
+    source = (ROOT / "src" / "petatrain" / "serve" / "app.py").read_text()
+    suffixes = {"Counter": ["_total"], "Gauge": [""], "Histogram": ["_bucket", "_sum", "_count"]}
+    for kind, name in re.findall(r'metrics\.(Counter|Gauge|Histogram)\(\s*"(\w+)"', source):
+        names |= {f"ray_{name}{suffix}" for suffix in suffixes[kind]}
+    return names
+
+
+def test_the_grafana_dashboard_asks_only_for_what_petatrain_exports_in_valid_promql(tmp_path):
+    """examples/grafana/petatrain.json: every panel's query names series the code exports (a renamed
+    metric fails here, not in a user's empty panel), and promtool parses each as PromQL."""
+    board = json.loads(DASHBOARD.read_text())
+    assert {v["name"] for v in board["templating"]["list"]} == {"datasource", "run_id", "model"}
+    queries = dashboard_queries()
+    exported = exported_metrics()
+    assert {"petatrain_goodput", "ray_petatrain_model_staleness_seconds"} <= exported
+    for title, expr in queries:
+        used = set(re.findall(r"\b(?:ray_)?petatrain_\w+", expr))
+        assert used and used <= exported, f"{title}: {sorted(used - exported)} not exported"
+    rules = {"groups": [{"name": "dashboard", "rules": [
+        {"record": f"panel:{i}", "expr": expr} for i, (_, expr) in enumerate(queries)
+    ]}]}  # fmt: skip
+    (tmp_path / "rules.yml").write_text(yaml.safe_dump(rules))
+    promtool = shutil.which("promtool") or pytest.fail("promtool (Debian's prometheus package) is not installed")
+    checked = subprocess.run([promtool, "check", "rules", str(tmp_path / "rules.yml")], capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stdout + checked.stderr

@@ -15,6 +15,47 @@ if TYPE_CHECKING:
     from petatrain.api import TrainResult
 
 out = Console()
+out.soft_wrap = not out.is_terminal  # a pipe or a CI log: lines as long as they are, no path wrapped
+
+
+def show_table(table: Table) -> None:
+    """A table whole, at any width: as wide as its values on a pipe or a CI log (which rich would cut at
+    80 columns), and on a terminal too narrow for it one block per row, `column: value` a line, so
+    that no value is cut and no path is wrapped."""
+    from rich.measure import Measurement
+
+    needed = Measurement.get(out, out.options.update(max_width=100_000), table).maximum
+    if needed <= out.width:
+        out.print(table)
+    elif not out.is_terminal:  # rich clamps a print's width to the console's: widen it for this table
+        width = out.width
+        out.width = needed
+        try:
+            out.print(table)
+        finally:
+            out.width = width
+    else:
+        _vertical(table)
+
+
+def _vertical(table: Table) -> None:
+    """Each row as a block: its first cell, then `column: value` a line (a two-column table without
+    headers, key and value, as `key: value`)."""
+    if table.title:
+        out.print(table.title, style="bold", highlight=False, soft_wrap=True)
+    headers = [str(column.header) for column in table.columns]
+    cells = [list(column.cells) for column in table.columns]
+
+    def cell(i: int, row: int) -> Any:
+        return cells[i][row] if row < len(cells[i]) else ""
+
+    for row in range(table.row_count):
+        if not table.show_header:
+            out.print(cell(0, row), ": ", *(cell(i, row) for i in range(1, len(cells))), sep="", soft_wrap=True)
+            continue
+        out.print(cell(0, row), style="bold", highlight=False, soft_wrap=True)
+        for i in range(1, len(cells)):
+            out.print(f"  {headers[i]}: ", cell(i, row), sep="", highlight=False, soft_wrap=True)
 
 
 def ingest(s: dict[str, Any]) -> None:
@@ -41,7 +82,7 @@ def ingest(s: dict[str, Any]) -> None:
         table.add_row(f"  rejected: {reason}", str(n))
     if s["tokens"]:
         table.add_row("tokens", f"{s['tokens']} ({s['tokens_left_over']} left over after packing)")
-    out.print(table)
+    show_table(table)
     if s["note"]:
         out.print(s["note"])
 
@@ -83,7 +124,7 @@ def inspect(r: dict[str, Any]) -> None:
         table.add_row("signed", f"{s['key_id']} ({'verified' if s['verified'] else 'not verified: no key configured'})")
     if r["verified"] is not None:
         table.add_row("verify", "all shards match their checksums" if r["verified"] else "FAILED")
-    out.print(table)
+    show_table(table)
     if len(r.get("versions") or []) > 1:
         versions = Table(title="versions (DATASET@vN opens one)")
         for column in ("version", "committed", "rows", "tokens", "+rows", "+source files", "duplicates dropped"):
@@ -93,7 +134,7 @@ def inspect(r: dict[str, Any]) -> None:
                 f"v{v['version']}", v["committed"], f"{v['rows']:,}", f"{v['tokens']:,}", f"{v['rows_added']:,}",
                 f"{v['sources_added']:,}", f"{v['duplicates_dropped']:,}",
             )  # fmt: skip
-        out.print(versions)
+        show_table(versions)
     for i, row in enumerate(r["samples"]):
         out.print(f"[bold]sample {i}[/bold] " + json.dumps(row, ensure_ascii=False)[:400], highlight=False)
 
@@ -107,7 +148,7 @@ def stream(s: dict[str, Any]) -> None:
     table.add_row("duplicates / missing", f"{s['duplicates']} / {s['missing']}")
     verdict = "[green]every sample exactly once[/green]" if s["exactly_once"] else "[red]NOT exactly once[/red]"
     table.add_row("result", verdict)
-    out.print(table)
+    show_table(table)
 
 
 def report(r: dict[str, Any]) -> None:
@@ -127,7 +168,12 @@ def report(r: dict[str, Any]) -> None:
     for name, seconds in r["time"].items():
         share = f"{100 * seconds / wall:.1f}%" if wall > 0 else "–"
         split.add_row(name.removesuffix("_s").replace("_", " "), f"{seconds:.2f}", share)
-    out.print(split)
+    show_table(split)
+    from petatrain.observe.goodput import DEFINITIONS
+
+    for name in r["time"]:  # what each part is, one line each
+        out.print(f"  {name.removesuffix('_s').replace('_', ' ')}: {DEFINITIONS.get(name, '')}", highlight=False)
+    out.print("  (attempts are numbered from 1: attempt 1 is the first)", highlight=False)
     if r.get("trained_on"):
         out.print(f"trained on: {_reads(r['trained_on'])}", highlight=False, soft_wrap=True)
     if r["note"]:
@@ -140,13 +186,13 @@ def report(r: dict[str, Any]) -> None:
             faults.add_row(
                 f["cause"],
                 _or_dash(f["rank"]),
-                str(f["attempt"]),
+                str(f["attempt"] + 1),
                 _or_dash(f["step"]),
                 _or_dash(f["detected_after_s"], "{:.2f}"),
                 _or_dash(f["recovered_after_s"], "{:.2f}"),
                 _or_dash(f["steps_lost"]),
             )
-        out.print(faults)
+        show_table(faults)
     else:
         out.print("no faults")
     if r.get("pipeline"):
@@ -172,7 +218,7 @@ def _pipeline(p: dict[str, Any]) -> None:
             if memory is None
             else f"{memory:.1f}" + _predicted(_mib(s.get("predicted_memory_bytes")), s.get("memory_error"), "{:.1f}"),
         )
-    out.print(table)
+    show_table(table)
 
 
 def _predicted(value: float | None, error: float | None, fmt: str) -> str:
@@ -258,7 +304,7 @@ def evaluation(result: dict[str, Any]) -> None:
         if result["against"]:
             row.append(_or_dash(losses["against"][split]["loss"], "{:.4f}"))
         table.add_row(*row)
-    out.print(table)
+    show_table(table)
     verdict = result["verdict"]
     mark = "[green]passes[/green]" if verdict["passed"] else "[red]does not pass[/red]"
     out.print(f"gate: {mark}: {verdict['reason']}", highlight=False, soft_wrap=True)
@@ -366,6 +412,8 @@ def plan(r: dict[str, Any], show: int) -> None:
         "goodput",
         "time",
         "$ on-demand",
+        "goodput spot",
+        "time spot",
         "$ spot",
         "verdict",
     ):
@@ -383,10 +431,12 @@ def plan(r: dict[str, Any], show: int) -> None:
             f"{c['goodput']:.1%}",
             _duration(c["run_time_s"]),
             f"{c['cost_usd']:,.0f}",
+            f"{c['goodput_spot']:.1%}",
+            _duration(c["run_time_spot_s"]),
             f"{c['cost_usd_spot']:,.0f}",
             verdict,
         )
-    out.print(table)
+    show_table(table)
     reasons: dict[str, int] = {}
     for c in cands:
         if c["reason"]:
@@ -434,7 +484,7 @@ def profile(r: dict[str, Any]) -> None:
     for row in r["comparison"]:
         err = row["error"]
         table.add_row(row["figure"], row["measured_text"], row["estimate_text"], "" if err is None else f"{err:+.1%}")
-    out.print(table)
+    show_table(table)
     t = r["measured"]["time_split_s"]
     out.print(
         "step split: "
@@ -457,7 +507,7 @@ def layers(r: dict[str, Any]) -> None:
     rows = zip(p["units"], p["seconds"], p["activation_bytes"], saved, p["param_bytes"], strict=True)
     for name, s, a, held, b in rows:
         units.add_row(name, f"{1e3 * s:.2f}", _bytes(a), "–" if held is None else _bytes(held), _bytes(b))
-    out.print(units)
+    show_table(units)
     if p.get("p2p_latency_s") is not None:
         out.print(
             f"point to point here: {1e6 * p['p2p_latency_s']:.0f} us latency, {p['p2p_bytes_per_s'] / 1e9:.2f} GB/s",
@@ -475,7 +525,7 @@ def layers(r: dict[str, Any]) -> None:
                 str(k), s["units"], f"{1e3 * s['seconds_per_micro']:.2f}", _bytes(s["state_bytes"]),
                 _bytes(s["activation_bytes"]),
             )  # fmt: skip
-        out.print(table)
+        show_table(table)
     if r.get("path"):
         out.print(f"saved: {r['path']} (parallel.pipeline.partition profile reads it)", highlight=False)
 
@@ -509,7 +559,7 @@ def search(s: dict[str, Any]) -> None:
             t["status"] + (f": {t['error']}" if t.get("error") else ""),
             _or_dash(None if t["goodput"] is None else 100 * t["goodput"], "{:.1f}%"),
         )
-    out.print(table)
+    show_table(table)
     if best:
         out.print(f"best: trial {best}, {metric} {s['best'][metric]:.4f}: {s['best_config']}", highlight=False)
     else:

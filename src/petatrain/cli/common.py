@@ -26,6 +26,7 @@ from petatrain import console as quiet
 from petatrain.config import JobConfig
 
 console = Console(stderr=True)
+console.soft_wrap = not console.is_terminal  # a CI log: no line (no path) wrapped at 80 columns
 
 DEMO_ROOT = ".petatrain"
 

@@ -10,7 +10,11 @@ into parts that do not overlap:
     fault_detection   per failure: from the fault to the moment it was noticed
     restart           per failure: from the failure to the start of the next attempt's first step
     recomputed        step time of step occurrences that a later attempt redid (lost work)
-    idle              the rest: start-up, final save, gaps; never negative
+    startup           from a driver's start (run_start, run_continue) to its first step: the driver,
+                      Ray, the worker group, the data's first shards (what a restart's own start-up
+                      is counts as restart)
+    finish            from the last step to the end: the final save, the report
+    idle              the rest: evaluations, gaps; never negative
 
 A step "kept" is the last occurrence of its step number in the ledger; every earlier
 occurrence was lost to a fault and is recomputed time. goodput = productive / wall.
@@ -31,8 +35,23 @@ _TIME_PARTS = (
     "fault_detection_s",
     "restart_s",
     "recomputed_s",
+    "startup_s",
+    "finish_s",
     "idle_s",
 )
+
+# One line each, under the table `report` prints and in report.html: what a part holds.
+DEFINITIONS = {
+    "productive_s": "step time of the steps kept in the final model, data wait excluded (goodput = this / wall)",
+    "data_wait_s": "time the kept steps waited for their batches",
+    "checkpoint_stall_s": "what the training loop paid for checkpoint snapshots",
+    "fault_detection_s": "from each fault to the moment it was noticed",
+    "restart_s": "from each failure to the first step of the next attempt",
+    "recomputed_s": "steps lost to faults and done again",
+    "startup_s": "from a driver's start to its first step: the driver, Ray, the worker group, the first shards",
+    "finish_s": "from the last step to the end: the final save and the report",
+    "idle_s": "the rest: evaluations and gaps",
+}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -115,6 +134,8 @@ class Goodput:
     fault_detection_s: float = 0.0
     restart_s: float = 0.0
     recomputed_s: float = 0.0
+    startup_s: float = 0.0
+    finish_s: float = 0.0
     idle_s: float = 0.0
     note: str = ""
     steps_target: int | None = None
@@ -256,6 +277,10 @@ def account(events: list[dict[str, Any]]) -> Goodput:
     g.fault_detection_s = sum(f.detected_after_s or 0.0 for f in g.faults)
     g.restart_s = sum(f.restart_s for f in g.faults)
 
+    g.startup_s = _startup(events, occurrences, g.faults, t0)
+    if occurrences:  # after the last step, and after the last failure's own parts (a run given up)
+        last = max([o.t for o in occurrences] + [t0 + f.t_s + f.restart_s for f in g.faults])
+        g.finish_s = max(t_end - last, 0.0)
     busy = sum(getattr(g, name) for name in _TIME_PARTS if name != "idle_s")
     g.idle_s = max(g.wall_s - busy, 0.0)
     if busy > g.wall_s + 1e-6:
@@ -524,6 +549,26 @@ def as_number(value: Any) -> float | None:
 def _int(value: Any) -> int | None:
     number = as_number(value)
     return int(number) if number is not None else None
+
+
+def _startup(
+    events: list[dict[str, Any]], occurrences: list[_Occurrence], faults: list[FaultRecord], t0: float
+) -> float:
+    """Each driver's start-up: its start (run_start, run_continue) to the start of the first step
+    after it, less what a failure's restart interval already counts (a driver lost and continued)."""
+    begun = sorted((o.t - o.step_s, o.t) for o in occurrences)
+    restarts = [(t0 + f.t_s, t0 + f.t_s + f.restart_s) for f in faults]
+    total = 0.0
+    for e in events:
+        if e.get("event") not in ("run_start", "run_continue"):
+            continue
+        start = _t(e)
+        first = next((b for b, _ in begun if b >= start), None)
+        if first is None:
+            continue
+        overlap = sum(max(0.0, min(first, hi) - max(start, lo)) for lo, hi in restarts)
+        total += max(first - start - overlap, 0.0)
+    return total
 
 
 def _round(value: float | None) -> float | None:

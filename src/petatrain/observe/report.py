@@ -14,7 +14,7 @@ import logging
 from typing import Any
 
 from petatrain.errors import PetatrainError
-from petatrain.observe.goodput import Goodput, account, thin
+from petatrain.observe.goodput import DEFINITIONS, Goodput, account, thin
 from petatrain.observe.ledger import EVENTS_FILE, read_events
 from petatrain.observe.lineage import trained_on
 from petatrain.storage import StorageOptions, join
@@ -39,6 +39,8 @@ _PART_LABELS = {
     "fault_detection_s": "fault detection",
     "restart_s": "restart",
     "recomputed_s": "recomputed (lost) steps",
+    "startup_s": "start-up",
+    "finish_s": "finish",
     "idle_s": "idle",
 }
 
@@ -120,7 +122,7 @@ def plot_timeline(goodput: Goodput) -> bytes:
         attempts = sorted({p.attempt for p in goodput.timeline})
         for attempt in attempts:
             points = thin([p for p in goodput.timeline if p.attempt == attempt], _MAX_PLOT_POINTS)
-            ax.plot([p.t_s for p in points], [p.step for p in points], lw=1.5, label=f"attempt {attempt}")
+            ax.plot([p.t_s for p in points], [p.step for p in points], lw=1.5, label=f"attempt {attempt + 1}")
         lost = [p for p in goodput.timeline if not p.kept]
         if lost:
             ax.scatter(
@@ -193,9 +195,12 @@ def render_html(report: dict[str, Any], loss_png: bytes, timeline_png: bytes) ->
     e = html.escape
     wall = report["wall_s"] or 0.0
     split_rows = [
-        [_PART_LABELS[name], f"{seconds:.3f}", f"{100 * seconds / wall:.1f}%" if wall > 0 else "–"]
+        [
+            _PART_LABELS.get(name, name), f"{seconds:.3f}", f"{100 * seconds / wall:.1f}%" if wall > 0 else "–",
+            DEFINITIONS.get(name, ""),
+        ]
         for name, seconds in report["time"].items()
-    ]
+    ]  # fmt: skip
     title = e(str(report.get("run_id") or report.get("run") or ""))
     parts = [
         "<!doctype html>",
@@ -215,7 +220,7 @@ def render_html(report: dict[str, Any], loss_png: bytes, timeline_png: bytes) ->
         parts += ["<h2>Trained on</h2>", _table(["dataset", "version", "rows", "count"], rows)]
     parts += [
         "<h2>Where the wall time went</h2>",
-        _table(["part", "seconds", "share of wall"], split_rows),
+        _table(["part", "seconds", "share of wall", "what it is"], split_rows),
         _img("timeline", timeline_png),
         "<h2>Faults</h2>",
         _faults_table(report["faults"]),
@@ -300,13 +305,13 @@ def _pct(value: float | None, *, sign: bool = False) -> str:
 
 def _fault_row(f: dict[str, Any]) -> list[str]:
     times = [_seconds(f[t]) for t in ("t_s", "detected_after_s", "recovered_after_s")]
-    where = [_cell(f["rank"]), str(f["attempt"]), _cell(f["step"])]
+    where = [_cell(f["rank"]), str(f["attempt"] + 1), _cell(f["step"])]
     return [f["cause"], *where, *times, _cell(f["steps_lost"]), f["detail"]]
 
 
 def _checkpoint_row(c: dict[str, Any]) -> list[str]:
     write = [_seconds(c["t_s"]), f"{c['stall_s']:.3f}", "yes" if c["committed"] else "no", _seconds(c["write_s"])]
-    return [str(c["step"]), str(c["attempt"]), *write, _cell(c["bytes"]), c["url"] or ""]
+    return [str(c["step"]), str(c["attempt"] + 1), *write, _cell(c["bytes"]), c["url"] or ""]
 
 
 def _checkpoints_html(checkpoints: list[dict[str, Any]]) -> list[str]:
