@@ -51,3 +51,17 @@ def test_sizes():
     assert config.parse_size("256MB") == 256_000_000
     assert config.parse_size("1GiB") == 2**30
     assert config.parse_size("4096") == 4096
+
+
+def test_min_lr_is_a_rate_or_a_share_of_lr():
+    """train.min_lr: an absolute rate as before, or "10%" of train.lr (torchtitan's ratio), which the
+    schedule decays to; anything else is one line."""
+    from petatrain.train.recipe import lr_at
+
+    share = config.load(None, ["train.lr=0.002", "train.min_lr=10%", "train.steps=100", "train.warmup_steps=0"])
+    assert share.train.final_lr == pytest.approx(2e-4) and lr_at(99, share.train) == pytest.approx(2e-4, rel=1e-2)
+    assert config.load(None, ["train.min_lr=3e-5"]).train.final_lr == 3e-5
+    assert config.from_yaml(share.to_yaml(), "x").train.min_lr == "10%"  # recorded as written
+    for bad, match in [("lots", "a share of train.lr, 0% to 100%"), ("150%", "0% to 100%"), ("1.0", r"\[0, train.lr")]:
+        with pytest.raises(ConfigError, match=match):
+            config.load(None, [f"train.min_lr={bad}"])

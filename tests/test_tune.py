@@ -4,6 +4,7 @@ whole state bit for bit."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -58,6 +59,10 @@ def test_spaces_are_checked_against_the_config(tmp_path):
     # The config must build at both ends: tiny.yaml's min_lr is 3e-4.
     with pytest.raises(ConfigError, match=r"train.lr=loguniform:0.0001:0.01: at 0.0001: train.min_lr"):
         space.check(cfg, [space.parse("train.lr=loguniform:1e-4:1e-2")])
+    # A share of train.lr follows it: the same search builds at both ends, and the floor is 10% of each.
+    relative = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, min_lr="10%"))
+    space.check(relative, [space.parse("train.lr=loguniform:1e-4:1e-2")])
+    assert space.apply(relative, {"train.lr": 1e-4}).train.final_lr == pytest.approx(1e-5)
     with pytest.raises(ConfigError, match=r"model.n_layer=choice:2,x: at 'x'.*expected a number"):
         space.check(cfg, [space.parse("model.n_layer=choice:2,x")])
     with pytest.raises(ConfigError, match="nothing to search"):

@@ -7,9 +7,11 @@ describes a whole job from the start.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
+import re
 import reprlib
 import types
 import typing
@@ -163,7 +165,9 @@ class TrainConfig:
     global_batch: int = 32  # sequences per optimizer step, whatever the worker count
     micro_batch: int = 8  # sequences per forward/backward on one worker
     lr: float = 3e-4
-    min_lr: float = 3e-5  # cosine decays to this
+    # Cosine decays to this: an absolute rate (3e-5), or a share of train.lr ("10%"), which follows
+    # train.lr wherever it is set (a search over train.lr never goes below it), as torchtitan's ratio does.
+    min_lr: float | str = 3e-5
     warmup_steps: int = 10
     # The step the learning-rate schedule starts at: warm-up from it, cosine decay from its end to
     # train.steps. `train --continue` sets it to the step it continues from (the schedule re-warms).
@@ -190,6 +194,13 @@ class TrainConfig:
     eval_batches: int = 4
     seed: int = 0
 
+    @property
+    def final_lr(self) -> float:
+        """train.min_lr as a rate: itself, or its share of train.lr."""
+        if isinstance(self.min_lr, str):
+            return self.lr * float(self.min_lr.strip().removesuffix("%")) / 100
+        return float(self.min_lr)
+
     def __post_init__(self) -> None:
         for name in ("steps", "global_batch", "micro_batch", "eval_batches"):
             if getattr(self, name) < 1:
@@ -200,8 +211,22 @@ class TrainConfig:
             )
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ConfigError(f"train.lr must be a finite number > 0 (e.g. 3e-4), got {self.lr}")
-        if not 0 <= self.min_lr <= self.lr:
-            raise ConfigError(f"train.min_lr must be in [0, train.lr={self.lr}], got {self.min_lr}")
+        if isinstance(self.min_lr, str) and not self.min_lr.strip().endswith("%"):
+            # a number YAML read as text (3e-5 has no dot, so YAML 1.1 makes it a string)
+            with contextlib.suppress(ValueError):
+                self.min_lr = float(self.min_lr)
+        if isinstance(self.min_lr, str):
+            share = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*%\s*", self.min_lr)
+            if share is None or float(share[1]) > 100:
+                raise ConfigError(
+                    f"train.min_lr must be a rate (3e-5) or a share of train.lr, 0% to 100% (10%), got {self.min_lr!r}"
+                )
+        elif isinstance(self.min_lr, bool) or not isinstance(self.min_lr, int | float):
+            raise ConfigError(f"train.min_lr: expected a number or a share of train.lr (10%), got {self.min_lr!r}")
+        elif not 0 <= self.min_lr <= self.lr:
+            raise ConfigError(
+                f"train.min_lr must be in [0, train.lr={self.lr}], got {self.min_lr} (or a share of it: 10%)"
+            )
         for name in ("weight_decay", "grad_clip"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
                 raise ConfigError(f"train.{name} must be a finite number >= 0, got {getattr(self, name)}")

@@ -50,7 +50,8 @@ def lr_at(step: int, train: TrainConfig) -> float:
     if step < train.warmup_steps:
         return train.lr * (max(step, 0) + 1) / train.warmup_steps
     progress = (step - train.warmup_steps) / max(1, train.steps - train.schedule_start - train.warmup_steps)
-    return train.min_lr + 0.5 * (train.lr - train.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
+    floor = train.final_lr
+    return floor + 0.5 * (train.lr - floor) * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
 def set_lr(optimizer: torch.optim.Optimizer, step: int, train: TrainConfig) -> float:
