@@ -77,3 +77,18 @@ def test_profile_on_gpu_memory_within_5_percent(tmp_path, train):
     report = profile(small_job(tmp_path, "model.n_layer=4", "model.d_model=512", "model.n_head=8", *overrides), steps=3)
     rows = {r["figure"]: r for r in report["comparison"]}
     assert abs(rows["peak memory (tensors)"]["error"]) < 0.05
+
+
+def test_a_calibration_from_steps_that_spread_is_not_saved_and_an_estimate_says_its_source(tmp_path):
+    """A busy machine's steps spread: past plan.calibration_max_spread the calibration is not saved
+    (the next profile would compare against noise, +933% as a user saw); an estimate says where its
+    efficiency comes from, the catalog or the calibration file (its date, steps and spread)."""
+    noisy = profile(small_job(tmp_path, "plan.calibration_max_spread=0"), steps=4)
+    assert noisy["measured"]["step_time_spread"] > 0 and noisy["calibration_path"] is None
+    assert noisy["calibration_refused"].startswith("not saved: the timed steps spread")
+    assert load_calibrations(str(tmp_path)) == {} and noisy["estimate"]["calibration_source"].startswith("the catalog")
+    kept = profile(small_job(tmp_path, "plan.calibration_max_spread=100"), steps=4)
+    cal = load_calibrations(str(tmp_path))["cpu"]
+    assert kept["calibration_path"] == cal.path and cal.spread == pytest.approx(kept["measured"]["step_time_spread"])
+    source = profile(small_job(tmp_path), steps=1, save=False)["estimate"]["calibration_source"]
+    assert source.startswith(f"{cal.path} (measured {cal.measured_at}, 4 steps, spread ")

@@ -661,6 +661,9 @@ class PlanConfig:
     checkpoint_bandwidth: str = "1GB/s"  # write bandwidth per node to the checkpoint storage
     restart_s: float = 300.0  # time from a failure to training again (detect, reschedule, load)
     calibration_dir: str = ""  # where `profile` writes calibrations; "" = ~/.cache/petatrain/calibration
+    # `profile` saves no calibration whose timed steps spread more than this (interquartile range
+    # over the median): their machine was busy, and the plan would learn its noise.
+    calibration_max_spread: float = 0.15
 
     def __post_init__(self) -> None:
         for key in ("prices", "spot_prices"):

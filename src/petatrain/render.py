@@ -471,6 +471,11 @@ def plan(r: dict[str, Any], show: int) -> None:
             f"train.activation_checkpointing={shape['recompute']}",
             highlight=False,
         )
+    calibrations = (r.get("assumptions") or {}).get("calibrations") or {}
+    for name, source in calibrations.items():  # a calibrated efficiency says where it comes from
+        out.print(f"{name}'s efficiency is calibrated by {source}", highlight=False)
+    if not calibrations:
+        out.print("efficiencies are the catalog's defaults (petatrain profile calibrates them)", highlight=False)
 
 
 def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -493,6 +498,12 @@ def profile(r: dict[str, Any]) -> None:
         highlight=False,
     )
     out.print(f"peak memory measured with {r['memory_method']}", highlight=False)
+    spread = r["measured"].get("step_time_spread")
+    if spread is not None:
+        out.print(f"the {r['steps']} timed steps spread {spread:.0%} (interquartile range / median)", highlight=False)
+    out.print(f"the estimate's efficiency is from {r['estimate'].get('calibration_source', '?')}", highlight=False)
+    if r.get("calibration_refused"):
+        out.print(f"[yellow]calibration {escape(r['calibration_refused'])}[/yellow]", highlight=False)
     if r.get("calibration_path"):
         out.print(f"calibration saved to {r['calibration_path']} (plan uses it for {r['calibration']['accelerator']})")
 

@@ -23,9 +23,16 @@ class Calibration:
     steps: int
     measured_at: str
     config: dict
+    spread: float = 0.0  # interquartile range of the timed steps over their median (0: not recorded)
+    path: str = ""  # where it was read from (not written in the file)
+
+    def describe(self) -> str:
+        """Where an estimate calibrated by it comes from, for people."""
+        spread = f", spread {self.spread:.0%}" if self.spread else ""
+        return f"{self.path or 'a calibration'} (measured {self.measured_at}, {self.steps} steps{spread})"
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "path"}
 
 
 def calibration_dir(configured: str = "") -> Path:
@@ -56,7 +63,7 @@ def load_calibrations(configured_dir: str = "") -> dict[str, Calibration]:
         return out
     for path in sorted(folder.glob("*.json")):
         try:
-            cal = Calibration(**json.loads(path.read_text()))
+            cal = dataclasses.replace(Calibration(**json.loads(path.read_text())), path=str(path))
         except (ValueError, TypeError) as exc:
             raise PetatrainError(f"calibration {path} is unreadable ({exc}); delete it or run profile again") from None
         if not 0 < cal.efficiency <= 1:

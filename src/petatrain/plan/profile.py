@@ -171,7 +171,7 @@ def profile(cfg: JobConfig, *, steps: int = 5, use_dataset: bool = False, save: 
     accumulation = stepper.accumulation
     peak_memory, memory_method, counter = _warm_up_and_count(stepper, cpu)
     counted_flops = counter.total * accumulation
-    step_time, split = _median_step(stepper, steps)
+    step_time, split, spread = _median_step(stepper, steps)
 
     device_name, accelerator, peak, default_efficiency, overhead = _accelerator(cfg, device)
     prior = load_calibrations(cfg.plan.calibration_dir).get(accelerator)
@@ -198,6 +198,7 @@ def profile(cfg: JobConfig, *, steps: int = 5, use_dataset: bool = False, save: 
     measured = {
         "peak_memory_bytes": int(peak_memory),
         "step_time_s": step_time,
+        "step_time_spread": spread,
         "time_split_s": split,
         "executed_flops_per_step": counted_flops,
         "achieved_flops_per_s": achieved,
@@ -223,6 +224,8 @@ def profile(cfg: JobConfig, *, steps: int = 5, use_dataset: bool = False, save: 
             "step_time_s": estimated_step,
             "efficiency": efficiency_used,
             "calibrated": prior is not None,
+            # where the efficiency came from: the calibration file, or the catalog's default
+            "calibration_source": prior.describe() if prior else f"the catalog's default for {accelerator}",
             "executed_flops_per_step": executed,
             "model_flops_per_step": model_flops,
         },
@@ -232,7 +235,14 @@ def profile(cfg: JobConfig, *, steps: int = 5, use_dataset: bool = False, save: 
     }
     calibration = _calibration(cfg, accelerator, measured, peak, steps)
     report["calibration"] = calibration.to_dict()
-    if save:
+    limit = cfg.plan.calibration_max_spread
+    report["calibration_refused"] = (
+        f"not saved: the timed steps spread {spread:.0%} (interquartile range over the median), more than "
+        f"plan.calibration_max_spread {limit:.0%}; the machine was busy: profile again when it is quiet"
+        if spread is not None and spread > limit
+        else ""
+    )
+    if save and not report["calibration_refused"]:
         report["calibration_path"] = str(save_calibration(calibration, cfg.plan.calibration_dir))
     return report
 
@@ -257,6 +267,7 @@ def _calibration(cfg: JobConfig, accelerator: str, measured: dict[str, Any], pea
         peak_flops=peak,
         overhead_s=measured["time_split_s"]["data_wait"],
         steps=steps,
+        spread=measured["step_time_spread"] or 0.0,
         measured_at=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         config={"model": cfg.to_dict()["model"], "train": cfg.to_dict()["train"]},
     )
@@ -280,9 +291,13 @@ def _peak_memory(stepper: TrainStep, cpu: bool) -> tuple[int, str]:
     return torch.cuda.max_memory_allocated(stepper.device), "torch.cuda.max_memory_allocated"
 
 
-def _median_step(stepper: TrainStep, steps: int) -> tuple[float, dict[str, float]]:
+SPREAD_STEPS = 4  # the fewest timed steps whose interquartile range says something
+
+
+def _median_step(stepper: TrainStep, steps: int) -> tuple[float, dict[str, float], float | None]:
     """The median of `steps` timed steps (by wall time, so that one step slowed by another
-    process on a shared machine does not skew the calibration), and its split by phase."""
+    process on a shared machine does not skew the calibration), its split by phase, and the
+    spread of the steps: their interquartile range over the median."""
     records = []
     for _ in range(steps):
         timings = {"data_wait": 0.0, "forward": 0.0, "backward": 0.0, "optimizer": 0.0}
@@ -292,7 +307,11 @@ def _median_step(stepper: TrainStep, steps: int) -> tuple[float, dict[str, float
     records.sort(key=lambda r: r[0])
     step_time, split = records[len(records) // 2]
     split["communication"] = 0.0  # one process: no collectives to wait for
-    return step_time, split
+    times = [r[0] for r in records]
+    if len(times) < SPREAD_STEPS or step_time <= 0:
+        return step_time, split, None  # too few steps to say how they spread
+    q1, q3 = times[len(times) // 4], times[(3 * len(times)) // 4]
+    return step_time, split, (q3 - q1) / step_time
 
 
 def _accelerator(cfg: JobConfig, device: torch.device) -> tuple[str, str, float, float, float]:

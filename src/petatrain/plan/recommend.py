@@ -392,6 +392,8 @@ def plan(cfg: JobConfig, request: PlanRequest | None = None) -> Plan:
         "link_efficiency": LINK_EFFICIENCY,
         "overlap": OVERLAP,
         "calibrated_accelerators": sorted(calibrations),
+        # where each calibrated accelerator's efficiency comes from (`profile` wrote it)
+        "calibrations": {name: cal.describe() for name, cal in sorted(calibrations.items())},
     }
     versus = {}
     by_key = {(c.accelerator, c.count, c.strategy): c for c in candidates}
