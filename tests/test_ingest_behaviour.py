@@ -4,6 +4,7 @@ import csv
 import gzip
 import io
 import json
+import os
 import random
 import tarfile
 
@@ -312,3 +313,40 @@ def test_byte_tokenizer_fast_path_matches_the_tokenizer():
     fast, slow = tk.encode(tok, texts, table), tk.encode(tok, texts)
     assert all(np.array_equal(a, b) for a, b in zip(fast, slow, strict=True))
     assert tk.byte_table(tk.train_bpe(["hello world"] * 50, 300)) is None
+
+
+def test_a_stage_says_how_far_it_is_while_it_runs(tmp_path):
+    """Each file (or piece) read and each shard written is a progress event with the rows and bytes
+    so far; the console makes a line of them every 10 s in a log (a bar on a terminal), with an ETA."""
+    from petatrain import api
+    from petatrain.console import IngestProgress
+    from petatrain.data import synth
+    from petatrain.data.ingest.job import StageProgress
+
+    corpus = synth.generate(str(tmp_path / "corpus"), documents=300, files=3, bad_records=False)
+    seen: list[tuple[str, StageProgress]] = []
+    summary = api.ingest(corpus.files, str(tmp_path / "ds"), on_progress=lambda stage, p: seen.append((stage, p)))
+    read = [p for stage, p in seen if stage == "read_clean_sign"]
+    assert [p.items for p in read] == [1, 2, 3] and read[-1].items_total == 3
+    assert read[-1].bytes == read[-1].bytes_total == sum(os.path.getsize(f) for f in corpus.files)
+    assert read[-1].rows == summary.rows_in and read[-1].eta_s == 0.0
+    written = [p for stage, p in seen if stage == "write"]
+    assert written and written[-1].items == written[-1].items_total and written[-1].rows == summary.rows_out
+
+    lines: list[str] = []
+    now = [0.0]
+    console = IngestProgress(lines.append, terminal=False, clock=lambda: now[0])
+    console("read_clean_sign", "start")
+    half = StageProgress(items=5, items_total=10, rows=1200, bytes=2_000_000_000, bytes_total=4_000_000_000,
+                         elapsed_s=80.0)  # fmt: skip
+    now[0] = 4.0
+    console.progress("read_clean_sign", half)  # quiet: not 10 s yet
+    now[0] = 11.0
+    console.progress("read_clean_sign", half)
+    console.progress("read_clean_sign", half)  # quiet again until the next 10 s
+    now[0] = 90.0
+    console("read_clean_sign", "done")
+    assert lines == [
+        "ingest: reading, cleaning, signing: 5/10, 2.0 GB of 4.0 GB, 1,200 rows, about 1m20s left",
+        "ingest: read, cleaned and signed (90.0 s)",
+    ]

@@ -185,8 +185,10 @@ def ingest(
     local_cpus: int = 0,
     options: StorageOptions | None = None,
     on_stage: Callable[[str, str], None] | None = None,
+    on_progress: Callable[[str, Any], None] | None = None,
 ) -> IngestSummary:
-    """Ingest `sources` into the dataset at `out` (on Ray Data); `on_stage(stage, "start"|"done")`.
+    """Ingest `sources` into the dataset at `out` (on Ray Data); `on_stage(stage, "start"|"done")`,
+    `on_progress(stage, StageProgress)` as each piece of a stage's work finishes (not through Ray Client).
 
     Through Ray Client (`address="ray://..."`) the ingest's driver runs on the cluster, as a task."""
     from petatrain.data.ingest import run
@@ -202,6 +204,7 @@ def ingest(
         connect=functools.partial(init_ray, address, local_cpus),
         options=options,
         on_stage=on_stage,
+        on_progress=on_progress,
     )
     if is_client_address(address):
         from petatrain.console import ray_output_to_console

@@ -307,13 +307,73 @@ class IngestProgress:
         "commit": "committed",
     }
 
-    def __init__(self, write: Callable[[str], None]):
-        self.write = write
+    DOING: ClassVar[dict[str, str]] = {"read_clean_sign": "reading, cleaning, signing", "write": "writing shards"}
+
+    def __init__(
+        self,
+        write: Callable[[str], None],
+        *,
+        terminal: bool | None = None,
+        every_s: float = 10.0,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
+        self.write, self.every_s, self.clock = write, every_s, clock
+        self.terminal = sys.stderr.isatty() if terminal is None else terminal
         self._started: dict[str, float] = {}
+        self._said: dict[str, float] = {}
+        self._bar: Any = None
 
     def __call__(self, stage: str, what: str) -> None:
         if what == "start":
-            self._started[stage] = time.perf_counter()
+            self._started[stage] = self._said[stage] = self.clock()
             return
-        took = time.perf_counter() - self._started.pop(stage, time.perf_counter())
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+        took = self.clock() - self._started.pop(stage, self.clock())
         self.write(f"ingest: {self.NAMES.get(stage, stage)} ({took:.1f} s)")
+
+    def progress(self, stage: str, p: Any) -> None:
+        """While a stage runs (`StageProgress`): a bar on a terminal; elsewhere a line every `every_s`."""
+        doing = self.DOING.get(stage, stage)
+        if self.terminal:
+            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+            if self._bar is None:
+                self._bar = Progress(
+                    TextColumn(f"ingest: {doing}"), BarColumn(), TextColumn("{task.description}"),
+                    TimeRemainingColumn(), transient=True,
+                )  # fmt: skip
+                self._task = self._bar.add_task("", total=p.bytes_total or p.items_total)
+                self._bar.start()
+            self._bar.update(self._task, completed=p.bytes or p.items, description=self._counts(p))
+            return
+        now = self.clock()
+        if now - self._said.get(stage, now) < self.every_s:
+            return
+        self._said[stage] = now
+        eta = p.eta_s
+        left = f", about {_duration(eta)} left" if eta is not None and p.items < p.items_total else ""
+        self.write(f"ingest: {doing}: {self._counts(p)}{left}")
+
+    @staticmethod
+    def _counts(p: Any) -> str:
+        size = f", {_bytes(p.bytes)} of {_bytes(p.bytes_total)}" if p.bytes_total else f", {_bytes(p.bytes)}"
+        return f"{p.items:,}/{p.items_total:,}{size}, {p.rows:,} rows"
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def _duration(seconds: float) -> str:
+    whole = round(seconds)
+    if whole < 60:
+        return f"{whole}s"
+    if whole < 3600:
+        return f"{whole // 60}m{whole % 60:02d}s"
+    return f"{whole // 3600}h{(whole % 3600) // 60:02d}m"

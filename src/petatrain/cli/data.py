@@ -70,6 +70,7 @@ def ingest(
         flags.append(f"storage.encryption.key={json.dumps(encrypt)}")
     job_cfg = config_mod.load(config, flags + list(set_ or []))
     ray_session(job_cfg)
+    progress = None if as_json else quiet.IngestProgress(say)
     summary = api.ingest(
         sources,
         out_,
@@ -80,7 +81,8 @@ def ingest(
         address=address or job_cfg.resources.address,
         local_cpus=local_cpus,
         options=job_cfg.storage.options(),
-        on_stage=None if as_json else quiet.IngestProgress(say),
+        on_stage=progress,
+        on_progress=progress.progress if progress else None,
     )
     show(summary.to_dict(), render.ingest)
 
@@ -123,7 +125,9 @@ def demo(
     ingest_cfg = config_mod.IngestConfig(tokenizer="bytes", pack_length=65, shard_size="1MB")
     logs = ray_session(None)
     on_stage = None if as_json else quiet.IngestProgress(say)
-    summary = api.ingest([corpus_dir], dataset, config=ingest_cfg, on_stage=on_stage)
+    summary = api.ingest(
+        [corpus_dir], dataset, config=ingest_cfg, on_stage=on_stage, on_progress=on_stage.progress if on_stage else None
+    )
     report = api.inspect(dataset, verify=True, samples=1)
     stream = api.check_resume(dataset)
     result: dict[str, Any] = {"ingest": summary.to_dict(), "inspect": report.to_dict(), "stream": stream.to_dict()}

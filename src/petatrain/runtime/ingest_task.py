@@ -79,6 +79,7 @@ def run_on_cluster(job: IngestJob, *, verbose: bool = False) -> IngestSummary:
         out=os.path.abspath(job.out) if is_local(job.out) and "://" not in job.out else job.out,
         connect=None,
         on_stage=None,
+        on_progress=None,  # the stages' ends are relayed; progress within a stage is not
         options=(job.options or StorageOptions()).for_workers(),  # the cluster has not this process's AWS_*
     )
     relay = StageRelay.remote()  # type: ignore[attr-defined]

@@ -14,6 +14,25 @@ from petatrain.config import IngestConfig
 from petatrain.storage import StorageOptions
 
 
+@dataclass(kw_only=True, slots=True)
+class StageProgress:
+    """How far a stage is: its items (files or pieces read, shards written), the bytes and rows they
+    held (bytes_total 0: not known ahead), and the seconds since the stage began."""
+
+    items: int
+    items_total: int
+    rows: int
+    bytes: int
+    bytes_total: int
+    elapsed_s: float
+
+    @property
+    def eta_s(self) -> float | None:
+        """Seconds left at the rate so far, by bytes where known, else by items; None before any."""
+        share = self.bytes / self.bytes_total if self.bytes_total else self.items / max(self.items_total, 1)
+        return self.elapsed_s * (1 - share) / share if share > 0 else None
+
+
 @dataclass(kw_only=True)
 class IngestSummary:
     """What one `petatrain ingest` did; `--json` prints this."""
@@ -57,3 +76,5 @@ class IngestJob:
     options: StorageOptions | None = None
     # Called as each stage starts ("start") and ends ("done"), for a console's progress.
     on_stage: Callable[[str, str], None] | None = None
+    # Called as each piece of a stage's work finishes (a file or piece read, a shard written).
+    on_progress: Callable[[str, StageProgress], None] | None = None

@@ -31,6 +31,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, replace
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -42,7 +43,7 @@ from petatrain.data.card import write_card
 from petatrain.data.ingest import dedup as dedup_mod
 from petatrain.data.ingest import split
 from petatrain.data.ingest import tokenize as tk
-from petatrain.data.ingest.job import IngestJob, IngestSummary
+from petatrain.data.ingest.job import IngestJob, IngestSummary, StageProgress
 from petatrain.data.ingest.minhash import LSHParams
 from petatrain.data.ingest.register import refresh, register
 from petatrain.data.ingest.stages import (
@@ -206,9 +207,9 @@ def _ingest(
     items, split_checksums = _pieces(job, files, first_file, summary, choice)
     stage_one = ReadCleanSign(staging=staging, cfg=cfg, options=options, lsh=lsh, crypt=crypt, fields=choice)
     with _stage("read_clean_sign", summary, job):
-        file_stats = sorted(
-            _from_items(items).map(stage_one, num_cpus=1).take_all(), key=lambda r: (r["file_ord"], r["piece"])
-        )
+        total_bytes = sum(f.size for f in files)
+        done = _mapped("read_clean_sign", items, stage_one, job, total_bytes, rows="rows_in", size="size")
+        file_stats = sorted(done, key=lambda r: (r["file_ord"], r["piece"]))
     # Each piece read what its scan saw (split.check_piece); a file that was replaced as a whole
     # while the scans ran, each scan consistent with the bytes it saw, still shows in its listing.
     for file_ord in split_checksums:
@@ -260,7 +261,8 @@ def _ingest(
     )
     with _stage("write", summary, job):
         written = sorted(
-            _from_items(plan_specs).map(writer, num_cpus=1).take_all() if plan_specs else [], key=lambda r: r["shard"]
+            _mapped("write", plan_specs, writer, job, 0, rows="rows", size="bytes") if plan_specs else [],
+            key=lambda r: r["shard"],
         )
 
     # 5. commit
@@ -446,6 +448,29 @@ def _progress(name: str) -> Callable[[int, int], None]:
 
         return update
     return lambda done, total: log.info("%s: %d/%d", name, done, total)
+
+
+def _mapped(
+    stage: str, items: list[dict], fn: Any, job: IngestJob, total_bytes: int, *, rows: str, size: str
+) -> list[dict]:
+    """`fn` over `items` on Ray Data, every result; with `job.on_progress`, told as each finishes
+    (the results stream back as their tasks end, in whatever order), with the rows and bytes so far."""
+    mapped = _from_items(items).map(fn, num_cpus=1)
+    if job.on_progress is None:
+        return mapped.take_all()
+    started, results = time.perf_counter(), []
+    rows_done = bytes_done = 0
+    for result in mapped.iter_rows():
+        results.append(dict(result))
+        rows_done += int(result.get(rows) or 0)
+        bytes_done += int(result.get(size) or 0)
+        progress = StageProgress(
+            items=len(results), items_total=len(items), rows=rows_done,
+            bytes=min(bytes_done, total_bytes or bytes_done), bytes_total=total_bytes,
+            elapsed_s=time.perf_counter() - started,
+        )  # fmt: skip
+        job.on_progress(stage, progress)
+    return results
 
 
 def _from_items(items: list[dict]):
