@@ -261,7 +261,7 @@ def test_an_encrypted_dataset_and_run_on_ray_use_the_container_and_rotate_in_it(
     from petatrain.data import synth
     from petatrain.data.ingest import IngestJob, run
     from petatrain.data.loading.stream import StreamingDataset
-    from petatrain.serve import weights
+    from petatrain.train import weights
     from petatrain.train.checkpoint import read_final
 
     made = run_cli("keys", "create", f"barbican+http://127.0.0.1:{barbican.rsplit(':', 1)[1]}", "--json")

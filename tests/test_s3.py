@@ -156,7 +156,7 @@ def test_serve_loads_and_verifies_a_run_on_s3(s3_endpoint, s3_bucket, baseline):
     import os
 
     from petatrain.errors import CorruptDataError
-    from petatrain.serve import weights
+    from petatrain.train import weights
 
     run = storage.join(s3_bucket, "runs", "tiny")
     for folder, _, files in os.walk(baseline):

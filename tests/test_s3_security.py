@@ -364,7 +364,7 @@ def test_role_identities_are_held_to_their_policies_and_train_end_to_end(
     `petatrain access policy` prints applied to the bucket; secrets never land in a file."""
     from petatrain.data import synth
     from petatrain.runtime.driver import TrainJob, run
-    from petatrain.serve import weights
+    from petatrain.train import weights
 
     bucket = s3_bucket.removeprefix("s3://")
     who = {role: s3_identity(f"pt-{role}") for role in access.ROLES}

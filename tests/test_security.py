@@ -261,7 +261,7 @@ def test_an_encrypted_signed_run_recovers_from_a_kill_with_the_plain_runs_weight
             data = path.read_bytes()
             assert not any(s.encode() in data for s in secrets), path
     assert f"key: {ring}" in (run / "config.yaml").read_text()  # the reference, which readers use
-    from petatrain.serve import weights
+    from petatrain.train import weights
 
     served_options = weights.run_options(str(run), None)  # serve takes the run's keyring from its config
     for checkpoint in ("final", "latest"):

@@ -412,7 +412,7 @@ def test_weights_that_do_not_verify_are_refused_before_anything_is_served(baseli
     with pytest.raises(PetatrainError, match=r"no committed checkpoint of step 7 \(committed: 20, 30\)"):
         api.serve(str(run), checkpoint="7", port=1)
     # the checkpoints themselves serve: a step, or the newest whose files verify
-    from petatrain.serve import weights
+    from petatrain.train import weights
 
     assert (weights.load(str(run), "20").step, weights.load(str(run), "latest").step) == (20, 30)
     newest = run / "checkpoints" / "step-00000030" / "rank-00000.safetensors"

@@ -634,7 +634,7 @@ def promote(
     its `champion` alias to it, if the evaluation gate against the current champion passes (or
     `force`). The version's record: run, checkpoint, checksum, lineage, evaluation."""
     from petatrain.registry.store import DEFAULT_ALIAS, SCHEME, Registry, check_name
-    from petatrain.serve.weights import load
+    from petatrain.train.weights import load
 
     cfg = config or JobConfig()
     options = options or cfg.storage.options()
@@ -935,7 +935,7 @@ def serve(
     from petatrain import config as config_mod
     from petatrain.registry.store import Registry, parse_ref
     from petatrain.runtime import cluster
-    from petatrain.serve import weights
+    from petatrain.train import weights
 
     ref, model_ref, registry_url = parse_ref(run), "", ""
     if ref.is_registry:

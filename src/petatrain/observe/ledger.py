@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from petatrain.errors import PetatrainError
 from petatrain.observe import events
 from petatrain.storage import StorageOptions, join
 from petatrain.storage.fs import atomic_write, exists, is_local, read_bytes, refuse_links, resolve
@@ -183,6 +184,19 @@ class PriorRun:
     def describe(self) -> str:
         how = {"": "interrupted", "ok": "finished", "failed": "failed"}.get(self.ended, self.ended)
         return f"run {self.run_id} ({how} at step {self.step}, {self.next_attempt} attempt(s))"
+
+
+def load_events(run_url: str, options: StorageOptions | None = None) -> list[dict[str, Any]]:
+    """The run's events; a missing run, ledger or an empty ledger is an error saying which."""
+    ledger = join(run_url, EVENTS_FILE)
+    if not exists(ledger, options):
+        if not exists(run_url, options):
+            raise PetatrainError(f"run not found: {run_url}")
+        raise PetatrainError(f"{run_url} has no {EVENTS_FILE}: not a petatrain run, or it has not started")
+    events = read_events(run_url, options)
+    if not events:
+        raise PetatrainError(f"{ledger} holds no readable events")
+    return events
 
 
 def prior_run_from(events: list[dict[str, Any]]) -> PriorRun | None:

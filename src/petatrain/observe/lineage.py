@@ -106,8 +106,7 @@ def _reads(dataset: str, version: int | None, samples: int, carry: dict[str, Any
 def chain(run_url: str, options: StorageOptions | None = None) -> list[dict[str, Any]]:
     """The run and every run it started from, newest first; a source that is gone ends the chain
     with {"run": ..., "missing": true}."""
-    from petatrain.observe.ledger import read_events
-    from petatrain.observe.report import load_events
+    from petatrain.observe.ledger import load_events, read_events
 
     links: list[dict[str, Any]] = []
     url: str | None = run_url

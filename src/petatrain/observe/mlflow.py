@@ -57,8 +57,7 @@ def sync_run(run_url: str, uri: str, experiment: str = "petatrain", options: Sto
     """Log the run's ledger (and what came since the last sync) as an MLflow run; what was logged."""
     from mlflow.entities import Metric, Param, RunStatus
 
-    from petatrain.observe.ledger import prior_run_from
-    from petatrain.observe.report import load_events
+    from petatrain.observe.ledger import load_events, prior_run_from
 
     events = load_events(run_url, options)
     prior = prior_run_from(events)
@@ -118,8 +117,7 @@ def sync_run(run_url: str, uri: str, experiment: str = "petatrain", options: Sto
 
 def mlflow_run_id(run_url: str, uri: str, experiment: str, options: StorageOptions | None = None) -> str | None:
     """The MLflow run a petatrain run was mirrored as, or None."""
-    from petatrain.observe.ledger import prior_run_from
-    from petatrain.observe.report import load_events
+    from petatrain.observe.ledger import load_events, prior_run_from
 
     prior = prior_run_from(load_events(run_url, options))
     mlflow = client(uri)

@@ -13,12 +13,11 @@ import json
 import logging
 from typing import Any
 
-from petatrain.errors import PetatrainError
 from petatrain.observe.goodput import DEFINITIONS, Goodput, account, thin
-from petatrain.observe.ledger import EVENTS_FILE, read_events
+from petatrain.observe.ledger import load_events
 from petatrain.observe.lineage import trained_on
 from petatrain.storage import StorageOptions, join
-from petatrain.storage.fs import atomic_write, exists
+from petatrain.storage.fs import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -67,19 +66,6 @@ def write_report(run_url: str, options: StorageOptions | None = None) -> dict[st
     atomic_write(report["files"]["json"], (json.dumps(report, indent=2) + "\n").encode("utf-8"), options)
     log.info("report of %s: goodput %.1f%%", run_url, 100 * goodput.goodput)
     return report
-
-
-def load_events(run_url: str, options: StorageOptions | None = None) -> list[dict[str, Any]]:
-    """The run's events; a missing run, ledger or an empty ledger is an error saying which."""
-    ledger = join(run_url, EVENTS_FILE)
-    if not exists(ledger, options):
-        if not exists(run_url, options):
-            raise PetatrainError(f"run not found: {run_url}")
-        raise PetatrainError(f"{run_url} has no {EVENTS_FILE}: not a petatrain run, or it has not started")
-    events = read_events(run_url, options)
-    if not events:
-        raise PetatrainError(f"{ledger} holds no readable events")
-    return events
 
 
 def plot_loss(goodput: Goodput) -> bytes:

@@ -42,7 +42,7 @@ class Loaded:
 
 def load_model(run: str, checkpoint: str, options: StorageOptions | None, label: str) -> Loaded:
     from petatrain.models import build_model
-    from petatrain.serve.weights import load
+    from petatrain.train.weights import load
 
     served = load(run, checkpoint, options)
     spec = build_model(served.config.model, served.config.train)

@@ -85,7 +85,7 @@ class Completions:
 
         from petatrain.errors import CorruptDataError
         from petatrain.models import build_model
-        from petatrain.serve import weights
+        from petatrain.train import weights
 
         served = weights.load(run or self.options.run_url, checkpoint, self.options.storage)
         if expect and served.checksum != expect:

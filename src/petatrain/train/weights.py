@@ -1,5 +1,6 @@
-"""What `serve` loads from a run: its config, the dataset's tokenizer and the weights of the chosen
-checkpoint, each checked against the record the run (or ingest) committed before it is used.
+"""A run's model as it was trained, for whoever loads it (`serve`, the evaluation gate, `sample`):
+its config, the dataset's tokenizer and the weights of the chosen checkpoint, each checked against
+the record the run (or ingest) committed before it is used.
 
 `--checkpoint final` is `RUN/final/model.safetensors` with its COMMITTED record; `latest` the newest
 committed checkpoint whose files all verify; a step number that checkpoint. Checkpoint files are
