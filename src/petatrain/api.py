@@ -761,6 +761,7 @@ def loop_cycle(
     address: str = "",
     options: StorageOptions | None = None,
     on_step: Callable[[str, dict[str, Any]], None] | None = None,
+    only: str = "",
 ) -> LoopCycle:
     """One cycle of the continuous-training loop `spec` (a `petatrain.loop.spec.LoopSpec`): append
     `files` (stable new source files, the watcher's) to the dataset, then bring the model up to its
@@ -775,7 +776,12 @@ def loop_cycle(
     the append skips the files the dataset holds, the continuation's run directory is named by what
     makes it (it resumes, or returns its result), a promotion of registered weights returns their
     version. A version whose cycle is over has a record (`RUNS/_loop/cycles/vN.json`) and is never
-    trained again; the gate's refusal is recorded with its reason, and the champion serves on."""
+    trained again; the gate's refusal is recorded with its reason, and the champion serves on.
+
+    `only` runs one part, for an orchestrator's tasks: "ingest" (the append; outcome "committed" with
+    the version's `dataset.committed` event as the record, or "idle" / "done" when nothing new came),
+    "train" (the run for the latest version, not promoted: outcome "trained"), "promote" (the cycle
+    without an append: the run's result as recorded, the gate, the promotion and the record)."""
     from petatrain.data import commit_log
     from petatrain.data.index import read_manifest, split_version
     from petatrain.loop import records
@@ -785,17 +791,26 @@ def loop_cycle(
     options = options or cfg.storage.options()
     tell = on_step or (lambda step, fields: None)
     started, times = time.time(), {}
+    if only not in ("", "ingest", "train", "promote"):
+        raise ConfigError(f"--only {only!r}: ingest, train or promote")
     summary = None
-    if files:
+    before = read_manifest(spec.dataset, options)
+    if files and only in ("", "ingest"):
         tell("ingest", {"files": len(files)})
         begun = time.perf_counter()
-        fresh = read_manifest(spec.dataset, options) is None
-        summary = ingest(files, spec.dataset, config=cfg.ingest, append=not fresh, address=address, options=options)
+        summary = ingest(
+            files, spec.dataset, config=cfg.ingest, append=before is not None, address=address, options=options
+        )
         times["ingest"] = round(time.perf_counter() - begun, 3)
     manifest = read_manifest(spec.dataset, options)
     if manifest is None:
         return LoopCycle("idle", ingested=summary)
     version = manifest.generation
+    if only == "ingest":  # the latest version's commit event, and whether its cycle is over
+        event = next(iter(commit_log.read(spec.dataset, after=version - 1, options=options)), {})
+        announced = {**event, "version": version, "handled": records.read(spec.state, version, options) is not None}
+        fresh = before is None or before.generation != version
+        return LoopCycle("committed" if fresh else "done", version, announced, summary)
     done = records.read(spec.state, version, options)
     if done is not None:
         return LoopCycle("done", version, done, summary)
@@ -828,6 +843,8 @@ def loop_cycle(
             trained = train(job, carry=f"{base['run']}@{step}", address=address, options=options)
         run, result_steps = trained.run, trained.steps
     times["train"] = round(time.perf_counter() - begun, 3)
+    if only == "train":
+        return LoopCycle("trained", version, {"version": version, "run": run, "steps": result_steps}, summary)
     tell("promote", {"run": run, "model": spec.model})
     begun = time.perf_counter()
     record: dict[str, Any] = {

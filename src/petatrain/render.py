@@ -332,7 +332,14 @@ def loop_cycle(cycle: Any) -> None:
         out.print(f"{stamp} no data yet", highlight=False)
         return
     if cycle.outcome == "done":
-        out.print(f"{stamp} up to date: v{cycle.version} was handled ({record.get('outcome')})", highlight=False)
+        handled = f" ({record['outcome']})" if record.get("outcome") else ""
+        out.print(f"{stamp} up to date: v{cycle.version} was handled{handled}", highlight=False)
+        return
+    if cycle.outcome == "committed":
+        out.print(f"{stamp} v{cycle.version} committed: {record.get('rows_added', '?')} rows added", highlight=False)
+        return
+    if cycle.outcome == "trained":
+        out.print(f"{stamp} v{cycle.version}: {record['run']} trained to step {record['steps']}", highlight=False)
         return
     if cycle.outcome == "promoted":
         line = f"{stamp} v{cycle.version}: {record['run']} promoted as version {record['model_version']}"

@@ -15,12 +15,17 @@ from rich.markup import escape
 
 from petatrain import api, render
 from petatrain.cli.common import Address, Json, Sets, print_json, ray_session, say, verb
+from petatrain.errors import ConfigError
 
 
 @verb()
 def loop(
     loop_file: Annotated[Path, typer.Argument(help="The loop's YAML: model, job, source, dataset, runs, steps.")],
     once: Annotated[bool, typer.Option("--once", help="One cycle, then exit (as cron runs it).")] = False,
+    only: Annotated[
+        str,
+        typer.Option(help="With --once, one part, as an orchestrator's task: ingest, train or promote."),
+    ] = "",
     address: Address = "",
     set_: Sets = None,
     as_json: Json = False,
@@ -34,6 +39,8 @@ def loop(
     from petatrain.storage.fs import join
     from petatrain.storage.lock import Lease, LeaseHeld
 
+    if only and not once:
+        raise ConfigError("--only runs one part of one cycle: give --once too")
     spec = spec_mod.load(loop_file, list(set_ or []))
     cfg = spec.job_config()
     options = cfg.storage.options()
@@ -51,7 +58,7 @@ def loop(
     if not as_json:
         say(f"loop {escape(spec.model)}: watching {escape(spec.source)} -> {escape(spec.dataset)}")
     try:
-        _cycles(spec, watcher, address, once=once, as_json=as_json)
+        _cycles(spec, watcher, address, once=once, as_json=as_json, only=only)
     except KeyboardInterrupt:  # how a watcher is stopped: every step is idempotent, a rerun goes on
         say("loop stopped: run it again and it goes on where it stopped")
         raise typer.Exit(130) from None
@@ -59,12 +66,19 @@ def loop(
         lease.release()
 
 
-def _cycles(spec: Any, watcher: Any, address: str, *, once: bool, as_json: bool) -> None:
+def _cycles(spec: Any, watcher: Any, address: str, *, once: bool, as_json: bool, only: str = "") -> None:
     """Look, run a cycle, sleep; one cycle with `once`. A cycle with nothing to do is shown once,
     not at every look; a changed source file is warned of once."""
     warned: set[str] = set()
     shown: tuple[str, int] | None = None
     while True:
+        if only in ("train", "promote"):  # no look at the source: the versions committed are the work
+            cycle = api.loop_cycle(spec, [], address=address, on_step=_progress(as_json), only=only)
+            if as_json:
+                print_json(cycle.to_dict())
+            else:
+                render.loop_cycle(cycle)
+            return
         look = watcher.look()
         for url in sorted(set(look.changed) - warned):
             say(f"[yellow]warning:[/yellow] {escape(url)} changed since it was ingested; left alone")
@@ -74,7 +88,8 @@ def _cycles(spec: Any, watcher: Any, address: str, *, once: bool, as_json: bool)
                 say(f"  {len(look.settling)} new file(s) settling; looking again in {spec.watch.settle_s:g}s")
             time.sleep(spec.watch.settle_s)
             look = watcher.look()
-        cycle = api.loop_cycle(spec, [f.url for f in look.ready], address=address, on_step=_progress(as_json))
+        ready = [f.url for f in look.ready]
+        cycle = api.loop_cycle(spec, ready, address=address, on_step=_progress(as_json), only=only)
         quiet = cycle.outcome in ("idle", "done") and (cycle.outcome, cycle.version) == shown
         if as_json:
             if not quiet:
