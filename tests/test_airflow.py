@@ -82,8 +82,9 @@ def test_airflow_runs_the_loop_and_a_killed_task_is_retried_to_the_same_result(a
     loop_file.write_text(yaml.safe_dump(loop))
     (home / "dags" / "loop_dags.py").write_text(
         "# An Airflow DAG file: petatrain's loop as two DAGs\n"
+        "import datetime\n"
         "from petatrain.airflow import continuous_dags\n"
-        f"continuous_dags({str(loop_file)!r}, schedule=None)\n"
+        f"continuous_dags({str(loop_file)!r}, schedule=None, retry_delay=datetime.timedelta(seconds=1))\n"
     )
     _drop(tmp_path / "incoming", "a", 300, seed=3)
     api = _api(url, home)

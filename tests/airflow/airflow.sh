@@ -20,7 +20,10 @@ install() {
     python3 -m venv "$VENV"
     "$VENV/bin/pip" install -q "apache-airflow==$VERSION"
   fi
-  "$VENV/bin/pip" install -q --no-deps -e "$ROOT"  # petatrain.airflow (the standard library and Airflow only)
+  # petatrain.airflow (the standard library and Airflow only), from this checkout
+  if ! "$VENV/bin/python" -c "import petatrain.airflow as a, sys; sys.exit(a.__file__ != '$ROOT/src/petatrain/airflow.py')" 2>/dev/null; then
+    "$VENV/bin/pip" install -q --no-deps -e "$ROOT"
+  fi
 }
 
 environment() {
