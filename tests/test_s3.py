@@ -230,7 +230,8 @@ def test_versions_the_carry_over_gc_and_the_registry_on_s3(s3_endpoint, s3_bucke
 
     reg = Registry(storage.join(s3_bucket, "registry"))
     for step in (10, 20):
-        reg.register("tiny", {"run": f"{s3_bucket}/runs/a", "checkpoint": "final", "step": step, "checksum": "x"})
+        fields = {"run": f"{s3_bucket}/runs/a", "checkpoint": "final", "step": step, "checksum": f"x{step}"}
+        reg.register("tiny", fields)  # two weights (the same weights again are the same version)
     assert reg.resolve(parse_ref("registry://tiny@champion"))["step"] == 20
     assert reg.rollback("tiny")["version"] == 1
     record = storage.join(s3_bucket, "registry", "tiny", "versions", "v00000001.json")

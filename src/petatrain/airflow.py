@@ -68,7 +68,10 @@ def continuous_dags(
     args = {"retries": retries, "retry_delay": retry_delay}
     start = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 
-    @dag(dag_id=f"{prefix}_ingest", schedule=schedule, start_date=start, catchup=False, default_args=args)
+    # One run of each at a time: versions queue for the training DAG instead of racing for the loop.
+    once = {"start_date": start, "catchup": False, "default_args": args, "max_active_runs": 1}
+
+    @dag(dag_id=f"{prefix}_ingest", schedule=schedule, **once)
     def ingest_dag() -> None:
         @task(outlets=[dataset])
         def ingest(**context: Any) -> dict[str, Any]:
@@ -84,7 +87,7 @@ def continuous_dags(
 
         ingest()
 
-    @dag(dag_id=f"{prefix}_train", schedule=[dataset], start_date=start, catchup=False, default_args=args)
+    @dag(dag_id=f"{prefix}_train", schedule=[dataset], **once)
     def train_dag() -> None:
         @task
         def train() -> dict[str, Any]:

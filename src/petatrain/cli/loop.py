@@ -48,9 +48,12 @@ def loop(
     watcher = Watcher(
         spec.source, spec.dataset, options, min_bytes=spec.watch.min_size, max_wait_s=spec.watch.max_wait_s
     )
+    # One loop per model. An orchestrator's ingest step takes only the dataset's own lease, so that
+    # it never waits on (or fails beside) a training step of the same loop.
     lease = Lease(join(spec.state, "_lock"), kind="loop", what=f"loop {spec.model}", options=options)
     try:
-        lease.acquire()
+        if only != "ingest":
+            lease.acquire()
     except LeaseHeld as held:
         from petatrain.errors import PetatrainError
 
@@ -63,7 +66,8 @@ def loop(
         say("loop stopped: run it again and it goes on where it stopped")
         raise typer.Exit(130) from None
     finally:
-        lease.release()
+        if only != "ingest":
+            lease.release()
 
 
 def _cycles(spec: Any, watcher: Any, address: str, *, once: bool, as_json: bool, only: str = "") -> None:
