@@ -384,3 +384,27 @@ def test_a_killed_search_resumes_from_its_trials_ledgers_and_writes_no_credentia
         data = path.read_bytes()
         for secret in (env_secret, env_key, config_secret):
             assert secret.encode() not in data, (secret, path)
+
+
+def test_a_search_whose_every_trial_failed_exits_1_with_one_line(monkeypatch, tmp_path):
+    """A script or CI running `petatrain tune` must see a search that produced nothing: exit 1, one
+    error line saying how many trials failed and where their errors are; --json still prints the summary."""
+    from typer.testing import CliRunner
+
+    from petatrain import api
+    from petatrain.cli import app
+
+    summary = {
+        "out": str(tmp_path), "metric": "eval_loss", "mode": "min", "scheduler": "asha", "search": "random",
+        "params": {"train.lr": "loguniform:0.0003:0.03"}, "wall_s": 1.0, "html": str(tmp_path / "tune.html"),
+        "best": None, "trials": [
+            {"trial": f"t{i}", "params": {"train.lr": 0.01}, "eval_loss": None, "step": None, "status": "failed",
+             "goodput": None, "error": "ValueError: boom"} for i in range(2)
+        ],
+    }  # fmt: skip
+    monkeypatch.setattr(api, "tune", lambda *a, **k: summary)
+    done = CliRunner().invoke(app, ["tune", str(ROOT / "examples" / "tune.yaml"), "--out", str(tmp_path)])
+    assert done.exit_code == 1
+    assert "error: no trial reported eval_loss (2 of 2 failed): no best config" in done.output
+    as_json = CliRunner().invoke(app, ["tune", str(ROOT / "examples" / "tune.yaml"), "--out", str(tmp_path), "--json"])
+    assert as_json.exit_code == 1 and '"best": null' in as_json.output

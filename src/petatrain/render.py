@@ -578,10 +578,8 @@ def search(s: dict[str, Any]) -> None:
             _or_dash(None if t["goodput"] is None else 100 * t["goodput"], "{:.1f}%"),
         )
     show_table(table)
-    if best:
+    if best:  # without one, the command's error line says so (exit 1)
         out.print(f"best: trial {best}, {metric} {s['best'][metric]:.4f}: {s['best_config']}", highlight=False)
-    else:
-        out.print("[yellow]no trial reported the metric[/yellow]")
     out.print(f"search: {s['html']} ({s['wall_s']:.1f} s)", highlight=False)
 
 

@@ -9,7 +9,7 @@ import typer
 
 from petatrain import api, render
 from petatrain import config as config_mod
-from petatrain.cli.common import Address, Injects, Json, Sets, ray_session, say, show, verb
+from petatrain.cli.common import Address, Injects, Json, Sets, fail, ray_session, say, show, verb
 
 
 @verb(ray_log="petatrain-tune.log")
@@ -57,3 +57,10 @@ def tune(
         on_progress=None if as_json else say,
     )
     show(summary, render.search)
+    if summary.get("best") is None:  # what a search is for did not come: a script or CI must see it
+        failed = sum(1 for t in summary.get("trials", []) if t.get("status") == "failed")
+        fail(
+            f"no trial reported {summary['metric']} ({failed} of {len(summary.get('trials', []))} failed): "
+            f"no best config; the trials' errors are in {summary.get('html') or summary['out']}",
+            1,
+        )
