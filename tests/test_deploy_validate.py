@@ -1032,3 +1032,18 @@ def test_the_real_crds_hold_the_kinds_of_the_built_in_schemas(real_crds):
 def test_built_in_schemas_agree_with_the_real_crds(case, real_crds):
     docs = every_manifest_built_here()[case]
     assert verdicts(docs, None) == verdicts(docs, real_crds)
+
+
+def test_a_yaml_bomb_or_a_deep_nest_is_one_line_not_a_crash(tmp_path):
+    """A 1 KB billion-laughs file expanded to gigabytes (OOM) and 50,000 levels of nesting crashed
+    libyaml (a segfault): both are refused by a scan that builds nothing, before the YAML is loaded."""
+    laughs = ['a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    for level in range(1, 10):
+        prev = chr(ord("a") + level - 1)
+        laughs.append(f"{chr(ord('a') + level)}: &{chr(ord('a') + level)} [{','.join(['*' + prev] * 12)}]")
+    (tmp_path / "bomb.yaml").write_text("\n".join(laughs) + "\n")
+    (tmp_path / "deep.yaml").write_text("[" * 50_000 + "]" * 50_000 + "\n")
+    found = validate.validate_dir(str(tmp_path))
+    assert len(found) == 2
+    assert "bomb.yaml: line 10: more than 100 YAML aliases (a billion-laughs bomb?)" in found[0]
+    assert found[1].startswith("deep.yaml: line 1: nested deeper than 100 levels")

@@ -260,3 +260,12 @@ def test_storage_options_never_show_their_credentials():
     options = StorageOptions(s3_access_key_id="AKIAEXAMPLE", s3_secret_access_key="s3cr3t", extra={"token": "t0k"})
     shown = f"{options!r} {options!s} {options.for_workers()!r}"
     assert "AKIAEXAMPLE" not in shown and "s3cr3t" not in shown and "t0k" not in shown
+
+
+def test_a_config_nested_without_end_is_one_line(tmp_path):
+    """50,000 levels of nesting made the YAML composer recurse until Python gave up: refused first."""
+    from petatrain import config
+
+    (tmp_path / "deep.yaml").write_text("train: " + "[" * 50_000 + "]" * 50_000 + "\n")
+    with pytest.raises(ConfigError, match=r"deep.yaml: line 1: nested deeper than 100 levels"):
+        config.load(tmp_path / "deep.yaml")

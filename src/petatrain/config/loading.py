@@ -99,8 +99,38 @@ class _JobConfigLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+MAX_DEPTH = 100  # nesting a config or manifest may have (a pod template is ~15 deep)
+MAX_ALIASES = 100  # a few hundred bytes of aliases expand to gigabytes (the "billion laughs")
+
+
+def bounded_yaml(text: str) -> str:
+    """Why `text` is refused before it is built (too deep, too many aliases), "" when it is not: the
+    pure-Python event scanner keeps no recursion, libyaml's composer would crash on 50,000 levels."""
+    depth = aliases = 0
+    try:
+        for event in yaml.parse(text, Loader=yaml.SafeLoader):
+            if isinstance(event, yaml.CollectionStartEvent):
+                depth += 1
+                if depth > MAX_DEPTH:
+                    line = event.start_mark.line + 1
+                    return f"line {line}: nested deeper than {MAX_DEPTH} levels; no config or manifest is"
+            elif isinstance(event, yaml.CollectionEndEvent):
+                depth -= 1
+            elif isinstance(event, yaml.AliasEvent):
+                aliases += 1
+                if aliases > MAX_ALIASES:
+                    line = event.start_mark.line + 1
+                    return f"line {line}: more than {MAX_ALIASES} YAML aliases (a billion-laughs bomb?)"
+    except yaml.YAMLError:
+        return ""  # the loader below says where the YAML is broken
+    return ""
+
+
 def read_yaml(text: str, where: str, *, numbered: bool = True) -> Any:
     """Parse job-config YAML; errors are one line naming `where` (and the line, if `numbered`)."""
+    refused = bounded_yaml(text)
+    if refused:
+        raise ConfigError(f"{where}: {refused}")
     try:
         return yaml.load(text, Loader=_JobConfigLoader)  # a SafeLoader: builds plain data only
     except yaml.YAMLError as exc:

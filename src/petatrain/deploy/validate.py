@@ -52,6 +52,7 @@ import jsonschema
 import yaml
 from referencing import Registry, Resource
 
+from petatrain.config.loading import bounded_yaml
 from petatrain.deploy import k8s_names, kuberay_rules, kuberay_schema
 from petatrain.deploy.kuberay_rules import Finding
 from petatrain.errors import PetatrainError
@@ -169,6 +170,9 @@ _ManifestLoader.add_constructor("tag:yaml.org,2002:timestamp", _ManifestLoader.c
 
 
 def _validate_text(text: str, source: str, crds: str | None) -> list[str]:
+    refused = bounded_yaml(text)
+    if refused:
+        return [f"{source}: {refused}"]
     loader = _ManifestLoader(text)
     docs: list[Any] = []
     broken = None
