@@ -22,7 +22,6 @@ on this machine.
 from __future__ import annotations
 
 import argparse
-import calendar
 import shutil
 import statistics
 import sys
@@ -59,7 +58,9 @@ def _asker(url: str, seen: list[dict], stop: threading.Event) -> threading.Threa
 
 
 def _epoch(iso: str) -> float:
-    return float(calendar.timegm(time.strptime(iso, "%Y-%m-%dT%H:%M:%SZ")))
+    from petatrain.data.manifest import epoch
+
+    return float(epoch(iso) or 0.0)
 
 
 def _first_served(seen: list[dict], version: int) -> float | None:

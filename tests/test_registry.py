@@ -93,13 +93,16 @@ def test_two_promotions_at_once_one_is_refused_and_a_kill_before_the_alias_leave
         reg._version_path("tiny", 2), {"format": "petatrain-model", "name": "tiny", "version": 2, **_fields("/runs/c")}
     )
     assert reg.resolve(parse_ref("registry://tiny@champion"))["version"] == 1
-    assert reg.register("tiny", _fields("/runs/d"))["version"] == 3  # the next one goes on after it
-    # A retried promotion registers nothing twice: the same weights are the same version; a retry of
-    # the one killed before its alias moves the alias to it (one event), and is then a no-op.
-    assert reg.register("tiny", _fields("/runs/d"))["version"] == 3 and reg.versions("tiny") == [1, 2, 3]
+    # A retried promotion registers nothing twice: the retry of the one killed before its alias moves
+    # the alias to its version (one event), and is then a no-op; so is a retry of the champion's.
     assert reg.register("tiny", _fields("/runs/c"))["version"] == 2 and reg.alias("tiny")["version"] == 2
-    assert reg.register("tiny", _fields("/runs/c"))["version"] == 2 and reg.versions("tiny") == [1, 2, 3]
-    assert [(e["version"], e["from"]) for e in reg.events("tiny")] == [(1, None), (3, 1), (2, 3)]
+    assert reg.register("tiny", _fields("/runs/c"))["version"] == 2 and reg.versions("tiny") == [1, 2]
+    assert reg.register("tiny", _fields("/runs/d"))["version"] == 3  # the next one goes on after it
+    assert reg.register("tiny", _fields("/runs/d"))["version"] == 3 and reg.versions("tiny") == [1, 2, 3]
+    assert [(e["version"], e["from"]) for e in reg.events("tiny")] == [(1, None), (2, 1), (3, 2)]
+    # Weights an older version holds, promoted again, are a new promotion (with its own evaluation);
+    # only versions from the champion's on are read to find a retried one.
+    assert reg.register("tiny", _fields("/runs/a"))["version"] == 4
 
 
 @pytest.mark.parametrize(

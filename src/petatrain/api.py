@@ -388,14 +388,15 @@ def continuation_dir(fork: Any, config: JobConfig, options: StorageOptions | Non
         version = manifest.generation
     prior = prior_run_from(read_events(fork.source, options))
     pinned = dataclasses.replace(config, data=dataclasses.replace(config.data, dataset=f"{root}@v{version}"))
-    key = json.dumps(
-        {"source": prior.run_id if prior else fork.source, "step": fork.step, "config": pinned.to_dict()},
-        sort_keys=True,
-        default=str,
-    )
-    digest = hashlib.sha256(key.encode()).hexdigest()[:8]
+    digest = _digest({"source": prior.run_id if prior else fork.source, "step": fork.step, "config": pinned.to_dict()})
     parent, _, name = fork.source.rstrip("/").rpartition("/")
     return join(parent or ".", f"{name}+v{version}-{digest}")
+
+
+def _digest(what: dict[str, Any]) -> str:
+    """8 hex digits naming `what` (a run's source, step and config): a run directory named by what
+    makes the run, so that the same work asked again finds it."""
+    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:8]
 
 
 def _redacted(uri: str) -> str:
@@ -784,6 +785,7 @@ def loop_cycle(
     without an append: the run's result as recorded, the gate, the promotion and the record)."""
     from petatrain.data import commit_log
     from petatrain.data.index import read_manifest, split_version
+    from petatrain.data.manifest import epoch, now
     from petatrain.loop import records
     from petatrain.registry.store import DEFAULT_ALIAS, Registry
 
@@ -821,15 +823,15 @@ def loop_cycle(
     pinned = f"{split_version(spec.dataset)[0]}@v{version}"
     steps = spec.steps or cfg.train.steps  # the first run's
     begun = time.perf_counter()
-    if base is not None and _same_version(str(base.get("dataset", "")), pinned):  # the champion trained on it
+    current = base is not None and _same_version(str(base.get("dataset", "")), pinned)  # the champion has it
+    if base is not None and current:
         run, result_steps = str(base["run"]), int(base["step"])
     else:
         job = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, dataset=pinned))
         if base is None:  # the first model: from scratch, in a run directory named by what makes it
             job = dataclasses.replace(job, train=dataclasses.replace(job.train, steps=steps))
             tell("train", {"version": version, "from": None, "steps": steps})
-            digest = hashlib.sha256(json.dumps(job.to_dict(), sort_keys=True, default=str).encode()).hexdigest()[:8]
-            run_dir = join(spec.runs, f"v{version}-{digest}")
+            run_dir = join(spec.runs, f"v{version}-{_digest({'config': job.to_dict()})}")
             trained = train(job, run_dir=run_dir, resume=True, address=address, options=options)
         else:  # the champion goes on: every row the versions since added once, with its replay share
             from petatrain.runtime.preflight import may_carry
@@ -849,7 +851,7 @@ def loop_cycle(
     begun = time.perf_counter()
     record: dict[str, Any] = {
         "version": version, "dataset": pinned, "committed": event.get("committed"), "run": run,
-        "from": None if base is None or _same_version(str(base.get("dataset", "")), pinned) else base["run"],
+        "from": None if base is None or current else base["run"],
         "steps": result_steps,
     }  # fmt: skip
     try:
@@ -866,9 +868,9 @@ def loop_cycle(
         )  # fmt: skip
     times["promote"] = round(time.perf_counter() - begun, 3)
     finished = time.time()
-    committed_at = _epoch(record["committed"])
+    committed_at = epoch(record["committed"])
     record.update(
-        started=_iso(started), finished=_iso(finished), times=times,
+        started=now(started), finished=now(finished), times=times,
         # data commit -> the model trained on it promoted (the served model follows the alias)
         staleness_s=round(finished - committed_at, 3) if committed_at and record["outcome"] == "promoted" else None,
     )  # fmt: skip
@@ -889,19 +891,6 @@ def _same_version(a: str, b: str) -> bool:
             os.path.abspath(root_b.removeprefix("file://")),
         )
     return va is not None and va == vb and root_a.rstrip("/") == root_b.rstrip("/")
-
-
-def _iso(at: float) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at))
-
-
-def _epoch(iso: Any) -> float | None:
-    import calendar
-
-    try:
-        return float(calendar.timegm(time.strptime(str(iso), "%Y-%m-%dT%H:%M:%SZ")))
-    except ValueError:
-        return None
 
 
 def sample(config: JobConfig, run: str, prompts: Sequence[str], *, new_tokens: int = 60) -> list[str]:

@@ -23,8 +23,22 @@ FORMAT = "petatrain.dataset"
 VERSION = 2
 
 
-def now() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+ISO_TIME = "%Y-%m-%dT%H:%M:%SZ"  # how records date themselves (UTC, to the second)
+
+
+def now(at: float | None = None) -> str:
+    """`at` (default: now) as records write it."""
+    return time.strftime(ISO_TIME, time.gmtime(at))
+
+
+def epoch(text: object) -> float | None:
+    """A time `now` wrote, as seconds since the epoch; None for anything else."""
+    import calendar
+
+    try:
+        return float(calendar.timegm(time.strptime(str(text), ISO_TIME)))
+    except ValueError:
+        return None
 
 
 @dataclass(kw_only=True, slots=True)

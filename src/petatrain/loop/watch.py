@@ -50,6 +50,7 @@ class Watcher:
         self.min_bytes, self.max_wait_s, self.clock = min_bytes, max_wait_s, clock
         self._previous: dict[str, tuple[int, str]] = {}
         self._first_seen: dict[str, float] = {}
+        self._sources: tuple[int, dict[str, int]] = (0, {})  # the dataset's sources, by its version
 
     def look(self) -> Look:
         now = self.clock()
@@ -72,9 +73,13 @@ class Watcher:
         )
 
     def _known(self) -> dict[str, int]:
-        """The dataset's sources: URL -> size when ingested ({} before the first commit)."""
+        """The dataset's sources: URL -> size when ingested ({} before the first commit). Its lineage
+        is read again only when a commit made a new version, not at every look."""
         manifest = read_manifest(self.dataset, self.options)
         if manifest is None:
             return {}
-        table = lineage.read_sources(self.dataset, manifest, self.options, columns=["url", "size"])
-        return dict(zip(table.column("url").to_pylist(), table.column("size").to_pylist(), strict=True))
+        if self._sources[0] != manifest.generation:
+            table = lineage.read_sources(self.dataset, manifest, self.options, columns=["url", "size"])
+            known = dict(zip(table.column("url").to_pylist(), table.column("size").to_pylist(), strict=True))
+            self._sources = (manifest.generation, known)
+        return self._sources[1]

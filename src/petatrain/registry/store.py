@@ -205,11 +205,15 @@ class Registry:
             raise PetatrainError(f"{SCHEME}{name}: another promotion or rollback is under way ({held})") from None
         return lease
 
-    def find(self, name: str, fields: dict[str, Any]) -> dict[str, Any] | None:
-        """The newest version of `name` that records the weights `fields` names (the same run,
-        checkpoint and checksum), None if none does."""
+    def find(self, name: str, fields: dict[str, Any], alias: str = DEFAULT_ALIAS) -> dict[str, Any] | None:
+        """The version of `name` that records the weights `fields` names (the same run, checkpoint and
+        checksum) among those a retried promotion may have left: the one `alias` names and any written
+        after it (a promotion killed before its alias moved). None if none does: promoting weights an
+        older version holds is a new promotion, with its own evaluation."""
         wanted = (fields.get("run"), str(fields.get("checkpoint")), fields.get("checksum"))
-        for version in reversed(self.versions(name)):
+        current = self.alias(name, alias)
+        since = int(current["version"]) if current else 0
+        for version in reversed([v for v in self.versions(name) if v >= since]):
             record = self.record(name, version)
             if (record.get("run"), str(record.get("checkpoint")), record.get("checksum")) == wanted:
                 return record
@@ -224,7 +228,7 @@ class Registry:
         does not name it, and its record returned."""
         lease = self._lease(name, "promote")
         try:
-            existing = self.find(name, fields)
+            existing = self.find(name, fields, alias or DEFAULT_ALIAS)
             if existing is not None:
                 current = self.alias(name, alias) if alias else None
                 if alias and (current is None or current["version"] != existing["version"]):

@@ -269,11 +269,13 @@ class Completions:
 
     def _first_response(self) -> None:
         """Model staleness, once per version served: from its data's commit to this, its first answer."""
+        from petatrain.data.manifest import epoch
+
         fresh = self.fresh
         if fresh is None or fresh["first_served"] is not None or not fresh["committed"]:
             return
         now = fresh["first_served"] = time.time()
-        staleness = round(now - _epoch(fresh["committed"]), 3)
+        staleness = round(now - (epoch(fresh["committed"]) or now), 3)
         self.served = {**self.served, "staleness_s": staleness}
         self.metrics.staleness(staleness)
 
@@ -355,12 +357,6 @@ def _data_commit(dataset: str, options: StorageOptions | None) -> tuple[int | No
         return version, None
     committed = events[0].get("committed") if events and events[0].get("version") == version else None
     return version, committed
-
-
-def _epoch(iso: str) -> float:
-    import calendar
-
-    return float(calendar.timegm(time.strptime(iso, "%Y-%m-%dT%H:%M:%SZ")))
 
 
 def check_fits(settings: ServeConfig, cpus: float) -> None:
