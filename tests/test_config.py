@@ -65,3 +65,9 @@ def test_min_lr_is_a_rate_or_a_share_of_lr():
     for bad, match in [("lots", "a share of train.lr, 0% to 100%"), ("150%", "0% to 100%"), ("1.0", r"\[0, train.lr")]:
         with pytest.raises(ConfigError, match=match):
             config.load(None, [f"train.min_lr={bad}"])
+
+
+def test_a_calibration_spread_limit_is_a_share():
+    for bad in ("-0.1", ".inf"):
+        with pytest.raises(ConfigError, match=r"plan\.calibration_max_spread must be a share >= 0"):
+            config.load(None, [f"plan.calibration_max_spread={bad}"])

@@ -669,6 +669,10 @@ class PlanConfig:
             raise ConfigError(f"plan.spot_fraction must be in (0, 1], got {self.spot_fraction}")
         if self.spot_mtbf_hours <= 0 or self.restart_s < 0:
             raise ConfigError("plan.spot_mtbf_hours must be > 0 and plan.restart_s >= 0")
+        if not (math.isfinite(self.calibration_max_spread) and self.calibration_max_spread >= 0):
+            raise ConfigError(
+                f"plan.calibration_max_spread must be a share >= 0 (0.15: 15%), got {self.calibration_max_spread}"
+            )
         parse_size(self.storage_bandwidth.removesuffix("/s"), "plan.storage_bandwidth")
         parse_size(self.checkpoint_bandwidth.removesuffix("/s"), "plan.checkpoint_bandwidth")
 
