@@ -286,9 +286,19 @@ class ParallelConfig:
     strategy: Strategy = "ddp"
     workers: str = "2"
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    # Tensor-parallel degree: each layer split over this many ranks (a group inside a node); the
+    # workers / tensor groups are data-parallel replicas under `strategy` (ddp or fsdp).
+    tensor: int = 1
 
     def __post_init__(self) -> None:
         lo, hi = self.worker_range()
+        if self.tensor < 1:
+            raise ConfigError(f"parallel.tensor: need >= 1, got {self.tensor}")
+        if lo % self.tensor or hi % self.tensor:
+            raise ConfigError(
+                f"parallel.workers {self.workers!r}: with parallel.tensor {self.tensor} every worker count must be "
+                f"a multiple of {self.tensor} (tensor-parallel groups x data-parallel replicas)"
+            )
         stages = self.pipeline.stages
         if self.strategy == "pipeline" and (lo % stages or hi % stages):
             raise ConfigError(
@@ -298,7 +308,8 @@ class ParallelConfig:
 
     def data_parallel(self, workers: int) -> int:
         """Replicas the global batch is split over when `workers` ranks train."""
-        return workers // self.pipeline.stages if self.strategy == "pipeline" else workers
+        groups = workers // self.tensor
+        return groups // self.pipeline.stages if self.strategy == "pipeline" else groups
 
     def runs_on(self, workers: int, global_batch: int) -> bool:
         """Whether `workers` ranks can train a global batch of `global_batch` (an elastic run's choice)."""
@@ -308,7 +319,7 @@ class ParallelConfig:
                 workers % self.pipeline.stages == 0
                 and global_batch % (replicas * self.pipeline.microbatch_count()) == 0
             )
-        return global_batch % workers == 0
+        return workers % self.tensor == 0 and global_batch % self.data_parallel(workers) == 0
 
     def worker_range(self) -> tuple[int, int]:
         text = str(self.workers).strip()

@@ -2,7 +2,8 @@
 
 A user factory is called with the `ModelConfig` and returns `(module, loss_fn)` where
 `loss_fn(module, tokens)` gives the scalar loss of a `(batch, seq_len + 1)` int64 tensor, or
-`(module, loss_fn, PipelineParts)` to let `parallel.strategy: pipeline` split it into stages.
+`(module, loss_fn, PipelineParts)` to let `parallel.strategy: pipeline` split it into stages; a
+`TensorPlan` (models/tensor_parallel.py) after them lets `parallel.tensor` split its layers.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from torch import nn
 
 from petatrain.config import ModelConfig, TrainConfig
 from petatrain.errors import ConfigError
-from petatrain.models.gpt import GPT, TokenMLP, logits_loss, next_token_loss
+from petatrain.models.gpt import GPT, TokenMLP, gpt_tensor_plan, logits_loss, next_token_loss
+from petatrain.models.tensor_parallel import TensorPlan
 
 LossFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 
@@ -45,6 +47,7 @@ class ModelSpec:
     # backward run. Known for the built-in models only; a user model's weights are copied.
     weights_fixed_in_forward: bool = False
     pipeline: PipelineParts | None = None  # None: the model cannot be split into stages
+    tensor: TensorPlan | None = None  # None: the model has no tensor-parallel plan
 
 
 def build_model(model: ModelConfig, train: TrainConfig | None = None) -> ModelSpec:
@@ -55,7 +58,10 @@ def build_model(model: ModelConfig, train: TrainConfig | None = None) -> ModelSp
         from petatrain.models.gpt import Block
 
         parts = PipelineParts("blocks", GPT.FIRST, GPT.LAST, logits_loss)
-        return ModelSpec(module, next_token_loss, (Block,), weights_fixed_in_forward=True, pipeline=parts)
+        return ModelSpec(
+            module, next_token_loss, (Block,), weights_fixed_in_forward=True, pipeline=parts,
+            tensor=gpt_tensor_plan(model),
+        )  # fmt: skip
     if model.kind == "mlp":
         parts = PipelineParts("layers", TokenMLP.FIRST, TokenMLP.LAST, logits_loss)
         return ModelSpec(TokenMLP(model), next_token_loss, (), weights_fixed_in_forward=True, pipeline=parts)
@@ -65,15 +71,22 @@ def build_model(model: ModelConfig, train: TrainConfig | None = None) -> ModelSp
     except (ImportError, AttributeError) as exc:
         raise ConfigError(f"model.kind: cannot load {model.kind!r} ({exc})") from None
     built = factory(model)
+    extras = built[2:] if isinstance(built, tuple) else ()
+    pieces = [e for e in extras if isinstance(e, PipelineParts)]
+    plans = [e for e in extras if isinstance(e, TensorPlan)]
     if not (
         isinstance(built, tuple)
-        and len(built) in (2, 3)
+        and len(built) in (2, 3, 4)
         and isinstance(built[0], nn.Module)
         and callable(built[1])
-        and (len(built) == 2 or isinstance(built[2], PipelineParts))
+        and len(pieces) <= 1
+        and len(plans) <= 1
+        and len(pieces) + len(plans) == len(extras)
     ):
-        raise ConfigError(f"model.kind: {model.kind} must return (torch.nn.Module, loss_fn[, PipelineParts])")
-    return ModelSpec(built[0], built[1], (), pipeline=built[2] if len(built) == 3 else None)
+        raise ConfigError(
+            f"model.kind: {model.kind} must return (torch.nn.Module, loss_fn[, PipelineParts][, TensorPlan])"
+        )
+    return ModelSpec(built[0], built[1], (), pipeline=pieces[0] if pieces else None, tensor=plans[0] if plans else None)
 
 
 def tied_names(model: nn.Module) -> list[list[str]]:

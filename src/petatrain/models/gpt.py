@@ -24,6 +24,7 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, attention: str, selective: bool):
         super().__init__()
         self.n_head = cfg.n_head
+        self.head_dim = cfg.d_model // cfg.n_head
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.dropout = cfg.dropout
@@ -31,14 +32,16 @@ class CausalSelfAttention(nn.Module):
         self.selective = selective
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)  # (B, T, C) each
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
+        B, T, _ = x.shape
+        # Under tensor parallelism qkv's output is this rank's heads' q|k|v (FusedColwise): the
+        # widths below are the local ones, C / degree.
+        q, k, v = self.qkv(x).chunk(3, dim=2)  # (B, T, C) each
+        q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
         if self.selective and self.training:
             y = checkpoint(self._core, q, k, v, use_reentrant=False)
         else:
             y = self._core(q, k, v)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        y = y.transpose(1, 2).contiguous().view(B, T, -1)
         return self.proj(y)
 
     def prefill(self, x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -266,3 +269,52 @@ def generate(model: nn.Module, prompt: torch.Tensor, new_tokens: int, *, tempera
         nxt = torch.multinomial(logits.softmax(-1).cpu(), 1, generator=gen)
         out = torch.cat([out, nxt.to(out.device)])
     return out
+
+
+def gpt_tensor_plan(cfg: ModelConfig) -> Any:
+    """The GPT's tensor-parallel plan (Megatron's, with sequence parallelism as torchtitan lays it):
+    attention heads split across ranks (q|k|v by column, the output projection by row), the MLP by
+    column then row, the token embedding and the tied head by vocabulary, the loss over the
+    vocabulary-sharded logits; between blocks the residual stream is split by sequence position,
+    and the layer norms run on those positions. The embedding's sum is whole on every rank and
+    split at the first block (the learned positions are not vocabulary-split)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    from petatrain.models.tensor_parallel import FusedColwise, Replicated, TensorPlan
+
+    def styles(degree: int) -> dict[str, Any]:
+        return {
+            "wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+            "wpe": Replicated(),
+            "blocks.0": PrepareModuleInput(
+                input_layouts=Replicate(), desired_input_layouts=Shard(1), use_local_output=True
+            ),
+            "blocks.*.ln1": SequenceParallel(),
+            "blocks.*.attn": PrepareModuleInput(
+                input_layouts=Shard(1), desired_input_layouts=Replicate(), use_local_output=True
+            ),
+            "blocks.*.attn.qkv": FusedColwise(3),
+            "blocks.*.attn.proj": RowwiseParallel(output_layouts=Shard(1)),
+            "blocks.*.ln2": SequenceParallel(),
+            "blocks.*.mlp": PrepareModuleInput(
+                input_layouts=Shard(1), desired_input_layouts=Replicate(), use_local_output=True
+            ),
+            "blocks.*.mlp.up": ColwiseParallel(),
+            "blocks.*.mlp.down": RowwiseParallel(output_layouts=Shard(1)),
+            "ln_f": SequenceParallel(),
+            "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+        }
+
+    divisible = {
+        "model.n_head": cfg.n_head,
+        "model.ff_dim": cfg.ff_dim,
+        "model.vocab_size": cfg.vocab_size,
+        "model.seq_len (sequence parallelism splits positions)": cfg.seq_len,
+    }
+    return TensorPlan(styles=styles, divisible=divisible, loss_parallel=True)

@@ -22,7 +22,7 @@ from petatrain.plan.catalog import GIB, Accelerator, find, load_catalog
 from petatrain.train import recipe, strategies
 from petatrain.train.strategies import OVERLAP
 
-STRATEGIES = tuple(strategies.REGISTRY)
+STRATEGIES = strategies.PLANNED
 # Achieved collective bus bandwidth over the link's peak (nccl-tests reach ~80% on NVLink and IB).
 LINK_EFFICIENCY = 0.8
 

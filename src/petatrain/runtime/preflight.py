@@ -41,7 +41,7 @@ def checked(cfg: JobConfig, options: StorageOptions | None) -> JobConfig:
     from petatrain.storage.fs import exists
     from petatrain.train import strategies
 
-    strategies.get(cfg.parallel.strategy).check_config(cfg)
+    strategies.of(cfg).check_config(cfg)
     if cfg.observe.metrics_host == POD_IP:
         cfg = dataclasses.replace(cfg, observe=dataclasses.replace(cfg.observe, metrics_host=pod_ip()))
     if is_local(cfg.data.dataset):  # Ray workers do not share the driver's working directory

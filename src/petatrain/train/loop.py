@@ -133,12 +133,12 @@ def _set_up(cfg: JobConfig, payload: Payload, env: RankEnv, faults: ckpt.Storage
     _set_arithmetic(cfg, device)
     torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
     spec = _build_model(cfg)
-    strategy = strategies.get(cfg.parallel.strategy)
+    strategy = strategies.of(cfg)
     data_rank, data_world, micro = strategy.data_shard(cfg, env.rank, env.world)
     steps = step_runner(spec, cfg, device, env.world)
     model = steps.model
     optimizer = recipe.build_optimizer(model, cfg.train)
-    torch.manual_seed(cfg.train.seed * 1000 + env.rank + 1)  # per-rank stream (dropout)
+    torch.manual_seed(cfg.train.seed * 1000 + strategy.rng_rank(cfg, env.rank) + 1)  # per-rank stream (dropout)
     data = TokenBatches(cfg, rank=data_rank, world=data_world, micro=micro, options=payload.options)
     # Events go to the hub once a second (an actor call per step costs a measurable share of the
     # step rate on a few CPU cores). A rank killed with events still buffered leaves up to a second
@@ -412,7 +412,7 @@ def _snapshot(
     writer.wait()  # the host buffers are free again
     tensors, meta, live_tensors = state_for_save(model, optimizer, rank=rank, cfg=cfg, buffers=buffers, live=live)
     tensors["rng/cpu"] = torch.get_rng_state()
-    meta.update(loader=data.state_dict(), strategy=cfg.parallel.strategy, config_digest=digest)
+    meta.update(loader=data.state_dict(), strategy=strategies.of(cfg).name, config_digest=digest)
     snap = ckpt.Snapshot(
         step=step,
         rank=rank,

@@ -23,12 +23,12 @@ from petatrain.train.strategies.base import ReadRankFile
 
 def parallelize(spec: ModelSpec, cfg: JobConfig, device: torch.device) -> nn.Module:
     """The model on `device`, wrapped by parallel.strategy (one line refusing one `train` does not run)."""
-    return strategies.get(cfg.parallel.strategy).wrap(spec, cfg, device)
+    return strategies.of(cfg).wrap(spec, cfg, device)
 
 
 def step_runner(spec: ModelSpec, cfg: JobConfig, device: torch.device, world: int) -> Any:
     """How a step runs on this rank under parallel.strategy (train/steps.py); `.model` is what it wrapped."""
-    return strategies.get(cfg.parallel.strategy).steps(spec, cfg, device, world)
+    return strategies.of(cfg).steps(spec, cfg, device, world)
 
 
 def state_for_save(
@@ -43,7 +43,7 @@ def state_for_save(
     """(tensors, json, live tensors) this rank writes, taken at a step boundary: host copies, or
     with `live` the parameters and optimizer state themselves (model buffers, which forward
     may update, are always copied)."""
-    strategy = strategies.get(cfg.parallel.strategy)
+    strategy = strategies.of(cfg)
     model_sd, optim_sd = strategy.state_dicts(model, optimizer, rank=rank, cfg=cfg)
     with_model = strategy.saves_model(rank, cfg)
     live_ptrs: frozenset[int] = frozenset()
@@ -62,13 +62,14 @@ def read_for_resume(
 ) -> dict[int, dict[str, torch.Tensor]]:
     """The tensors this rank loads from the checkpoint `state`, by rank file; `read(r)` reads
     (and verifies) rank r's file. Only the files this rank needs are read (`Strategy.read_for_resume`)."""
-    by_name = state.strategy in strategies.BY_NAME and cfg.parallel.strategy in strategies.BY_NAME
-    if state.strategy != cfg.parallel.strategy and not by_name:
+    strategy = strategies.of(cfg)
+    by_name = state.strategy in strategies.BY_NAME and strategy.name in strategies.BY_NAME
+    if state.strategy != strategy.name and not by_name:
         raise PetatrainError(
             f"checkpoint step {state.step} was written with parallel.strategy={state.strategy}; "
-            f"this run uses {cfg.parallel.strategy}"
+            f"this run uses {strategy.name}"
         )
-    return strategies.get(cfg.parallel.strategy).read_for_resume(state, read, model=model, rank=rank, world=world)
+    return strategy.read_for_resume(state, read, model=model, rank=rank, world=world)
 
 
 def load_into(
@@ -81,4 +82,4 @@ def load_into(
     cfg: JobConfig,
 ):
     """Restore model and optimizer from the tensors `read_for_resume` gave (rank -> tensors)."""
-    strategies.get(cfg.parallel.strategy).load_into(model, optimizer, state, shards, rank=rank)
+    strategies.of(cfg).load_into(model, optimizer, state, shards, rank=rank)

@@ -50,7 +50,7 @@ class MicroBatches:
             if poison:
                 loss = loss * float("nan")
             loss.backward()
-            loss_sum += loss.detach().float()
+            loss_sum += local(loss.detach()).float()
         return loss_sum
 
     def clip(self, max_norm: float) -> float:
@@ -158,6 +158,11 @@ class PipelineSteps:
         for part in gathered:
             full.update(part or {})
         return full
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor's value on this rank (a tensor-parallel loss), or the tensor itself."""
+    return cast("torch.Tensor", tensor.to_local()) if hasattr(tensor, "to_local") else tensor
 
 
 def _unit_name(unit: int, n_blocks: int) -> str:

@@ -6,21 +6,29 @@ and communication. A new strategy is a new file here and a line in `REGISTRY`.
     fsdp      FSDP2 fully_shard per block               train, plan
     zero1/2   ZeRO optimizer (+ gradient) partitioning  plan only
     pipeline  GPipe/1F1B/interleaved/ZBV over stages    train, plan (pure pipelines)
+    tensor    Megatron TP + sequence parallel (DTensor)  train (parallel.tensor > 1; replicas ddp or fsdp)
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from petatrain.errors import ConfigError
 from petatrain.train.strategies.base import BY_NAME, OVERLAP, StateLayout, Strategy
 from petatrain.train.strategies.ddp import DDP
 from petatrain.train.strategies.fsdp import FSDP
 from petatrain.train.strategies.pipeline import Pipeline
+from petatrain.train.strategies.tensor import Tensor
 from petatrain.train.strategies.zero import ZeRO1, ZeRO2
 
-REGISTRY: dict[str, Strategy] = {s.name: s for s in (DDP(), ZeRO1(), ZeRO2(), FSDP(), Pipeline())}
-TRAINABLE: tuple[str, ...] = tuple(name for name, s in REGISTRY.items() if s.trainable)
+if TYPE_CHECKING:
+    from petatrain.config import JobConfig
 
-__all__ = ["BY_NAME", "OVERLAP", "REGISTRY", "TRAINABLE", "StateLayout", "Strategy", "get"]
+REGISTRY: dict[str, Strategy] = {s.name: s for s in (DDP(), ZeRO1(), ZeRO2(), FSDP(), Pipeline(), Tensor())}
+TRAINABLE: tuple[str, ...] = tuple(name for name, s in REGISTRY.items() if s.trainable)
+PLANNED: tuple[str, ...] = tuple(name for name, s in REGISTRY.items() if s.planned)
+
+__all__ = ["BY_NAME", "OVERLAP", "PLANNED", "REGISTRY", "TRAINABLE", "StateLayout", "Strategy", "get", "of"]
 
 
 def get(name: str) -> Strategy:
@@ -29,3 +37,9 @@ def get(name: str) -> Strategy:
     if strategy is None:
         raise ConfigError(f"parallel.strategy: unknown strategy {name!r} (one of {', '.join(REGISTRY)})")
     return strategy
+
+
+def of(cfg: JobConfig) -> Strategy:
+    """The strategy a job trains under: tensor parallelism where parallel.tensor > 1 (its replicas
+    under parallel.strategy), else parallel.strategy."""
+    return REGISTRY["tensor"] if cfg.parallel.tensor > 1 else get(cfg.parallel.strategy)

@@ -59,6 +59,7 @@ class Strategy:
 
     name: ClassVar[str]
     trainable: ClassVar[bool] = False  # `train` runs it (else `plan` models it only)
+    planned: ClassVar[bool] = True  # `plan` searches it
     every_rank_writes: ClassVar[bool] = False  # each rank's checkpoint file holds its own model state
 
     # --- plan -------------------------------------------------------------------------------
@@ -111,6 +112,10 @@ class Strategy:
         _, accumulation = recipe.micro_batching(cfg.train, world)
         return MicroBatches(self.wrap(spec, cfg, device), spec, accumulation, world)
 
+    def rng_rank(self, cfg: JobConfig, rank: int) -> int:
+        """Which dropout stream `rank` draws (ranks that must drop the same activations share one)."""
+        return rank
+
     def data_shard(self, cfg: JobConfig, rank: int, world: int) -> tuple[int, int, int]:
         """(loader rank, loader world, rows per `next()`) of this rank's data."""
         from petatrain.train import recipe
@@ -158,7 +163,7 @@ def autocast_copies(w: Workload, layers: int) -> float:
 # Strategies a run of any of them resumes from: DDP's and a pipeline's checkpoints hold whole
 # tensors by parameter name (DDP: rank 0 all of them; a pipeline: each part's rank its own), FSDP's
 # rows of them in rank order, which `read_by_name` puts back together.
-BY_NAME = ("ddp", "pipeline", "fsdp")
+BY_NAME = ("ddp", "pipeline", "fsdp", "tensor")
 
 
 def read_by_name(

@@ -1,0 +1,287 @@
+"""Tensor parallelism (Megatron's column / row split, with sequence parallelism) on DTensor, and
+its composition with data parallelism: `parallel.tensor: N` ranks split each layer, and the
+`workers / N` groups of them are replicas under `parallel.strategy` ddp (gradients all-reduced
+over the replicas) or fsdp (each group's shards sharded again over the replicas: 2D).
+
+The ranks lie on one DeviceMesh ("data", "tensor") with the tensor dimension innermost, as
+torchtitan lays it: a tensor-parallel group is `parallel.tensor` consecutive ranks, which Ray
+places on one node first. The model says how it splits (`ModelSpec.tensor`, a
+`models.tensor_parallel.TensorPlan`); nothing here writes a collective of its own.
+
+Checkpoint: whole tensors by parameter name on rank 0 (gathered, a collective), in the unsplit
+model's layout (a fused q|k|v put back in its order), so a checkpoint written at any degree loads
+at any other and under DDP, FSDP or a pipeline, and one of theirs loads here (`BY_NAME`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, cast
+
+from petatrain.errors import ConfigError
+from petatrain.train.strategies.base import (
+    ReadRankFile,
+    SavedState,
+    StateLayout,
+    Strategy,
+    load_by_name,
+    read_by_name,
+)
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from petatrain.config import JobConfig
+    from petatrain.cost.workload import Workload
+    from petatrain.models import ModelSpec
+
+DATA = ("ddp", "fsdp")  # what the replicas of a tensor-parallel group may run
+
+
+class Tensor(Strategy):
+    """The registry's instance serves every degree: the degree and the replicas' strategy are read
+    from the config (`parallel.tensor`, `parallel.strategy`)."""
+
+    name = "tensor"
+    trainable = True
+    planned = False  # `plan` does not lay out tensor parallelism yet: it is not in its search
+
+    def infeasible(self, w: Workload, count: int) -> str:
+        return "petatrain plan does not lay out tensor parallelism yet (parallel.tensor trains it)"
+
+    def state_layout(self, w: Workload, count: int, accumulation: int) -> StateLayout:
+        raise ConfigError(self.infeasible(w, count))
+
+    def communication_s(
+        self, w: Workload, count: int, *, compute_s: float, accumulation: int, bandwidth: float
+    ) -> tuple[float, float]:
+        raise ConfigError(self.infeasible(w, count))
+
+    # --- train ------------------------------------------------------------------------------
+    def check_config(self, cfg: JobConfig) -> None:
+        degree, data = cfg.parallel.tensor, cfg.parallel.strategy
+        if data not in DATA:
+            raise ConfigError(
+                f"parallel.tensor {degree} with parallel.strategy {data}: tensor-parallel groups are replicated "
+                f"by {' or '.join(DATA)} (a pipeline of tensor-parallel stages is not trained yet)"
+            )
+        plan = builtin_plan(cfg)
+        problem = plan.problem(degree) if plan is not None else ""
+        if problem:
+            raise ConfigError(problem)
+
+    def rng_rank(self, cfg: JobConfig, rank: int) -> int:
+        """A tensor-parallel group draws one dropout stream: the activations it keeps whole (the
+        embedding's) must be dropped alike on each of its ranks."""
+        return rank // cfg.parallel.tensor
+
+    def wrap(self, spec: ModelSpec, cfg: JobConfig, device: torch.device) -> nn.Module:
+        return self.steps(spec, cfg, device, 0).model
+
+    def steps(self, spec: ModelSpec, cfg: JobConfig, device: torch.device, world: int) -> Any:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        from petatrain.models import tied_names
+        from petatrain.train import recipe
+
+        degree, world = cfg.parallel.tensor, dist.get_world_size()
+        plan = spec.tensor
+        if plan is None:
+            raise ConfigError(
+                f"model.kind {cfg.model.kind}: parallel.tensor needs a model that declares its tensor-parallel plan "
+                "(return a TensorPlan from the factory)"
+            )
+        if plan.problem(degree):
+            raise ConfigError(plan.problem(degree))
+        replicas = world // degree
+        mesh = init_device_mesh(device.type, (replicas, degree), mesh_dim_names=("data", "tensor"))
+        model = spec.module.to(device)
+        ties = tied_names(model)
+        fused = plan.fused(model, degree)
+        parallelize_module(model, mesh["tensor"], plan.styles(degree))
+        _tie_again(model, ties)
+        if replicas > 1:
+            _replicate(model, spec, cfg, mesh["data"])
+        _, accumulation = recipe.micro_batching(cfg.train, replicas)
+        return TensorSteps(
+            model, spec, accumulation, world, loss_parallel=plan.loss_parallel, fused=fused, degree=degree
+        )
+
+    def data_shard(self, cfg: JobConfig, rank: int, world: int) -> tuple[int, int, int]:
+        """The ranks of a tensor-parallel group read the same rows: its replica's share of the batch."""
+        from petatrain.train import recipe
+
+        degree = cfg.parallel.tensor
+        micro, _ = recipe.micro_batching(cfg.train, world // degree)
+        return rank // degree, world // degree, micro
+
+    def saves_model(self, rank: int, cfg: JobConfig | None = None) -> bool:
+        return rank == 0
+
+    def state_dicts(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, *, rank: int, cfg: JobConfig
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Whole tensors on rank 0, in the unsplit model's layout (a collective on every rank)."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_sd = get_model_state_dict(model, options=options)
+        optim_sd = cast("dict[str, Any]", get_optimizer_state_dict(model, optimizer, options=options))
+        if rank != 0:  # torch gathers onto rank 0 only
+            return {}, {"state": {}, "param_groups": []}
+        fused = getattr(model, FUSED, {})
+        degree = cfg.parallel.tensor
+        state = {fqn: {k: _unfuse(fused, fqn, v, degree) for k, v in s.items()} for fqn, s in optim_sd["state"].items()}
+        model_sd = {k: _unfuse(fused, k, v, degree) for k, v in model_sd.items()}
+        return model_sd, {"state": state, "param_groups": optim_sd["param_groups"]}
+
+    def read_for_resume(
+        self, state: SavedState, read: ReadRankFile, *, model: nn.Module, rank: int, world: int
+    ) -> dict[int, dict[str, torch.Tensor]]:
+        """Every file of the checkpoint merged into whole tensors by name (any strategy, any degree)."""
+        from petatrain.models import tied_names
+
+        return read_by_name(state, read, rank=rank, world=world, ties=tied_names(model))
+
+    def load_into(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        state: SavedState,
+        shards: dict[int, dict[str, torch.Tensor]],
+        *,
+        rank: int,
+    ) -> None:
+        from petatrain.models import tied_names
+        from petatrain.models.tensor_parallel import permuted
+        from petatrain.train.checkpoint.tensors import split_name
+
+        fused, degree = getattr(model, FUSED, {}), getattr(model, DEGREE, 1)
+        tensors = dict(shards[0])
+        for name, tensor in shards[0].items():
+            _, fqn, _ = split_name(name)
+            if fqn in fused and tensor.dim() > 0:
+                tensors[name] = permuted(tensor, fused[fqn], degree)
+        load_by_name(model, optimizer, state, tensors, tied_names(model))
+
+
+FUSED, DEGREE = "petatrain_tensor_fused", "petatrain_tensor_degree"  # kept on the wrapped model
+
+
+@dataclass
+class TensorSteps:
+    """DDP's and FSDP's step (`MicroBatches`) on a tensor-parallel model: the loss over
+    vocabulary-sharded logits (torch's loss_parallel) where the plan says so, and the final weights
+    whole in the unsplit layout."""
+
+    model: nn.Module
+    spec: ModelSpec
+    accumulation: int
+    world: int
+    loss_parallel: bool = False
+    fused: dict[str, int] = field(default_factory=dict)
+    degree: int = 1
+
+    def __post_init__(self) -> None:
+        from petatrain.train.steps import MicroBatches
+
+        setattr(self.model, FUSED, self.fused)
+        setattr(self.model, DEGREE, self.degree)
+        self._inner = MicroBatches(self.model, self.spec, self.accumulation, self.world)
+
+    def _context(self) -> Any:
+        if not self.loss_parallel:
+            return contextlib.nullcontext()
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+
+    @property
+    def loss_share(self) -> int:
+        return self.world  # every rank of a group reports its replica's loss
+
+    def forward_backward(self, next_batch: Any, amp: Any, *, poison: bool = False) -> torch.Tensor:
+        with self._context():
+            return self._inner.forward_backward(next_batch, amp, poison=poison)
+
+    def clip(self, max_norm: float) -> float:
+        return self._inner.clip(max_norm)
+
+    def eval_loss(self, tokens: torch.Tensor, amp: Any) -> torch.Tensor | None:
+        from petatrain.train.steps import local
+
+        with self._context():
+            loss = self._inner.eval_loss(tokens, amp)
+        return local(loss) if loss is not None else None
+
+    def stage_report(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any] | None:
+        return None
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """The whole model's weights on rank 0 in the unsplit layout (a collective), empty elsewhere."""
+        from petatrain.train.steps import full_model_state
+
+        return {k: _unfuse(self.fused, k, v, self.degree) for k, v in full_model_state(self.model).items()}
+
+
+def builtin_plan(cfg: JobConfig) -> Any:
+    """The built-in model's TensorPlan (checked before workers start), None for a user model (checked
+    where it is built) or a model without one."""
+    if cfg.model.kind == "gpt":
+        from petatrain.models.gpt import gpt_tensor_plan
+
+        return gpt_tensor_plan(cfg.model)
+    if cfg.model.kind == "mlp":
+        raise ConfigError("model.kind mlp has no tensor-parallel plan (parallel.tensor trains the gpt or a user model)")
+    return None
+
+
+def _unfuse(fused: dict[str, int], fqn: str, value: Any, degree: int) -> Any:
+    if fqn not in fused or not hasattr(value, "dim") or value.dim() == 0:
+        return value
+    from petatrain.models.tensor_parallel import canonical
+
+    return canonical(value, fused[fqn], degree)
+
+
+def _tie_again(model: nn.Module, ties: list[list[str]]) -> None:
+    """parallelize_module gives each module its own DTensor parameter: tied names (the GPT's
+    embedding and head, both split by vocabulary) share the first one's again."""
+    for names in ties:
+        first = model.get_parameter(names[0])
+        for name in names[1:]:
+            owner, _, attr = name.rpartition(".")
+            other = model.get_parameter(name)
+            if getattr(other, "placements", None) != getattr(first, "placements", None):
+                raise ConfigError(
+                    f"{names[0]} and {name} are one tensor, but the tensor-parallel plan splits them differently "
+                    f"({getattr(first, 'placements', None)} and {getattr(other, 'placements', None)})"
+                )
+            setattr(model.get_submodule(owner), attr, first)
+
+
+def _replicate(model: nn.Module, spec: ModelSpec, cfg: JobConfig, mesh: Any) -> None:
+    """The tensor-parallel groups as data-parallel replicas over `mesh` (the data dimension):
+    FSDP2 shards each block again (2D), DDP's replication through FSDP2's `replicate`."""
+    from torch.distributed.fsdp import fully_shard
+
+    from petatrain.train.strategies.fsdp import precision_policy
+
+    policy = precision_policy(cfg)
+    if cfg.parallel.strategy == "fsdp":
+        for module in model.modules():
+            if spec.block_types and isinstance(module, spec.block_types):
+                fully_shard(module, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        return
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    replicate(model, mesh=mesh, mp_policy=policy)
