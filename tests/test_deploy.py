@@ -180,13 +180,14 @@ def test_paths_the_pods_cannot_see_are_refused_unless_a_volume_holds_them(tmp_pa
 
 
 def test_sizes_from_the_plan_on_gpus(tmp_path):
-    """64 H100s as plan lays the 70B model out: 8 nodes of 8 GPUs, each pod asking for and limited
-    to its node's GPUs, placed on H100 nodes, and the job config set to the planned layout."""
+    """64 H100s as plan lays the 70B model out (8-way tensor parallelism inside each node x 8 FSDP
+    replicas): 8 nodes of 8 GPUs, each pod asking for and limited to its node's GPUs, placed on H100
+    nodes, and the job config set to the planned layout."""
     cfg = config.load(ROOT / "examples" / "plan-70b.yaml", ["data.dataset=s3://b/datasets/web"])
     target = Target(name="llm", run_dir="s3://b/r", accelerator="H100-SXM")
     done = api.deploy_k8s(cfg, target, str(tmp_path), from_plan=True, count=64)
     assert (done.worker_pods, done.devices_per_node, done.accelerator) == ((8, 8), 8, "H100-SXM")
-    assert done.sized_by.startswith("plan: H100-SXM x64 pipeline")
+    assert done.sized_by.startswith("plan: H100-SXM x64 tensor 8x8 fsdp")
     docs = _docs(tmp_path)
     group = docs["RayJob"]["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]
     pod = group["template"]["spec"]
@@ -198,8 +199,8 @@ def test_sizes_from_the_plan_on_gpus(tmp_path):
     # Ray's object store lives in /dev/shm: as large as Ray makes it, 30% of the pod's 8 x 160 GiB.
     assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": f"{math.ceil(8 * 160 * 1024 * 0.3)}Mi"}
     deployed = config.from_yaml(docs["ConfigMap"]["data"]["job.yaml"], "job.yaml")
-    assert deployed.parallel.strategy == "pipeline" and deployed.parallel.workers == "64"
-    assert deployed.parallel.pipeline.stages * (64 // deployed.parallel.pipeline.stages) == 64
+    assert deployed.parallel.strategy == "fsdp" and deployed.parallel.workers == "64"
+    assert deployed.parallel.tensor == 8 and deployed.parallel.data_parallel(64) == 8
 
 
 def test_a_rayservice_carries_serves_autoscaling():

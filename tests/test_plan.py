@@ -377,7 +377,7 @@ def test_plan_json_schema_and_70b_example():
         "executed_flops_per_step", "step_time_s", "mfu", "tokens_per_s", "run_time_s", "cost_usd",
         "cost_usd_spot", "reason",
     }  # fmt: skip
-    assert len(result["candidates"]) == 10 * 11 * 5
+    assert len(result["candidates"]) == 10 * 11 * 6  # accelerators x counts 1..1024 x strategies
     for c in result["candidates"]:
         assert keys <= set(c)
         assert set(c["memory_bytes"]) == {"weights", "gradients", "optimizer", "activations", "other", "total"}
@@ -419,7 +419,11 @@ def test_out_of_memory_and_data_bound_reasons():
     result = plan(
         tiny_job("model.d_model=4096", "model.n_head=32", "model.n_layer=16"), PlanRequest(accelerator="L4", count=1)
     )
-    assert all(c.reason.startswith("out of memory") for c in result.candidates if c.strategy != "pipeline")
+    assert all(
+        c.reason.startswith("out of memory") for c in result.candidates if c.strategy not in ("pipeline", "tensor")
+    )
+    tensor = next(c for c in result.candidates if c.strategy == "tensor")
+    assert tensor.reason.startswith("infeasible: no tensor-parallel degree"), tensor.reason  # one device: no group
     assert result.recommended is None
     starved = plan(tiny_job("plan.storage_bandwidth=1KB/s"), PlanRequest(accelerator="H100-SXM", count=8))
     assert any(c.reason.startswith("data-bound") for c in starved.candidates)
@@ -561,3 +565,32 @@ def test_plan_tables_are_whole_in_a_ci_log_and_one_block_a_row_on_a_narrow_termi
     text = shown.decode(errors="replace").replace("\r", "")
     assert "…" not in text and "  goodput spot: " in text and "  strategy: pipeline" in text
     assert max(len(line) for line in text.splitlines()) <= 80
+
+
+def test_plan_lays_tensor_parallelism_inside_a_node_and_says_why():
+    """70B on 64 H100s: plan searches tensor-parallel degrees within the 8-GPU node (2D with FSDP or
+    DDP replicas, 3D inside pipeline stages) and picks 8-way tensor parallelism x 8 FSDP replicas,
+    torchtitan's layout for it; each strategy's best is explained by what it pays and what fills memory."""
+    from petatrain import config as config_mod
+    from petatrain.cost.workload import Workload
+    from petatrain.plan.recommend import PlanRequest, plan
+    from petatrain.train.strategies.tensor import Tensor
+
+    cfg = config_mod.load("examples/plan-70b.yaml", [])
+    result = plan(cfg, PlanRequest(accelerator="H100-SXM", count=64))
+    best = result.recommended
+    assert best is not None and best.strategy == "tensor"
+    assert best.layout["tensor"] == 8 and best.layout["replicas"] == 8 and best.layout["data"] == "fsdp"
+    assert "parallel.tensor=8" in best.layout["settings"] and "parallel.strategy=fsdp" in best.layout["settings"]
+    lines = result.layouts["H100-SXM x64"]
+    tensor_line = next(line for line in lines if line.startswith("tensor 8x8"))
+    assert "tensor-parallel collectives" in tensor_line and "most of it activations" in tensor_line
+    assert any(line.startswith("fsdp: ") and "gathers and reduce-scatters" in line for line in lines)
+    # Every degree tried stays within a node; 16 would cross one.
+    tensors = [c for c in result.candidates if c.strategy == "tensor"]
+    assert all(c.layout["tensor"] <= 8 for c in tensors)
+    # Splitting 8 ways divides the model states and activations 8 ways.
+    w = Workload.from_config(cfg)
+    one, eight = Tensor(1, "ddp").state_layout(w, 8, 1), Tensor(8, "ddp").state_layout(w, 8, 1)
+    assert eight.weights == pytest.approx(one.weights / 8) and eight.activation_shards == 8
+    assert Tensor(3, "ddp").infeasible(w, 6).startswith("model.n_head 64 is not divisible")

@@ -1144,20 +1144,15 @@ def deploy_k8s(config: JobConfig, target: Any, out: str, *, from_plan: bool = Fa
             raise PetatrainError("plan found no accelerator and count that fits this job: see `petatrain plan`")
         target = dc.replace(target, accelerator=chosen.accelerator)
         count = chosen.count
-        # The job runs as planned: its strategy and, for a pipeline, the layout plan chose.
-        layout = [f"parallel.strategy={chosen.strategy}", f"parallel.workers={count}"]
-        if chosen.layout:
-            shape = chosen.layout
-            layout += [
-                f"parallel.pipeline.stages={shape['stages']}",
-                f"parallel.pipeline.microbatches={shape['microbatches']}",
-                f"train.micro_batch={shape['micro_batch']}", f"train.activation_checkpointing={shape['recompute']}",
-                f"parallel.pipeline.data={shape.get('data', 'ddp')}",
-            ]  # fmt: skip
+        # The job runs as planned: its strategy and, for a searched layout, the settings plan chose.
+        if chosen.layout.get("trainable") is False:
+            raise PetatrainError(
+                f"plan chose {chosen.layout['label']}, which train does not run yet (a pipeline of tensor-parallel "
+                "stages): deploy with --count and a layout of your own, or plan with --strategy"
+            )
+        layout = [f"parallel.workers={count}", *chosen.layout.get("settings", [f"parallel.strategy={chosen.strategy}"])]
         config = config_mod.build(JobConfig, config_mod.apply_overrides(config.to_dict(), layout))
-        sized_by = f"plan: {chosen.accelerator} x{chosen.count} {chosen.strategy}" + (
-            f" {chosen.layout['stages']}x{chosen.layout['replicas']}" if chosen.layout else ""
-        )
+        sized_by = f"plan: {chosen.accelerator} x{chosen.count} " + chosen.layout.get("label", chosen.strategy)
     elif count:
         sized_by = "--count"
     if target.accelerator:

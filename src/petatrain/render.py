@@ -431,7 +431,7 @@ def plan(r: dict[str, Any], show: int) -> None:
         table.add_row(
             c["accelerator"],
             str(c["count"]),
-            c["strategy"] + (f" {shape['stages']}x{shape['replicas']} M={shape['microbatches']}" if shape else ""),
+            _label(c),
             _gib(c["memory_bytes"]["total"]),
             f"{c['step_time_s']:.3g} s",
             f"{c['mfu']:.1%}",
@@ -455,7 +455,7 @@ def plan(r: dict[str, Any], show: int) -> None:
         mem = rec["memory_bytes"]
         out.print(
             f"[bold green]recommended[/bold green] ({r['objective']}): {rec['count']} x {rec['accelerator']} with "
-            f"{rec['strategy']}: {_duration(rec['run_time_s'])}, ${rec['cost_usd']:,.0f} on demand "
+            f"{_label(rec)}: {_duration(rec['run_time_s'])}, ${rec['cost_usd']:,.0f} on demand "
             f"(${rec['cost_usd_spot']:,.0f} on spot); {_gib(mem['total'])} GiB per device "
             f"(weights {_gib(mem['weights'])}, gradients {_gib(mem['gradients'])}, optimizer {_gib(mem['optimizer'])}, "
             f"activations {_gib(mem['activations'])}, other {_gib(mem['other'])}); step {rec['step_time_s']:.3g} s at "
@@ -470,19 +470,29 @@ def plan(r: dict[str, Any], show: int) -> None:
             + versus[f"{rec['accelerator']} x{rec['count']}"],
             highlight=False,
         )
+    choices = r.get("layouts") or {}
+    if rec and f"{rec['accelerator']} x{rec['count']}" in choices:
+        out.print(f"layouts on {rec['count']} x {rec['accelerator']}:", highlight=False)
+        for line in choices[f"{rec['accelerator']} x{rec['count']}"]:
+            out.print(f"  {line}", highlight=False)
     if rec and rec.get("layout"):
         shape = rec["layout"]
-        out.print(
-            f"pipeline layout: parallel.pipeline.stages={shape['stages']} ({shape['replicas']} replicas), "
-            f"parallel.pipeline.microbatches={shape['microbatches']}, "
-            f"train.activation_checkpointing={shape['recompute']}",
-            highlight=False,
-        )
+        out.print(f"{shape['label']}: " + " ".join(f"--set {s}" for s in shape["settings"]), highlight=False)
+        if shape.get("trainable") is False:
+            out.print(
+                "  train does not run a pipeline of tensor-parallel stages yet: plan models it, train refuses it",
+                highlight=False,
+            )
     calibrations = (r.get("assumptions") or {}).get("calibrations") or {}
     for name, source in calibrations.items():  # a calibrated efficiency says where it comes from
         out.print(f"{name}'s efficiency is calibrated by {source}", highlight=False)
     if not calibrations:
         out.print("efficiencies are the catalog's defaults (petatrain profile calibrates them)", highlight=False)
+
+
+def _label(candidate: dict[str, Any]) -> str:
+    """A searched layout's name (`pipeline 16x4 M=128`, `tensor 8x8 fsdp b=4`), else the strategy's."""
+    return str((candidate.get("layout") or {}).get("label") or candidate["strategy"])
 
 
 def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:

@@ -91,11 +91,13 @@ def memory_per_device(
     s, h, V = w.seq_len, w.d_model, w.vocab_size
 
     sbh = s * b * h
-    layer = w.layer_activations(b, cpu=cpu)
-    acts = layout.in_flight * stage_layers * layer + (e * sbh if w.dropout > 0 and cpu else sbh if w.dropout > 0 else 0)
-    tail = 2 * 4 * sbh + 8 * s * b  # final LayerNorm input and output (fp32), token ids
-    head = 12 * s * b * V  # fp32 log-softmax output, its gradient and the logits' gradient
-    block_bwd = (1 + 2 * w.d_ff / h) * e * sbh  # incoming gradient + two MLP-wide gradients in a block's backward
+    t = layout.activation_shards  # tensor + sequence parallelism: each rank holds 1/t of every activation
+    layer = w.layer_activations(b, cpu=cpu) / t
+    masks = (e * sbh if cpu else sbh) if w.dropout > 0 else 0  # the embedding's dropout mask
+    acts = layout.in_flight * stage_layers * layer + masks / t
+    tail = (2 * 4 * sbh + 8 * s * b) / t  # final LayerNorm input and output (fp32), token ids
+    head = 12 * s * b * V / t  # fp32 log-softmax output, its gradient and the logits' gradient (vocabulary-split)
+    block_bwd = (1 + 2 * w.d_ff / h) * e * sbh / t  # incoming gradient + two MLP-wide gradients in a block's backward
     persistent = weights + opt
     grads_live = grads if (accumulation > 1 or count > 1) else 0.0
     layer_grads = w.grad_width * w.layer_params / layout.grad_shards
@@ -108,12 +110,12 @@ def memory_per_device(
     if w.recompute == "full":
         # One block rebuilt during backward, plus its incoming gradient, its output and the
         # two residual-branch outputs the recomputation makes on the way (measured: 4 × e·sbh).
-        block = w.layer_activations(b, cpu=cpu, recompute="none")
+        block = w.layer_activations(b, cpu=cpu, recompute="none") / t
         first = max(grads_live, grads - layer_grads) if stage_layers > 1 else grads_live
         moments = [
             ("backward at the loss", grads_live, acts + tail, head),
-            ("recompute of the last block", grads_live, acts, block + 4 * e * sbh),
-            ("recompute of the first block", first, acts / stage_layers, block + 4 * e * sbh),
+            ("recompute of the last block", grads_live, acts, block + 4 * e * sbh / t),
+            ("recompute of the first block", first, acts / stage_layers, block + 4 * e * sbh / t),
         ]
     # Optimizer step: the recipe's AdamW runs tensor by tensor (foreach=False), two fp32
     # temporaries the size of the largest tensor (of this device's shard).

@@ -123,6 +123,7 @@ class Plan:
     objective: str
     assumptions: dict[str, Any] = field(default_factory=dict)
     pipeline_vs_fsdp: dict[str, str] = field(default_factory=dict)  # "ACCELERATOR xN" -> why one wins
+    layouts: dict[str, list[str]] = field(default_factory=dict)  # "ACCELERATOR xN" -> each strategy's best, why
 
     def to_dict(self) -> dict[str, Any]:
         w = self.workload
@@ -143,6 +144,7 @@ class Plan:
             "candidates": [c.to_dict() for c in self.candidates],
             "recommended": self.recommended.to_dict() if self.recommended else None,
             "pipeline_vs_fsdp": self.pipeline_vs_fsdp,
+            "layouts": self.layouts,
         }
 
 
@@ -168,7 +170,62 @@ def evaluate(
     """Estimate one candidate (no recommendation logic); a pipeline's best P x D layout."""
     if strategy == "pipeline":
         return _best_pipeline(w, acc, count, cfg, calibration, mtbf_hours)
+    if strategy == "tensor":
+        return _best_tensor(w, acc, count, cfg, calibration, mtbf_hours)
     return _evaluate(w, acc, count, strategies.get(strategy), cfg, calibration, mtbf_hours)
+
+
+def tensor_degrees(w: est.Workload, acc: Accelerator, count: int) -> list[int]:
+    """Tensor-parallel degrees a group of one node's devices can take: 2, 4, 8 (NVLink / NVSwitch
+    reach within a node only), dividing `count` and the sizes the GPT's plan splits."""
+    from petatrain.train.strategies.tensor import tensor_split_problem
+
+    return [t for t in (2, 4, 8) if t <= acc.node_devices and count % t == 0 and not tensor_split_problem(w, t)]
+
+
+def _best_tensor(
+    w: est.Workload, acc: Accelerator, count: int, cfg: JobConfig, calibration: Calibration | None, mtbf_hours: float
+) -> Candidate:
+    """The fastest tensor-parallel layout on `count` devices that fits: T ranks of a node split each
+    layer (T in 2, 4, 8) x count / T replicas under DDP or FSDP, the micro-batch (a group's
+    activations are split T ways, so it may be larger than the config's) and the recompute policy."""
+    from petatrain.train.strategies.tensor import Tensor, tensor_exposed_s
+
+    tried: list[Candidate] = []
+    policies = ("none", "selective", "full") if w.kind == "gpt" else ("none",)
+    for t in tensor_degrees(w, acc, count) if w.kind == "gpt" else []:
+        replicas = count // t
+        for micro in (1, 2, 4, 8, 16, 32):
+            if w.global_batch % (replicas * micro):
+                continue
+            for recompute, data in itertools.product(policies, ("ddp", "fsdp") if replicas > 1 else ("ddp",)):
+                shaped = dataclasses.replace(w.with_micro_batch(micro), recompute=recompute)
+                c = _evaluate(shaped, acc, count, Tensor(t, data), cfg, calibration, mtbf_hours)
+                accumulation = w.global_batch // (replicas * micro)
+                tp_s = tensor_exposed_s(shaped, t, w.n_layer, accumulation, _intra_bandwidth(acc))
+                c.layout = {
+                    "tensor": t, "replicas": replicas, "data": data, "micro_batch": micro, "recompute": recompute,
+                    "tensor_comm_s": tp_s,
+                    "label": f"tensor {t}x{replicas} {data} b={micro}",
+                    "settings": [
+                        f"parallel.strategy={data}", f"parallel.tensor={t}", f"train.micro_batch={micro}",
+                        f"train.activation_checkpointing={recompute}",
+                    ],
+                }  # fmt: skip
+                tried.append(c)
+    if not tried:  # no degree fits a node, the count and the model: the plain estimate at 2, marked why
+        c = _evaluate(w, acc, count, Tensor(2, "ddp"), cfg, calibration, mtbf_hours)
+        c.feasible = False
+        c.reason = (
+            f"infeasible: no tensor-parallel degree of 2, 4 or 8 fits a {acc.node_devices}-device node, "
+            f"{count} devices and the model's heads, MLP width, vocabulary and sequence"
+        )
+        return c
+    return min(tried, key=lambda c: (not c.feasible, not c.fits, c.step_time_s if c.fits else c.memory.total))
+
+
+def _intra_bandwidth(acc: Accelerator) -> float:
+    return LINK_EFFICIENCY * acc.intra_link_gb_s_per_direction * 1e9
 
 
 def _best_pipeline(
@@ -179,20 +236,35 @@ def _best_pipeline(
     P: 1F1B needs M >= P, and more shrink the bubble but the micro-batch with them) and the recompute
     policy (recomputing trades compute for the activations of the in-flight micro-batches)."""
     from petatrain.train.strategies.pipeline import Pipeline
+    from petatrain.train.strategies.tensor import tensor_exposed_s
 
     tried: list[Candidate] = []
     policies = ("none", "selective", "full") if w.kind == "gpt" else ("none",)
-    for stages in (p for p in range(2, min(count, w.n_layer) + 1) if count % p == 0):
-        replicas = count // stages
+    degrees = [1, *(tensor_degrees(w, acc, count) if w.kind == "gpt" else [])]
+    for t, stages in itertools.product(degrees, range(2, min(count, w.n_layer) + 1)):
+        if count % (stages * t):
+            continue
+        replicas = count // (stages * t)
         for m in (stages, 2 * stages, 4 * stages, 8 * stages):
             if w.global_batch % (replicas * m):
                 continue
             micro = w.global_batch // (replicas * m)
             for recompute, data in itertools.product(policies, ("ddp", "fsdp") if replicas > 1 else ("ddp",)):
                 shaped = dataclasses.replace(w.with_micro_batch(micro), recompute=recompute)
-                c = _evaluate(shaped, acc, count, Pipeline(stages, data), cfg, calibration, mtbf_hours)
+                c = _evaluate(shaped, acc, count, Pipeline(stages, data, t), cfg, calibration, mtbf_hours)
+                layers = math.ceil(w.n_layer / stages)
                 c.layout = {"stages": stages, "replicas": replicas, "microbatches": m, "micro_batch": micro}
-                c.layout.update(recompute=recompute, data=data)
+                c.layout.update(recompute=recompute, data=data, tensor=t)
+                c.layout["tensor_comm_s"] = tensor_exposed_s(shaped, t, layers, m, _intra_bandwidth(acc))
+                c.layout["label"] = f"pipeline {stages}x{replicas}" + (f" tensor {t}" if t > 1 else "") + f" M={m}"
+                c.layout["settings"] = [
+                    "parallel.strategy=pipeline", f"parallel.pipeline.stages={stages}",
+                    f"parallel.pipeline.microbatches={m}", f"train.micro_batch={micro}",
+                    f"train.activation_checkpointing={recompute}", f"parallel.pipeline.data={data}",
+                    *([f"parallel.tensor={t}"] if t > 1 else []),
+                ]  # fmt: skip
+                if t > 1:  # plan models it; train refuses it today (strategies/tensor.py)
+                    c.layout["trainable"] = False
                 tried.append(c)
     if not tried:  # no layout divides the batch: the plain estimate says why
         return _evaluate(w, acc, count, strategies.get("pipeline"), cfg, calibration, mtbf_hours)
@@ -223,6 +295,29 @@ def pipeline_vs_fsdp(pipe: Candidate, fsdp: Candidate) -> str:
     )
 
 
+def explain_layout(c: Candidate) -> str:
+    """One candidate in a line: its step and what it pays besides compute (the exposed collectives by
+    kind, the bubble), and the memory term that decides whether it fits."""
+    label = c.layout.get("label", c.strategy)
+    if c.reason.startswith(("infeasible", "out of memory")):
+        return f"{label}: {c.reason}"
+    parts = [f"compute {c.compute_s:.3g} s"]
+    tp = float(c.layout.get("tensor_comm_s", 0.0))
+    if tp:
+        parts.append(f"tensor-parallel collectives {tp:.3g} s (inside the node)")
+    rest = c.communication_s - tp
+    if rest > 1e-9:
+        kind = {"fsdp": "gathers and reduce-scatters", "pipeline": "stage transfers and replica all-reduce"}
+        parts.append(f"{kind.get(c.strategy, 'data-parallel all-reduce')} {rest:.3g} s exposed")
+    if c.bubble_s:
+        parts.append(f"bubble {c.bubble_s:.3g} s")
+    terms = c.memory.to_dict()
+    del terms["total"]
+    biggest = max(terms, key=lambda k: terms[k])
+    memory = f"{c.memory.total / GIB:.1f} GiB a device, most of it {biggest} ({terms[biggest] / GIB:.1f})"
+    return f"{label}: {c.step_time_s:.3g} s a step = " + " + ".join(parts) + f"; {memory}"
+
+
 def _evaluate(
     w: est.Workload,
     acc: Accelerator,
@@ -251,11 +346,13 @@ def _evaluate(
     model_flops, executed = w.model_flops(G), w.executed_flops(G)
     compute = executed / n / (peak * efficiency)
 
-    # Communication over the slowest link the collective crosses.
+    # Communication over the slowest link the collective crosses; tensor-parallel groups within a node.
     nodes = math.ceil(n / acc.node_devices)
     intra = acc.intra_link_gb_s_per_direction * 1e9
     bandwidth = LINK_EFFICIENCY * (intra if nodes == 1 else min(intra, acc.network_bytes_per_device()))
-    exposed, bubble = spec.communication_s(w, n, compute_s=compute, accumulation=accumulation, bandwidth=bandwidth)
+    exposed, bubble = spec.communication_s(
+        w, n, compute_s=compute, accumulation=accumulation, bandwidth=bandwidth, intra_bandwidth=_intra_bandwidth(acc)
+    )
 
     # Data: the loader streams in the background; a step cannot be faster than its bytes.
     token_bytes = 2 if w.vocab_size <= 2**16 else 4
@@ -397,10 +494,12 @@ def plan(cfg: JobConfig, request: PlanRequest | None = None) -> Plan:
     }
     versus = {}
     by_key = {(c.accelerator, c.count, c.strategy): c for c in candidates}
+    layouts: dict[str, list[str]] = {}
     for (acc_name, n, strategy), c in by_key.items():
         if strategy == "pipeline" and (acc_name, n, "fsdp") in by_key:
             versus[f"{acc_name} x{n}"] = pipeline_vs_fsdp(c, by_key[(acc_name, n, "fsdp")])
+        layouts.setdefault(f"{acc_name} x{n}", []).append(explain_layout(c))
     return Plan(
         workload=w, candidates=candidates, recommended=best, objective=objective, assumptions=assumptions,
-        pipeline_vs_fsdp=versus,
+        pipeline_vs_fsdp=versus, layouts=layouts,
     )  # fmt: skip

@@ -52,6 +52,7 @@ class StateLayout:
     in_flight: int = 1  # micro-batches whose activations it holds at once
     grad_shards: int = 1  # one block's gradient is split this many ways
     optimizer_shards: int = 1  # the optimizer's (GPU, foreach) temporary is split this many ways
+    activation_shards: int = 1  # tensor (and sequence) parallelism splits every activation this many ways
 
 
 class Strategy:
@@ -75,9 +76,18 @@ class Strategy:
         raise NotImplementedError
 
     def communication_s(
-        self, w: Workload, count: int, *, compute_s: float, accumulation: int, bandwidth: float
+        self,
+        w: Workload,
+        count: int,
+        *,
+        compute_s: float,
+        accumulation: int,
+        bandwidth: float,
+        intra_bandwidth: float = 0.0,
     ) -> tuple[float, float]:
-        """(exposed communication, pipeline bubble) of one step, in seconds."""
+        """(exposed communication, pipeline bubble) of one step, in seconds. `bandwidth`: the slowest
+        link the data-parallel collectives cross; `intra_bandwidth`: a node's own (NVLink), which
+        tensor-parallel groups stay within."""
         raise NotImplementedError
 
     def checkpoint_bytes_per_device(self, total: float, count: int) -> float:

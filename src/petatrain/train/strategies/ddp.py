@@ -59,7 +59,14 @@ class DDP(Strategy):
         )
 
     def communication_s(
-        self, w: Workload, count: int, *, compute_s: float, accumulation: int, bandwidth: float
+        self,
+        w: Workload,
+        count: int,
+        *,
+        compute_s: float,
+        accumulation: int,
+        bandwidth: float,
+        intra_bandwidth: float = 0.0,
     ) -> tuple[float, float]:
         return allreduce_exposed_s(w, count, compute_s=compute_s, bandwidth=bandwidth), 0.0
 

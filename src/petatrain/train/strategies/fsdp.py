@@ -56,7 +56,14 @@ class FSDP(Strategy):
         )
 
     def communication_s(
-        self, w: Workload, count: int, *, compute_s: float, accumulation: int, bandwidth: float
+        self,
+        w: Workload,
+        count: int,
+        *,
+        compute_s: float,
+        accumulation: int,
+        bandwidth: float,
+        intra_bandwidth: float = 0.0,
     ) -> tuple[float, float]:
         # All-gather for forward and for backward, reduce-scatter of the gradients, per micro-batch.
         gather = formulas.ring_collective_seconds(w.gathered_width * w.params, count, bandwidth)

@@ -21,6 +21,7 @@ from petatrain.train.strategies.base import (
     read_by_name,
 )
 from petatrain.train.strategies.fsdp import precision_policy
+from petatrain.train.strategies.tensor import tensor_exposed_s, tensor_split_problem
 
 if TYPE_CHECKING:
     import torch
@@ -38,20 +39,20 @@ TIED_NAMES = "petatrain_tied_names"
 
 
 class Pipeline(Strategy):
-    """`stages` 0 (the registry's): every device a stage; `Pipeline(stages=P, data=...)`: P stages x
-    count / P data-parallel replicas of the pipeline, the replicas of a stage running DDP or FSDP
-    (what `plan` searches)."""
+    """`stages` 0 (the registry's): every device a stage; `Pipeline(stages=P, data=..., tensor=T)`: P
+    stages x count / (P T) data-parallel replicas of the pipeline, the replicas of a stage running DDP
+    or FSDP, each stage split T ways by tensor parallelism (what `plan` searches; `train` runs T = 1)."""
 
     name = "pipeline"
     trainable = True
 
-    def __init__(self, stages: int = 0, data: str = "ddp"):
-        self.stages, self.data = stages, data
+    def __init__(self, stages: int = 0, data: str = "ddp", tensor: int = 1):
+        self.stages, self.data, self.tensor = stages, data, tensor
 
     def _shape(self, count: int) -> tuple[int, int]:
         """(stages, replicas) on `count` devices."""
-        stages = self.stages or count
-        return stages, max(1, count // stages)
+        stages = self.stages or count // self.tensor
+        return stages, max(1, count // (stages * self.tensor))
 
     def data_parallel(self, count: int) -> int:
         return self._shape(count)[1]  # each replica of the pipeline sees its share of the global batch
@@ -60,15 +61,17 @@ class Pipeline(Strategy):
         stages, _ = self._shape(count)
         if stages < 2 or stages > w.n_layer:
             return f"pipeline needs 2..{w.n_layer} stages (model.n_layer), not {stages}"
-        if count % stages:
-            return f"{count} devices are not a multiple of {stages} stages"
-        return ""
+        if count % (stages * self.tensor):
+            tensor = f" x tensor-parallel degree {self.tensor}" if self.tensor > 1 else ""
+            return f"{count} devices are not a multiple of {stages} stages{tensor}"
+        return tensor_split_problem(w, self.tensor) if self.tensor > 1 else ""
 
     def state_layout(self, w: Workload, count: int, accumulation: int) -> StateLayout:
         """A stage's share: 1/P of the model. Under data fsdp its replicas also split the weights and
         the optimizer state D ways, but hold the stage's weights gathered (FSDP's compute dtype)
         and its gradients whole through the step (reduce-scattered after the flush)."""
-        P, (n, d) = w.params, self._shape(count)
+        t = self.tensor
+        P, (n, d) = w.params / t, self._shape(count)
         stage_layers = math.ceil(w.n_layer / n)
         shards = d if self.data == "fsdp" else 1
         gathered = w.gathered_width * P / n if shards > 1 else 0.0
@@ -76,14 +79,23 @@ class Pipeline(Strategy):
             weights=w.weight_width * P / n / shards,
             gradients=w.grad_width * P / n,
             optimizer=w.optimizer_width * P / n / shards,
-            buffers=gathered if shards > 1 else autocast_copies(w, stage_layers),
+            buffers=gathered if shards > 1 else autocast_copies(w, stage_layers) / t,
             stage_layers=stage_layers,
             in_flight=min(n, accumulation),  # 1F1B: the first stage holds p micro-batches
-            optimizer_shards=n * shards,
+            grad_shards=t,
+            optimizer_shards=n * shards * t,
+            activation_shards=t,
         )
 
     def communication_s(
-        self, w: Workload, count: int, *, compute_s: float, accumulation: int, bandwidth: float
+        self,
+        w: Workload,
+        count: int,
+        *,
+        compute_s: float,
+        accumulation: int,
+        bandwidth: float,
+        intra_bandwidth: float = 0.0,
     ) -> tuple[float, float]:
         """Activations forward and gradients back across each stage boundary, per micro-batch; the
         replicas' all-reduce of a stage's gradients after the flush (not hidden: backward is over);
@@ -91,10 +103,14 @@ class Pipeline(Strategy):
         stages, replicas = self._shape(count)
         if count <= 1:
             return 0.0, 0.0
-        act_bytes = w.micro_batch * w.seq_len * w.d_model * w.activation_bytes_per_element
+        t = self.tensor
+        # Under tensor (sequence) parallelism a rank sends its 1/t of the positions.
+        act_bytes = w.micro_batch * w.seq_len * w.d_model * w.activation_bytes_per_element / t
         p2p = accumulation * 2 * act_bytes / bandwidth if stages > 1 else 0.0
-        reduce = formulas.ring_allreduce_seconds(w.grad_width * w.params / stages, replicas, bandwidth)
-        return p2p + reduce, compute_s * formulas.bubble_overhead(stages, accumulation)
+        reduce = formulas.ring_allreduce_seconds(w.grad_width * w.params / stages / t, replicas, bandwidth)
+        layers = math.ceil(w.n_layer / stages)
+        tp = tensor_exposed_s(w, t, layers, accumulation, intra_bandwidth or bandwidth)
+        return p2p + reduce + tp, compute_s * formulas.bubble_overhead(stages, accumulation)
 
     # --- train ------------------------------------------------------------------------------
     def check_config(self, cfg: JobConfig) -> None:

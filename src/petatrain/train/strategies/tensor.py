@@ -41,23 +41,87 @@ DATA = ("ddp", "fsdp")  # what the replicas of a tensor-parallel group may run
 
 
 class Tensor(Strategy):
-    """The registry's instance serves every degree: the degree and the replicas' strategy are read
-    from the config (`parallel.tensor`, `parallel.strategy`)."""
+    """`Tensor(degree, data)`: `degree`-way tensor parallelism x count / degree replicas under `data`
+    (what `plan` searches). The registry's instance (degree 0) trains: it reads the degree and the
+    replicas' strategy from the config (`parallel.tensor`, `parallel.strategy`)."""
 
     name = "tensor"
     trainable = True
-    planned = False  # `plan` does not lay out tensor parallelism yet: it is not in its search
+
+    def __init__(self, degree: int = 0, data: str = "ddp"):
+        self.degree, self.data = degree, data
+
+    # --- plan -------------------------------------------------------------------------------
+    def data_parallel(self, count: int) -> int:
+        return max(1, count // self.degree) if self.degree else count
 
     def infeasible(self, w: Workload, count: int) -> str:
-        return "petatrain plan does not lay out tensor parallelism yet (parallel.tensor trains it)"
+        t = self.degree
+        if not t:
+            return "plan searches the tensor-parallel degree (2, 4, 8 within a node)"
+        if count % t:
+            return f"{count} devices are not a multiple of tensor-parallel degree {t}"
+        return tensor_split_problem(w, t)
 
     def state_layout(self, w: Workload, count: int, accumulation: int) -> StateLayout:
-        raise ConfigError(self.infeasible(w, count))
+        """Every matmul's weights, gradients and optimizer state split t ways (the norms' and the
+        positions', a rounding error, counted whole too); FSDP replicas split them again D ways and
+        hold one block gathered (and the next prefetched) and its gradient before reduce-scatter."""
+        from petatrain.train.strategies.base import autocast_copies
+
+        t = self.degree
+        d = count // t
+        shards = d if self.data == "fsdp" and d > 1 else 1
+        P, unit = w.params / t, w.layer_params / t
+        if shards > 1:
+            buffers = 2 * unit * w.gathered_width + unit * w.grad_width
+        else:
+            buckets = min(2 * 25 * 2**20, w.grad_width * P) if d > 1 else 0.0  # DDP's, over this rank's share
+            buffers = autocast_copies(w, w.n_layer) / t + buckets
+        return StateLayout(
+            weights=w.weight_width * P / shards,
+            gradients=w.grad_width * P / shards,
+            optimizer=w.optimizer_width * P / shards,
+            buffers=buffers,
+            stage_layers=w.n_layer,
+            grad_shards=t * shards,
+            optimizer_shards=t * shards,
+            activation_shards=t,
+        )
 
     def communication_s(
-        self, w: Workload, count: int, *, compute_s: float, accumulation: int, bandwidth: float
+        self,
+        w: Workload,
+        count: int,
+        *,
+        compute_s: float,
+        accumulation: int,
+        bandwidth: float,
+        intra_bandwidth: float = 0.0,
     ) -> tuple[float, float]:
-        raise ConfigError(self.infeasible(w, count))
+        """The tensor-parallel collectives of every layer, inside the node and not hidden (nothing
+        overlaps them here), plus the replicas' gradient traffic over 1/t of the model: DDP's
+        all-reduce after backward, or FSDP's gathers and reduce-scatter per micro-batch."""
+        from petatrain.cost import formulas
+        from petatrain.train.strategies.base import OVERLAP
+
+        t = self.degree
+        d = count // t
+        tp = tensor_exposed_s(w, t, w.n_layer, accumulation, intra_bandwidth or bandwidth)
+        grads = w.grad_width * w.params / t
+        if self.data == "fsdp" and d > 1:
+            gather = formulas.ring_collective_seconds(w.gathered_width * w.params / t, d, bandwidth)
+            dp = max(
+                0.0,
+                accumulation * (2 * gather + formulas.ring_collective_seconds(grads, d, bandwidth))
+                - OVERLAP * compute_s,
+            )
+        else:
+            dp = max(0.0, formulas.ring_allreduce_seconds(grads, d, bandwidth) - OVERLAP * compute_s * 2 / 3)
+        return tp + dp, 0.0
+
+    def checkpoint_bytes_per_device(self, total: float, count: int) -> float:
+        return total / self.degree if self.degree else total
 
     # --- train ------------------------------------------------------------------------------
     def check_config(self, cfg: JobConfig) -> None:
@@ -98,6 +162,8 @@ class Tensor(Strategy):
         if plan.problem(degree):
             raise ConfigError(plan.problem(degree))
         replicas = world // degree
+        if device.type == "cuda":
+            _check_groups_within_nodes(degree, world)
         mesh = init_device_mesh(device.type, (replicas, degree), mesh_dim_names=("data", "tensor"))
         model = spec.module.to(device)
         ties = tied_names(model)
@@ -232,6 +298,29 @@ class TensorSteps:
         return {k: _unfuse(self.fused, k, v, self.degree) for k, v in full_model_state(self.model).items()}
 
 
+def tensor_split_problem(w: Workload, degree: int) -> str:
+    """Why the GPT of workload `w` cannot be split `degree` ways ("" if it can): the sizes its plan splits."""
+    for what, size in (("n_head", w.n_head), ("d_ff", w.d_ff), ("vocab_size", w.vocab_size), ("seq_len", w.seq_len)):
+        if size % degree:
+            return f"model.{what} {size} is not divisible by tensor-parallel degree {degree}"
+    return ""
+
+
+def tensor_exposed_s(w: Workload, degree: int, layers: int, accumulation: int, bandwidth: float) -> float:
+    """Seconds of tensor-parallel collectives a step waits for, per rank: for each layer and micro-batch,
+    Megatron's two in forward and two in backward (with sequence parallelism an all-gather and a
+    reduce-scatter each, the volume of an all-reduce), two more where full recompute repeats the
+    forward; and the embedding's and the head's pair. Each moves one micro-batch's activations (b s h)."""
+    from petatrain.cost import formulas
+
+    if degree <= 1:
+        return 0.0
+    act = w.micro_batch * w.seq_len * w.d_model * w.activation_bytes_per_element
+    per_layer = 4 + (2 if w.recompute == "full" else 0)
+    once = formulas.ring_allreduce_seconds(act, degree, bandwidth)
+    return accumulation * (layers * per_layer + 2) * once
+
+
 def builtin_plan(cfg: JobConfig) -> Any:
     """The built-in model's TensorPlan (checked before workers start), None for a user model (checked
     where it is built) or a model without one."""
@@ -250,6 +339,25 @@ def _unfuse(fused: dict[str, int], fqn: str, value: Any, degree: int) -> Any:
     from petatrain.models.tensor_parallel import canonical
 
     return canonical(value, fused[fqn], degree)
+
+
+def _check_groups_within_nodes(degree: int, world: int) -> None:
+    """On GPUs a tensor-parallel group's collectives run every layer: over NVLink inside a node, not
+    the network. Ray Train numbers a node's workers consecutively, so each group of `degree`
+    consecutive ranks must find one host (a collective on every rank)."""
+    import socket
+
+    import torch.distributed as dist
+
+    hosts: list[Any] = [None] * world
+    dist.all_gather_object(hosts, socket.gethostname())
+    for first in range(0, world, degree):
+        group = hosts[first : first + degree]
+        if len(set(group)) > 1:
+            raise ConfigError(
+                f"parallel.tensor {degree}: ranks {first}-{first + degree - 1} are on {len(set(group))} nodes "
+                f"({', '.join(sorted(set(group)))}); a tensor-parallel group must fit one node's GPUs"
+            )
 
 
 def _tie_again(model: nn.Module, ties: list[list[str]]) -> None:
