@@ -175,6 +175,39 @@ def evaluate(
     return _evaluate(w, acc, count, strategies.get(strategy), cfg, calibration, mtbf_hours)
 
 
+def evaluate_layout(
+    cfg: JobConfig,
+    accelerator: str,
+    count: int,
+    *,
+    tensor: int = 1,
+    stages: int = 1,
+    data: str = "fsdp",
+    micro_batch: int = 1,
+    recompute: str = "none",
+) -> Candidate:
+    """One given layout estimated (a published one, to hold plan's own choice against): `tensor` x
+    `stages` x count / (tensor x stages) replicas under `data`, `micro_batch` rows a micro-batch."""
+    from petatrain.train.strategies.pipeline import Pipeline
+    from petatrain.train.strategies.tensor import Tensor
+
+    acc = find(accelerator, load_catalog(cfg.plan))
+    w = dataclasses.replace(est.Workload.from_config(cfg).with_micro_batch(micro_batch), recompute=recompute)
+    calibration = load_calibrations(cfg.plan.calibration_dir).get(acc.name)
+    if stages > 1:
+        spec: strategies.Strategy = Pipeline(stages, data, tensor)
+    elif tensor > 1:
+        spec = Tensor(tensor, data)
+    else:
+        spec = strategies.get(data)
+    c = _evaluate(w, acc, count, spec, cfg, calibration, cfg.faults.mtbf_hours)
+    replicas = count // (tensor * stages)
+    label = f"tensor {tensor} x " if tensor > 1 else ""
+    label += f"pipeline {stages} x " if stages > 1 else ""
+    c.layout = {"label": f"{label}{data} {replicas}, b={micro_batch}, recompute {recompute}"}
+    return c
+
+
 def tensor_degrees(w: est.Workload, acc: Accelerator, count: int) -> list[int]:
     """Tensor-parallel degrees a group of one node's devices can take: 2, 4, 8 (NVLink / NVSwitch
     reach within a node only), dividing `count` and the sizes the GPT's plan splits."""
@@ -206,7 +239,7 @@ def _best_tensor(
                 c.layout = {
                     "tensor": t, "replicas": replicas, "data": data, "micro_batch": micro, "recompute": recompute,
                     "tensor_comm_s": tp_s,
-                    "label": f"tensor {t}x{replicas} {data} b={micro}",
+                    "label": f"tensor {t}x{replicas} {data} b={micro}" + _recompute(recompute),
                     "settings": [
                         f"parallel.strategy={data}", f"parallel.tensor={t}", f"train.micro_batch={micro}",
                         f"train.activation_checkpointing={recompute}",
@@ -222,6 +255,10 @@ def _best_tensor(
         )
         return c
     return min(tried, key=lambda c: (not c.feasible, not c.fits, c.step_time_s if c.fits else c.memory.total))
+
+
+def _recompute(policy: str) -> str:
+    return f" recompute {policy}" if policy != "none" else ""
 
 
 def _intra_bandwidth(acc: Accelerator) -> float:
@@ -256,7 +293,8 @@ def _best_pipeline(
                 c.layout = {"stages": stages, "replicas": replicas, "microbatches": m, "micro_batch": micro}
                 c.layout.update(recompute=recompute, data=data, tensor=t)
                 c.layout["tensor_comm_s"] = tensor_exposed_s(shaped, t, layers, m, _intra_bandwidth(acc))
-                c.layout["label"] = f"pipeline {stages}x{replicas}" + (f" tensor {t}" if t > 1 else "") + f" M={m}"
+                tensor = f" tensor {t}" if t > 1 else ""
+                c.layout["label"] = f"pipeline {stages}x{replicas}{tensor} M={m}" + _recompute(recompute)
                 c.layout["settings"] = [
                     "parallel.strategy=pipeline", f"parallel.pipeline.stages={stages}",
                     f"parallel.pipeline.microbatches={m}", f"train.micro_batch={micro}",
