@@ -176,11 +176,14 @@ def _run(cmd: list[str], what: str, env: dict[str, str] | None = None) -> tuple[
     return time.perf_counter() - started, load, account
 
 
-def run_plain(ds: str, steps: int, warmup: int, rep: int, under: str = "torchrun", workers: int = 2) -> dict:
+def run_plain(
+    ds: str, steps: int, warmup: int, rep: int, under: str = "torchrun", workers: int = 2, tensor: int = 1
+) -> dict:
     """The plain loop under `torchrun`, `ray-train` (a TorchTrainer) or `ray-actors` (bare actors)."""
     out = WORK / f"plain-{under}-{rep}.json"
     out.unlink(missing_ok=True)
     script = [str(HERE / "plain_ddp.py"), "--dataset", ds, "--out", str(out), "--steps", str(steps)]
+    script += ["--tensor", str(tensor)]
     script += ["--n-layer", str(MODEL["n_layer"]), "--n-head", str(MODEL["n_head"]), "--d-model", str(MODEL["d_model"])]
     if under == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(workers), *script]
@@ -207,7 +210,14 @@ def run_plain(ds: str, steps: int, warmup: int, rep: int, under: str = "torchrun
 
 
 def run_petatrain(
-    ds: str, steps: int, warmup: int, rep: int, checkpoint_every: str, spares: bool = False, workers: int = 2
+    ds: str,
+    steps: int,
+    warmup: int,
+    rep: int,
+    checkpoint_every: str,
+    spares: bool = False,
+    workers: int = 2,
+    tensor: int = 1,
 ) -> dict:
     """`spares` turns on the per-attempt helpers as by default: the spare workers and the warm
     standby (which has nothing to start while the controller runs in the driver)."""
@@ -215,7 +225,7 @@ def run_petatrain(
     shutil.rmtree(run_dir, ignore_errors=True)
     sets = [f"data.dataset={ds}", f"train.steps={steps}", "train.eval_every=0", f"checkpoint.every={checkpoint_every}"]
     sets += [f"faults.standby={str(spares).lower()}", f"faults.spares={str(spares).lower()}"]
-    sets += [f"parallel.workers={workers}"]
+    sets += [f"parallel.workers={workers}", f"parallel.tensor={tensor}"]
     sets += [f"model.{k}={v}" for k, v in MODEL.items()]
     cmd = [sys.executable, "-m", "petatrain", "train", str(TINY), "--run-dir", str(run_dir), "--json"]
     cmd += [arg for s in sets for arg in ("--set", s)]
@@ -279,7 +289,13 @@ def _print_table(summary: dict[str, dict], args: argparse.Namespace) -> None:
     print(
         f"\nsteady-state steps/s (steps {args.warmup + 1}-{args.steps}), GPT d_model {MODEL['d_model']} x "
         f"{MODEL['n_layer']} layers, batch 16 (micro 8), seq 64, {w} CPU workers (gloo), {os.cpu_count()} cores "
-        f"shared with other users: median of {args.reps} (min-max)\n"
+        f"shared with other users: median of {args.reps} (min-max)"
+        + (
+            f"; both sides {args.tensor}-way tensor-parallel (the plain rows run plain_ddp.py --tensor {args.tensor})"
+            if args.tensor > 1
+            else ""
+        )
+        + "\n"
     )
     header = f"{'run':<44} {'steps/s':>20} {'median step ms':>15} {'vs plain':>9} {'paired (min-max)':>22}"
     print(f"{header} {'control plane, cores':>21} {'workers CPU ms/step':>20}")
@@ -304,18 +320,23 @@ def main() -> None:
         help="ranks (2: every core trains; 1 on 2 cores: a core is left to the control plane, as on a GPU node)",
     )
     parser.add_argument("--only", default="", help="comma-separated parts of the row names to run (default: all)")
+    parser.add_argument(
+        "--tensor", type=int, default=1, help="tensor-parallel degree of both sides (the plain script's --tensor)"
+    )
     args = parser.parse_args()
     WORK.mkdir(parents=True, exist_ok=True)
     ds = token_dataset()
-    n, w = args.steps, args.workers
+    n, w, t = args.steps, args.workers, args.tensor
     runs = {
-        PLAIN: lambda rep: run_plain(ds, n, args.warmup, rep, workers=w),
-        BARE: lambda rep: run_plain(ds, n, args.warmup, rep, "ray-actors", w),
-        RAY_TRAIN: lambda rep: run_plain(ds, n, args.warmup, rep, "ray-train", w),
-        OURS: lambda rep: run_petatrain(ds, n, args.warmup, rep, "10s", workers=w),
-        "petatrain, checkpoints off": lambda rep: run_petatrain(ds, n, args.warmup, rep, "1000000", workers=w),
+        PLAIN: lambda rep: run_plain(ds, n, args.warmup, rep, workers=w, tensor=t),
+        BARE: lambda rep: run_plain(ds, n, args.warmup, rep, "ray-actors", w, tensor=t),
+        RAY_TRAIN: lambda rep: run_plain(ds, n, args.warmup, rep, "ray-train", w, tensor=t),
+        OURS: lambda rep: run_petatrain(ds, n, args.warmup, rep, "10s", workers=w, tensor=t),
+        "petatrain, checkpoints off": lambda rep: run_petatrain(
+            ds, n, args.warmup, rep, "1000000", workers=w, tensor=t
+        ),
         "petatrain, ckpt 10 s + spares start": lambda rep: run_petatrain(
-            ds, n, args.warmup, rep, "10s", spares=True, workers=w
+            ds, n, args.warmup, rep, "10s", spares=True, workers=w, tensor=t
         ),
     }
     wanted = [part.strip() for part in args.only.split(",") if part.strip()]
@@ -352,14 +373,16 @@ def main() -> None:
     cores = ", ".join(f"{name} {s['control_plane_cores']:.3f}" for name, s in summary.items())
     print(f"control plane (CPU of every process but the {w} workers, median, cores): {cores}; {os.cpu_count()} cores")
     print("noise: 2 shared cores (load averages per run are in the JSON); compare medians, not single runs")
+    name = "overhead" if w == 2 else f"overhead-{w}-workers"
     write_results(
-        "overhead" if w == 2 else f"overhead-{w}-workers",
+        name if t == 1 else f"{name}-tensor-{t}",
         {
             "setup": {
                 "model": {**MODEL, "vocab_size": 320, "seq_len": 64},
                 "global_batch": 16,
                 "micro_batch": 8,
                 "workers": w,
+                "tensor_parallel": t,
                 "backend": "gloo",
                 "steps": args.steps,
                 "warmup_steps_excluded": args.warmup,

@@ -19,11 +19,16 @@ measurable (README, overhead).
     torchrun --standalone --nproc_per_node 2 benchmarks/plain_ddp.py --dataset DS --out times.json
     python benchmarks/plain_ddp.py --ray-train --dataset DS --out times.json
     python benchmarks/plain_ddp.py --ray-actors --dataset DS --out times.json
+
+With --tensor N the ranks are N-way tensor-parallel groups instead (torch's `parallelize_module` with
+the GPT's plan, loss_parallel, a group reading the same rows; the groups replicated by FSDP2's
+`replicate` when there are several): the plain script of petatrain's `parallel.tensor` layout.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import json
 import math
@@ -77,6 +82,7 @@ def main() -> None:
     parser.add_argument("--ray-train", action="store_true", help="run the loop in a Ray Train TorchTrainer")
     parser.add_argument("--ray-actors", action="store_true", help="run the loop in two bare Ray actors")
     parser.add_argument("--workers", type=int, default=2, help="ranks under --ray-train or --ray-actors")
+    parser.add_argument("--tensor", type=int, default=1, help="tensor-parallel degree (1: DDP)")
     parser.add_argument(
         "--keep-denormals", action="store_true", help="do not flush denormals (petatrain's train.flush_denormal=false)"
     )
@@ -161,14 +167,31 @@ def train(args: argparse.Namespace) -> None:
         vocab_size=args.vocab_size,
         seq_len=args.seq_len,
     )
-    model = DistributedDataParallel(GPT(cfg))
+    tensor = getattr(args, "tensor", 1)
+    model = GPT(cfg) if tensor > 1 else DistributedDataParallel(GPT(cfg))
+    loss_context = contextlib.nullcontext
+    if tensor > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+
+        from petatrain.models.gpt import gpt_tensor_plan
+
+        mesh = init_device_mesh("cpu", (world // tensor, tensor), mesh_dim_names=("data", "tensor"))
+        parallelize_module(model, mesh["tensor"], gpt_tensor_plan(cfg).styles(tensor))
+        model.head.weight = model.wte.weight  # tied again: each module got its own DTensor
+        if world > tensor:
+            from torch.distributed._composable.replicate_with_fsdp import replicate
+
+            replicate(model, mesh=mesh["data"])
+        loss_context = loss_parallel
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
     optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), foreach=False)
-    accum = args.global_batch // world // args.micro_batch
+    groups_ = world // tensor  # data-parallel replicas: a tensor-parallel group reads the same rows
+    accum = args.global_batch // groups_ // args.micro_batch
 
     rows = token_rows(args.dataset, args.seq_len + 1)
     epoch, cursor, order = 0, 0, None
@@ -176,7 +199,7 @@ def train(args: argparse.Namespace) -> None:
     def next_batch() -> torch.Tensor:
         nonlocal epoch, cursor, order
         if order is None or cursor + args.micro_batch > len(order):
-            order = np.random.default_rng(args.seed + epoch).permutation(len(rows))[rank::world]
+            order = np.random.default_rng(args.seed + epoch).permutation(len(rows))[rank // tensor :: groups_]
             epoch, cursor = epoch + 1, 0
         batch = rows[order[cursor : cursor + args.micro_batch]]
         cursor += args.micro_batch
@@ -189,13 +212,14 @@ def train(args: argparse.Namespace) -> None:
         loss_sum = 0.0
         for m in range(accum):
             tokens = next_batch()
-            if m < accum - 1:
+            if m < accum - 1 and tensor == 1:
                 with model.no_sync():
                     loss = next_token_loss(model, tokens) / accum
                     loss.backward()
             else:
-                loss = next_token_loss(model, tokens) / accum
-                loss.backward()
+                with loss_context():
+                    loss = next_token_loss(model, tokens) / accum
+                    loss.backward()
             loss_sum += loss.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
