@@ -196,6 +196,13 @@ def test_world_size_is_the_largest_that_fits_and_divides_the_batch():
         job("parallel.strategy=pipeline", "parallel.workers=2-4", "train.global_batch=8", "train.micro_batch=1")
     )
     assert pipeline.larger(2, cpus=3, gpus=0) is None and pipeline.larger(2, cpus=4, gpus=0) == 4  # stages x replicas
+    # Tensor-parallel groups stay whole: a lost node shrinks the replicas, and they grow back, by whole groups.
+    tensor = WorldSizePolicy(
+        job("parallel.tensor=2", "parallel.workers=2-6", "train.global_batch=12", "train.micro_batch=1")
+    )
+    assert tensor.choose(cpus=5, gpus=0) == 4 and tensor.choose(cpus=3, gpus=0) == 2
+    assert tensor.larger(2, cpus=5, gpus=0) == 4 and tensor.larger(4, cpus=6, gpus=0) == 6
+    assert tensor.larger(4, cpus=5, gpus=0) is None
 
 
 def test_a_resize_is_its_own_cause():
