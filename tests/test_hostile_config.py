@@ -269,3 +269,25 @@ def test_a_config_nested_without_end_is_one_line(tmp_path):
     (tmp_path / "deep.yaml").write_text("train: " + "[" * 50_000 + "]" * 50_000 + "\n")
     with pytest.raises(ConfigError, match=r"deep.yaml: line 1: nested deeper than 100 levels"):
         config.load(tmp_path / "deep.yaml")
+
+
+def test_a_model_too_large_for_this_host_is_refused_before_anything_starts(tmp_path, caplog):
+    """Attack round 3 (MED): d_model 16384 was OOM-killed on every attempt and reported as a worker
+    fault. The model states plan counts (exact) against the host's available memory: one line, before
+    the dataset is even read; plan's whole estimate beyond it is a warning."""
+    import logging
+
+    from petatrain.runtime.preflight import checked, fits_this_host
+
+    huge = config.load("examples/tiny.yaml", ["model.d_model=16384", "model.n_head=16", "model.n_layer=48"])
+    with pytest.raises(ConfigError, match=r"take 4608\.5 GiB on 2 worker\(s\).*this host has") as caught:
+        checked(huge, None)  # no dataset at the config's path either: the size is said first
+    assert "\n" not in str(caught.value)
+    tiny = config.load("examples/tiny.yaml", [])
+    fits_this_host(tiny, available=2**30)  # states ~10 MB: fits a GiB
+    wide = config.load("examples/tiny.yaml", ["model.d_model=1024", "model.n_head=8", "train.micro_batch=16"])
+    with pytest.raises(ConfigError, match="this host has 0.0 GiB available"):
+        fits_this_host(wide, available=2**20)
+    with caplog.at_level(logging.WARNING, logger="petatrain.runtime.preflight"):
+        fits_this_host(wide, available=2**30)  # the states fit (0.76 GiB); with activations (1.18) they would not
+    assert "may be OOM-killed" in caplog.text

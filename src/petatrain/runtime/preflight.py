@@ -42,6 +42,7 @@ def checked(cfg: JobConfig, options: StorageOptions | None) -> JobConfig:
     from petatrain.train import strategies
 
     strategies.of(cfg).check_config(cfg)
+    fits_this_host(cfg)
     if cfg.observe.metrics_host == POD_IP:
         cfg = dataclasses.replace(cfg, observe=dataclasses.replace(cfg.observe, metrics_host=pod_ip()))
     if is_local(cfg.data.dataset):  # Ray workers do not share the driver's working directory
@@ -65,6 +66,57 @@ def checked(cfg: JobConfig, options: StorageOptions | None) -> JobConfig:
         check_dataset(cfg, cfg.data.dataset, manifest)  # not three faults on the workers, 20 s later
     constants.controller_mode()  # a bad PETATRAIN_CONTROLLER fails here, before anything starts
     return cfg
+
+
+def fits_this_host(cfg: JobConfig, available: int | None = None) -> None:
+    """A local run (no resources.address) on the CPU: refused in one line when the model states its
+    workers hold (weights, gradients, optimizer state: exact, as `plan` counts them) exceed this host's
+    available memory; warned when plan's whole estimate (activations too) does. Without it, a model
+    too large was OOM-killed on every attempt and reported as a worker fault. (On a cluster or a GPU
+    the driver does not hold the memory the workers get.)"""
+    import torch
+
+    from petatrain.cost.workload import Workload
+    from petatrain.plan.estimate import memory_per_device
+    from petatrain.train import strategies
+
+    if cfg.resources.address or cfg.resources.accelerator == "gpu" or torch.cuda.is_available():
+        return
+    available = _available_bytes() if available is None else available
+    if available is None:
+        return
+    workers = cfg.parallel.worker_range()[1]
+    try:
+        w = Workload.from_config(cfg)
+        memory = memory_per_device(w, strategy=strategies.sized(cfg), count=workers, cpu=True)
+    except (ConfigError, ValueError):  # a shape plan cannot estimate: the workers' own checks say why
+        return
+    gib = 2**30
+    states = workers * (memory.weights + memory.gradients + memory.optimizer)
+    if states > available:
+        raise ConfigError(
+            f"the model's weights, gradients and optimizer state take {states / gib:.1f} GiB on {workers} "
+            f"worker(s) (petatrain plan's count: {memory.weights / gib:.2f} + {memory.gradients / gib:.2f} + "
+            f"{memory.optimizer / gib:.2f} GiB each); this host has {available / gib:.1f} GiB available"
+        )
+    if workers * memory.total > available:
+        log.warning(
+            "plan estimates %.1f GiB for %d worker(s) at their peak (%s), more than the %.1f GiB this host has "
+            "available: the run may be OOM-killed", workers * memory.total / gib, workers, memory.phase,
+            available / gib,
+        )  # fmt: skip
+
+
+def _available_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (Linux), None elsewhere."""
+    try:
+        with open("/proc/meminfo") as info:
+            for line in info:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
 def says_if_nothing_is_held_out(cfg: JobConfig, options: StorageOptions | None) -> None:

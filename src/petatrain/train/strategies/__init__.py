@@ -28,7 +28,7 @@ REGISTRY: dict[str, Strategy] = {s.name: s for s in (DDP(), ZeRO1(), ZeRO2(), FS
 TRAINABLE: tuple[str, ...] = tuple(name for name, s in REGISTRY.items() if s.trainable)
 PLANNED: tuple[str, ...] = tuple(name for name, s in REGISTRY.items() if s.planned)
 
-__all__ = ["BY_NAME", "OVERLAP", "PLANNED", "REGISTRY", "TRAINABLE", "StateLayout", "Strategy", "get", "of"]
+__all__ = ["BY_NAME", "OVERLAP", "PLANNED", "REGISTRY", "TRAINABLE", "StateLayout", "Strategy", "get", "of", "sized"]
 
 
 def get(name: str) -> Strategy:
@@ -37,6 +37,15 @@ def get(name: str) -> Strategy:
     if strategy is None:
         raise ConfigError(f"parallel.strategy: unknown strategy {name!r} (one of {', '.join(REGISTRY)})")
     return strategy
+
+
+def sized(cfg: JobConfig) -> Strategy:
+    """The job's strategy with its shape, as `plan` estimates one (its degree, stages, replicas' strategy)."""
+    if cfg.parallel.tensor > 1:
+        return Tensor(cfg.parallel.tensor, cfg.parallel.strategy)
+    if cfg.parallel.strategy == "pipeline":
+        return Pipeline(cfg.parallel.pipeline.stages, cfg.parallel.pipeline.data)
+    return get(cfg.parallel.strategy)
 
 
 def of(cfg: JobConfig) -> Strategy:
