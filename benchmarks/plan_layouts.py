@@ -119,7 +119,6 @@ def main() -> None:
                 "predicted_tokens_per_s_per_gpu": round(tokens / theirs.step_time_s / gpus, 1),
                 "plan": ours.layout.get("label", ours.strategy),
                 "plan_step_s": round(ours.step_time_s, 3),
-                "plan_trainable": ours.layout.get("trainable", True),
                 "verdict": verdict,
                 "why_published": explain_layout(theirs),
                 "why_plan": explain_layout(ours),

@@ -1145,11 +1145,6 @@ def deploy_k8s(config: JobConfig, target: Any, out: str, *, from_plan: bool = Fa
         target = dc.replace(target, accelerator=chosen.accelerator)
         count = chosen.count
         # The job runs as planned: its strategy and, for a searched layout, the settings plan chose.
-        if chosen.layout.get("trainable") is False:
-            raise PetatrainError(
-                f"plan chose {chosen.layout['label']}, which train does not run yet (a pipeline of tensor-parallel "
-                "stages): deploy with --count and a layout of your own, or plan with --strategy"
-            )
         layout = [f"parallel.workers={count}", *chosen.layout.get("settings", [f"parallel.strategy={chosen.strategy}"])]
         config = config_mod.build(JobConfig, config_mod.apply_overrides(config.to_dict(), layout))
         sized_by = f"plan: {chosen.accelerator} x{chosen.count} " + chosen.layout.get("label", chosen.strategy)

@@ -478,11 +478,6 @@ def plan(r: dict[str, Any], show: int) -> None:
     if rec and rec.get("layout"):
         shape = rec["layout"]
         out.print(f"{shape['label']}: " + " ".join(f"--set {s}" for s in shape["settings"]), highlight=False)
-        if shape.get("trainable") is False:
-            out.print(
-                "  train does not run a pipeline of tensor-parallel stages yet: plan models it, train refuses it",
-                highlight=False,
-            )
     calibrations = (r.get("assumptions") or {}).get("calibrations") or {}
     for name, source in calibrations.items():  # a calibrated efficiency says where it comes from
         out.print(f"{name}'s efficiency is calibrated by {source}", highlight=False)

@@ -299,10 +299,13 @@ class ParallelConfig:
                 f"parallel.workers {self.workers!r}: with parallel.tensor {self.tensor} every worker count must be "
                 f"a multiple of {self.tensor} (tensor-parallel groups x data-parallel replicas)"
             )
-        stages = self.pipeline.stages
+        stages = self.pipeline.stages * self.tensor
         if self.strategy == "pipeline" and (lo % stages or hi % stages):
+            shape = f"parallel.pipeline.stages {self.pipeline.stages}" + (
+                f" x parallel.tensor {self.tensor}" if self.tensor > 1 else ""
+            )
             raise ConfigError(
-                f"parallel.workers {self.workers!r}: with parallel.pipeline.stages {stages} every worker count must be "
+                f"parallel.workers {self.workers!r}: with {shape} every worker count must be "
                 f"a multiple of {stages} (stages x data-parallel replicas), e.g. {stages} or {2 * stages}"
             )
 
@@ -316,7 +319,7 @@ class ParallelConfig:
         if self.strategy == "pipeline":
             replicas = self.data_parallel(workers)
             return (
-                workers % self.pipeline.stages == 0
+                workers % (self.pipeline.stages * self.tensor) == 0
                 and global_batch % (replicas * self.pipeline.microbatch_count()) == 0
             )
         return workers % self.tensor == 0 and global_batch % self.data_parallel(workers) == 0

@@ -301,8 +301,6 @@ def _best_pipeline(
                     f"train.activation_checkpointing={recompute}", f"parallel.pipeline.data={data}",
                     *([f"parallel.tensor={t}"] if t > 1 else []),
                 ]  # fmt: skip
-                if t > 1:  # plan models it; train refuses it today (strategies/tensor.py)
-                    c.layout["trainable"] = False
                 tried.append(c)
     if not tried:  # no layout divides the batch: the plain estimate says why
         return _evaluate(w, acc, count, strategies.get("pipeline"), cfg, calibration, mtbf_hours)

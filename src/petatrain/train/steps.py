@@ -86,8 +86,14 @@ class PipelineSteps:
         return self.piped.model
 
     @property
+    def fused(self) -> dict[str, int]:
+        """Tensor parallelism: the parameters a FusedColwise split holds in its own row order."""
+        return self.piped.fused
+
+    @property
     def loss_share(self) -> int:
-        return self.piped.layout.replicas  # only the ranks of the last part report a loss
+        layout = self.piped.layout
+        return layout.replicas * layout.tensor  # only the ranks of the last part report a loss (each of its group)
 
     def forward_backward(self, next_batch: NextBatch, amp: Any, *, poison: bool = False) -> torch.Tensor:
         device = next(self.model.parameters()).device
@@ -147,11 +153,14 @@ class PipelineSteps:
     def full_state(self) -> dict[str, torch.Tensor]:
         """Every part's weights gathered on rank 0 (from the first replica), by the whole model's names."""
         from petatrain.train.pipeline.stages import gather_full
+        from petatrain.train.strategies.tensor import unfused
 
         layout, rank = self.piped.layout, dist.get_rank()
-        first = layout.dp_rank(rank) == 0
-        whole = gather_full(self.model.state_dict(), keep=first)  # data fsdp: a collective over the stage's replicas
-        mine = {k: v.contiguous() for k, v in whole.items()} if first else {}
+        first = layout.dp_rank(rank) == 0 and layout.tp_rank(rank) == 0
+        # data fsdp, tensor parallelism: a collective over the stage's replicas and its tensor group
+        whole = gather_full(self.model.state_dict(), keep=first)
+        fused, degree = self.piped.fused, layout.tensor
+        mine = {k: unfused(fused, k, v, degree).contiguous() for k, v in whole.items()} if first else {}
         gathered: list[Any] = [None] * dist.get_world_size() if rank == 0 else []
         dist.gather_object(mine, gathered if rank == 0 else None, dst=0)
         full: dict[str, torch.Tensor] = {}

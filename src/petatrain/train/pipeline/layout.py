@@ -1,6 +1,7 @@
 """Who runs what in a pipeline job, and where the stage boundaries go (no torch: `plan` uses it too).
 
-Ranks form a (dp, pp) grid with pp innermost, as torchtitan's mesh: rank = dp_rank x P + pp_rank.
+Ranks form a (dp, pp) grid with pp innermost, as torchtitan's mesh: rank = dp_rank x P + pp_rank; with
+tensor parallelism a (dp, pp, tp) grid, tp innermost: rank = (dp_rank x P + pp_rank) x T + tp_rank.
 The model is cut into P x v parts ("stages" in torch.distributed.pipelining's sense; v chunks per
 rank): rank pp_rank runs parts pp_rank, pp_rank + P, ... ("loop" placement, interleaved 1F1B) or
 pp_rank and 2P - 1 - pp_rank ("v" placement, ZBV), so the first and the last part share a rank.
@@ -24,28 +25,33 @@ class Layout:
     replicas: int  # D: data-parallel copies of the pipeline
     chunks: int  # v: model parts per rank
     style: str  # "loop" | "v"
+    tensor: int = 1  # T: ranks that split each stage's layers (tensor parallelism)
 
     @classmethod
-    def of(cls, stages: int, world: int, chunks: int, schedule: str) -> Layout:
-        if world % stages:
-            raise ConfigError(f"parallel.workers {world} is not a multiple of parallel.pipeline.stages {stages}")
-        return cls(stages, world // stages, chunks, "v" if schedule == "zbv" else "loop")
+    def of(cls, stages: int, world: int, chunks: int, schedule: str, tensor: int = 1) -> Layout:
+        if world % (stages * tensor):
+            group = f" x parallel.tensor {tensor}" if tensor > 1 else ""
+            raise ConfigError(f"parallel.workers {world} is not a multiple of parallel.pipeline.stages {stages}{group}")
+        return cls(stages, world // (stages * tensor), chunks, "v" if schedule == "zbv" else "loop", tensor)
 
     @property
     def parts(self) -> int:
         return self.stages * self.chunks
 
     def pp_rank(self, rank: int) -> int:
-        return rank % self.stages
+        return rank // self.tensor % self.stages
 
     def dp_rank(self, rank: int) -> int:
-        return rank // self.stages
+        return rank // (self.tensor * self.stages)
 
-    def pp_group(self, dp_rank: int) -> list[int]:
-        return [dp_rank * self.stages + p for p in range(self.stages)]
+    def tp_rank(self, rank: int) -> int:
+        return rank % self.tensor
 
-    def dp_group(self, pp_rank: int) -> list[int]:
-        return [d * self.stages + pp_rank for d in range(self.replicas)]
+    def pp_group(self, dp_rank: int, tp_rank: int = 0) -> list[int]:
+        return [(dp_rank * self.stages + p) * self.tensor + tp_rank for p in range(self.stages)]
+
+    def dp_group(self, pp_rank: int, tp_rank: int = 0) -> list[int]:
+        return [(d * self.stages + pp_rank) * self.tensor + tp_rank for d in range(self.replicas)]
 
     def parts_of(self, pp_rank: int) -> list[int]:
         """The model parts a rank at pipeline position `pp_rank` runs, in schedule order."""
@@ -53,9 +59,9 @@ class Layout:
             return [pp_rank, 2 * self.stages - 1 - pp_rank]
         return [pp_rank + k * self.stages for k in range(self.chunks)]
 
-    def rank_of_part(self, part: int, dp_rank: int) -> int:
+    def rank_of_part(self, part: int, dp_rank: int, tp_rank: int = 0) -> int:
         pp = next(p for p in range(self.stages) if part in self.parts_of(p))
-        return dp_rank * self.stages + pp
+        return (dp_rank * self.stages + pp) * self.tensor + tp_rank
 
 
 def units(n_blocks: int) -> list[str]:

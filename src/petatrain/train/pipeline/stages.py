@@ -147,6 +147,8 @@ class PipelineRank:
     clock: StageClock | None = None
     plan: PartPlan | None = None
     sharded: bool = False  # data fsdp: parameters and gradients are DTensors sharded over dp_group
+    loss_parallel: bool = False  # tensor parallelism: the last part's loss over vocabulary-sharded logits
+    fused: dict[str, int] = field(default_factory=dict)  # tensor parallelism: FusedColwise parameters -> groups
     track_memory: bool = True  # count the activations autograd saves in the next training step that is settled
     # settled: the stages are set up for training. Not in the attempt's first step, nor the first after an
     # evaluation: torch infers the stages' shapes again in it, with a forward and backward of its own.
@@ -184,6 +186,27 @@ class PipelineRank:
         target = tokens[:, 1:] if self.last else None
         losses: list[torch.Tensor] = []
         busy, t0 = (self.clock.busy_s if self.clock else 0.0), time.perf_counter()
+        with self._loss_context():
+            self._run(args, target, losses, train)
+        if train:
+            self.wall_s += time.perf_counter() - t0
+            self.steps += 1
+        elif self.clock:
+            self.clock.busy_s = busy  # evaluation is not the training step's compute
+        self.settled = train
+        if not losses:
+            return torch.zeros((), device=tokens.device)
+        return torch.stack([_local(loss.detach()).float() for loss in losses]).mean()
+
+    def _loss_context(self) -> Any:
+        if not self.loss_parallel:
+            return contextlib.nullcontext()
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+
+    def _run(self, args: tuple, target: torch.Tensor | None, losses: list[torch.Tensor], train: bool) -> None:
+        """One schedule step (training) or evaluation."""
         if train:
             counting = SavedActivations(list(self.model.parameters())) if self.track_memory and self.settled else None
             with counting or contextlib.nullcontext():
@@ -198,15 +221,6 @@ class PipelineRank:
             self.model.zero_grad(set_to_none=True)
         else:
             self.schedule.eval(*args, target=target, losses=losses)
-        if train:
-            self.wall_s += time.perf_counter() - t0
-            self.steps += 1
-        elif self.clock:
-            self.clock.busy_s = busy  # evaluation is not the training step's compute
-        self.settled = train
-        if not losses:
-            return torch.zeros((), device=tokens.device)
-        return torch.stack([loss.detach().float() for loss in losses]).mean()
 
     def reduce_gradients(self) -> None:
         """Average over the data-parallel peers, then sum the copies of tied weights."""
@@ -215,10 +229,14 @@ class PipelineRank:
         for name, p in named.items():
             if p.grad is None and p.requires_grad:
                 p.grad = torch.zeros_like(p)
+            placements = getattr(p, "placements", None)
+            if p.grad is not None and placements is not None and p.grad.placements != placements:  # type: ignore[attr-defined]
+                # tensor parallelism: an embedding's gradient comes back whole; its rows as the weight's
+                p.grad = p.grad.redistribute(p.device_mesh, placements)  # type: ignore[attr-defined]
             if p.grad is not None:
                 grad[name] = p.grad
         if self.layout.replicas > 1 and not self.sharded:  # FSDP reduce-scattered them in the schedule
-            grads = list({id(g): g for g in grad.values()}.values())
+            grads = list({id(g): _local(g) for g in grad.values()}.values())
             flat = torch._utils._flatten_dense_tensors(grads)
             dist.all_reduce(flat, group=self.dp_group)
             flat /= self.layout.replicas
@@ -236,11 +254,17 @@ class PipelineRank:
         """The whole pipeline's gradient norm (each tied weight once), clipping to `max_norm` if set."""
         device = next(self.model.parameters()).device  # NCCL reduces device tensors, gloo host ones
         squares = torch.zeros((), dtype=torch.float64, device=device)
+        tp_rank = self.layout.tp_rank(self.rank)
         for name, p in self.model.named_parameters():
-            if p.grad is not None and name not in self.not_counted:
+            if p.grad is not None and name not in self.not_counted and (tp_rank == 0 or _tensor_split(p.grad)):
                 squares += _local(p.grad).detach().double().pow(2).sum()
-        # Each rank's squares: its stage's whole gradients (ddp), or its shard of them (fsdp: every rank's differ).
-        dist.all_reduce(squares, group=None if self.sharded else self.pp_group)
+        if self.layout.tensor == 1:
+            # Each rank's squares: its stage's whole gradients (ddp), or its shard of them (fsdp: every rank's differ).
+            dist.all_reduce(squares, group=None if self.sharded else self.pp_group)
+        else:  # every rank's part of its replica's gradients (a parameter its group keeps whole counted once)
+            dist.all_reduce(squares)
+            if not self.sharded:
+                squares /= self.layout.replicas
         norm = math.sqrt(float(squares.item()))
         if max_norm and math.isfinite(norm) and norm > max_norm:
             scale = max_norm / (norm + 1e-6)  # as torch.nn.utils.clip_grad_norm_
@@ -269,6 +293,19 @@ def gather_full(state: dict[str, Any], *, keep: bool) -> dict[str, Any]:
     return out
 
 
+def _tensor_split(tensor: torch.Tensor) -> bool:
+    """Whether a DTensor is split along the mesh's tensor-parallel dimension ("tp"): each rank of the
+    group holds a different part. A replicated one (a norm's weight) is the same on each."""
+    from torch.distributed.tensor import Replicate
+
+    mesh = getattr(tensor, "device_mesh", None)
+    names = getattr(mesh, "mesh_dim_names", None) or ()
+    if "tp" not in names:
+        return False
+    placements = tensor.placements  # type: ignore[attr-defined]  # a DTensor (mesh above)
+    return not isinstance(placements[names.index("tp")], Replicate)
+
+
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (data fsdp), or the tensor itself."""
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
@@ -285,9 +322,11 @@ def build(
     device: torch.device,
     data: str = "ddp",
     precision: Any = None,
+    tensor_plan: Any = None,
 ) -> PipelineRank:
     """This rank's PipelineRank; a collective: every rank of the job calls it, in the same order.
-    `data` is what a stage's replicas run (ddp | fsdp); `precision` FSDP's MixedPrecisionPolicy."""
+    `data` is what a stage's replicas run (ddp | fsdp); `precision` FSDP's MixedPrecisionPolicy;
+    `tensor_plan` (a models.tensor_parallel.TensorPlan) splits each stage over `layout.tensor` ranks."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import (
@@ -298,14 +337,21 @@ def build(
     )
 
     rank = dist.get_rank()
-    pp_rank, dp_rank = layout.pp_rank(rank), layout.dp_rank(rank)
-    # rank = dp x stages + pp (Layout's order): the mesh's rows are replicas, its columns stages
-    mesh = init_device_mesh(device.type, (layout.replicas, layout.stages), mesh_dim_names=("dp", "pp"))
+    pp_rank, dp_rank, tp_rank = layout.pp_rank(rank), layout.dp_rank(rank), layout.tp_rank(rank)
+    # rank = (dp x stages + pp) x tensor + tp (Layout's order): the mesh's rows are replicas, its columns stages
+    shape: tuple[int, ...] = (layout.replicas, layout.stages)
+    names: tuple[str, ...] = ("dp", "pp")
+    if layout.tensor > 1:
+        shape, names = (*shape, layout.tensor), (*names, "tp")
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
     pp_group, dp_group = mesh.get_group("pp"), mesh.get_group("dp")
     mine = layout.parts_of(pp_rank)
-    tie_groups, not_counted = _tie_groups(model, parts, plan, layout, dp_rank, mine)
+    tie_groups, not_counted = _tie_groups(model, parts, plan, layout, dp_rank, tp_rank, mine)
     chunks = keep_parts(model, parts, plan, mine)
     model.to(device)
+    fused: dict[str, int] = {}
+    if layout.tensor > 1:
+        fused = _split_tensors(model, tensor_plan, mesh["tp"], layout.tensor)
     if data == "fsdp":
         _shard(chunks, mesh["dp"], precision)
     stages = [
@@ -327,7 +373,24 @@ def build(
         layout=layout, rank=rank, model=model, chunks=chunks, schedule=runner, pp_group=pp_group,
         dp_group=dp_group, tie_groups=tie_groups, not_counted=not_counted, microbatches=microbatches,
         clock=StageClock(stages, runner), plan=plan, sharded=data == "fsdp",
+        loss_parallel=layout.tensor > 1 and bool(tensor_plan.loss_parallel), fused=fused,
     )  # fmt: skip
+
+
+def _split_tensors(model: nn.Module, tensor_plan: Any, mesh: Any, degree: int) -> dict[str, int]:
+    """The kept modules split over the tensor-parallel ranks by the model's plan (its entries for the
+    modules this rank does not keep left out); the fused parameters (name -> groups)."""
+    import fnmatch
+
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    if tensor_plan is None:
+        raise ConfigError("parallel.tensor: this model declares no tensor-parallel plan (return a TensorPlan)")
+    present = [name for name, _ in model.named_modules()]
+    styles = {k: v for k, v in tensor_plan.styles(degree).items() if any(fnmatch.fnmatchcase(n, k) for n in present)}
+    fused = tensor_plan.fused(model, degree)
+    parallelize_module(model, mesh, styles)
+    return fused
 
 
 def _shard(chunks: list[Chunk], mesh: Any, precision: Any) -> None:
@@ -344,7 +407,7 @@ def _shard(chunks: list[Chunk], mesh: Any, precision: Any) -> None:
 
 
 def _tie_groups(
-    model: nn.Module, parts: PipelineParts, plan: PartPlan, layout: Layout, dp_rank: int, mine: list[int]
+    model: nn.Module, parts: PipelineParts, plan: PartPlan, layout: Layout, dp_rank: int, tp_rank: int, mine: list[int]
 ) -> tuple[list[tuple[list[str], Any]], frozenset[str]]:
     """For each tied weight: the names of this rank's copies and the group of the ranks holding one
     (made by every rank, for every replica). A weight two of this rank's parts use gets a copy per
@@ -356,9 +419,10 @@ def _tie_groups(
         holders = {n: plan.part_of_unit(unit_of(n, parts, plan.n_blocks)) for n in names}
         mine_group = None
         for d in range(layout.replicas):
-            ranks = sorted({layout.rank_of_part(part, d) for part in holders.values()})
-            group = dist.new_group(ranks) if len(ranks) > 1 else None
-            mine_group = group if d == dp_rank else mine_group
+            for t in range(layout.tensor):  # under tensor parallelism, the copies' same rows
+                ranks = sorted({layout.rank_of_part(part, d, t) for part in holders.values()})
+                group = dist.new_group(ranks) if len(ranks) > 1 else None
+                mine_group = group if (d, t) == (dp_rank, tp_rank) else mine_group
         local = [n for n in names if holders[n] in mine]
         by_part: dict[int, str] = {}
         for n in local:

@@ -6,7 +6,8 @@ and communication. A new strategy is a new file here and a line in `REGISTRY`.
     fsdp      FSDP2 fully_shard per block               train, plan
     zero1/2   ZeRO optimizer (+ gradient) partitioning  plan only
     pipeline  GPipe/1F1B/interleaved/ZBV over stages    train, plan (pure pipelines)
-    tensor    Megatron TP + sequence parallel (DTensor)  train (parallel.tensor > 1; replicas ddp or fsdp)
+    tensor    Megatron TP + sequence parallel (DTensor)  train, plan (parallel.tensor > 1: replicas ddp or
+                                                         fsdp; inside pipeline stages, the pipeline's)
 """
 
 from __future__ import annotations
@@ -41,14 +42,16 @@ def get(name: str) -> Strategy:
 
 def sized(cfg: JobConfig) -> Strategy:
     """The job's strategy with its shape, as `plan` estimates one (its degree, stages, replicas' strategy)."""
+    if cfg.parallel.strategy == "pipeline":
+        return Pipeline(cfg.parallel.pipeline.stages, cfg.parallel.pipeline.data, cfg.parallel.tensor)
     if cfg.parallel.tensor > 1:
         return Tensor(cfg.parallel.tensor, cfg.parallel.strategy)
-    if cfg.parallel.strategy == "pipeline":
-        return Pipeline(cfg.parallel.pipeline.stages, cfg.parallel.pipeline.data)
     return get(cfg.parallel.strategy)
 
 
 def of(cfg: JobConfig) -> Strategy:
     """The strategy a job trains under: tensor parallelism where parallel.tensor > 1 (its replicas
     under parallel.strategy), else parallel.strategy."""
-    return REGISTRY["tensor"] if cfg.parallel.tensor > 1 else get(cfg.parallel.strategy)
+    if cfg.parallel.tensor > 1 and cfg.parallel.strategy != "pipeline":  # a pipeline splits its own stages
+        return REGISTRY["tensor"]
+    return get(cfg.parallel.strategy)

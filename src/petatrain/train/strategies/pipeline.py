@@ -41,7 +41,7 @@ TIED_NAMES = "petatrain_tied_names"
 class Pipeline(Strategy):
     """`stages` 0 (the registry's): every device a stage; `Pipeline(stages=P, data=..., tensor=T)`: P
     stages x count / (P T) data-parallel replicas of the pipeline, the replicas of a stage running DDP
-    or FSDP, each stage split T ways by tensor parallelism (what `plan` searches; `train` runs T = 1)."""
+    or FSDP, each stage split T ways by tensor parallelism (what `plan` searches)."""
 
     name = "pipeline"
     trainable = True
@@ -114,8 +114,14 @@ class Pipeline(Strategy):
 
     # --- train ------------------------------------------------------------------------------
     def check_config(self, cfg: JobConfig) -> None:
+        from petatrain.train.strategies.tensor import builtin_plan
+
         for workers in cfg.parallel.worker_range():
             self.data_shard(cfg, 0, workers)  # the batch divides into replicas x micro-batches
+        if cfg.parallel.tensor > 1:  # each stage split by tensor parallelism: the shapes must divide
+            plan = builtin_plan(cfg)
+            if plan is not None and plan.problem(cfg.parallel.tensor):
+                raise ConfigError(plan.problem(cfg.parallel.tensor))
 
     def steps(self, spec: ModelSpec, cfg: JobConfig, device: torch.device, world: int) -> Any:
         import torch.distributed as dist
@@ -132,7 +138,7 @@ class Pipeline(Strategy):
                 f"model.kind {cfg.model.kind}: parallel.strategy pipeline needs a model that names its parts "
                 "(return (module, loss_fn, PipelineParts) from the factory)"
             )
-        layout = Layout.of(pc.stages, world, pc.chunks_per_rank(), pc.schedule)
+        layout = Layout.of(pc.stages, world, pc.chunks_per_rank(), pc.schedule, cfg.parallel.tensor)
         n_blocks = len(getattr(spec.module, spec.pipeline.blocks))
         micro = cfg.train.global_batch // layout.replicas // pc.microbatch_count()
         # Rank 0's layer profile, on every rank: the calibration folder is on the driver's side of a
@@ -150,7 +156,13 @@ class Pipeline(Strategy):
         piped = stages.build(
             spec.module, spec.pipeline, plan, layout, schedule=pc.schedule, microbatches=pc.microbatch_count(),
             device=device, data=pc.data, precision=precision_policy(cfg) if pc.data == "fsdp" else None,
+            tensor_plan=spec.tensor if layout.tensor > 1 else None,
         )  # fmt: skip
+        if layout.tensor > 1:  # what a checkpoint's save and load put in the unsplit model's row order
+            from petatrain.train.strategies.tensor import DEGREE, FUSED
+
+            setattr(piped.model, FUSED, piped.fused)
+            setattr(piped.model, DEGREE, layout.tensor)
         if dist.get_rank() == 0:
             log.info("pipeline parts (first unit of each): %s", list(plan.starts))
         steps = PipelineSteps(piped, pc.schedule)
@@ -163,20 +175,28 @@ class Pipeline(Strategy):
             steps.predicted_activation_bytes = activations
         return steps
 
+    def rng_rank(self, cfg: JobConfig, rank: int) -> int:
+        """The ranks splitting a stage by tensor parallelism draw one dropout stream (strategies/tensor.py)."""
+        return rank // cfg.parallel.tensor
+
     def data_shard(self, cfg: JobConfig, rank: int, world: int) -> tuple[int, int, int]:
         """(loader rank, loader world, rows per `next()`): a replica's ranks read the same whole batch."""
         pc = cfg.parallel.pipeline
-        replicas = world // pc.stages
+        group = pc.stages * cfg.parallel.tensor  # a replica's ranks
+        replicas = world // group
         m, g = pc.microbatch_count(), cfg.train.global_batch
         if g % (replicas * m):
             raise ConfigError(
                 f"train.global_batch {g} is not divisible by parallel.pipeline.microbatches {m} x {replicas} "
                 f"data-parallel replicas (e.g. global_batch {replicas * m * max(1, g // (replicas * m))})"
             )
-        return rank // pc.stages, replicas, g // replicas
+        return rank // group, replicas, g // replicas
 
     def saves_model(self, rank: int, cfg: JobConfig | None = None) -> bool:
-        return cfg is not None and rank < cfg.parallel.pipeline.stages  # the first replica's ranks: one per part
+        if cfg is None:
+            return False
+        tensor = cfg.parallel.tensor  # the first replica's ranks, one per part (the first of its tensor group)
+        return rank < cfg.parallel.pipeline.stages * tensor and rank % tensor == 0
 
     def state_dicts(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, *, rank: int, cfg: JobConfig
@@ -184,12 +204,20 @@ class Pipeline(Strategy):
         """Under data fsdp, each stage's shards gathered whole on its first replica's rank (a
         collective over the stage's replicas): the checkpoint holds whole tensors by name at any `data`."""
         model_sd, optim_sd = super().state_dicts(model, optimizer, rank=rank, cfg=cfg)
-        if cfg.parallel.pipeline.data != "fsdp":
+        if cfg.parallel.pipeline.data != "fsdp" and cfg.parallel.tensor == 1:
             return model_sd, optim_sd
         from petatrain.train.pipeline.stages import gather_full
+        from petatrain.train.strategies.tensor import FUSED, unfused
 
         keep = self.saves_model(rank, cfg)
-        return gather_full(model_sd, keep=keep), gather_full(optim_sd, keep=keep)
+        model_sd, optim_sd = gather_full(model_sd, keep=keep), gather_full(optim_sd, keep=keep)
+        fused, degree = getattr(model, FUSED, {}), cfg.parallel.tensor
+        if fused and keep:  # a fused q|k|v in the unsplit model's row order
+            model_sd = {k: unfused(fused, k, v, degree) for k, v in model_sd.items()}
+            optim_sd["state"] = {
+                fqn: {k: unfused(fused, fqn, v, degree) for k, v in s.items()} for fqn, s in optim_sd["state"].items()
+            }
+        return model_sd, optim_sd
 
     def read_for_resume(
         self, state: SavedState, read: ReadRankFile, *, model: nn.Module, rank: int, world: int
@@ -206,8 +234,12 @@ class Pipeline(Strategy):
         *,
         rank: int,
     ) -> None:
-        """This rank's parameters and their optimizer state, by name."""
-        load_by_name(model, optimizer, state, shards[0], getattr(model, TIED_NAMES, []))
+        """This rank's parameters and their optimizer state, by name (a fused q|k|v in the row order its
+        tensor-parallel split holds)."""
+        from petatrain.train.strategies.tensor import DEGREE, FUSED, permute_fused
+
+        tensors = permute_fused(shards[0], getattr(model, FUSED, {}), getattr(model, DEGREE, 1))
+        load_by_name(model, optimizer, state, tensors, getattr(model, TIED_NAMES, []))
 
 
 def _boundaries(

@@ -126,10 +126,10 @@ class Tensor(Strategy):
     # --- train ------------------------------------------------------------------------------
     def check_config(self, cfg: JobConfig) -> None:
         degree, data = cfg.parallel.tensor, cfg.parallel.strategy
-        if data not in DATA:
+        if data not in DATA:  # a pipeline's stages split by tensor parallelism are the pipeline strategy's
             raise ConfigError(
                 f"parallel.tensor {degree} with parallel.strategy {data}: tensor-parallel groups are replicated "
-                f"by {' or '.join(DATA)} (a pipeline of tensor-parallel stages is not trained yet)"
+                f"by {' or '.join(DATA)}, or are the stages of a pipeline"
             )
         plan = builtin_plan(cfg)
         problem = plan.problem(degree) if plan is not None else ""
@@ -205,8 +205,8 @@ class Tensor(Strategy):
             return {}, {"state": {}, "param_groups": []}
         fused = getattr(model, FUSED, {})
         degree = cfg.parallel.tensor
-        state = {fqn: {k: _unfuse(fused, fqn, v, degree) for k, v in s.items()} for fqn, s in optim_sd["state"].items()}
-        model_sd = {k: _unfuse(fused, k, v, degree) for k, v in model_sd.items()}
+        state = {fqn: {k: unfused(fused, fqn, v, degree) for k, v in s.items()} for fqn, s in optim_sd["state"].items()}
+        model_sd = {k: unfused(fused, k, v, degree) for k, v in model_sd.items()}
         return model_sd, {"state": state, "param_groups": optim_sd["param_groups"]}
 
     def read_for_resume(
@@ -227,15 +227,8 @@ class Tensor(Strategy):
         rank: int,
     ) -> None:
         from petatrain.models import tied_names
-        from petatrain.models.tensor_parallel import permuted
-        from petatrain.train.checkpoint.tensors import split_name
 
-        fused, degree = getattr(model, FUSED, {}), getattr(model, DEGREE, 1)
-        tensors = dict(shards[0])
-        for name, tensor in shards[0].items():
-            _, fqn, _ = split_name(name)
-            if fqn in fused and tensor.dim() > 0:
-                tensors[name] = permuted(tensor, fused[fqn], degree)
+        tensors = permute_fused(shards[0], getattr(model, FUSED, {}), getattr(model, DEGREE, 1))
         load_by_name(model, optimizer, state, tensors, tied_names(model))
 
 
@@ -295,7 +288,23 @@ class TensorSteps:
         """The whole model's weights on rank 0 in the unsplit layout (a collective), empty elsewhere."""
         from petatrain.train.steps import full_model_state
 
-        return {k: _unfuse(self.fused, k, v, self.degree) for k, v in full_model_state(self.model).items()}
+        return {k: unfused(self.fused, k, v, self.degree) for k, v in full_model_state(self.model).items()}
+
+
+def permute_fused(tensors: dict[str, torch.Tensor], fused: dict[str, int], degree: int) -> dict[str, torch.Tensor]:
+    """Whole tensors by flat name (model/FQN, optim/FQN/KEY) with each fused one's rows in the order a
+    FusedColwise split over `degree` ranks holds them (the others as they are)."""
+    from petatrain.models.tensor_parallel import permuted
+    from petatrain.train.checkpoint.tensors import split_name
+
+    if not fused:
+        return tensors
+    out = dict(tensors)
+    for name, tensor in tensors.items():
+        _, fqn, _ = split_name(name)
+        if fqn in fused and tensor.dim() > 0:
+            out[name] = permuted(tensor, fused[fqn], degree)
+    return out
 
 
 def tensor_split_problem(w: Workload, degree: int) -> str:
@@ -333,7 +342,7 @@ def builtin_plan(cfg: JobConfig) -> Any:
     return None
 
 
-def _unfuse(fused: dict[str, int], fqn: str, value: Any, degree: int) -> Any:
+def unfused(fused: dict[str, int], fqn: str, value: Any, degree: int) -> Any:
     if fqn not in fused or not hasattr(value, "dim") or value.dim() == 0:
         return value
     from petatrain.models.tensor_parallel import canonical
