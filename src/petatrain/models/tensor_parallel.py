@@ -123,3 +123,11 @@ def canonical(held: torch.Tensor, groups: int, degree: int) -> torch.Tensor:
     per_rank = held.chunk(degree)  # each: its slice of every group
     slices = [part.chunk(groups) for part in per_rank]  # [rank][group]
     return torch.cat([torch.cat([slices[r][g] for r in range(degree)]) for g in range(groups)])
+
+
+def unfused(fused: dict[str, int], fqn: str, value: Any, degree: int) -> Any:
+    """`value` (parameter `fqn`'s, or its optimizer state's) in the unsplit module's row order where
+    `fused` (name -> groups) says a FusedColwise split holds it in its own; else as it is."""
+    if fqn not in fused or not hasattr(value, "dim") or value.dim() == 0:
+        return value
+    return canonical(value, fused[fqn], degree)

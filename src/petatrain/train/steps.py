@@ -152,8 +152,8 @@ class PipelineSteps:
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Every part's weights gathered on rank 0 (from the first replica), by the whole model's names."""
+        from petatrain.models.tensor_parallel import unfused
         from petatrain.train.pipeline.stages import gather_full
-        from petatrain.train.strategies.tensor import unfused
 
         layout, rank = self.piped.layout, dist.get_rank()
         first = layout.dp_rank(rank) == 0 and layout.tp_rank(rank) == 0

@@ -206,8 +206,9 @@ class Pipeline(Strategy):
         model_sd, optim_sd = super().state_dicts(model, optimizer, rank=rank, cfg=cfg)
         if cfg.parallel.pipeline.data != "fsdp" and cfg.parallel.tensor == 1:
             return model_sd, optim_sd
+        from petatrain.models.tensor_parallel import unfused
         from petatrain.train.pipeline.stages import gather_full
-        from petatrain.train.strategies.tensor import FUSED, unfused
+        from petatrain.train.strategies.tensor import FUSED
 
         keep = self.saves_model(rank, cfg)
         model_sd, optim_sd = gather_full(model_sd, keep=keep), gather_full(optim_sd, keep=keep)

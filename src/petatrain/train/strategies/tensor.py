@@ -198,6 +198,8 @@ class Tensor(Strategy):
             get_optimizer_state_dict,
         )
 
+        from petatrain.models.tensor_parallel import unfused
+
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         model_sd = get_model_state_dict(model, options=options)
         optim_sd = cast("dict[str, Any]", get_optimizer_state_dict(model, optimizer, options=options))
@@ -286,6 +288,7 @@ class TensorSteps:
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """The whole model's weights on rank 0 in the unsplit layout (a collective), empty elsewhere."""
+        from petatrain.models.tensor_parallel import unfused
         from petatrain.train.steps import full_model_state
 
         return {k: unfused(self.fused, k, v, self.degree) for k, v in full_model_state(self.model).items()}
@@ -340,14 +343,6 @@ def builtin_plan(cfg: JobConfig) -> Any:
     if cfg.model.kind == "mlp":
         raise ConfigError("model.kind mlp has no tensor-parallel plan (parallel.tensor trains the gpt or a user model)")
     return None
-
-
-def unfused(fused: dict[str, int], fqn: str, value: Any, degree: int) -> Any:
-    if fqn not in fused or not hasattr(value, "dim") or value.dim() == 0:
-        return value
-    from petatrain.models.tensor_parallel import canonical
-
-    return canonical(value, fused[fqn], degree)
 
 
 def _check_groups_within_nodes(degree: int, world: int) -> None:
