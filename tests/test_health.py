@@ -82,3 +82,23 @@ def test_liveness_fails_during_a_hang_and_recovers_with_the_restart(token_datase
     hung = [(t, body) for t, body in failed if body["state"] == "training"]
     assert hung and hung[0][1]["reason"].endswith("(observe.health_window_s=3)"), failed
     assert any(code == 200 and t > hung[-1][0] for t, code, _ in live), "live again after the restart"
+
+
+def test_a_hub_that_does_not_answer_is_503_with_a_state_on_both_endpoints():
+    """Every body has a state, as the endpoints' contract says: "unknown" while the hub does not answer
+    (a client reading body["state"] failed on the one body without it)."""
+    from types import SimpleNamespace
+
+    from petatrain.runtime.health import HealthServer
+
+    def silent() -> None:
+        raise TimeoutError("no answer")
+
+    server = HealthServer(SimpleNamespace(health=SimpleNamespace(remote=silent)), "127.0.0.1", 0, 30.0)
+    try:
+        for path in ("/livez", "/readyz"):
+            answer = requests.get(server.url + path, timeout=10)
+            assert answer.status_code == 503
+            assert answer.json()["state"] == "unknown" and "does not answer" in answer.json()["reason"]
+    finally:
+        server.close()

@@ -12,7 +12,8 @@ every rank's step heartbeats and every event of the run:
                   the hub does not answer
     GET /readyz   200 while the run trains or checkpoints; 503 while it starts, restarts or has
                   ended. The body says which: {"state": "training" | "checkpointing" |
-                  "starting" | "restarting" | "finished" | "failed", ...}
+                  "starting" | "restarting" | "finished" | "failed", ...}; "unknown" (503 on
+                  both) while the run hub does not answer within 5 s
 
 Both answer JSON with the state, the attempt, its newest step and how long ago progress was made.
 """
@@ -92,7 +93,8 @@ class HealthServer:
         try:
             status = ray.get(self.hub.health.remote(), timeout=HUB_TIMEOUT_S)
         except Exception as exc:  # a hub that does not answer: the run cannot be seen to advance
-            return 503, {"live": False, "ready": False, "reason": f"the run hub does not answer: {type(exc).__name__}"}
+            reason = f"the run hub does not answer: {type(exc).__name__}"
+            return 503, {"live": False, "ready": False, "state": "unknown", "reason": reason}
         body = verdict(status, self.window_s, time.time())
         ok = body["live"] if path == "/livez" else body["ready"]
         return (200 if ok else 503), body
