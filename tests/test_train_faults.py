@@ -243,6 +243,22 @@ def test_bad_config_and_injection_specs_are_one_line_errors(token_dataset):
         tiny(token_dataset, "train.micro_batch=5")
     with pytest.raises(ConfigError, match=r"parallel\.workers"):
         tiny(token_dataset, "parallel.workers=3-1")
+    # Attack round 3 (LOW): specs that would never fire, or fire at once, were taken silently.
+    for spec, message in [
+        ("kill@t=-5", "t must be a number of seconds >= 0"),
+        ("kill@t=nan", "t must be a number of seconds >= 0"),
+        ("kill@step=3,rank=1,rank=0", "rank is given twice"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            parse(spec)
+    from petatrain.runtime.job import TrainJob
+
+    for spec, message in [
+        ("kill@step=3,rank=99", r"rank 99, but parallel\.workers is at most 2"),
+        ("kill@step=31", "after the run's last, train.steps 30"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            TrainJob(config=tiny(token_dataset), run_url="unused", injections=[parse(spec)])
 
 
 @pytest.mark.chaos

@@ -61,6 +61,8 @@ def parse(spec: str) -> Injection:
         key, eq, value = part.partition("=")
         if not eq or key.strip() not in ("step", "t", "rank", "count"):
             raise ConfigError(f"--inject {spec!r}: cannot read {part!r} (use step=N, t=SECONDS, rank=R, count=C)")
+        if key.strip() in fields:  # the last one winning silently hid a typo
+            raise ConfigError(f"--inject {spec!r}: {key.strip()} is given twice")
         fields[key.strip()] = value.strip()
     try:
         step = int(fields["step"]) if "step" in fields else None
@@ -73,6 +75,8 @@ def parse(spec: str) -> Injection:
         raise ConfigError(f"--inject {spec!r}: give exactly one of step=N or t=SECONDS")
     if (step is not None and step < 1) or rank < 0 or count < 1:
         raise ConfigError(f"--inject {spec!r}: step and count must be >= 1 and rank >= 0")
+    if at_s is not None and not 0 <= at_s < float("inf"):  # -5 and nan fired at step 1
+        raise ConfigError(f"--inject {spec!r}: t must be a number of seconds >= 0")
     return Injection(kind=kind, step=step, at_s=at_s, rank=rank, count=count)
 
 

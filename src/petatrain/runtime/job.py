@@ -32,6 +32,23 @@ class TrainJob:
     # Hold the run after each evaluation until the gate releases it (a search's trial, petatrain.tune).
     gate: EvalGate | None = None
 
+    def __post_init__(self) -> None:
+        """An injection that could never fire is refused in one line, not left silent for the run."""
+        from petatrain.errors import ConfigError
+
+        most = self.config.parallel.worker_range()[1]
+        for injection in self.injections:
+            if injection.rank >= most:
+                raise ConfigError(
+                    f"--inject {injection.key}: rank {injection.rank}, but parallel.workers is at most {most} "
+                    f"(ranks 0-{most - 1})"
+                )
+            if injection.step is not None and injection.step > self.config.train.steps:
+                raise ConfigError(
+                    f"--inject {injection.key}: step {injection.step} is after the run's last, "
+                    f"train.steps {self.config.train.steps}"
+                )
+
     def worker_options(self) -> StorageOptions:
         """Options for Ray processes: they may have started before the driver's AWS_* variables were set."""
         return (self.options or StorageOptions()).for_workers()
