@@ -190,8 +190,8 @@ def train(args: argparse.Namespace) -> None:
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
     optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), foreach=False)
-    groups_ = world // tensor  # data-parallel replicas: a tensor-parallel group reads the same rows
-    accum = args.global_batch // groups_ // args.micro_batch
+    replicas = world // tensor  # data-parallel replicas: a tensor-parallel group reads the same rows
+    accum = args.global_batch // replicas // args.micro_batch
 
     rows = token_rows(args.dataset, args.seq_len + 1)
     epoch, cursor, order = 0, 0, None
@@ -199,7 +199,7 @@ def train(args: argparse.Namespace) -> None:
     def next_batch() -> torch.Tensor:
         nonlocal epoch, cursor, order
         if order is None or cursor + args.micro_batch > len(order):
-            order = np.random.default_rng(args.seed + epoch).permutation(len(rows))[rank // tensor :: groups_]
+            order = np.random.default_rng(args.seed + epoch).permutation(len(rows))[rank // tensor :: replicas]
             epoch, cursor = epoch + 1, 0
         batch = rows[order[cursor : cursor + args.micro_batch]]
         cursor += args.micro_batch

@@ -125,9 +125,32 @@ def canonical(held: torch.Tensor, groups: int, degree: int) -> torch.Tensor:
     return torch.cat([torch.cat([slices[r][g] for r in range(degree)]) for g in range(groups)])
 
 
-def unfused(fused: dict[str, int], fqn: str, value: Any, degree: int) -> Any:
-    """`value` (parameter `fqn`'s, or its optimizer state's) in the unsplit module's row order where
-    `fused` (name -> groups) says a FusedColwise split holds it in its own; else as it is."""
-    if fqn not in fused or not hasattr(value, "dim") or value.dim() == 0:
-        return value
-    return canonical(value, fused[fqn], degree)
+SPLIT = "petatrain_tensor_split"  # on a model split by tensor parallelism: (fused parameter -> groups, degree)
+
+
+def mark_split(model: nn.Module, fused: dict[str, int], degree: int) -> None:
+    """Record on `model` which of its parameters a FusedColwise split holds in its own row order."""
+    setattr(model, SPLIT, (fused, degree))
+
+
+def split_of(model: nn.Module) -> tuple[dict[str, int], int]:
+    """(fused parameter -> groups, degree) of a model `mark_split` marked; ({}, 1) otherwise."""
+    return getattr(model, SPLIT, ({}, 1))
+
+
+def in_unsplit_order(model: nn.Module, tensors: dict[str, Any]) -> dict[str, Any]:
+    """Parameter FQN -> a tensor, or -> {key: tensor} (an optimizer's state), with each fused one's
+    rows in the unsplit module's order (what checkpoints and final weights hold)."""
+    fused, degree = split_of(model)
+    if not fused:
+        return tensors
+
+    def one(fqn: str, value: Any) -> Any:
+        if fqn not in fused or not isinstance(value, torch.Tensor) or value.dim() == 0:
+            return value
+        return canonical(value, fused[fqn], degree)
+
+    return {
+        fqn: {k: one(fqn, v) for k, v in value.items()} if isinstance(value, dict) else one(fqn, value)
+        for fqn, value in tensors.items()
+    }

@@ -22,7 +22,7 @@ from petatrain.plan.catalog import GIB, Accelerator, find, load_catalog
 from petatrain.train import recipe, strategies
 from petatrain.train.strategies import OVERLAP
 
-STRATEGIES = strategies.PLANNED
+STRATEGIES = tuple(strategies.REGISTRY)
 # Achieved collective bus bandwidth over the link's peak (nccl-tests reach ~80% on NVLink and IB).
 LINK_EFFICIENCY = 0.8
 
@@ -254,6 +254,11 @@ def _best_tensor(
             f"{count} devices and the model's heads, MLP width, vocabulary and sequence"
         )
         return c
+    return _fastest_that_fits(tried)
+
+
+def _fastest_that_fits(tried: list[Candidate]) -> Candidate:
+    """The fastest of a search's layouts that fits; when none fits, the one closest to fitting."""
     return min(tried, key=lambda c: (not c.feasible, not c.fits, c.step_time_s if c.fits else c.memory.total))
 
 
@@ -304,8 +309,7 @@ def _best_pipeline(
                 tried.append(c)
     if not tried:  # no layout divides the batch: the plain estimate says why
         return _evaluate(w, acc, count, strategies.get("pipeline"), cfg, calibration, mtbf_hours)
-    # The fastest that fits; when none fits, the one closest to fitting.
-    return min(tried, key=lambda c: (not c.feasible, not c.fits, c.step_time_s if c.fits else c.memory.total))
+    return _fastest_that_fits(tried)
 
 
 def pipeline_vs_fsdp(pipe: Candidate, fsdp: Candidate) -> str:

@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from petatrain.cost import formulas
 from petatrain.models import ModelSpec
+from petatrain.models.tensor_parallel import in_unsplit_order, split_of
 from petatrain.train import recipe
 
 NextBatch = Callable[[], torch.Tensor]
@@ -71,6 +72,38 @@ class MicroBatches:
 
 
 @dataclass
+class TensorSteps(MicroBatches):
+    """MicroBatches on a tensor-parallel model (train/strategies/tensor.py): the loss over
+    vocabulary-sharded logits (torch's loss_parallel) where the model's plan says so, and the final
+    weights whole in the unsplit layout. Every rank of a group reports its replica's loss (loss_share)."""
+
+    loss_parallel: bool = False
+
+    def _context(self) -> Any:
+        if not self.loss_parallel:
+            return contextlib.nullcontext()
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+
+    @property
+    def fused(self) -> dict[str, int]:
+        return split_of(self.model)[0]
+
+    def forward_backward(self, next_batch: NextBatch, amp: Any, *, poison: bool = False) -> torch.Tensor:
+        with self._context():
+            return super().forward_backward(next_batch, amp, poison=poison)
+
+    def eval_loss(self, tokens: torch.Tensor, amp: Any) -> torch.Tensor | None:
+        with self._context():
+            loss = super().eval_loss(tokens, amp)
+        return local(loss) if loss is not None else None
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        return in_unsplit_order(self.model, super().full_state())
+
+
+@dataclass
 class PipelineSteps:
     """One schedule step over this replica's batch; gradients reduced and clipped over the pipeline."""
 
@@ -88,7 +121,7 @@ class PipelineSteps:
     @property
     def fused(self) -> dict[str, int]:
         """Tensor parallelism: the parameters a FusedColwise split holds in its own row order."""
-        return self.piped.fused
+        return split_of(self.model)[0]
 
     @property
     def loss_share(self) -> int:
@@ -152,15 +185,13 @@ class PipelineSteps:
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Every part's weights gathered on rank 0 (from the first replica), by the whole model's names."""
-        from petatrain.models.tensor_parallel import unfused
         from petatrain.train.pipeline.stages import gather_full
 
         layout, rank = self.piped.layout, dist.get_rank()
         first = layout.dp_rank(rank) == 0 and layout.tp_rank(rank) == 0
         # data fsdp, tensor parallelism: a collective over the stage's replicas and its tensor group
         whole = gather_full(self.model.state_dict(), keep=first)
-        fused, degree = self.piped.fused, layout.tensor
-        mine = {k: unfused(fused, k, v, degree).contiguous() for k, v in whole.items()} if first else {}
+        mine = {k: v.contiguous() for k, v in in_unsplit_order(self.model, whole).items()} if first else {}
         gathered: list[Any] = [None] * dist.get_world_size() if rank == 0 else []
         dist.gather_object(mine, gathered if rank == 0 else None, dst=0)
         full: dict[str, torch.Tensor] = {}

@@ -148,7 +148,6 @@ class PipelineRank:
     plan: PartPlan | None = None
     sharded: bool = False  # data fsdp: parameters and gradients are DTensors sharded over dp_group
     loss_parallel: bool = False  # tensor parallelism: the last part's loss over vocabulary-sharded logits
-    fused: dict[str, int] = field(default_factory=dict)  # tensor parallelism: FusedColwise parameters -> groups
     track_memory: bool = True  # count the activations autograd saves in the next training step that is settled
     # settled: the stages are set up for training. Not in the attempt's first step, nor the first after an
     # evaluation: torch infers the stages' shapes again in it, with a forward and backward of its own.
@@ -349,9 +348,8 @@ def build(
     tie_groups, not_counted = _tie_groups(model, parts, plan, layout, dp_rank, tp_rank, mine)
     chunks = keep_parts(model, parts, plan, mine)
     model.to(device)
-    fused: dict[str, int] = {}
     if layout.tensor > 1:
-        fused = _split_tensors(model, tensor_plan, mesh["tp"], layout.tensor)
+        _split_tensors(model, tensor_plan, mesh["tp"], layout.tensor)
     if data == "fsdp":
         _shard(chunks, mesh["dp"], precision)
     stages = [
@@ -373,24 +371,25 @@ def build(
         layout=layout, rank=rank, model=model, chunks=chunks, schedule=runner, pp_group=pp_group,
         dp_group=dp_group, tie_groups=tie_groups, not_counted=not_counted, microbatches=microbatches,
         clock=StageClock(stages, runner), plan=plan, sharded=data == "fsdp",
-        loss_parallel=layout.tensor > 1 and bool(tensor_plan.loss_parallel), fused=fused,
+        loss_parallel=layout.tensor > 1 and bool(tensor_plan.loss_parallel),
     )  # fmt: skip
 
 
-def _split_tensors(model: nn.Module, tensor_plan: Any, mesh: Any, degree: int) -> dict[str, int]:
+def _split_tensors(model: nn.Module, tensor_plan: Any, mesh: Any, degree: int) -> None:
     """The kept modules split over the tensor-parallel ranks by the model's plan (its entries for the
-    modules this rank does not keep left out); the fused parameters (name -> groups)."""
+    modules this rank does not keep left out), the fused parameters marked on the model."""
     import fnmatch
 
     from torch.distributed.tensor.parallel import parallelize_module
+
+    from petatrain.models.tensor_parallel import mark_split
 
     if tensor_plan is None:
         raise ConfigError("parallel.tensor: this model declares no tensor-parallel plan (return a TensorPlan)")
     present = [name for name, _ in model.named_modules()]
     styles = {k: v for k, v in tensor_plan.styles(degree).items() if any(fnmatch.fnmatchcase(n, k) for n in present)}
-    fused = tensor_plan.fused(model, degree)
+    mark_split(model, tensor_plan.fused(model, degree), degree)
     parallelize_module(model, mesh, styles)
-    return fused
 
 
 def _shard(chunks: list[Chunk], mesh: Any, precision: Any) -> None:

@@ -27,9 +27,8 @@ if TYPE_CHECKING:
 
 REGISTRY: dict[str, Strategy] = {s.name: s for s in (DDP(), ZeRO1(), ZeRO2(), FSDP(), Pipeline(), Tensor())}
 TRAINABLE: tuple[str, ...] = tuple(name for name, s in REGISTRY.items() if s.trainable)
-PLANNED: tuple[str, ...] = tuple(name for name, s in REGISTRY.items() if s.planned)
 
-__all__ = ["BY_NAME", "OVERLAP", "PLANNED", "REGISTRY", "TRAINABLE", "StateLayout", "Strategy", "get", "of", "sized"]
+__all__ = ["BY_NAME", "OVERLAP", "REGISTRY", "TRAINABLE", "StateLayout", "Strategy", "get", "of", "sized"]
 
 
 def get(name: str) -> Strategy:

@@ -60,7 +60,6 @@ class Strategy:
 
     name: ClassVar[str]
     trainable: ClassVar[bool] = False  # `train` runs it (else `plan` models it only)
-    planned: ClassVar[bool] = True  # `plan` searches it
     every_rank_writes: ClassVar[bool] = False  # each rank's checkpoint file holds its own model state
 
     # --- plan -------------------------------------------------------------------------------

@@ -37,10 +37,12 @@ def bucket_bytes(w: Workload, count: int) -> float:
     return min(2 * BUCKET_BYTES, w.grad_width * w.params) if count > 1 else 0.0
 
 
-def allreduce_exposed_s(w: Workload, count: int, *, compute_s: float, bandwidth: float) -> float:
+def allreduce_exposed_s(
+    w: Workload, count: int, *, compute_s: float, bandwidth: float, params: float | None = None
+) -> float:
     """The gradient all-reduce (ZeRO-1/2: reduce-scatter + all-gather, the same volume) that the
-    backward pass, two thirds of the compute, does not hide."""
-    comm = formulas.ring_allreduce_seconds(w.grad_width * w.params, count, bandwidth)
+    backward pass, two thirds of the compute, does not hide; of `params` (default: the model's)."""
+    comm = formulas.ring_allreduce_seconds(w.grad_width * (w.params if params is None else params), count, bandwidth)
     return max(0.0, comm - OVERLAP * compute_s * 2 / 3)
 
 

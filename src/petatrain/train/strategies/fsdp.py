@@ -65,11 +65,9 @@ class FSDP(Strategy):
         bandwidth: float,
         intra_bandwidth: float = 0.0,
     ) -> tuple[float, float]:
-        # All-gather for forward and for backward, reduce-scatter of the gradients, per micro-batch.
-        gather = formulas.ring_collective_seconds(w.gathered_width * w.params, count, bandwidth)
-        reduce = formulas.ring_collective_seconds(w.grad_width * w.params, count, bandwidth)
-        comm = accumulation * (2 * gather + reduce)
-        return max(0.0, comm - OVERLAP * compute_s), 0.0
+        return sharded_exposed_s(
+            w, count, w.params, compute_s=compute_s, accumulation=accumulation, bandwidth=bandwidth
+        ), 0.0
 
     def wrap(self, spec: ModelSpec, cfg: JobConfig, device: torch.device) -> nn.Module:
         from torch.distributed.fsdp import fully_shard
@@ -124,6 +122,16 @@ class FSDP(Strategy):
         }
         optim_sd: OptimizerStateType = {"state": resumed, "param_groups": this_models_groups(model, optimizer, state)}
         set_optimizer_state_dict(model, optimizer, optim_sd)
+
+
+def sharded_exposed_s(
+    w: Workload, count: int, params: float, *, compute_s: float, accumulation: int, bandwidth: float
+) -> float:
+    """FSDP's traffic over `count` shards of `params` parameters that the compute does not hide: an
+    all-gather for forward and one for backward, a reduce-scatter of the gradients, per micro-batch."""
+    gather = formulas.ring_collective_seconds(w.gathered_width * params, count, bandwidth)
+    reduce = formulas.ring_collective_seconds(w.grad_width * params, count, bandwidth)
+    return max(0.0, accumulation * (2 * gather + reduce) - OVERLAP * compute_s)
 
 
 def precision_policy(cfg: JobConfig) -> Any:

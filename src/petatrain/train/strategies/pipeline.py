@@ -158,11 +158,6 @@ class Pipeline(Strategy):
             device=device, data=pc.data, precision=precision_policy(cfg) if pc.data == "fsdp" else None,
             tensor_plan=spec.tensor if layout.tensor > 1 else None,
         )  # fmt: skip
-        if layout.tensor > 1:  # what a checkpoint's save and load put in the unsplit model's row order
-            from petatrain.train.strategies.tensor import DEGREE, FUSED
-
-            setattr(piped.model, FUSED, piped.fused)
-            setattr(piped.model, DEGREE, layout.tensor)
         if dist.get_rank() == 0:
             log.info("pipeline parts (first unit of each): %s", list(plan.starts))
         steps = PipelineSteps(piped, pc.schedule)
@@ -206,19 +201,13 @@ class Pipeline(Strategy):
         model_sd, optim_sd = super().state_dicts(model, optimizer, rank=rank, cfg=cfg)
         if cfg.parallel.pipeline.data != "fsdp" and cfg.parallel.tensor == 1:
             return model_sd, optim_sd
-        from petatrain.models.tensor_parallel import unfused
+        from petatrain.models.tensor_parallel import in_unsplit_order
         from petatrain.train.pipeline.stages import gather_full
-        from petatrain.train.strategies.tensor import FUSED
 
         keep = self.saves_model(rank, cfg)
         model_sd, optim_sd = gather_full(model_sd, keep=keep), gather_full(optim_sd, keep=keep)
-        fused, degree = getattr(model, FUSED, {}), cfg.parallel.tensor
-        if fused and keep:  # a fused q|k|v in the unsplit model's row order
-            model_sd = {k: unfused(fused, k, v, degree) for k, v in model_sd.items()}
-            optim_sd["state"] = {
-                fqn: {k: unfused(fused, fqn, v, degree) for k, v in s.items()} for fqn, s in optim_sd["state"].items()
-            }
-        return model_sd, optim_sd
+        optim_sd["state"] = in_unsplit_order(model, optim_sd["state"])  # a fused q|k|v in the unsplit order
+        return in_unsplit_order(model, model_sd), optim_sd
 
     def read_for_resume(
         self, state: SavedState, read: ReadRankFile, *, model: nn.Module, rank: int, world: int
@@ -237,10 +226,9 @@ class Pipeline(Strategy):
     ) -> None:
         """This rank's parameters and their optimizer state, by name (a fused q|k|v in the row order its
         tensor-parallel split holds)."""
-        from petatrain.train.strategies.tensor import DEGREE, FUSED, permute_fused
+        from petatrain.train.strategies.tensor import permute_fused
 
-        tensors = permute_fused(shards[0], getattr(model, FUSED, {}), getattr(model, DEGREE, 1))
-        load_by_name(model, optimizer, state, tensors, getattr(model, TIED_NAMES, []))
+        load_by_name(model, optimizer, state, permute_fused(model, shards[0]), getattr(model, TIED_NAMES, []))
 
 
 def _boundaries(

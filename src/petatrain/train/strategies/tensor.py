@@ -15,8 +15,6 @@ at any other and under DDP, FSDP or a pipeline, and one of theirs loads here (`B
 
 from __future__ import annotations
 
-import contextlib
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 from petatrain.errors import ConfigError
@@ -68,6 +66,7 @@ class Tensor(Strategy):
         positions', a rounding error, counted whole too); FSDP replicas split them again D ways and
         hold one block gathered (and the next prefetched) and its gradient before reduce-scatter."""
         from petatrain.train.strategies.base import autocast_copies
+        from petatrain.train.strategies.ddp import BUCKET_BYTES
 
         t = self.degree
         d = count // t
@@ -76,7 +75,7 @@ class Tensor(Strategy):
         if shards > 1:
             buffers = 2 * unit * w.gathered_width + unit * w.grad_width
         else:
-            buckets = min(2 * 25 * 2**20, w.grad_width * P) if d > 1 else 0.0  # DDP's, over this rank's share
+            buckets = min(2 * BUCKET_BYTES, w.grad_width * P) if d > 1 else 0.0  # DDP's, over this rank's share
             buffers = autocast_copies(w, w.n_layer) / t + buckets
         return StateLayout(
             weights=w.weight_width * P / shards,
@@ -102,22 +101,16 @@ class Tensor(Strategy):
         """The tensor-parallel collectives of every layer, inside the node and not hidden (nothing
         overlaps them here), plus the replicas' gradient traffic over 1/t of the model: DDP's
         all-reduce after backward, or FSDP's gathers and reduce-scatter per micro-batch."""
-        from petatrain.cost import formulas
-        from petatrain.train.strategies.base import OVERLAP
+        from petatrain.train.strategies.ddp import allreduce_exposed_s
+        from petatrain.train.strategies.fsdp import sharded_exposed_s
 
         t = self.degree
-        d = count // t
+        d, share = count // t, w.params / t  # replicas, and the parameters each rank of a group holds
         tp = tensor_exposed_s(w, t, w.n_layer, accumulation, intra_bandwidth or bandwidth)
-        grads = w.grad_width * w.params / t
         if self.data == "fsdp" and d > 1:
-            gather = formulas.ring_collective_seconds(w.gathered_width * w.params / t, d, bandwidth)
-            dp = max(
-                0.0,
-                accumulation * (2 * gather + formulas.ring_collective_seconds(grads, d, bandwidth))
-                - OVERLAP * compute_s,
-            )
+            dp = sharded_exposed_s(w, d, share, compute_s=compute_s, accumulation=accumulation, bandwidth=bandwidth)
         else:
-            dp = max(0.0, formulas.ring_allreduce_seconds(grads, d, bandwidth) - OVERLAP * compute_s * 2 / 3)
+            dp = allreduce_exposed_s(w, d, compute_s=compute_s, bandwidth=bandwidth, params=share)
         return tp + dp, 0.0
 
     def checkpoint_bytes_per_device(self, total: float, count: int) -> float:
@@ -150,7 +143,9 @@ class Tensor(Strategy):
         from torch.distributed.tensor.parallel import parallelize_module
 
         from petatrain.models import tied_names
+        from petatrain.models.tensor_parallel import mark_split
         from petatrain.train import recipe
+        from petatrain.train.steps import TensorSteps
 
         degree, world = cfg.parallel.tensor, dist.get_world_size()
         plan = spec.tensor
@@ -172,10 +167,9 @@ class Tensor(Strategy):
         _tie_again(model, ties)
         if replicas > 1:
             _replicate(model, spec, cfg, mesh["data"])
+        mark_split(model, fused, degree)
         _, accumulation = recipe.micro_batching(cfg.train, replicas)
-        return TensorSteps(
-            model, spec, accumulation, world, loss_parallel=plan.loss_parallel, fused=fused, degree=degree
-        )
+        return TensorSteps(model, spec, accumulation, world, loss_parallel=plan.loss_parallel)
 
     def data_shard(self, cfg: JobConfig, rank: int, world: int) -> tuple[int, int, int]:
         """The ranks of a tensor-parallel group read the same rows: its replica's share of the batch."""
@@ -198,18 +192,15 @@ class Tensor(Strategy):
             get_optimizer_state_dict,
         )
 
-        from petatrain.models.tensor_parallel import unfused
+        from petatrain.models.tensor_parallel import in_unsplit_order
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         model_sd = get_model_state_dict(model, options=options)
         optim_sd = cast("dict[str, Any]", get_optimizer_state_dict(model, optimizer, options=options))
         if rank != 0:  # torch gathers onto rank 0 only
             return {}, {"state": {}, "param_groups": []}
-        fused = getattr(model, FUSED, {})
-        degree = cfg.parallel.tensor
-        state = {fqn: {k: unfused(fused, fqn, v, degree) for k, v in s.items()} for fqn, s in optim_sd["state"].items()}
-        model_sd = {k: unfused(fused, k, v, degree) for k, v in model_sd.items()}
-        return model_sd, {"state": state, "param_groups": optim_sd["param_groups"]}
+        state = in_unsplit_order(model, optim_sd["state"])
+        return in_unsplit_order(model, model_sd), {"state": state, "param_groups": optim_sd["param_groups"]}
 
     def read_for_resume(
         self, state: SavedState, read: ReadRankFile, *, model: nn.Module, rank: int, world: int
@@ -230,76 +221,16 @@ class Tensor(Strategy):
     ) -> None:
         from petatrain.models import tied_names
 
-        tensors = permute_fused(shards[0], getattr(model, FUSED, {}), getattr(model, DEGREE, 1))
-        load_by_name(model, optimizer, state, tensors, tied_names(model))
+        load_by_name(model, optimizer, state, permute_fused(model, shards[0]), tied_names(model))
 
 
-FUSED, DEGREE = "petatrain_tensor_fused", "petatrain_tensor_degree"  # kept on the wrapped model
-
-
-@dataclass
-class TensorSteps:
-    """DDP's and FSDP's step (`MicroBatches`) on a tensor-parallel model: the loss over
-    vocabulary-sharded logits (torch's loss_parallel) where the plan says so, and the final weights
-    whole in the unsplit layout."""
-
-    model: nn.Module
-    spec: ModelSpec
-    accumulation: int
-    world: int
-    loss_parallel: bool = False
-    fused: dict[str, int] = field(default_factory=dict)
-    degree: int = 1
-
-    def __post_init__(self) -> None:
-        from petatrain.train.steps import MicroBatches
-
-        setattr(self.model, FUSED, self.fused)
-        setattr(self.model, DEGREE, self.degree)
-        self._inner = MicroBatches(self.model, self.spec, self.accumulation, self.world)
-
-    def _context(self) -> Any:
-        if not self.loss_parallel:
-            return contextlib.nullcontext()
-        from torch.distributed.tensor.parallel import loss_parallel
-
-        return loss_parallel()
-
-    @property
-    def loss_share(self) -> int:
-        return self.world  # every rank of a group reports its replica's loss
-
-    def forward_backward(self, next_batch: Any, amp: Any, *, poison: bool = False) -> torch.Tensor:
-        with self._context():
-            return self._inner.forward_backward(next_batch, amp, poison=poison)
-
-    def clip(self, max_norm: float) -> float:
-        return self._inner.clip(max_norm)
-
-    def eval_loss(self, tokens: torch.Tensor, amp: Any) -> torch.Tensor | None:
-        from petatrain.train.steps import local
-
-        with self._context():
-            loss = self._inner.eval_loss(tokens, amp)
-        return local(loss) if loss is not None else None
-
-    def stage_report(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any] | None:
-        return None
-
-    def full_state(self) -> dict[str, torch.Tensor]:
-        """The whole model's weights on rank 0 in the unsplit layout (a collective), empty elsewhere."""
-        from petatrain.models.tensor_parallel import unfused
-        from petatrain.train.steps import full_model_state
-
-        return {k: unfused(self.fused, k, v, self.degree) for k, v in full_model_state(self.model).items()}
-
-
-def permute_fused(tensors: dict[str, torch.Tensor], fused: dict[str, int], degree: int) -> dict[str, torch.Tensor]:
-    """Whole tensors by flat name (model/FQN, optim/FQN/KEY) with each fused one's rows in the order a
-    FusedColwise split over `degree` ranks holds them (the others as they are)."""
-    from petatrain.models.tensor_parallel import permuted
+def permute_fused(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Whole tensors by flat name (model/FQN, optim/FQN/KEY) with each fused one's rows in the order
+    `model`'s FusedColwise split holds them (`in_unsplit_order`'s inverse; the others as they are)."""
+    from petatrain.models.tensor_parallel import permuted, split_of
     from petatrain.train.checkpoint.tensors import split_name
 
+    fused, degree = split_of(model)
     if not fused:
         return tensors
     out = dict(tensors)
