@@ -22,6 +22,7 @@ os.environ.setdefault("AWS_RESPONSE_CHECKSUM_VALIDATION", "WHEN_REQUIRED")
 BARBICAN = ROOT / "tests" / "kms" / "barbican.sh"
 MLFLOW = ROOT / "tests" / "mlflowserver" / "mlflow.sh"
 AIRFLOW = ROOT / "tests" / "airflow" / "airflow.sh"
+KFP = ROOT / "tests" / "kubeflow" / "kfp.sh"
 _installs: list[subprocess.Popen] = []
 
 
@@ -37,6 +38,9 @@ def pytest_collection_modifyitems(session, config, items) -> None:
     if any(item.path.name == "test_airflow.py" for item in items):  # Airflow's environment, likewise
         log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), "petatrain-airflow-install.log"), "w")  # noqa: SIM115
         _installs.append(subprocess.Popen(["bash", str(AIRFLOW), "install"], stdout=log, stderr=log))
+    if any(item.path.name == "test_kubeflow.py" for item in items):  # the KFP SDK's environment, likewise
+        log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), "petatrain-kfp-install.log"), "w")  # noqa: SIM115
+        _installs.append(subprocess.Popen(["bash", str(KFP), "install"], stdout=log, stderr=log))
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:

@@ -1,0 +1,105 @@
+"""The continuous-training loop as a Kubeflow Pipelines pipeline (issue 40, section 2b):
+petatrain.kubeflow's pipeline compiled to the spec a KFP cluster runs, and run end to end on the kfp
+SDK's local runner (each step a subprocess), from kfp's own environment (tests/kubeflow/kfp.sh).
+Every step's first try is SIGKILLed mid-way (tests/airflow/kill_once.sh); KFP's retry ends as one
+uninterrupted run would, and a run that finds nothing new trains nothing."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from helpers import ROOT, read_events
+from test_loop import SETTINGS, _drop
+
+KFP = ROOT / "tests" / "kubeflow" / "kfp.sh"
+EXAMPLE = ROOT / "examples" / "kubeflow" / "continuous.py"
+
+
+@pytest.fixture(scope="module")
+def kfp_python() -> str:
+    """The python of kfp's environment (installed once; the suite starts the install early)."""
+    done = subprocess.run(["bash", str(KFP), "install"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.strip().splitlines()[-1]
+
+
+def test_the_pipeline_compiles_to_a_spec_with_retries_no_cache_and_the_pending_condition(kfp_python, tmp_path):
+    spec_file = tmp_path / "continuous.yaml"
+    argv = [kfp_python, str(EXAMPLE), str(ROOT / "examples" / "loop.yaml"), "--compile", str(spec_file)]
+    argv += ["--image", "registry.example.com/petatrain:0.1.0", "--retries", "3"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    spec = yaml.safe_load(spec_file.read_text())
+    assert spec["pipelineInfo"]["name"] == "petatrain-continuous"
+    assert spec["root"]["inputDefinitions"]["parameters"]["loop_file"]["parameterType"] == "STRING"
+    executors = spec["deploymentSpec"]["executors"]
+    assert len(executors) == 3 and {e["container"]["image"] for e in executors.values()} == {
+        "registry.example.com/petatrain:0.1.0"
+    }
+    root_tasks = spec["root"]["dag"]["tasks"]
+    (condition,) = [t for t in root_tasks.values() if "triggerPolicy" in t]
+    assert condition["triggerPolicy"]["condition"].endswith("== 'pending'")
+    inner = spec["components"][condition["componentRef"]["name"]]["dag"]["tasks"]
+    tasks = {**{k: v for k, v in root_tasks.items() if k != "condition-1"}, **inner}
+    assert len(tasks) == 3  # ingest at the root; train, then promote, under the condition
+    steps = {t["inputs"]["parameters"]["step"]["runtimeValue"]["constant"]: t for t in tasks.values()}
+    assert sorted(steps) == ["ingest", "promote", "train"]
+    for task in tasks.values():
+        assert task["retryPolicy"]["maxRetryCount"] == 3
+        assert not task["cachingOptions"].get("enableCache"), "a cached step would never see new files"
+    assert steps["promote"]["dependentTasks"] == [next(k for k, t in inner.items() if t is steps["train"])]
+
+
+@pytest.mark.slow
+@pytest.mark.chaos
+def test_the_local_runner_keeps_a_model_current_and_a_killed_step_is_retried_to_one_result(kfp_python, tmp_path):
+    loop_file = tmp_path / "loop.yaml"
+    loop = {
+        "model": "tiny", "job": str(ROOT / "examples" / "tiny.yaml"), "set": SETTINGS,
+        "source": str(tmp_path / "incoming"), "dataset": str(tmp_path / "data"), "runs": str(tmp_path / "runs"),
+        "registry": str(tmp_path / "registry"), "steps": 10, "watch": {"poll_s": 1, "settle_s": 0.5},
+    }  # fmt: skip
+    loop_file.write_text(yaml.safe_dump(loop))
+    _drop(tmp_path / "incoming", "a", 300, seed=3)
+    (tmp_path / "killed").mkdir()
+    env = {
+        "PETATRAIN_BIN": str(ROOT / "tests" / "airflow" / "kill_once.sh"),
+        "PETATRAIN_REAL_BIN": str(Path(sys.executable).with_name("petatrain")),
+        "PETATRAIN_KILL_DIR": str(tmp_path / "killed"),
+        "PETATRAIN_KILL_AFTER": "8",
+        "PATH": "/usr/bin:/bin",
+    }
+
+    def run_pipeline() -> str:
+        argv = [kfp_python, str(EXAMPLE), str(loop_file), "--local", "--backoff", "1s", "--image", "python:3.11"]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+        assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+        assert json.loads(done.stdout.splitlines()[-1])["state"] == "SUCCEEDED"
+        return done.stdout + done.stderr
+
+    log = run_pipeline()
+    # Each step's first try was killed, its retry succeeded: three steps, killed once each.
+    assert sorted(p.name for p in (tmp_path / "killed").iterdir()) == ["ingest", "promote", "train"]
+    assert log.count("finished with status \x1b[91mFAILURE") == 3 and log.count("with status \x1b[92mSUCCESS") == 4
+    # One dataset version, one run (resumed, not started over), one model version, promoted.
+    runs = [p for p in (tmp_path / "runs").iterdir() if p.name != "_loop"]
+    assert len(runs) == 1 and (runs[0] / "final" / "model.safetensors").exists()
+    assert [e["event"] for e in read_events(str(runs[0]))].count("run_start") == 1
+    from petatrain.registry.store import Registry
+
+    registry = Registry(str(tmp_path / "registry"))
+    assert registry.versions("tiny") == [1] and registry.alias("tiny")["version"] == 1
+    (cycle,) = (tmp_path / "runs" / "_loop" / "cycles").iterdir()
+    assert json.loads(cycle.read_text())["outcome"] == "promoted"
+
+    # The next recurring run finds nothing new: ingest says so and nothing trains.
+    log = run_pipeline()
+    assert "Executing task \x1b[96m'loop-step-2'" not in log and "Output: 'done'" in log
+    assert len([p for p in (tmp_path / "runs").iterdir() if p.name != "_loop"]) == 1
+    assert registry.versions("tiny") == [1]
