@@ -406,3 +406,53 @@ def test_the_loop_on_kubernetes_is_a_raycronjob_and_a_rayservice_following_the_c
             manifests.build_loop(spec_mod.load(other), target, schedule, zone)
     done = run_cli("deploy", "k8s", "examples/tiny.yaml", "--loop", str(loop_file), "--out", str(tmp_path / "k"))
     assert done.returncode == 2 and "needs --out DIR and no CONFIG" in done.stderr
+
+
+def test_the_loop_without_kuberays_raycronjob_is_a_cronjob_submitting_to_a_standing_cluster(tmp_path):
+    """deploy k8s --loop --cron cronjob: for an operator without the RayCronJob feature gate, a
+    Kubernetes CronJob (one cycle at a time) whose pod runs `ray job submit` against a standing
+    RayCluster (workers autoscaled from none, the loop file on its head) with the token KubeRay made;
+    valid against the built-in schemas and the real CRDs."""
+    from helpers import missing
+    from test_deploy_validate import REAL_CRDS
+
+    if not REAL_CRDS:
+        missing("../shared/k8s-crds is not beside the repository (the real RayCluster CRD)")
+    values = {
+        "model": "tiny", "job": str(ROOT / "examples" / "tiny.yaml"), "set": ["parallel.workers=2-4"],
+        "source": "s3://lake/incoming/", "dataset": "s3://lake/datasets/web", "runs": "s3://lake/loops/tiny",
+        "registry": "s3://lake/registry",
+    }  # fmt: skip
+    loop_file = tmp_path / "loop.yaml"
+    loop_file.write_text(yaml.safe_dump(values))
+    out = tmp_path / "k8s"
+    argv = ["deploy", "k8s", "--loop", str(loop_file), "--cron", "cronjob", "--schedule", "@hourly"]
+    done = run_cli(*argv, "--time-zone", "UTC", "--name", "tiny", "--namespace", "ml", "--out", str(out), "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["kind"] == "cronjob"
+    docs = [d for path in sorted(out.iterdir()) for d in yaml.safe_load_all(path.read_text())]
+    assert validate_documents(docs) == [] and validate_documents(docs, crds=REAL_CRDS) == []
+    by_kind = {}
+    for doc in docs:
+        by_kind.setdefault(doc["kind"], []).append(doc)
+    assert "RayCronJob" not in by_kind and len(by_kind["RayCluster"]) == 1 and len(by_kind["RayService"]) == 1
+    (cluster,), (cron,) = by_kind["RayCluster"], by_kind["CronJob"]
+    workers = cluster["spec"]["workerGroupSpecs"][0]
+    assert (workers["minReplicas"], workers["maxReplicas"], cluster["spec"]["enableInTreeAutoscaling"]) == (0, 4, True)
+    head = cluster["spec"]["headGroupSpec"]["template"]["spec"]
+    assert {"name": "job-config", "configMap": {"name": "tiny-config"}} in head["volumes"]
+    config = next(d for d in by_kind["ConfigMap"] if d["metadata"]["name"] == "tiny-config")
+    assert yaml.safe_load(config["data"]["loop.yaml"])["job"] == "/etc/petatrain/job.yaml"
+    spec = cron["spec"]
+    assert (spec["schedule"], spec["timeZone"], spec["concurrencyPolicy"]) == ("@hourly", "UTC", "Forbid")
+    job = spec["jobTemplate"]["spec"]
+    assert job["backoffLimit"] >= 1  # a failed cycle is submitted again and goes on where it stopped
+    (container,) = job["template"]["spec"]["containers"]
+    assert container["command"] == [
+        "ray", "job", "submit", "--address", "http://tiny-head-svc.ml.svc:8265", "--",
+        "petatrain", "loop", "/etc/petatrain/loop.yaml", "--once", "--address", "auto",
+    ]  # fmt: skip
+    token = next(e for e in container["env"] if e["name"] == "RAY_AUTH_TOKEN")
+    assert token["valueFrom"]["secretKeyRef"] == {"name": "tiny", "key": "auth_token"}  # KubeRay's for the cluster
+    done = run_cli("deploy", "k8s", "--loop", str(loop_file), "--cron", "kubernetes", "--out", str(tmp_path / "x"))
+    assert done.returncode == 2 and "--cron 'kubernetes': raycronjob" in done.stderr

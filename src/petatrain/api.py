@@ -1188,18 +1188,21 @@ def _write_manifests(documents: list[dict[str, Any]], out: str) -> list[str]:
     return files
 
 
-def deploy_loop_k8s(spec: Any, target: Any, out: str, *, schedule: str, time_zone: str = "") -> Deployment:
+def deploy_loop_k8s(
+    spec: Any, target: Any, out: str, *, schedule: str, time_zone: str = "", cron: str = "raycronjob"
+) -> Deployment:
     """Write what runs the loop `spec` (a `petatrain.loop.spec.LoopSpec`) on Kubernetes into `out`: a
-    KubeRay RayCronJob running one cycle (`petatrain loop --once`) on `schedule`, and a RayService
-    serving `registry://MODEL@champion` that follows it (deploy/manifests.build_loop)."""
+    KubeRay RayCronJob running one cycle (`petatrain loop --once`) on `schedule` (`cron`
+    "raycronjob"), or a Kubernetes CronJob submitting it to a standing RayCluster ("cronjob"), and a
+    RayService serving `registry://MODEL@champion` that follows it (deploy/manifests.build_loop)."""
     from petatrain.deploy import manifests
 
-    documents = manifests.build_loop(spec, target, schedule, time_zone)
+    documents = manifests.build_loop(spec, target, schedule, time_zone, cron)
     files = _write_manifests(documents, out)
     cfg = spec.job_config()
     lo, hi = cfg.parallel.worker_range()
     return Deployment(
-        files=files, kind="raycronjob", workers=(lo, hi), worker_pods=(lo, hi), accelerator="cpu",
+        files=files, kind=cron, workers=(lo, hi), worker_pods=(0 if cron == "cronjob" else lo, hi), accelerator="cpu",
         devices_per_node=0, sized_by=f"config; a cycle on {schedule!r}",
         secrets=manifests.secrets_needed(cfg, dataclasses.replace(target, run_dir=spec.runs)),
     )  # fmt: skip

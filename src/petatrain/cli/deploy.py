@@ -64,6 +64,13 @@ def deploy_k8s(
     ] = None,
     schedule: Annotated[str, typer.Option(help="--loop: when a cycle runs, in cron's syntax.")] = "*/15 * * * *",
     time_zone: Annotated[str, typer.Option(help="--loop: the schedule's time zone (default: the operator's).")] = "",
+    cron: Annotated[
+        str,
+        typer.Option(
+            help="--loop: raycronjob (KubeRay's RayCronJob, a cluster per cycle; needs its feature gate) or cronjob "
+            "(a Kubernetes CronJob submitting each cycle to a standing RayCluster whose workers autoscale from none)."
+        ),
+    ] = "raycronjob",
     queue: Annotated[
         str,
         typer.Option(help="A Kueue LocalQueue: the job is created suspended and Kueue admits all its pods at once."),
@@ -102,7 +109,7 @@ def deploy_k8s(
     if loop is not None:
         if config is not None or not out_dir:
             raise ConfigError("deploy k8s --loop LOOP.yaml needs --out DIR and no CONFIG (the loop file names its job)")
-        done = _loop(loop, out_dir, name, namespace, image, s3_secret, volume, schedule, time_zone, set_)
+        done = _loop(loop, out_dir, name, namespace, image, s3_secret, volume, schedule, time_zone, cron, set_)
         show(done.to_dict(), _written(done, out_dir, namespace))
         return
     if config is None or not out_dir:
@@ -129,7 +136,7 @@ def deploy_k8s(
 
 def _loop(
     loop: Path, out_dir: str, name: str, namespace: str, image: str, s3_secret: str, volume: list[str] | None,
-    schedule: str, time_zone: str, set_: list[str] | None,
+    schedule: str, time_zone: str, cron: str, set_: list[str] | None,
 ) -> api.Deployment:  # fmt: skip
     from petatrain.deploy.manifests import Target, check_volume, name_from
     from petatrain.loop import spec as spec_mod
@@ -141,7 +148,7 @@ def _loop(
     )  # fmt: skip
     if image:
         target = dataclasses.replace(target, image=image)
-    return api.deploy_loop_k8s(spec, target, out_dir, schedule=schedule, time_zone=time_zone)
+    return api.deploy_loop_k8s(spec, target, out_dir, schedule=schedule, time_zone=time_zone, cron=cron)
 
 
 def _written(done: api.Deployment, out_dir: str, namespace: str) -> Any:
@@ -154,6 +161,8 @@ def _written(done: api.Deployment, out_dir: str, namespace: str) -> Any:
             say(f"  {path}")
         if done.kind == "raycronjob":
             say("the RayCronJob needs KubeRay's operator started with --feature-gates=RayCronJob=true (v1.7.0: alpha)")
+        if done.kind == "cronjob":
+            say("the CronJob submits each cycle to the standing RayCluster it names; its workers start for a cycle")
         if done.secrets:
             say("the Secrets they reference (create them first, values not shown):")
             for command in done.secrets:

@@ -316,15 +316,27 @@ def _job_spec(target: Target, entrypoint: str, cluster: dict[str, Any]) -> dict[
 LOOP_PATH = "/etc/petatrain/loop.yaml"
 
 
-def build_loop(spec: Any, target: Target, schedule: str, time_zone: str = "") -> list[dict[str, Any]]:
-    """What `deploy k8s --loop LOOP.yaml` writes: a KubeRay RayCronJob that runs one cycle of the loop
-    (`petatrain loop --once`) on `schedule`, in a cluster of its own each time, and a RayService
-    `NAME-serve` that serves `registry://MODEL@champion` and follows it. The source, dataset, runs
-    and registry must be where every pod finds them (the object store, or a named volume)."""
+CRONS = ("raycronjob", "cronjob")
+
+
+def build_loop(
+    spec: Any, target: Target, schedule: str, time_zone: str = "", cron: str = "raycronjob"
+) -> list[dict[str, Any]]:
+    """What `deploy k8s --loop LOOP.yaml` writes: what runs one cycle of the loop (`petatrain loop
+    --once`) on `schedule`, and a RayService `NAME-serve` that serves `registry://MODEL@champion` and
+    follows it. `cron` "raycronjob": a KubeRay RayCronJob, each cycle in a cluster of its own (the
+    operator's RayCronJob feature gate); "cronjob": a Kubernetes CronJob whose pod submits the cycle
+    to a standing RayCluster `NAME` (its workers autoscaled from none) with `ray job submit` and waits
+    for it. The source, dataset, runs and registry must be where every pod finds them (the object
+    store, or a named volume)."""
     from petatrain.deploy.kuberay_rules import cron_problem
 
+    if cron not in CRONS:
+        raise ConfigError(f"--cron {cron!r}: raycronjob (KubeRay's, feature-gated) or cronjob (Kubernetes')")
     check_name(target.name)
     check_name(f"{target.name}-serve")
+    if cron == "cronjob":
+        check_name(f"{target.name}-cycle")
     problem = "cannot use TZ or CRON_TZ in it, use --time-zone" if "TZ" in schedule else cron_problem(schedule)
     if problem:
         raise ConfigError(f"--schedule {schedule!r}: {problem}")
@@ -346,19 +358,28 @@ def build_loop(spec: Any, target: Target, schedule: str, time_zone: str = "") ->
     for value, what in ((spec.source, "source"), (spec.runs, "runs"), (registry, "registry")):
         _check_reachable(value, f"the loop's {what}", reach)
     cfg = dataclasses.replace(cfg, promote=dataclasses.replace(cfg.promote, registry=registry))
+    if cron == "cronjob":  # a standing cluster whose workers come for a cycle and go after it
+        reach = dataclasses.replace(reach, kind="raycluster", workers=(0, cfg.parallel.worker_range()[1]))
     train = build(cfg, reach)  # the job config as the pods read it, checked; its cluster for the cycles
     config_map = next(d for d in train if d["kind"] == "ConfigMap")
     loop_file = {**spec.to_dict(), "job": CONFIG_PATH, "set": [], "registry": registry}
     config_map["data"]["loop.yaml"] = yaml_dump(loop_file)
-    job = next(d for d in train if d["kind"] == "RayJob")
-    line = shlex.join(["petatrain", "loop", LOOP_PATH, "--once", "--address", "auto"])
-    template = _job_spec(target, line, job["spec"]["rayClusterSpec"])
-    cron: dict[str, Any] = {"schedule": schedule, "jobTemplate": template}
-    if time_zone:
-        cron["timeZone"] = time_zone
-    meta = job["metadata"]
+    cycle = ["petatrain", "loop", LOOP_PATH, "--once", "--address", "auto"]
     documents = [d for d in train if d["kind"] in ("ServiceAccount", "ConfigMap")]
-    documents.append({"apiVersion": "ray.io/v1", "kind": "RayCronJob", "metadata": meta, "spec": cron})
+    if cron == "cronjob":
+        cluster = next(d for d in train if d["kind"] == "RayCluster")
+        documents += [cluster, _cycle_cronjob(target, cluster["metadata"], cycle, schedule, time_zone)]
+    else:
+        job = next(d for d in train if d["kind"] == "RayJob")
+        cron_spec: dict[str, Any] = {
+            "schedule": schedule,
+            "jobTemplate": _job_spec(target, shlex.join(cycle), job["spec"]["rayClusterSpec"]),
+        }
+        if time_zone:
+            cron_spec["timeZone"] = time_zone
+        documents.append(
+            {"apiVersion": "ray.io/v1", "kind": "RayCronJob", "metadata": job["metadata"], "spec": cron_spec}
+        )
     served = dataclasses.replace(
         target, name=f"{target.name}-serve", kind="rayservice", run_dir=f"registry://{spec.model}@champion",
         registry=registry, workers=(0, 0), s3_secret=target.s3_secret or f"{target.name}-s3",
@@ -368,6 +389,52 @@ def build_loop(spec: Any, target: Target, schedule: str, time_zone: str = "") ->
     documents += [d for d in serving if d["kind"] in ("ServiceAccount", "ConfigMap", "RayService")]
     documents += [d for d in (*train, *serving) if d["kind"] == "PodMonitor"]
     return documents
+
+
+def _cycle_cronjob(
+    target: Target, meta: dict[str, Any], cycle: list[str], schedule: str, time_zone: str
+) -> dict[str, Any]:
+    """A Kubernetes CronJob whose pod submits one cycle (`cycle`) to the RayCluster `meta` names
+    through Ray's job API and waits for it: `ray job submit` exits non-zero when the cycle failed,
+    so the Job's retries (`backoffLimit`) run it again, and it goes on where the last stopped. One
+    at a time (concurrencyPolicy Forbid); the cluster's token comes from the Secret KubeRay made
+    for it (`authOptions`). The pod needs no Kubernetes API access, only the head's Service."""
+    name = meta["name"]
+    head = f"http://{name}-head-svc.{target.namespace}.svc:8265"
+    token = {"secretKeyRef": {"name": name, "key": "auth_token"}}
+    container = {
+        "name": "submit",
+        "image": target.image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": ["ray", "job", "submit", "--address", head, "--", *cycle],
+        "env": [{"name": "RAY_AUTH_MODE", "value": "token"}, {"name": "RAY_AUTH_TOKEN", "valueFrom": token}],
+        "resources": {
+            "requests": {"cpu": "100m", "memory": "512Mi"},
+            "limits": {"cpu": "1", "memory": "512Mi"},
+        },
+    }
+    labels = {**meta["labels"], "petatrain.io/role": "cycle"}
+    pod = {"serviceAccountName": target.name, "restartPolicy": "Never", "containers": [container]}
+    job = {
+        "backoffLimit": target.backoff_limit,
+        "activeDeadlineSeconds": target.active_deadline_s,
+        "template": {"metadata": {"labels": labels}, "spec": pod},
+    }
+    spec: dict[str, Any] = {
+        "schedule": schedule,
+        "concurrencyPolicy": "Forbid",  # a tick while a cycle runs is skipped; the next one goes on
+        "successfulJobsHistoryLimit": 3,
+        "failedJobsHistoryLimit": 3,
+        "jobTemplate": {"metadata": {"labels": labels}, "spec": job},
+    }
+    if time_zone:
+        spec["timeZone"] = time_zone
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "CronJob",
+        "metadata": {**meta, "name": f"{name}-cycle", "labels": meta["labels"]},
+        "spec": spec,
+    }
 
 
 def yaml_dump(values: dict[str, Any]) -> str:
