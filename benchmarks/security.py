@@ -39,8 +39,9 @@ from petatrain import api, config
 from petatrain.data import synth
 from petatrain.data.index import dataset_keys, open_dataset
 from petatrain.data.loading.stream import StreamingDataset
-from petatrain.storage import StorageOptions, keys
-from petatrain.storage.parquet_crypt import open_parquet
+from petatrain.security import keys
+from petatrain.security.parquet_crypt import open_parquet
+from petatrain.storage import StorageOptions
 
 
 def loader_rate(url: str, options: StorageOptions, epochs: int) -> float:

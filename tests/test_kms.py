@@ -27,7 +27,8 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from conftest import BARBICAN, ROOT, run_cli
 from helpers import tiny, train
 from petatrain.errors import ConfigError, PetatrainError
-from petatrain.storage import StorageOptions, keys, sealed
+from petatrain.security import keys, sealed
+from petatrain.storage import StorageOptions
 
 PROJECT = "petatrain-kms-test"
 TOKEN = "tok-3f9a1c-never-written"
@@ -207,7 +208,7 @@ def test_two_rotations_at_once_take_two_versions_and_a_shared_name_is_refused(ba
     deleted. A name held twice (made by hand here) is one line for a reader, not a guess."""
     import threading
 
-    from petatrain.storage import barbican as kms
+    from petatrain.security import barbican as kms
 
     credentials = kms.Credentials.from_env()
     keyref = kms.create(f"barbican+http://127.0.0.1:{barbican.rsplit(':', 1)[1]}", credentials)

@@ -18,7 +18,8 @@ from helpers import ingest, read_dataset, tiny
 from petatrain import config, storage
 from petatrain.data import index
 from petatrain.errors import AccessDeniedError, ConfigError, PetatrainError, StorageAccessError
-from petatrain.storage import StorageOptions, access
+from petatrain.security import access
+from petatrain.storage import StorageOptions
 from petatrain.storage.fs import copy
 from petatrain.storage.sse import ServerSideEncryption, read_customer_key
 

@@ -17,7 +17,8 @@ import torch
 from conftest import run_cli
 from helpers import tiny, train, write_checkpoint
 from petatrain.errors import CorruptDataError, PetatrainError
-from petatrain.storage import StorageOptions, keys, sealed
+from petatrain.security import keys, sealed
+from petatrain.storage import StorageOptions
 
 
 @pytest.fixture(scope="module")

@@ -1062,7 +1062,7 @@ def make_ray_tls(folder: str, hosts: Sequence[str]) -> dict[str, Any]:
 
 def create_keys(path: str) -> dict[str, Any]:
     """`petatrain keys create`: a new local keyring; what it holds (never the keys)."""
-    from petatrain.storage import keys
+    from petatrain.security import keys
 
     ring = keys.create_keyring(path)
     return {"keyref": ring.ref, "primary": ring.primary, "versions": ring.versions, "key_id": ring.key_id}
@@ -1070,7 +1070,7 @@ def create_keys(path: str) -> dict[str, Any]:
 
 def export_public_key(keyref: str, out: str) -> dict[str, Any]:
     """`petatrain keys public`: the keyring's verification key alone, at `out`."""
-    from petatrain.storage import keys
+    from petatrain.security import keys
 
     return {"path": os.path.abspath(out), "key_id": keys.export_public(keyref, out)}
 
@@ -1080,7 +1080,7 @@ def rotate_keys(keyref: str, targets: Sequence[str], *, retire: bool = False) ->
     with it (datasets: the manifest's dataset keys; runs: each checkpoint's and the final weights'
     records); no data is rewritten. `retire` then drops the older versions from the keyring."""
     from petatrain.data import index
-    from petatrain.storage import keys
+    from petatrain.security import keys
     from petatrain.storage.fs import exists, join
     from petatrain.storage.lock import LEASE_FILE, Lease
     from petatrain.train.checkpoint.rewrap import rewrap_run

@@ -124,7 +124,7 @@ def access_policy(
     read/write/list/delete only under --run-prefix, and never write the datasets. serve: read
     the run's config.yaml, final/ and checkpoints/ and the datasets' tokenizers; no shard, no write.
     Apply a bucket policy with `aws s3api put-bucket-policy --bucket B --policy file://policy.json`."""
-    from petatrain.storage import access
+    from petatrain.security import access
 
     built = access.policy(
         role, bucket=bucket, prefix=prefix, run_prefix=run_prefix, sources=list(source or []), principal=principal

@@ -15,8 +15,8 @@ import yaml
 
 from petatrain.config.values import parse_size
 from petatrain.errors import ConfigError
+from petatrain.security.keys import check_keyref
 from petatrain.storage.fs import StorageOptions
-from petatrain.storage.keys import check_keyref
 from petatrain.storage.sse import ServerSideEncryption
 
 DedupMode = Literal["none", "exact", "near"]

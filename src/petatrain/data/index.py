@@ -24,24 +24,23 @@ import pyarrow.parquet as pq
 from petatrain.data.buffers import arrow_reader
 from petatrain.data.manifest import FORMAT, VERSION, IndexFile, Manifest, now
 from petatrain.errors import CorruptDataError, PetatrainError
+from petatrain.security import parquet_crypt, signing
+from petatrain.security.keys import open_keys
+from petatrain.security.parquet_crypt import DatasetKeys
 from petatrain.storage import (
     StorageOptions,
     atomic_write,
     exists,
     folder,
     join,
-    parquet_crypt,
     read_bytes,
     remove_tree,
     resolve,
     retrying,
-    signing,
 )
 from petatrain.storage.checksum import checksum_bytes
 from petatrain.storage.fs import numbered, refuse_linked_entries, to_url
-from petatrain.storage.keys import open_keys
 from petatrain.storage.lock import LEASE_FILE, Lease
-from petatrain.storage.parquet_crypt import DatasetKeys
 
 MANIFEST = "_index/manifest.json"
 # Every commit's manifest, kept: `DATASET@vN` opens version N (the Nth commit, `Manifest.generation`)

@@ -10,8 +10,8 @@ import numpy as np
 from petatrain.data import index as idx
 from petatrain.data.buffers import arrow_reader
 from petatrain.data.manifest import Manifest
+from petatrain.security.parquet_crypt import open_parquet
 from petatrain.storage import StorageOptions, read_bytes
-from petatrain.storage.parquet_crypt import open_parquet
 
 
 def _source_fields(m: Manifest) -> list[str]:

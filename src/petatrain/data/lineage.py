@@ -19,7 +19,8 @@ import pyarrow.parquet as pq
 from petatrain.data.buffers import arrow_reader
 from petatrain.data.manifest import Batch, Lineage, LineagePart, Manifest, Source
 from petatrain.errors import CorruptDataError
-from petatrain.storage import StorageOptions, atomic_write, join, read_bytes, remove_tree, resolve, retrying, signing
+from petatrain.security import signing
+from petatrain.storage import StorageOptions, atomic_write, join, read_bytes, remove_tree, resolve, retrying
 from petatrain.storage.checksum import checksum_bytes
 
 FOLDER = "_index/lineage"

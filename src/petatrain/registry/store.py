@@ -175,7 +175,7 @@ class Registry:
         return self.record(ref.name, int(moved["version"]))
 
     def _read_checked(self, where: str) -> dict[str, Any]:
-        from petatrain.storage import signing
+        from petatrain.security import signing
 
         try:
             record = json.loads(read_bytes(where, self.options))
@@ -188,7 +188,7 @@ class Registry:
 
     # -- writing -------------------------------------------------------------------------------
     def _write(self, where: str, record: dict[str, Any]) -> None:
-        from petatrain.storage import signing
+        from petatrain.security import signing
 
         record = {k: v for k, v in record.items() if k not in ("digest", "signature")}
         record["digest"] = _digest(record)

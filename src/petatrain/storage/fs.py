@@ -78,7 +78,7 @@ class StorageOptions:
             customer_key = read_customer_key(self.sse.customer_key)
         kms = self.kms_credentials
         if kms is None and (self.encryption_key or self.signing_key).startswith("barbican+"):
-            from petatrain.storage.barbican import Credentials
+            from petatrain.security.barbican import Credentials
 
             kms = Credentials.from_env()
         return dataclasses.replace(

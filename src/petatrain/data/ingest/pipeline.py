@@ -62,20 +62,20 @@ from petatrain.data.manifest import Batch, Column, Manifest, Source, TokenizerIn
 from petatrain.data.partitions import hive_partitions
 from petatrain.data.readers import FieldChoice
 from petatrain.errors import PetatrainError
+from petatrain.security import parquet_crypt
+from petatrain.security.parquet_crypt import DatasetKeys, open_parquet
 from petatrain.storage import (
     StorageOptions,
     atomic_write,
     exists,
     join,
     listdir,
-    parquet_crypt,
     read_verified,
     remove_tree,
 )
 from petatrain.storage.checksum import ChecksumMismatch
 from petatrain.storage.fs import SourceFile, copy, expand_sources, read_range, resolve, unchanged
 from petatrain.storage.lock import LEASE_FILE, Lease
-from petatrain.storage.parquet_crypt import DatasetKeys, open_parquet
 
 log = logging.getLogger(__name__)
 

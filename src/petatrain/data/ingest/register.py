@@ -26,7 +26,8 @@ from petatrain.data.ingest.job import IngestJob, IngestSummary
 from petatrain.data.manifest import Batch, Column, Manifest, Source, Totals, now
 from petatrain.data.partitions import hive_partitions, partition_type
 from petatrain.errors import PetatrainError
-from petatrain.storage import read_bytes, signing
+from petatrain.security import signing
+from petatrain.storage import read_bytes
 from petatrain.storage.checksum import checksum_bytes
 from petatrain.storage.fs import SourceFile
 from petatrain.storage.lock import Lease

@@ -38,9 +38,10 @@ from petatrain.data.ingest import tokenize as tk
 from petatrain.data.ingest.minhash import LSHParams, signatures
 from petatrain.data.partitions import partition_array
 from petatrain.errors import PetatrainError
-from petatrain.storage import StorageOptions, atomic_write, join, read_bytes, signing
+from petatrain.security import signing
+from petatrain.security.parquet_crypt import DatasetKeys, open_parquet
+from petatrain.storage import StorageOptions, atomic_write, join, read_bytes
 from petatrain.storage.fs import read_range, resolve
-from petatrain.storage.parquet_crypt import DatasetKeys, open_parquet
 from petatrain.storage.retry import retrying
 
 FILE_BITS = 36  # records per file < 2^36; files per dataset < 2^27

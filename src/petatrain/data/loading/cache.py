@@ -27,10 +27,10 @@ from pathlib import Path
 import pyarrow as pa
 
 from petatrain.errors import CorruptDataError, PetatrainError
+from petatrain.security.signing import sha256_hex
 from petatrain.storage import StorageOptions, read_bytes
 from petatrain.storage.checksum import ALGORITHM, checksum_bytes
 from petatrain.storage.fs import is_local, resolve
-from petatrain.storage.signing import sha256_hex
 
 log = logging.getLogger(__name__)
 

@@ -39,9 +39,9 @@ from petatrain.data.loading.heldout import HeldOut
 from petatrain.data.loading.order import Deal, SampleOrder
 from petatrain.data.partitions import hive_partitions, partition_array
 from petatrain.errors import CorruptDataError, PetatrainError
+from petatrain.security.parquet_crypt import open_parquet
 from petatrain.storage import StorageOptions
 from petatrain.storage.fs import is_local
-from petatrain.storage.parquet_crypt import open_parquet
 
 log = logging.getLogger(__name__)
 

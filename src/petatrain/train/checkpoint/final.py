@@ -18,11 +18,12 @@ from typing import Any
 import torch
 
 from petatrain.errors import CorruptDataError
-from petatrain.storage import StorageOptions, join, signing
+from petatrain.security import signing
+from petatrain.security.keys import encryption_keys
+from petatrain.security.sealed import data_key, new_data_key, open_bytes, seal_bytes
+from petatrain.storage import StorageOptions, join
 from petatrain.storage.checksum import checksum_bytes, verify
 from petatrain.storage.fs import atomic_write, exists, read_bytes
-from petatrain.storage.keys import encryption_keys
-from petatrain.storage.sealed import data_key, new_data_key, open_bytes, seal_bytes
 from petatrain.train.run_dir import run_id
 
 WEIGHTS = "model.safetensors"

@@ -21,13 +21,14 @@ from typing import Any
 import torch
 
 from petatrain.errors import CorruptDataError
-from petatrain.storage import StorageOptions, join, signing
+from petatrain.security import signing
+from petatrain.security.keys import encryption_keys
+from petatrain.security.sealed import SealReader, data_key
+from petatrain.security.signing import SHA256
+from petatrain.storage import StorageOptions, join
 from petatrain.storage.checksum import new_digest, verify, verify_digest
 from petatrain.storage.fs import exists, is_local, read_bytes, resolve
-from petatrain.storage.keys import encryption_keys
 from petatrain.storage.retry import retrying
-from petatrain.storage.sealed import SealReader, data_key
-from petatrain.storage.signing import SHA256
 from petatrain.train.checkpoint.state import COMMITTED, STATE, CheckpointState, rank_file, step_dir
 from petatrain.train.checkpoint.tensors import DTYPES
 from petatrain.train.run_dir import run_id

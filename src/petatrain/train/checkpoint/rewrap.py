@@ -11,10 +11,11 @@ import json
 from typing import Any
 
 from petatrain.errors import CorruptDataError
-from petatrain.storage import StorageOptions, join, signing
+from petatrain.security import signing
+from petatrain.security.keys import encryption_keys
+from petatrain.security.sealed import rewrap
+from petatrain.storage import StorageOptions, join
 from petatrain.storage.fs import atomic_write, exists, read_bytes
-from petatrain.storage.keys import encryption_keys
-from petatrain.storage.sealed import rewrap
 from petatrain.train.checkpoint.final import RECORD, final_context, final_dir
 from petatrain.train.checkpoint.reader import committed_steps, file_context, read_state
 from petatrain.train.checkpoint.state import COMMITTED, STATE, step_dir

@@ -20,12 +20,13 @@ from typing import Any
 from safetensors.torch import save_file as st_save_file
 
 from petatrain.errors import PetatrainError
-from petatrain.storage import StorageOptions, join, signing
+from petatrain.security import signing
+from petatrain.security.keys import encryption_keys
+from petatrain.security.sealed import SealWriter, new_data_key
+from petatrain.security.signing import sha256_file
+from petatrain.storage import StorageOptions, join
 from petatrain.storage.fs import atomic_write, local_staging_path, publish_file
-from petatrain.storage.keys import encryption_keys
 from petatrain.storage.retry import retrying
-from petatrain.storage.sealed import SealWriter, new_data_key
-from petatrain.storage.signing import sha256_file
 from petatrain.train.checkpoint.reader import committed_steps, file_context, remove_checkpoint
 from petatrain.train.checkpoint.state import COMMITTED, STATE, CheckpointState, rank_file, step_dir
 from petatrain.train.checkpoint.tensors import Snapshot, write_safetensors

@@ -15,8 +15,7 @@ import json
 from typing import Any
 
 from petatrain.errors import CorruptDataError
-from petatrain.storage.checksum import hash_file
-from petatrain.storage.keys import signing_keys
+from petatrain.security.keys import signing_keys
 
 SHA256 = "sha256"
 
@@ -26,7 +25,8 @@ def sha256_hex(data: bytes | memoryview) -> str:
 
 
 def sha256_file(path: str) -> str:
-    return hash_file(path, hashlib.sha256()).hexdigest()
+    with open(path, "rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
 def canonical(record: dict[str, Any]) -> bytes:

@@ -2,7 +2,7 @@
 
 A key reference (KEYREF) names where the keys live: `file:PATH` is a keyring that
 `petatrain keys create PATH` wrote; `barbican+https://HOST:PORT/v1/containers/ID` is a key
-container in OpenStack Barbican, a key manager reached over HTTP (`storage/barbican.py`), that
+container in OpenStack Barbican, a key manager reached over HTTP (`security/barbican.py`), that
 `petatrain keys create barbican+https://HOST:PORT` made. Data is never
 encrypted with the master key itself: each file gets a fresh data key, and only the
 *wrapped* data key (encrypted by a master key version, bound to what it protects) is
@@ -211,7 +211,7 @@ class LocalKeyring(SecretKeys):
 
 
 class BarbicanKeys(SecretKeys):
-    """A Barbican key container (`storage/barbican.py`): its keys fetched once, held in memory.
+    """A Barbican key container (`security/barbican.py`): its keys fetched once, held in memory.
 
     A version this process has not seen (rotated by another process since) is fetched again once."""
 
@@ -235,7 +235,7 @@ class BarbicanKeys(SecretKeys):
 
 
 def _barbican_call(call: Any) -> Any:
-    from petatrain.storage import barbican
+    from petatrain.security import barbican
 
     try:
         return call(barbican)

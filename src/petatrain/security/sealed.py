@@ -28,7 +28,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from petatrain.errors import CorruptDataError
-from petatrain.storage.keys import KmsClient
+from petatrain.security.keys import KmsClient
 
 MAGIC = b"PTSEAL\x00\x01"
 HEADER = len(MAGIC) + 4

@@ -30,7 +30,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from petatrain.errors import CorruptDataError
-from petatrain.storage.keys import KeyringError, open_keys
+from petatrain.security.keys import KeyringError, open_keys
 
 ALGORITHM = "parquet-modular/AES_GCM_V1"
 _NONCE = 12
