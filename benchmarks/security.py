@@ -41,6 +41,7 @@ from petatrain.data.index import dataset_keys, open_dataset
 from petatrain.data.loading.stream import StreamingDataset
 from petatrain.security import keys
 from petatrain.security.parquet_crypt import open_parquet
+from petatrain.security.protection import Protection
 from petatrain.storage import StorageOptions
 
 
@@ -154,7 +155,7 @@ def main() -> None:
     ring = root / "ring.json"
     keys.create_keyring(str(ring))
     ref = f"file:{ring}"
-    plain, sealed = StorageOptions(), StorageOptions(encryption_key=ref, signing_key=ref)
+    plain, sealed = StorageOptions(), StorageOptions(protection=Protection(encryption_key=ref, signing_key=ref))
     synth.generate(str(root / "corpus"), documents=args.documents, files=4, seed=5)
     mb = sum(p.stat().st_size for p in (root / "corpus").iterdir()) / 1e6
     # Three shards for the ingest rows (and the one-window loader row).

@@ -28,6 +28,7 @@ from conftest import BARBICAN, ROOT, run_cli
 from helpers import tiny, train
 from petatrain.errors import ConfigError, PetatrainError
 from petatrain.security import keys, sealed
+from petatrain.security.protection import Protection
 from petatrain.storage import StorageOptions
 
 PROJECT = "petatrain-kms-test"
@@ -268,7 +269,7 @@ def test_an_encrypted_dataset_and_run_on_ray_use_the_container_and_rotate_in_it(
     made = run_cli("keys", "create", f"barbican+http://127.0.0.1:{barbican.rsplit(':', 1)[1]}", "--json")
     assert made.returncode == 0, made.stderr
     keyref = json.loads(made.stdout)["keyref"]
-    options = StorageOptions(encryption_key=keyref, signing_key=keyref)
+    options = StorageOptions(protection=Protection(encryption_key=keyref, signing_key=keyref))
     corpus, dataset = tmp_path / "corpus", tmp_path / "ds"
     synth.generate(str(corpus), documents=300, files=2)
     cfg = config.IngestConfig(tokenizer="bytes", pack_length=65, shard_size="60KB", dedup="exact")

@@ -67,11 +67,12 @@ def test_a_tampered_record_or_alias_is_refused_naming_the_file(tmp_path):
 
 def test_records_are_signed_where_signing_is_configured_and_a_stripped_signature_is_refused(tmp_path):
     from petatrain import api
+    from petatrain.security.protection import Protection
     from petatrain.storage import StorageOptions
 
     ring = tmp_path / "ring.json"
     api.create_keys(str(ring))
-    signed = Registry(str(tmp_path / "reg"), StorageOptions(signing_key=f"file:{ring}"))
+    signed = Registry(str(tmp_path / "reg"), StorageOptions(protection=Protection(signing_key=f"file:{ring}")))
     record = signed.register("tiny", _fields("/runs/a"))
     assert record["signature"]["ed25519"]
     path = tmp_path / "reg" / "tiny" / "versions" / "v00000001.json"

@@ -18,6 +18,7 @@ from conftest import run_cli
 from helpers import tiny, train, write_checkpoint
 from petatrain.errors import CorruptDataError, PetatrainError
 from petatrain.security import keys, sealed
+from petatrain.security.protection import Protection
 from petatrain.storage import StorageOptions
 
 
@@ -36,7 +37,7 @@ def other_ring(tmp_path_factory) -> str:
 
 
 def encrypted(keyref: str, *, verify: bool = False) -> StorageOptions:
-    return StorageOptions(encryption_key=keyref, signing_key=keyref, verify_signatures=verify)
+    return StorageOptions(protection=Protection(encryption_key=keyref, signing_key=keyref, verify_signatures=verify))
 
 
 # ---- keyrings -------------------------------------------------------------------------------------
@@ -207,7 +208,7 @@ def test_a_checkpoint_rewritten_with_matching_checksums_is_refused_when_signed(t
     from petatrain.train.checkpoint import latest_verified
 
     run = str(tmp_path / "run")
-    options = StorageOptions(signing_key=ring)  # signed, not encrypted
+    options = StorageOptions(protection=Protection(signing_key=ring))  # signed, not encrypted
     _checkpoint(run, 10, options, {"model/w": torch.zeros(16)})
     folder = Path(run) / "checkpoints/step-00000010"
     forged_dir = tmp_path / "forged"
@@ -227,7 +228,7 @@ def test_a_checkpoint_rewritten_with_matching_checksums_is_refused_when_signed(t
     # The forger simply drops the signature: a reader holding the key refuses it all the same.
     del committed["signature"]
     (folder / "COMMITTED").write_text(json.dumps(committed))
-    strict = StorageOptions(signing_key=ring, verify_signatures=True)
+    strict = StorageOptions(protection=Protection(signing_key=ring, verify_signatures=True))
     for reader in (options, strict):
         with pytest.raises(CorruptDataError, match="is not signed"):
             latest_verified(run, reader, on_skip=lambda url, why: (_ for _ in ()).throw(CorruptDataError(why)))
@@ -369,7 +370,10 @@ def test_a_replaced_encrypted_shard_with_a_matching_checksum_is_refused(encrypte
     with pytest.raises(CorruptDataError, match=r"manifest\.json is not signed, and this reader holds the key"):
         StreamingDataset(str(copy), batch_size=16, options=encrypted(ring), shuffle=False)
     # Even read as a dataset nobody signed, the foreign shard's footer does not decrypt with this key.
-    lenient = dataclasses.replace(encrypted(ring), unsigned_datasets=(str(copy),))
+    strict_reader = encrypted(ring)
+    lenient = dataclasses.replace(
+        strict_reader, protection=dataclasses.replace(strict_reader.protection, unsigned_datasets=(str(copy),))
+    )
     ds = StreamingDataset(str(copy), batch_size=16, options=lenient, shuffle=False)
     with pytest.raises(CorruptDataError, match="does not decrypt with"):
         list(ds.iter_batches())
@@ -435,8 +439,8 @@ def test_a_signed_dataset_rewritten_with_matching_checksums_is_refused(encrypted
     from petatrain.data.loading.stream import StreamingDataset
     from petatrain.storage.checksum import checksum_bytes
 
-    signer = StorageOptions(signing_key=ring)
-    strict = StorageOptions(signing_key=ring, verify_signatures=True)
+    signer = StorageOptions(protection=Protection(signing_key=ring))
+    strict = StorageOptions(protection=Protection(signing_key=ring, verify_signatures=True))
     out = tmp_path / "signed"
     cfg = config.IngestConfig(tokenizer="bytes", pack_length=65, shard_size="60KB", dedup="none")
     run(IngestJob(sources=[str(encrypted_tokens / "corpus")], out=str(out), config=cfg, options=signer))

@@ -31,6 +31,7 @@ from petatrain.config import IngestConfig, JobConfig
 from petatrain.data.ingest.job import IngestJob, IngestSummary
 from petatrain.errors import ConfigError, CorruptDataError, GateRefused, PetatrainError
 from petatrain.observe.ledger import LedgerFollower
+from petatrain.security.protection import Protection
 from petatrain.storage import StorageOptions, join
 
 if TYPE_CHECKING:
@@ -1085,7 +1086,7 @@ def rotate_keys(keyref: str, targets: Sequence[str], *, retire: bool = False) ->
     from petatrain.storage.lock import LEASE_FILE, Lease
     from petatrain.train.checkpoint.rewrap import rewrap_run
 
-    options = StorageOptions(encryption_key=keyref, signing_key=keyref)
+    options = StorageOptions(protection=Protection(encryption_key=keyref, signing_key=keyref))
     keys.open_keys(keyref)  # a missing or loose keyring: refused before anything changes
     datasets = [t for t in targets if exists(join(t, index.MANIFEST), options)]
     for target in targets:  # every target checked before the keyring gets its new version

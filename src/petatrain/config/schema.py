@@ -16,6 +16,7 @@ import yaml
 from petatrain.config.values import parse_size
 from petatrain.errors import ConfigError
 from petatrain.security.keys import check_keyref
+from petatrain.security.protection import Protection
 from petatrain.storage.fs import StorageOptions
 from petatrain.storage.sse import ServerSideEncryption
 
@@ -559,14 +560,13 @@ class StorageConfig:
         values = {
             f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("encryption", "signing")
         }
-        return StorageOptions(
-            **values,
-            encrypted=self.encrypted,
+        protection = Protection(
             encryption_key=self.encryption.key,
             signing_key=self.signing.key or self.encryption.key,
             verify_signatures=self.signing.verify,
             unsigned_datasets=tuple(self.signing.unsigned),
         )
+        return StorageOptions(**values, encrypted=self.encrypted, protection=protection)
 
 
 @dataclass(kw_only=True, slots=True)

@@ -27,6 +27,7 @@ from petatrain.errors import CorruptDataError, PetatrainError
 from petatrain.security import parquet_crypt, signing
 from petatrain.security.keys import open_keys
 from petatrain.security.parquet_crypt import DatasetKeys
+from petatrain.security.protection import protection_of
 from petatrain.storage import (
     StorageOptions,
     atomic_write,
@@ -190,13 +191,14 @@ def dataset_keys(url: str, manifest: Manifest, options: StorageOptions | None) -
     """The keys that decrypt the dataset's shards (None: none is encrypted); one line if none is configured."""
     if manifest.encryption is None:
         return None
-    keyref = options.encryption_key if options is not None else ""
+    protection = protection_of(options)
+    keyref = protection.encryption_key
     if not keyref:
         raise PetatrainError(
             f"{url} is encrypted; set storage.encryption.key to the keyring it was written with "
             "(--set storage.encryption.key=file:PATH)"
         )
-    return parquet_crypt.from_record(keyref, manifest.encryption, join(url, MANIFEST), options)
+    return parquet_crypt.from_record(keyref, manifest.encryption, join(url, MANIFEST), protection.kms_credentials)
 
 
 def rewrap_dataset(url: str, options: StorageOptions) -> dict[str, Any]:
@@ -213,7 +215,11 @@ def rewrap_dataset(url: str, options: StorageOptions) -> dict[str, Any]:
         previous = read_manifest(url, options)
         manifest.encryption = fresh.record
         commit_manifest(url, manifest, previous, options)
-        return {"dataset": url, "keys": len(fresh.wrapped), "key_version": open_keys(keys.keyref, options).primary}
+        return {
+            "dataset": url,
+            "keys": len(fresh.wrapped),
+            "key_version": open_keys(keys.keyref, keys.kms_credentials).primary,
+        }
 
 
 def open_dataset(url: str, options: StorageOptions | None = None, *, cache_dir: str | None = None) -> Dataset:

@@ -41,6 +41,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from petatrain.errors import ConfigError, PetatrainError
+from petatrain.security.protection import Protected, Protection, protection_of
 
 FORMAT = 1
 KEYRING = "petatrain-keyring"
@@ -291,12 +292,12 @@ _remote: dict[str, BarbicanKeys] = {}
 _cache_lock = threading.Lock()
 
 
-def open_keys(keyref: str, options: Any = None) -> KmsClient:
+def open_keys(keyref: str, credentials: Any = None) -> KmsClient:
     """The key service KEYREF names, one-line errors. A keyring file is read once per change; a
-    Barbican container once per process, with the credentials `options` carries (`for_workers()`),
+    Barbican container once per process, with `credentials` (a job's `Protection.kms_credentials`),
     else those it was first opened with, else OS_AUTH_TOKEN / OS_PROJECT_ID."""
     if _is_barbican(keyref):
-        return _open_barbican(keyref, getattr(options, "kms_credentials", None))
+        return _open_barbican(keyref, credentials)
     path = _path_of(keyref)
     try:
         info = os.stat(path)
@@ -457,13 +458,15 @@ def export_public(keyref: str, out: str) -> str:
     return ring.key_id
 
 
-def encryption_keys(options: Any) -> KmsClient | None:
+def encryption_keys(holder: Protected | Protection | None) -> KmsClient | None:
     """The keys `storage.encryption.key` names, or None when nothing is encrypted."""
-    ref = getattr(options, "encryption_key", "") if options is not None else ""
-    return open_keys(ref, options) if ref else None
+    protection = protection_of(holder)
+    ref = protection.encryption_key
+    return open_keys(ref, protection.kms_credentials) if ref else None
 
 
-def signing_keys(options: Any) -> KmsClient | None:
+def signing_keys(holder: Protected | Protection | None) -> KmsClient | None:
     """The keys that sign and verify (`storage.signing.key`, else the encryption keyring), or None."""
-    ref = getattr(options, "signing_key", "") if options is not None else ""
-    return open_keys(ref, options) if ref else None
+    protection = protection_of(holder)
+    ref = protection.signing_key
+    return open_keys(ref, protection.kms_credentials) if ref else None

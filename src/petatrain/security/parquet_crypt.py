@@ -46,7 +46,7 @@ class DatasetKeys:
     id: str  # the dataset's key set; part of what every dataset key is wrapped for
     wrapped: dict[str, dict[str, Any]] = field(default_factory=dict)  # key id -> {"key", "key_version"}
     write_key: str = ""
-    # A key service's credentials (StorageOptions.kms_credentials), so that the processes these
+    # A key service's credentials (Protection.kms_credentials), so that the processes these
     # keys are sent to reach it too; never shown.
     kms_credentials: Any = field(default=None, repr=False, compare=False)
 
@@ -84,7 +84,7 @@ class DatasetKeys:
 
     def rewrapped(self) -> DatasetKeys:
         """These keys wrapped by the keyring's primary master key version (the shards unchanged)."""
-        keys = open_keys(self.keyref, self)
+        keys = open_keys(self.keyref, self.kms_credentials)
         wrapped = {
             key_id: {"key": keys.wrap(_unwrap(self, key_id), self.context(key_id)), "key_version": keys.primary}
             for key_id in self.wrapped
@@ -92,17 +92,17 @@ class DatasetKeys:
         return replace(self, wrapped=wrapped)
 
 
-def new_keys(keyref: str, options: Any = None) -> DatasetKeys:
-    """A first dataset key (id "k1"), wrapped by the keyring's primary version."""
-    keys = open_keys(keyref, options)
-    credentials = getattr(options, "kms_credentials", None)
+def new_keys(keyref: str, credentials: Any = None) -> DatasetKeys:
+    """A first dataset key (id "k1"), wrapped by the keyring's primary version (`credentials`: a key
+    service's, `Protection.kms_credentials`)."""
+    keys = open_keys(keyref, credentials)
     made = DatasetKeys(keyref=keyref, id=secrets.token_hex(8), write_key="k1", kms_credentials=credentials)
     key = AESGCM.generate_key(bit_length=256)
     made.wrapped["k1"] = {"key": keys.wrap(key, made.context("k1")), "key_version": keys.primary}
     return made
 
 
-def from_record(keyref: str, record: Any, where: str, options: Any = None) -> DatasetKeys:
+def from_record(keyref: str, record: Any, where: str, credentials: Any = None) -> DatasetKeys:
     """The keys a manifest records (`DatasetKeys.record`), to be unwrapped with `keyref`."""
     if (
         not isinstance(record, dict)
@@ -118,7 +118,7 @@ def from_record(keyref: str, record: Any, where: str, options: Any = None) -> Da
         id=record["id"],
         wrapped=dict(record["keys"]),
         write_key=ids[-1] if ids else "",
-        kms_credentials=getattr(options, "kms_credentials", None),
+        kms_credentials=credentials,
     )
 
 
@@ -134,7 +134,7 @@ def _unwrap(keys: DatasetKeys, key_id: str) -> bytes:
     with _lock:
         found = _unwrapped.get(cache)
     if found is None:
-        found = open_keys(keys.keyref, keys).unwrap(record["key"], keys.context(key_id))
+        found = open_keys(keys.keyref, keys.kms_credentials).unwrap(record["key"], keys.context(key_id))
         with _lock:
             _unwrapped[cache] = found
     return found

@@ -16,6 +16,7 @@ from typing import Any
 
 from petatrain.errors import CorruptDataError
 from petatrain.security.keys import signing_keys
+from petatrain.security.protection import Protected, Protection, protection_of
 
 SHA256 = "sha256"
 
@@ -34,22 +35,28 @@ def canonical(record: dict[str, Any]) -> bytes:
     return json.dumps({k: v for k, v in record.items() if k != "signature"}, sort_keys=True).encode()
 
 
-def signs(options: Any) -> bool:
-    """Whether records written with these options are signed (a signing key with its private half)."""
-    keys = signing_keys(options)
+def signs(holder: Protected | Protection | None) -> bool:
+    """Whether records written with this protection are signed (a signing key with its private half)."""
+    keys = signing_keys(holder)
     return keys is not None and keys.can_sign
 
 
-def sign(options: Any, data: bytes) -> dict[str, str] | None:
+def sign(holder: Protected | Protection | None, data: bytes) -> dict[str, str] | None:
     """The signature of `data` with the configured signing key; None when nothing signs."""
-    keys = signing_keys(options)
+    keys = signing_keys(holder)
     if keys is None or not keys.can_sign:
         return None
     return {"key_id": keys.key_id, "ed25519": keys.sign(data)}
 
 
 def check(
-    options: Any, data: bytes, signature: Any, what: str, *, unsigned_ok: bool = False, unsigned_hint: str = ""
+    holder: Protected | Protection | None,
+    data: bytes,
+    signature: Any,
+    what: str,
+    *,
+    unsigned_ok: bool = False,
+    unsigned_hint: str = "",
 ) -> bool:
     """Check the signature of a record (`what` names it in errors); True once it verified.
 
@@ -60,8 +67,8 @@ def check(
     config lists in `storage.signing.unsigned`) lets an unsigned record through. Without a key, only
     `storage.signing.verify: true` has something to say: that there is no key to verify with.
     CorruptDataError, one line, in every refusal."""
-    verify = bool(getattr(options, "verify_signatures", False)) if options is not None else False
-    keys = signing_keys(options)
+    verify = protection_of(holder).verify_signatures
+    keys = signing_keys(holder)
     if keys is None:
         if verify:
             raise CorruptDataError(

@@ -18,6 +18,7 @@ import fsspec
 from fsspec.core import split_protocol
 
 from petatrain.errors import PetatrainError, StorageAccessError
+from petatrain.security.protection import Protection
 from petatrain.storage.checksum import checksum_bytes, verify
 from petatrain.storage.retry import retrying
 from petatrain.storage.sse import ServerSideEncryption
@@ -44,24 +45,18 @@ class StorageOptions:
     # nodes need no copy of the variable or file; never in a repr or a config.
     sse_customer_key: bytes = field(default=b"", repr=False)
     extra: dict[str, Any] = field(default_factory=dict, repr=False)  # passed to fsspec as is; may hold secrets
-    # Key references (`storage.encryption.key`, `storage.signing`): where the keys are, not keys.
-    encryption_key: str = ""
-    signing_key: str = ""
-    verify_signatures: bool = False
-    unsigned_datasets: tuple[str, ...] = ()  # read without a signature though a key is held (storage.signing.unsigned)
-    # A key service's credentials (barbican.Credentials: OS_AUTH_TOKEN, OS_PROJECT_ID, OS_CACERT),
-    # filled in by for_workers() from the driver's environment; never shown or written.
-    kms_credentials: Any = field(default=None, repr=False, compare=False)
+    # What protects the data (`storage.encryption`, `storage.signing`): where the keys are, not keys.
+    protection: Protection = field(default_factory=Protection)
 
     def __hash__(self) -> int:  # extra is a dict; options are compared, not mutated
         identity = (self.s3_endpoint_url, self.s3_region, self.s3_access_key_id, self.s3_anonymous)
-        return hash((*identity, self.ca_bundle, self.sse, self.encrypted, self.allow_http, self.encryption_key))
+        return hash((*identity, self.ca_bundle, self.sse, self.encrypted, self.allow_http, self.protection))
 
     @property
     def require_tls(self) -> bool:
         """True when a plain-HTTP S3 endpoint must be refused: the data is encrypted (server-side, or
         by petatrain with `storage.encryption.key`) and `allow_http` was not given."""
-        return (self.encrypted or bool(self.encryption_key) or self.sse.enabled) and not self.allow_http
+        return (self.encrypted or bool(self.protection.encryption_key) or self.sse.enabled) and not self.allow_http
 
     def for_workers(self) -> StorageOptions:
         """These options with the driver's AWS_* endpoint and credentials filled in.
@@ -76,14 +71,9 @@ class StorageOptions:
             from petatrain.storage.sse import read_customer_key
 
             customer_key = read_customer_key(self.sse.customer_key)
-        kms = self.kms_credentials
-        if kms is None and (self.encryption_key or self.signing_key).startswith("barbican+"):
-            from petatrain.security.barbican import Credentials
-
-            kms = Credentials.from_env()
         return dataclasses.replace(
             self,
-            kms_credentials=kms,
+            protection=self.protection.for_workers(),
             s3_endpoint_url=self.s3_endpoint_url or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL", ""),
             s3_access_key_id=key,
             s3_secret_access_key=self.s3_secret_access_key or (env.get("AWS_SECRET_ACCESS_KEY", "") if key else ""),
@@ -96,8 +86,9 @@ class StorageOptions:
         `extra`): what may be written where these options must not be, e.g. a pickled state on disk.
         `for_workers()` on the result fills the credentials in again from a process's environment."""
         return dataclasses.replace(
-            self, s3_access_key_id="", s3_secret_access_key="", sse_customer_key=b"", kms_credentials=None, extra={}
-        )
+            self, s3_access_key_id="", s3_secret_access_key="", sse_customer_key=b"", extra={},
+            protection=self.protection.without_secrets(),
+        )  # fmt: skip
 
     def fsspec_kwargs(self, protocol: str) -> dict[str, Any]:
         if protocol not in ("s3", "s3a"):
@@ -136,7 +127,7 @@ class StorageOptions:
 
     def trusts_unsigned(self, dataset: str) -> bool:
         """Whether the dataset at `dataset` is one `storage.signing.unsigned` lets be read unsigned."""
-        return _same_url(dataset) in {_same_url(u) for u in self.unsigned_datasets}
+        return _same_url(dataset) in {_same_url(u) for u in self.protection.unsigned_datasets}
 
 
 def _same_url(url: str) -> str:

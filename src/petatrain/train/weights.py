@@ -70,14 +70,15 @@ def run_options(run_url: str, options: StorageOptions | None) -> StorageOptions:
     import dataclasses
 
     options = options or StorageOptions()
-    own = _run_config(run_url, options).storage.options()
-    return dataclasses.replace(
-        options,
-        encryption_key=options.encryption_key or own.encryption_key,
-        signing_key=options.signing_key or own.signing_key,
-        verify_signatures=options.verify_signatures or own.verify_signatures,
-        unsigned_datasets=options.unsigned_datasets or own.unsigned_datasets,
+    given, own = options.protection, _run_config(run_url, options).storage.options().protection
+    protection = dataclasses.replace(
+        given,
+        encryption_key=given.encryption_key or own.encryption_key,
+        signing_key=given.signing_key or own.signing_key,
+        verify_signatures=given.verify_signatures or own.verify_signatures,
+        unsigned_datasets=given.unsigned_datasets or own.unsigned_datasets,
     )
+    return dataclasses.replace(options, protection=protection)
 
 
 def _run_config(run_url: str, options: StorageOptions | None) -> JobConfig:

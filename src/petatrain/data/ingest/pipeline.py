@@ -64,6 +64,7 @@ from petatrain.data.readers import FieldChoice
 from petatrain.errors import PetatrainError
 from petatrain.security import parquet_crypt
 from petatrain.security.parquet_crypt import DatasetKeys, open_parquet
+from petatrain.security.protection import protection_of
 from petatrain.storage import (
     StorageOptions,
     atomic_write,
@@ -623,7 +624,8 @@ def _schema_of(
 def _dataset_keys(job: IngestJob, manifest: Manifest | None) -> DatasetKeys | None:
     """The keys this batch's shards are written with: the dataset's own if it has them, new ones if
     `storage.encryption.key` turns encryption on; None writes plaintext (refused on an encrypted dataset)."""
-    keyref = job.options.encryption_key if job.options is not None else ""
+    protection = protection_of(job.options)
+    keyref = protection.encryption_key
     recorded = manifest.encryption if manifest else None
     if recorded is not None:
         if not keyref:
@@ -631,7 +633,7 @@ def _dataset_keys(job: IngestJob, manifest: Manifest | None) -> DatasetKeys | No
                 f"{job.out} is encrypted; set storage.encryption.key (or --encrypt) to the keyring it was "
                 "written with, to add to it"
             )
-        keys = parquet_crypt.from_record(keyref, recorded, join(job.out, idx.MANIFEST), job.options)
+        keys = parquet_crypt.from_record(keyref, recorded, join(job.out, idx.MANIFEST), protection.kms_credentials)
         keys.check()  # a wrong keyring fails here, before anything is read
         return keys
-    return parquet_crypt.new_keys(keyref, job.options) if keyref else None
+    return parquet_crypt.new_keys(keyref, protection.kms_credentials) if keyref else None
