@@ -314,3 +314,46 @@ def test_a_partitioned_spark_folder_on_s3_registers_refreshes_and_streams(s3_end
     assert (summary.files_new, summary.files_removed) == (1, 2)
     assert rows() == [("a new web page", "web")]
     assert "part-0-b.parquet" in fs.cat(f"{bucket}/reg/README.md").decode()
+
+
+def test_a_forged_footer_a_reserved_or_repeated_partition_name_is_refused_and_nothing_registered(tmp_path):
+    """Attack round 3 (issue 35): a Parquet footer claiming 2^62 rows was committed, verified, and
+    failed the loader; Hive partition columns named doc_id or tokens were registered beside
+    petatrain's own columns; a path with a=1/a=2 kept the last value silently."""
+    import struct
+
+    def varint(value: int) -> bytes:
+        out = b""
+        while True:
+            low, value = value & 0x7F, value >> 7
+            if not value:
+                return out + bytes([low])
+            out += bytes([low | 0x80])
+
+    folder = tmp_path / "forged"
+    folder.mkdir()
+    pq.write_table(pa.table({"text": ["a", "b", "c"]}), folder / "part-0.parquet")
+    data = (folder / "part-0.parquet").read_bytes()
+    size = struct.unpack("<I", data[-8:-4])[0]
+    footer = data[-8 - size : -8]
+    # FileMetaData's num_rows: field 3 (i64, compact protocol: header 0x16), 3 rows zigzag-encoded as 6.
+    at = footer.index(b"\x16\x06")  # the first: FileMetaData's own, after its version and schema
+    forged = footer[:at] + b"\x16" + varint(2**62 << 1) + footer[at + 2 :]
+    (folder / "part-0.parquet").write_bytes(data[: -8 - size] + forged + struct.pack("<I", len(forged)) + b"PAR1")
+    assert pq.ParquetFile(folder / "part-0.parquet").metadata.num_rows == 2**62
+    with pytest.raises(PetatrainError, match=r"footer claims 4611686018427387904 rows, which its row groups do not"):
+        ingest([str(folder)], tmp_path / "reg", register=True)
+    assert not (tmp_path / "reg" / "manifest.json").exists()
+
+    for name in ("doc_id", "tokens"):
+        spark = tmp_path / f"spark-{name}"
+        (spark / f"{name}=7").mkdir(parents=True)
+        pq.write_table(pa.table({"text": ["one"]}), spark / f"{name}=7" / "part-0.parquet")
+        with pytest.raises(PetatrainError, match=rf"partition folder {name}=\.\.\. takes a name petatrain keeps"):
+            ingest([str(spark)], tmp_path / f"reg-{name}", register=True)
+    twice = tmp_path / "twice"
+    (twice / "a=1" / "a=2").mkdir(parents=True)
+    pq.write_table(pa.table({"text": ["one"]}), twice / "a=1" / "a=2" / "part-0.parquet")
+    for register in (True, False):
+        with pytest.raises(PetatrainError, match="the partition column 'a' appears twice in its folders"):
+            ingest([str(twice)], tmp_path / f"twice-{register}", register=register, dedup="none")

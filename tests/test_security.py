@@ -110,6 +110,25 @@ def test_wrapped_keys_are_bound_to_their_context_and_keyring(ring, other_ring):
         theirs.unwrap(wrapped, "run a/step 1/rank 0")
 
 
+def test_under_umask_000_the_keys_folders_are_private_and_the_public_key_is_not_writable_by_others(tmp_path, ring):
+    """Attack round 3 LOW (issue 35): under `umask 000` the folders `keys create` made were 0777 (anyone
+    could swap the keyring's file in them) and `keys public` wrote 0666."""
+    import os
+
+    old = os.umask(0)
+    try:
+        path = tmp_path / "deep" / "er" / "ring.json"
+        keys.create_keyring(str(path))
+        out = tmp_path / "pub.json"
+        keys.export_public(ring, str(out))
+    finally:
+        os.umask(old)
+    assert [(p.stat().st_mode & 0o777) for p in (path.parent.parent, path.parent, path)] == [0o700, 0o700, 0o600]
+    assert out.stat().st_mode & 0o777 == 0o644
+    with pytest.raises(keys.KeyringError, match="exists; choose another path"):
+        keys.export_public(ring, str(out))
+
+
 # ---- sealed files ---------------------------------------------------------------------------------
 
 

@@ -12,6 +12,8 @@ import urllib.parse
 
 import pyarrow as pa
 
+from petatrain.errors import PetatrainError
+
 _INTEGER = re.compile(r"-?[0-9]{1,18}")
 _NULL = "__HIVE_DEFAULT_PARTITION__"  # Spark's folder name for a null value
 
@@ -25,8 +27,10 @@ def hive_partitions(url: str, root: str = "") -> dict[str, str | None]:
     for segment in url[len(root) :].split("/")[:-1]:
         key, sep, value = segment.partition("=")
         if sep and key and "://" not in segment:
-            value = urllib.parse.unquote(value)
-            found[urllib.parse.unquote(key)] = None if value == _NULL else value
+            value, key = urllib.parse.unquote(value), urllib.parse.unquote(key)
+            if key in found:  # Spark refuses it too ("conflicting partition column names")
+                raise PetatrainError(f"{url}: the partition column {key!r} appears twice in its folders")
+            found[key] = None if value == _NULL else value
     return found
 
 

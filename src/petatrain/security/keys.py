@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import hashlib
 import json
 import os
@@ -360,7 +361,7 @@ def _read_record(path: str, keyref: str, info: os.stat_result) -> dict[str, Any]
 def _write_private(path: str, record: dict[str, Any], *, replace: bool) -> None:
     """Write a keyring as 0600 from its first byte: a new file, then a rename over the old one."""
     folder = os.path.dirname(path) or "."
-    os.makedirs(folder, exist_ok=True)
+    _make_private_folder(folder)
     tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{secrets.token_hex(6)}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
@@ -374,6 +375,22 @@ def _write_private(path: str, record: dict[str, Any], *, replace: bool) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def _make_private_folder(folder: str) -> None:
+    """`folder` and the parents it lacks, 0700 whatever the umask (under `umask 000` makedirs gives 0777:
+    anyone could swap the keyring's file in it); an existing folder is left as it is."""
+    missing = []
+    while folder and not os.path.isdir(folder):
+        missing.append(folder)
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            break
+        folder = parent
+    for made in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # another process made it meanwhile
+            os.mkdir(made, 0o700)
+            os.chmod(made, 0o700)  # mkdir's mode is masked by the umask; this is not
 
 
 def create_keyring(path: str) -> SecretKeys:
@@ -451,9 +468,12 @@ def export_public(keyref: str, out: str) -> str:
         raise KeyringError(f"{keyref}: these keys export no public key")
     record = {"format": FORMAT, "kind": PUBLIC, "public": _b64(ring.public_raw), "key_id": ring.key_id}
     out = os.path.abspath(os.path.expanduser(out))
-    if os.path.exists(out):
-        raise KeyringError(f"{out} exists; choose another path")
-    with open(out, "w") as handle:
+    try:  # 0644 whatever the umask (never 0666: anyone could replace what verifiers trust)
+        fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        raise KeyringError(f"{out} exists; choose another path") from None
+    os.fchmod(fd, 0o644)
+    with os.fdopen(fd, "w") as handle:
         json.dump(record, handle, indent=1)
     return ring.key_id
 

@@ -23,6 +23,7 @@ from petatrain.data import index as idx
 from petatrain.data.buffers import arrow_reader
 from petatrain.data.card import write_card
 from petatrain.data.ingest.job import IngestJob, IngestSummary
+from petatrain.data.ingest.stages import RESERVED_COLUMNS
 from petatrain.data.manifest import Batch, Column, Manifest, Source, Totals, now
 from petatrain.data.partitions import hive_partitions, partition_type
 from petatrain.errors import PetatrainError
@@ -39,15 +40,33 @@ def _describe(f: SourceFile, options) -> dict:
         meta = pq.ParquetFile(arrow_reader(data))
     except pa.ArrowException as exc:
         raise PetatrainError(f"--register: {f.url} is not a Parquet file ({exc})") from None
+    rows = _rows_held(f.url, meta.metadata)
     return {
         "url": f.url,
-        "rows": meta.metadata.num_rows,
+        "rows": rows,
         "bytes": len(data),
         "checksum": checksum_bytes(data),
         "sha256": signing.sha256_hex(data) if signing.signs(options) else "",
         "schema": meta.schema_arrow,
         "partitions": hive_partitions(f.url, f.root),
     }
+
+
+def _rows_held(url: str, footer: pq.FileMetaData) -> int:
+    """The rows a file's footer claims, once its row groups bear them out: the total is theirs, and
+    every column chunk holds a value (or a null) for each of its group's rows. A footer forged to
+    claim 2^62 rows was committed and verified, and the loader then failed on it."""
+    groups = [footer.row_group(i) for i in range(footer.num_row_groups)]
+    held = sum(g.num_rows for g in groups)
+    short = any(
+        g.num_rows < 0 or any(g.column(c).num_values < g.num_rows for c in range(g.num_columns)) for g in groups
+    )
+    if footer.num_rows != held or short:
+        raise PetatrainError(
+            f"--register: {url}: its footer claims {footer.num_rows} rows, which its row groups do not hold "
+            "(a damaged or forged file); nothing was registered"
+        )
+    return held
 
 
 def _columns(job: IngestJob, described: list[dict]) -> tuple[list[Column], list[str]]:
@@ -66,6 +85,12 @@ def _columns(job: IngestJob, described: list[dict]) -> tuple[list[Column], list[
     clash = [k for k in keys if k in schema.names]
     if clash:
         raise PetatrainError(f"--register: partition folder {clash[0]}=... names a column the files have too")
+    reserved = [k for k in keys if k in RESERVED_COLUMNS]
+    if reserved:
+        raise PetatrainError(
+            f"--register: partition folder {reserved[0]}=... takes a name petatrain keeps for its own columns "
+            f"({', '.join(RESERVED_COLUMNS)}); rename the partition column"
+        )
     if job.config.text_field and job.config.text_field not in schema.names:
         raise PetatrainError(
             f"--register: no column {job.config.text_field!r} in {first['url']} "
