@@ -194,6 +194,39 @@ def test_an_encrypted_checkpoint_holds_no_plaintext_and_reads_back_only_with_its
         assert "\n" not in str(exc.value)
 
 
+def test_another_runs_encrypted_checkpoint_copied_in_as_the_newest_is_skipped_not_fatal(tmp_path):
+    """Attack round 3 MED (issue 35): a checkpoint of another run under the same keyring, copied in as
+    the newest, stopped `train --resume` and `serve --checkpoint latest` (its data keys do not unwrap
+    for this run) instead of being skipped like a corrupt one; its COMMITTED names the run its keys are
+    bound to, signed with the rest, and a keys rotation keeps it."""
+    import shutil
+
+    from petatrain.api import rotate_keys
+    from petatrain.train import run_dir
+    from petatrain.train.checkpoint import latest_verified, read_rank_tensors
+
+    ring = f"file:{tmp_path / 'ring.json'}"  # its own: the rotation below adds a version
+    keys.create_keyring(ring.removeprefix("file:"))
+    ours, theirs = str(tmp_path / "ours"), str(tmp_path / "theirs")
+    options = encrypted(ring)
+    for run, value in ((ours, 1.0), (theirs, 2.0)):
+        run_dir.claim(run)
+        _checkpoint(run, 10 if run == ours else 20, options, {"model/w": torch.full((8, 8), value)})
+    shutil.copytree(Path(theirs) / "checkpoints" / "step-00000020", Path(ours) / "checkpoints" / "step-00000020")
+    skipped: list[tuple[str, str]] = []
+    state = latest_verified(ours, options, on_skip=lambda where, why: skipped.append((where, why)))
+    assert state is not None and state.step == 10
+    assert float(read_rank_tensors(ours, state, 0, options)["model/w"][0, 0]) == 1.0
+    ((where, why),) = skipped
+    assert where.endswith("step-00000020") and "bound to run" in why and "not this run" in why
+    # A rotation re-wraps the run's own keys and keeps what they are bound to.
+    shutil.rmtree(Path(ours) / "checkpoints" / "step-00000020")
+    rotate_keys(ring, [ours])
+    state = latest_verified(ours, options)
+    assert state is not None and state.step == 10
+    assert float(read_rank_tensors(ours, state, 0, options)["model/w"][0, 0]) == 1.0
+
+
 def test_a_tampered_or_swapped_encrypted_checkpoint_file_is_refused(tmp_path, ring):
     from petatrain.train import run_dir
     from petatrain.train.checkpoint import latest_verified

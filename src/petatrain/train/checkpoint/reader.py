@@ -85,9 +85,21 @@ def read_state(run_url: str, step: int, options: StorageOptions | None = None) -
         if signed and not all(isinstance(f.get(SHA256), str) for f in state.files.values()):
             raise ValueError(f"a file of the signed {STATE} has no SHA-256")
         state.keys = _sealed_files(marker.get("keys", {}), state)
+        _check_bound(run_url, state, marker.get("run"), options)
         return state
     except (OSError, ValueError, RecursionError) as exc:  # RecursionError: JSON nested too deep to parse
         raise CorruptDataError(f"checkpoint {folder} does not verify: {exc}") from None
+
+
+def _check_bound(run_url: str, state: CheckpointState, written_by: Any, options: StorageOptions | None) -> None:
+    """An encrypted checkpoint's data keys are bound to the run that wrote them (its COMMITTED names
+    it, signed with the rest): one copied in from another run is not this run's, and is skipped as
+    a corrupt one is, instead of stopping a resume when its keys do not unwrap here."""
+    if not state.keys or written_by is None:  # plaintext, or written before COMMITTED named its run
+        return
+    here = run_id(run_url, options)
+    if written_by != here:
+        raise ValueError(f"its files are bound to run {written_by!r}, not this run {here!r} (copied from another run?)")
 
 
 def _sealed_files(keys: Any, state: CheckpointState) -> dict[str, dict[str, Any]]:

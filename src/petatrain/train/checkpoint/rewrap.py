@@ -40,7 +40,9 @@ def rewrap_run(run_url: str, options: StorageOptions) -> dict[str, Any]:
         raw = read_bytes(join(folder, STATE), options)
         marker = json.loads(read_bytes(join(folder, COMMITTED), options))
         # Signed again only if it was: a signature needs the files' SHA-256s, which only a signing writer records.
-        again = commit_record(raw, marker["state_checksum"], fresh, options, sign="signature" in marker)
+        again = commit_record(
+            raw, marker["state_checksum"], fresh, options, sign="signature" in marker, run=str(marker.get("run") or "")
+        )
         atomic_write(join(folder, COMMITTED), again, options)
         checkpoints += 1
     final = False

@@ -30,6 +30,7 @@ from petatrain.storage.retry import retrying
 from petatrain.train.checkpoint.reader import committed_steps, file_context, remove_checkpoint
 from petatrain.train.checkpoint.state import COMMITTED, STATE, CheckpointState, rank_file, step_dir
 from petatrain.train.checkpoint.tensors import Snapshot, write_safetensors
+from petatrain.train.run_dir import run_id
 
 log = logging.getLogger(__name__)
 
@@ -261,7 +262,8 @@ class CheckpointWriter:
         state = CheckpointState(step=snap.step, world_size=snap.world_size, time=time.time(), files=parts, **snap.meta)
         state_bytes = json.dumps(state.to_json(), indent=1, sort_keys=True).encode()
         state_sum, _ = self._put(join(folder, STATE), state_bytes)
-        self._put(join(folder, COMMITTED), commit_record(state_bytes, state_sum, keys, self.options))
+        run = run_id(self.run_url, self.options) if keys else ""  # what the data keys are bound to
+        self._put(join(folder, COMMITTED), commit_record(state_bytes, state_sum, keys, self.options, run=run))
         self.last_write_s, self.last_write_cpu_s = time.perf_counter() - t0, time.thread_time() - cpu0
         nbytes = sum(f["bytes"] for f in parts.values()) + len(state_bytes)
         self.committed_step = snap.step
@@ -282,13 +284,22 @@ class CheckpointWriter:
 
 
 def commit_record(
-    state_bytes: bytes, state_sum: str, keys: dict[str, Any], options: StorageOptions | None, *, sign: bool = True
+    state_bytes: bytes,
+    state_sum: str,
+    keys: dict[str, Any],
+    options: StorageOptions | None,
+    *,
+    sign: bool = True,
+    run: str = "",
 ) -> bytes:
-    """COMMITTED: the checksum of state.json, the files' wrapped data keys when encrypted, and when
-    signing (`sign` and a signing key), state.json's SHA-256 and the signature over all of it."""
+    """COMMITTED: the checksum of state.json, the files' wrapped data keys when encrypted with the id
+    of the run they are bound to (`run`), and when signing (`sign` and a signing key), state.json's
+    SHA-256 and the signature over all of it."""
     record: dict[str, Any] = {"state_checksum": state_sum}
     if keys:
         record["keys"] = keys
+        if run:
+            record["run"] = run
     if sign and signing.signs(options):
         record["state_sha256"] = signing.sha256_hex(state_bytes)
         record["signature"] = signing.sign(options, signing.canonical(record))
