@@ -74,6 +74,34 @@ def test_spaces_are_checked_against_the_config(tmp_path):
     assert (values.model.d_model, values.train.lr) == (128, 0.01)
 
 
+def test_spaces_are_checked_together_an_integer_is_searched_with_integers_and_sizes_are_bounded(tmp_path):
+    """Attack round 3 MED (issue 35): the corners were checked one space at a time against the base
+    config, so d_model x n_head pairs that do not divide reached the trials; uniform over an integer
+    field passed (its ends are whole) and every trial drew a fraction; a 20,000-value choice cost 35 s
+    of checks and 10^9 trials were accepted."""
+    from petatrain.tune import search
+
+    cfg = tiny(str(tmp_path))  # d_model 64, n_head 2
+    pair = [space.parse("model.d_model=choice:64,96"), space.parse("model.n_head=choice:2,64")]
+    with pytest.raises(ConfigError, match=r"at model.d_model=96 with model.n_head=64: model.d_model \(96\) must be a"):
+        space.check(cfg, pair)
+    built = space.check(cfg, [space.parse("model.d_model=choice:64,128"), space.parse("model.n_head=choice:2,4")])
+    assert sorted((c.model.d_model, c.model.n_head) for c in built) == [(64, 2), (64, 4), (128, 2), (128, 4)]
+    with pytest.raises(
+        ConfigError, match=r"model.d_model is an integer, and uniform draws fractions; .*randint:64:128"
+    ):
+        space.check(cfg, [space.parse("model.d_model=uniform:64:128")])
+    with pytest.raises(ConfigError, match=r"20000 choices, over 1000"):
+        space.parse("train.seed=choice:" + ",".join(map(str, range(20000))))
+    with pytest.raises(ConfigError, match=r"tune.trials 1000000000 is over 10000"):
+        tiny(str(tmp_path), "tune.trials=1000000000")
+    # The largest trial a space makes sizes the gangs: parallel.workers up to 4 needs 4 CPUs whole.
+    workers = space.check(cfg, [space.parse("parallel.workers=choice:1,4")])
+    assert search.concurrency(cfg, 8, 0, workers) == 2
+    with pytest.raises(ConfigError, match=r"a trial needs 4 CPU\(s\)"):
+        search.concurrency(cfg, 3, 0, workers)
+
+
 def test_search_settings_are_checked_before_anything_starts(tmp_path):
     with pytest.raises(ConfigError, match=r"'val_loss' is never reported; a trial reports eval_loss, train_loss"):
         tiny(str(tmp_path), "tune.metric=val_loss")

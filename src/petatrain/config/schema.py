@@ -696,6 +696,9 @@ TUNE_SEARCHES = ("random", "optuna")
 TUNE_METRICS = ("eval_loss", "train_loss")  # what each trial reports at every evaluation
 
 
+MAX_TRIALS = 10_000
+
+
 @dataclass(kw_only=True, slots=True)
 class TuneConfig:
     """`petatrain tune`: a hyperparameter search on Ray Tune, each trial a training run of this
@@ -732,6 +735,8 @@ class TuneConfig:
         for key in ("trials", "grace_evals", "perturbation_evals"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"tune.{key} must be >= 1, got {getattr(self, key)}")
+        if self.trials > MAX_TRIALS:  # each is a run folder, an actor and rows in Tune's state
+            raise ConfigError(f"tune.trials {self.trials} is over {MAX_TRIALS}; search in several rounds")
         if self.reduction_factor < 2:
             raise ConfigError(f"tune.reduction_factor must be >= 2, got {self.reduction_factor}")
         for key in ("max_steps", "concurrent", "max_failures"):

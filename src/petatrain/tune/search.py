@@ -23,7 +23,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,11 +56,12 @@ class SearchJob:
     shared_cache: bool = True  # False: every trial fetches the dataset into a cache of its own (for comparison)
 
 
-def check(job: SearchJob) -> tuple[list[spaces.Space], int]:
-    """The spaces and the steps per trial; ConfigError (one line) for anything a trial would fail on."""
+def check(job: SearchJob) -> tuple[list[spaces.Space], int, list[JobConfig]]:
+    """The spaces, the steps per trial and the configs at the spaces' corners (what trials span);
+    ConfigError (one line) for anything a trial would fail on."""
     cfg, settings = job.config, job.config.tune
     parsed = [spaces.parse_space(key, text) for key, text in settings.params.items()]
-    spaces.check(cfg, parsed)
+    corners = spaces.check(cfg, parsed)
     steps = settings.max_steps or cfg.train.steps
     if settings.scheduler != "none" and not cfg.train.eval_every:
         raise ConfigError(
@@ -79,7 +80,7 @@ def check(job: SearchJob) -> tuple[list[spaces.Space], int]:
             import optuna  # noqa: F401
         except ImportError:
             raise ConfigError("--search optuna needs the optuna package: pip install 'petatrain[optuna]'") from None
-    return parsed, steps
+    return parsed, steps, corners
 
 
 def trial_shape(cfg: JobConfig, cpus: float, gpus: float) -> tuple[float, float]:
@@ -89,9 +90,11 @@ def trial_shape(cfg: JobConfig, cpus: float, gpus: float) -> tuple[float, float]
     return workers * cfg.resources.cpus_per_worker, float(workers) if use_gpu else 0.0
 
 
-def concurrency(cfg: JobConfig, cpus: float, gpus: float) -> int:
-    """Trials at once: as many whole gangs as the cluster holds (at least one, else ConfigError)."""
-    need_cpu, need_gpu = trial_shape(cfg, cpus, gpus)
+def concurrency(cfg: JobConfig, cpus: float, gpus: float, corners: Sequence[JobConfig] = ()) -> int:
+    """Trials at once: as many whole gangs as the cluster holds (at least one, else ConfigError), a
+    gang as large as the largest trial the spaces' corners make (`parallel.workers` may be searched)."""
+    shapes = [trial_shape(c, cpus, gpus) for c in (cfg, *corners)]
+    need_cpu, need_gpu = max(s[0] for s in shapes), max(s[1] for s in shapes)
     fits = [int(cpus // need_cpu) if need_cpu else math.inf, int(gpus // need_gpu) if need_gpu else math.inf]
     count = min(fits)
     if count < 1:
@@ -114,7 +117,7 @@ def run(job: SearchJob) -> dict[str, Any]:
     if is_local(job.config.data.dataset):  # trials run in folders of Tune's choosing
         data = dataclasses.replace(job.config.data, dataset=os.path.abspath(job.config.data.dataset))
         job = dataclasses.replace(job, config=dataclasses.replace(job.config, data=data))
-    parsed, steps = check(job)
+    parsed, steps, corners = check(job)
     settings = job.config.tune
     description = _description(job.config, parsed, steps, job.injections)
     scheduler = _scheduler(settings, parsed, steps, job.config.train.eval_every)
@@ -124,7 +127,7 @@ def run(job: SearchJob) -> dict[str, Any]:
     import ray
 
     totals = ray.cluster_resources()
-    concurrent = settings.concurrent or concurrency(job.config, totals.get("CPU", 0), totals.get("GPU", 0))
+    concurrent = settings.concurrent or concurrency(job.config, totals.get("CPU", 0), totals.get("GPU", 0), corners)
     setup = TrialSetup(
         base=job.config,
         out=out,

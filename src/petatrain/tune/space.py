@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,8 @@ from petatrain.errors import ConfigError
 
 KINDS = ("loguniform", "uniform", "choice", "randint")
 EXAMPLES = "loguniform:1e-4:1e-2, uniform:0:0.1, choice:64,128,256 or randint:1:8"
+MAX_CHOICES = 1000  # a choice is a list someone wrote; beyond this, a range says it better (and checks fast)
+MAX_COMBINATIONS = 4096  # the spaces' corners checked together; beyond this, each space's two ends together
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +79,8 @@ def parse_space(key: str, text: str) -> Space:
         values = tuple(_scalar(v.strip()) for v in rest.split(",") if v.strip())
         if not values:
             raise ConfigError(f"{where}: give the choices, e.g. choice:64,128,256")
+        if len(values) > MAX_CHOICES:
+            raise ConfigError(f"{where}: {len(values)} choices, over {MAX_CHOICES}; search a range (randint, uniform)")
         if len(set(map(repr, values))) != len(values):
             raise ConfigError(f"{where}: a choice is repeated")
         return Space(key, kind, choices=values)
@@ -104,8 +109,11 @@ def _scalar(text: str) -> Any:
     return value if isinstance(value, int | float | bool | str) else text
 
 
-def check(base: JobConfig, spaces: list[Space]) -> None:
-    """Each space names a config field, and the config builds at every corner of every space."""
+def check(base: JobConfig, spaces: list[Space]) -> list[JobConfig]:
+    """Each space names a config field, an integer field is searched with integers, and the config
+    builds at every corner of every space and at every combination of the spaces' corners (a
+    `model.d_model` choice with a `model.n_head` choice: each pair must divide); the configs built
+    at the combinations, for what a trial needs at most."""
     if not spaces:
         raise ConfigError("nothing to search: give --param KEY=SPACE (or a tune.params section in the config)")
     seen: set[str] = set()
@@ -123,11 +131,44 @@ def check(base: JobConfig, spaces: list[Space]) -> None:
             close = difflib.get_close_matches(space.key, [f for f in fields if not f.startswith("tune.")], n=1)
             hint = f" (did you mean {close[0]}?)" if close else ""
             raise ConfigError(f"--param {space.key}: no such config field{hint}")
+        if space.kind in ("uniform", "loguniform") and _is_integer(base, space.key):
+            raise ConfigError(
+                f"--param {space.key}={space}: {space.key} is an integer, and {space.kind} draws fractions; "
+                f"search it with randint:{math.ceil(space.low)}:{math.floor(space.high)} or a choice"
+            )
         for value in space.corners():
             try:
                 apply(base, {space.key: value})
             except ConfigError as exc:
                 raise ConfigError(f"--param {space.key}={space}: at {value!r}: {exc}") from None
+    corners = [space.corners() for space in spaces]
+    if math.prod(len(c) for c in corners) > MAX_COMBINATIONS:
+        corners = [_ends(c) for c in corners]
+    built = []
+    for values in itertools.product(*corners):
+        chosen = dict(zip((s.key for s in spaces), values, strict=True))
+        try:
+            built.append(apply(base, chosen))
+        except ConfigError as exc:
+            together = " with ".join(f"{k}={v!r}" for k, v in chosen.items())
+            raise ConfigError(f"--param: at {together}: {exc}") from None
+    return built
+
+
+def _is_integer(base: JobConfig, key: str) -> bool:
+    node: Any = base
+    for part in key.split("."):
+        node = getattr(node, part, None)
+    return isinstance(node, int) and not isinstance(node, bool)
+
+
+def _ends(values: list[Any]) -> list[Any]:
+    """A space's smallest and largest corner (its first and last, if they do not compare)."""
+    try:
+        ordered = sorted(values)
+    except TypeError:
+        ordered = values
+    return [ordered[0], ordered[-1]] if len(ordered) > 1 else ordered
 
 
 def apply(base: JobConfig, values: dict[str, Any]) -> JobConfig:
