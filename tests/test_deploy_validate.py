@@ -1047,3 +1047,37 @@ def test_a_yaml_bomb_or_a_deep_nest_is_one_line_not_a_crash(tmp_path):
     assert len(found) == 2
     assert "bomb.yaml: line 10: more than 100 YAML aliases (a billion-laughs bomb?)" in found[0]
     assert found[1].startswith("deep.yaml: line 1: nested deeper than 100 levels")
+
+
+def test_absurd_counts_and_negative_sizes_are_refused_as_the_api_server_refuses_them(tmp_path):
+    """Attack round 3 MED (issue 35): an int32 field of 10^10, a negative memory or CPU limit, and
+    parallel.workers or --count of 10^9 passed `deploy k8s --validate` and the build."""
+    from petatrain import config
+    from petatrain.api import deploy_k8s
+    from petatrain.deploy import manifests
+    from petatrain.deploy.manifests import Target
+    from petatrain.errors import ConfigError
+
+    cfg = config.load(str(Path(__file__).parent.parent / "examples" / "tiny.yaml"), ["data.dataset=s3://b/ds"])
+    docs = manifests.build(cfg, Target(name="tiny", run_dir="s3://b/runs/x"))
+    job = next(d for d in docs if d["kind"] == "RayJob")
+    bad = copy.deepcopy(job)
+    group = bad["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]
+    group["maxReplicas"] = 10**10
+    group["template"]["spec"]["containers"][0]["resources"]["limits"]["memory"] = "-8Gi"
+    service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "s"}, "spec": {"ports": [{"port": 2**40}]}}
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"}}
+    pod["spec"] = {"containers": [{"name": "c", "image": "i", "resources": {"requests": {"cpu": "-1"}}}]}
+    for crds in (None, REAL_CRDS or None):
+        found = validate.validate_documents([bad, service, pod], crds=crds)
+        assert found == [
+            "RayJob/tiny: spec.rayClusterSpec.workerGroupSpecs[0].maxReplicas: 10000000000 is beyond an int32's range",
+            "RayJob/tiny: spec.rayClusterSpec.workerGroupSpecs[0].template.spec.containers[0].resources.limits.memory: "
+            "'-8Gi': must be greater than or equal to 0",
+            "Service/s: spec.ports[0].port: 1099511627776 is beyond an int32's range",
+            "Pod/p: spec.containers[0].resources.requests.cpu: '-1': must be greater than or equal to 0",
+        ], found
+    with pytest.raises(ConfigError, match=r"parallel.workers: 1000000000 is over 100,000 ranks"):
+        config.load(str(Path(__file__).parent.parent / "examples" / "tiny.yaml"), ["parallel.workers=1-1000000000"])
+    with pytest.raises(ConfigError, match=r"--count 1000000000: between 1 and 100,000"):
+        deploy_k8s(cfg, Target(name="tiny", run_dir="s3://b/runs/x"), str(tmp_path), count=10**9)

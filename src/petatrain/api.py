@@ -1139,6 +1139,8 @@ def deploy_k8s(config: JobConfig, target: Any, out: str, *, from_plan: bool = Fa
     from petatrain.plan.catalog import load_catalog
 
     sized_by = "config"
+    if not 0 <= count <= config_mod.MAX_WORKERS:
+        raise ConfigError(f"--count {count}: between 1 and {config_mod.MAX_WORKERS:,} accelerators (or CPU workers)")
     if from_plan:
         chosen = plan(config, accelerator=target.accelerator, count=count).recommended
         if chosen is None:

@@ -11,6 +11,7 @@ from petatrain.config.loading import (
     read_yaml,
 )
 from petatrain.config.schema import (
+    MAX_WORKERS,
     RESUMABLE,
     SECRET_STORAGE_KEYS,
     TUNE_METRICS,
@@ -47,6 +48,7 @@ from petatrain.config.values import (
 )
 
 __all__ = [
+    "MAX_WORKERS",
     "RESUMABLE",
     "SECRET_STORAGE_KEYS",
     "TUNE_METRICS",

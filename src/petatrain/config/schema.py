@@ -280,6 +280,9 @@ class PipelineConfig:
         return self.microbatches or 2 * self.stages
 
 
+MAX_WORKERS = 100_000  # ranks: the largest training clusters hold about this many accelerators
+
+
 @dataclass(kw_only=True, slots=True)
 class ParallelConfig:
     """How the model is spread over workers. `workers` is a count or an elastic `min-max` range."""
@@ -334,6 +337,8 @@ class ParallelConfig:
             raise ConfigError(f"parallel.workers: {self.workers!r} is not a number or a range like 2-4") from None
         if not 1 <= lo <= hi:
             raise ConfigError(f"parallel.workers: need 1 <= min <= max, got {self.workers!r}")
+        if hi > MAX_WORKERS:
+            raise ConfigError(f"parallel.workers: {hi} is over {MAX_WORKERS:,} ranks, more than any cluster holds")
         return lo, hi
 
 

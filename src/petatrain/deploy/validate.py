@@ -218,7 +218,7 @@ def _check_document(doc: Any, number: int, crds: str | None) -> tuple[str, list[
     if custom is not None:
         doc = copy.deepcopy(doc)
         _apply_defaults(doc, custom.openapi, custom.resolve)
-        schema_findings = _schema_findings(custom.validator, doc)
+        schema_findings = [*_schema_findings(custom.validator, doc), *_negative_quantities(doc)]
         findings = [*_metadata(doc, kind, _object_meta_validator()), *schema_findings]
         if group == "ray.io":
             findings += kuberay_rules.check_metadata(doc)
@@ -236,7 +236,23 @@ def _check_document(doc: Any, number: int, crds: str | None) -> tuple[str, list[
                 f"unknown kind {kind} in {api_version}: not a Kubernetes {KUBERNETES_VERSION} kind, nor one of {known}",
             )
         ]
-    return label, [*_metadata(doc, kind, None), *_schema_findings(builtin, doc)]
+    return label, [*_metadata(doc, kind, None), *_schema_findings(builtin, doc), *_negative_quantities(doc)]
+
+
+def _negative_quantities(doc: Any, path: tuple[str | int, ...] = ()) -> Iterable[Finding]:
+    """A container's resource requests and limits are never negative (ValidateNonnegativeQuantity): the
+    API server refuses the pod, or, in a template a custom resource embeds, the operator's pods."""
+    if isinstance(doc, dict):
+        for key, value in doc.items():
+            if key in ("requests", "limits") and path[-1:] == ("resources",) and isinstance(value, dict):
+                for name, amount in value.items():
+                    if str(amount).strip().startswith("-"):
+                        yield (*path, key, name), f"{_short(amount)}: must be greater than or equal to 0"
+            else:
+                yield from _negative_quantities(value, (*path, key))
+    elif isinstance(doc, list):
+        for i, item in enumerate(doc):
+            yield from _negative_quantities(item, (*path, i))
 
 
 def _metadata(doc: Mapping[str, Any], kind: str, object_meta: jsonschema.protocols.Validator | None) -> list[Finding]:
@@ -379,7 +395,11 @@ def _custom_resource(crds: str | None, group: str, version: str, kind: str) -> _
     openapi = versions[version]
     schema = _json_schema(openapi)
     schema["properties"]["metadata"] = {"type": "object"}  # checked against ObjectMeta in _metadata
-    validator = _CRDValidator(schema) if registry is None else _CRDValidator(schema, registry=registry)
+    validator = (
+        _CRDValidator(schema, format_checker=_INTEGER_FORMATS)
+        if registry is None
+        else _CRDValidator(schema, registry=registry, format_checker=_INTEGER_FORMATS)
+    )
     return _CustomResource(openapi=openapi, validator=validator, resolve=resolve)
 
 
@@ -408,8 +428,8 @@ def _json_schema(node: Mapping[str, Any]) -> dict[str, Any]:
             out[key] = _json_schema(value)
         elif key in ("allOf", "anyOf", "oneOf"):
             out[key] = [_json_schema(sub) for sub in value]
-        elif key not in _NOT_VALIDATING:
-            out[key] = value
+        elif key not in _NOT_VALIDATING or (key == "format" and value in ("int32", "int64")):
+            out[key] = value  # an integer's format bounds it (_INTEGER_FORMATS)
     if node.get("x-kubernetes-int-or-string"):
         out.pop("type", None)
         out["anyOf"] = [{"type": "integer"}, {"type": "string"}]
@@ -500,6 +520,21 @@ def _list_type(
         seen.add(token)
 
 
+# An integer's `format` bounds it as the API server decodes it (an int32 field of 10^10 is refused);
+# other formats are left to the API server.
+_INTEGER_FORMATS = jsonschema.FormatChecker(formats=())
+
+
+@_INTEGER_FORMATS.checks("int32")
+def _int32(value: Any) -> bool:
+    return not isinstance(value, int) or isinstance(value, bool) or -(2**31) <= value < 2**31
+
+
+@_INTEGER_FORMATS.checks("int64")
+def _int64(value: Any) -> bool:
+    return not isinstance(value, int) or isinstance(value, bool) or -(2**63) <= value < 2**63
+
+
 _CRDValidator = jsonschema.validators.extend(
     jsonschema.Draft202012Validator,
     {"x-kubernetes-validations": _cel_rules, "x-kubernetes-list-type": _list_type},
@@ -554,7 +589,7 @@ def _builtin_validator(group: str, version: str, kind: str) -> jsonschema.protoc
     if {"group": group, "version": version, "kind": kind} not in schema.get("x-kubernetes-group-version-kind", []):
         return None
     registry = _k8s_registry().with_resource(schema["$id"], Resource.from_contents(schema))
-    return jsonschema.Draft202012Validator(schema, registry=registry)
+    return jsonschema.Draft202012Validator(schema, registry=registry, format_checker=_INTEGER_FORMATS)
 
 
 @cache
@@ -599,6 +634,8 @@ def _explain(error: jsonschema.ValidationError, prefix: tuple[str | int, ...]) -
                 yield (*path, name), "required field is missing"
     elif error.validator == "type":
         yield path, f"{_short(error.instance)} is not of type {_type_names(error.validator_value)}"
+    elif error.validator == "format" and error.validator_value in ("int32", "int64"):
+        yield path, f"{_short(error.instance)} is beyond an {error.validator_value}'s range"
     elif error.validator == "pattern" and error.validator_value == kuberay_schema.QUANTITY_PATTERN:
         yield path, f"{_short(error.instance)} is not a quantity (such as 500m, 2Gi, 1.5 or 1e3)"
     elif error.validator in ("anyOf", "oneOf") and all(set(s) == {"type"} for s in error.validator_value):
