@@ -263,7 +263,9 @@ def test_bad_config_and_injection_specs_are_one_line_errors(token_dataset):
 
 @pytest.mark.chaos
 def test_network_partition_loses_a_node_and_training_resumes_on_the_rest(token_dataset, tmp_path):
-    """Fault 4: two Ray nodes in network namespaces; the worker node's link is cut at step 8."""
+    """Fault 4: two Ray nodes in network namespaces, each holding one tensor-parallel group of 2 ranks
+    (2 x 2, the groups replicated); the worker node's link is cut at step 8. The node is lost in
+    seconds and training goes on as the one whole group on the head node: a group is never split."""
     import sys
 
     from helpers import need_network_namespaces
@@ -273,18 +275,23 @@ def test_network_partition_loses_a_node_and_training_resumes_on_the_rest(token_d
     run_dir = tmp_path / "run"
     with TwoNodeCluster(head_cpus=1, worker_cpus=1) as cluster:
         argv = [sys.executable, "-m", "petatrain", "train", str(ROOT / "examples" / "tiny.yaml")]
-        for override in (f"data.dataset={token_dataset}", "train.steps=30", "parallel.workers=1-2"):
+        overrides = (f"data.dataset={token_dataset}", "train.steps=30", "parallel.workers=2-4", "parallel.tensor=2")
+        for override in (*overrides, "resources.cpus_per_worker=0.5"):
             argv += ["--set", override]
-        # The rank on the second node cuts its link; the rank on the head node does not fire.
+        # The ranks on the second node cut its link; those on the head node do not fire.
         argv += ["--address", cluster.address, "--run-dir", str(run_dir), "--json"]
-        argv += ["--inject", "partition@step=8,rank=0", "--inject", "partition@step=8,rank=1"]
+        for rank in range(4):
+            argv += ["--inject", f"partition@step=8,rank={rank}"]
         done = cluster.run(argv, timeout=300, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout)  # stdout is the one JSON object; Ray's output went to stderr
     assert [f["cause"] for f in summary["failures"]] == ["node_lost"]
     events = read_events(str(run_dir))
-    assert [e["world_size"] for e in events if e["event"] == "attempt_start"] == [2, 1]
-    assert len([e for e in events if e["event"] == "fault_injected"]) == 1
+    assert [e["world_size"] for e in events if e["event"] == "attempt_start"] == [4, 2]
+    nodes = {e["rank"]: e["node"] for e in events if e["event"] == "worker_start" and e["attempt"] == 0}
+    assert nodes[0] == nodes[1] != nodes[2] == nodes[3], "a tensor-parallel group sits on one node"
+    fired = {e["rank"] for e in events if e["event"] == "fault_injected"}  # the worker node's ranks (its link cut)
+    assert fired and len({nodes[rank] for rank in fired}) == 1, (fired, nodes)
     cut = next(e for e in events if e["event"] == "fault_injected")
     lost = next(e for e in events if e["event"] == "failure")
     assert lost["t"] - cut["t"] < 20, "the lost node is noticed in seconds, not the 30-minute collective timeout"
