@@ -477,6 +477,17 @@ def test_keys_rotate_rewraps_datasets_and_runs_without_rewriting_data(encrypted_
     assert state is not None and all(k["key_version"] == 2 for k in state.keys.values())
     assert torch.equal(_load(run_url, 10, options)["model/w"], torch.arange(10.0))
     assert read_final(run_url, options)[1]["encryption"]["key_version"] == 2
+    # Attack round 3 MED (issue 35): retiring again with the run left out made it unreadable for good.
+    # The keyring records what its rotations re-wrapped, and --retire must name all of it.
+    ring_before = keyring.read_bytes()
+    refused = run_cli("keys", "rotate", ref, str(dataset), "--retire")
+    assert refused.returncode != 0 and f"--retire would leave {run_url} unreadable" in refused.stderr
+    assert refused.stderr.count("\n") == 1 and keyring.read_bytes() == ring_before, "nothing was changed"
+    again = run_cli("keys", "rotate", ref, str(dataset), run_url, "--retire")
+    assert again.returncode == 0 and "can no longer be read" in again.stdout, again.stderr
+    assert keys.open_keys(ref).versions == [3] and torch.equal(
+        _load(run_url, 10, options)["model/w"], torch.arange(10.0)
+    )
 
 
 def test_a_signed_dataset_rewritten_with_matching_checksums_is_refused(encrypted_tokens, ring, tmp_path):

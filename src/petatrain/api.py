@@ -1089,10 +1089,25 @@ def rotate_keys(keyref: str, targets: Sequence[str], *, retire: bool = False) ->
     options = StorageOptions(protection=Protection(encryption_key=keyref, signing_key=keyref))
     keys.open_keys(keyref)  # a missing or loose keyring: refused before anything changes
     datasets = [t for t in targets if exists(join(t, index.MANIFEST), options)]
+
+    def is_run(target: str) -> bool:
+        return exists(join(target, ".petatrain-run"), options) or exists(join(target, "checkpoints"), options)
+
     for target in targets:  # every target checked before the keyring gets its new version
-        is_run = exists(join(target, ".petatrain-run"), options) or exists(join(target, "checkpoints"), options)
-        if target not in datasets and not is_run:
+        if target not in datasets and not is_run(target):
             raise ConfigError(f"{target} is neither a petatrain dataset nor a run; nothing was changed")
+    if retire:  # what an earlier rotation re-wrapped, and still exists, would become unreadable
+        left = [
+            t
+            for t in keys.rotated_targets(keyref)
+            if t not in targets and (exists(join(t, index.MANIFEST), options) or is_run(t))
+        ]
+        if left:
+            raise ConfigError(
+                f"--retire would leave {', '.join(left)} unreadable: an earlier rotation of {keyref} re-wrapped "
+                f"{'it' if len(left) == 1 else 'them'}, and {'it is' if len(left) == 1 else 'they are'} not named "
+                "here; name every dataset and run the keyring encrypts. Nothing was changed"
+            )
     version = keys.add_master_version(keyref)
     done = []
     for target in targets:
@@ -1101,6 +1116,7 @@ def rotate_keys(keyref: str, targets: Sequence[str], *, retire: bool = False) ->
         else:
             with Lease(join(target, LEASE_FILE), kind="keys", what=target, options=options):
                 done.append(rewrap_run(target, options))
+    keys.record_targets(keyref, list(targets))
     retired = keys.retire_versions(keyref, version) if retire else []
     return {"keyref": keyref, "key_version": version, "rewrapped": done, "retired": retired}
 

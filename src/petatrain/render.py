@@ -638,6 +638,12 @@ def keys_rotated(done: dict[str, Any]) -> None:
         out.print(f"  re-wrapped {what}: {json.dumps(rest)}", highlight=False, soft_wrap=True)
     if done["retired"]:
         out.print(f"  retired versions {', '.join(map(str, done['retired']))}", highlight=False)
+        out.print(
+            "  data these versions encrypted that was not re-wrapped here or by an earlier rotation of this keyring "
+            "can no longer be read",
+            highlight=False,
+            soft_wrap=True,
+        )
 
 
 def ray_tls(made: dict[str, Any]) -> None:

@@ -445,6 +445,26 @@ def add_master_version(keyref: str) -> int:
     return version
 
 
+def rotated_targets(keyref: str) -> list[str]:
+    """The datasets and runs earlier rotations of this keyring re-wrapped (a local keyring records
+    them; a Barbican container keeps no such list: [])."""
+    if _is_barbican(keyref):
+        return []
+    path = _path_of(keyref)
+    targets = _read_record(path, keyref, os.stat(path)).get("targets") or []
+    return [str(t) for t in targets]
+
+
+def record_targets(keyref: str, targets: list[str]) -> None:
+    """Add `targets` (URLs, nothing secret) to what the local keyring records its rotations re-wrapped."""
+    if _is_barbican(keyref) or not targets:
+        return
+    path = _path_of(keyref)
+    record = _read_record(path, keyref, os.stat(path))
+    record["targets"] = sorted({*(record.get("targets") or []), *targets})
+    _write_private(path, record, replace=True)
+
+
 def retire_versions(keyref: str, keep: int) -> list[int]:
     """Drop every master key version but `keep` (after all data keys were re-wrapped); the dropped."""
     if _is_barbican(keyref):
