@@ -177,13 +177,20 @@ def _run(cmd: list[str], what: str, env: dict[str, str] | None = None) -> tuple[
 
 
 def run_plain(
-    ds: str, steps: int, warmup: int, rep: int, under: str = "torchrun", workers: int = 2, tensor: int = 1
+    ds: str,
+    steps: int,
+    warmup: int,
+    rep: int,
+    under: str = "torchrun",
+    workers: int = 2,
+    tensor: int = 1,
+    fsdp: bool = False,
 ) -> dict:
     """The plain loop under `torchrun`, `ray-train` (a TorchTrainer) or `ray-actors` (bare actors)."""
     out = WORK / f"plain-{under}-{rep}.json"
     out.unlink(missing_ok=True)
     script = [str(HERE / "plain_ddp.py"), "--dataset", ds, "--out", str(out), "--steps", str(steps)]
-    script += ["--tensor", str(tensor)]
+    script += ["--tensor", str(tensor), *(["--fsdp"] if fsdp else [])]
     script += ["--n-layer", str(MODEL["n_layer"]), "--n-head", str(MODEL["n_head"]), "--d-model", str(MODEL["d_model"])]
     if under == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(workers), *script]
@@ -218,6 +225,7 @@ def run_petatrain(
     spares: bool = False,
     workers: int = 2,
     tensor: int = 1,
+    fsdp: bool = False,
 ) -> dict:
     """`spares` turns on the per-attempt helpers as by default: the spare workers and the warm
     standby (which has nothing to start while the controller runs in the driver)."""
@@ -226,6 +234,7 @@ def run_petatrain(
     sets = [f"data.dataset={ds}", f"train.steps={steps}", "train.eval_every=0", f"checkpoint.every={checkpoint_every}"]
     sets += [f"faults.standby={str(spares).lower()}", f"faults.spares={str(spares).lower()}"]
     sets += [f"parallel.workers={workers}", f"parallel.tensor={tensor}"]
+    sets += ["parallel.strategy=fsdp"] if fsdp else []
     sets += [f"model.{k}={v}" for k, v in MODEL.items()]
     cmd = [sys.executable, "-m", "petatrain", "train", str(TINY), "--run-dir", str(run_dir), "--json"]
     cmd += [arg for s in sets for arg in ("--set", s)]
@@ -295,8 +304,11 @@ def _print_table(summary: dict[str, dict], args: argparse.Namespace) -> None:
             if args.tensor > 1
             else ""
         )
+        + ("; both sides FSDP2 (the plain rows run plain_ddp.py --fsdp)" if args.fsdp else "")
         + "\n"
     )
+    if args.fsdp:  # the plain side is FSDP2 too (its row keeps its name in the JSON)
+        summary = {name.replace("DDP", "FSDP2"): s for name, s in summary.items()}
     header = f"{'run':<44} {'steps/s':>20} {'median step ms':>15} {'vs plain':>9} {'paired (min-max)':>22}"
     print(f"{header} {'control plane, cores':>21} {'workers CPU ms/step':>20}")
     for name, s in summary.items():
@@ -323,20 +335,23 @@ def main() -> None:
     parser.add_argument(
         "--tensor", type=int, default=1, help="tensor-parallel degree of both sides (the plain script's --tensor)"
     )
+    parser.add_argument("--fsdp", action="store_true", help="FSDP2 on both sides (parallel.strategy=fsdp)")
     args = parser.parse_args()
+    if args.fsdp and args.tensor > 1:
+        parser.error("--fsdp with --tensor: not measured yet (a 2-D mesh needs more ranks than this machine's cores)")
     WORK.mkdir(parents=True, exist_ok=True)
     ds = token_dataset()
-    n, w, t = args.steps, args.workers, args.tensor
+    n, w, t, f = args.steps, args.workers, args.tensor, args.fsdp
     runs = {
-        PLAIN: lambda rep: run_plain(ds, n, args.warmup, rep, workers=w, tensor=t),
-        BARE: lambda rep: run_plain(ds, n, args.warmup, rep, "ray-actors", w, tensor=t),
-        RAY_TRAIN: lambda rep: run_plain(ds, n, args.warmup, rep, "ray-train", w, tensor=t),
-        OURS: lambda rep: run_petatrain(ds, n, args.warmup, rep, "10s", workers=w, tensor=t),
+        PLAIN: lambda rep: run_plain(ds, n, args.warmup, rep, workers=w, tensor=t, fsdp=f),
+        BARE: lambda rep: run_plain(ds, n, args.warmup, rep, "ray-actors", w, tensor=t, fsdp=f),
+        RAY_TRAIN: lambda rep: run_plain(ds, n, args.warmup, rep, "ray-train", w, tensor=t, fsdp=f),
+        OURS: lambda rep: run_petatrain(ds, n, args.warmup, rep, "10s", workers=w, tensor=t, fsdp=f),
         "petatrain, checkpoints off": lambda rep: run_petatrain(
-            ds, n, args.warmup, rep, "1000000", workers=w, tensor=t
+            ds, n, args.warmup, rep, "1000000", workers=w, tensor=t, fsdp=f
         ),
         "petatrain, ckpt 10 s + spares start": lambda rep: run_petatrain(
-            ds, n, args.warmup, rep, "10s", spares=True, workers=w, tensor=t
+            ds, n, args.warmup, rep, "10s", spares=True, workers=w, tensor=t, fsdp=f
         ),
     }
     wanted = [part.strip() for part in args.only.split(",") if part.strip()]
@@ -374,8 +389,9 @@ def main() -> None:
     print(f"control plane (CPU of every process but the {w} workers, median, cores): {cores}; {os.cpu_count()} cores")
     print("noise: 2 shared cores (load averages per run are in the JSON); compare medians, not single runs")
     name = "overhead" if w == 2 else f"overhead-{w}-workers"
+    name = name if t == 1 else f"{name}-tensor-{t}"
     write_results(
-        name if t == 1 else f"{name}-tensor-{t}",
+        f"{name}-fsdp" if f else name,
         {
             "setup": {
                 "model": {**MODEL, "vocab_size": 320, "seq_len": 64},
@@ -383,6 +399,7 @@ def main() -> None:
                 "micro_batch": 8,
                 "workers": w,
                 "tensor_parallel": t,
+                "strategy": "fsdp" if f else ("tensor" if t > 1 else "ddp"),
                 "backend": "gloo",
                 "steps": args.steps,
                 "warmup_steps_excluded": args.warmup,

@@ -84,6 +84,9 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2, help="ranks under --ray-train or --ray-actors")
     parser.add_argument("--tensor", type=int, default=1, help="tensor-parallel degree (1: DDP)")
     parser.add_argument(
+        "--fsdp", action="store_true", help="FSDP2 instead of DDP: fully_shard per block, then the root (ZeRO-3)"
+    )
+    parser.add_argument(
         "--keep-denormals", action="store_true", help="do not flush denormals (petatrain's train.flush_denormal=false)"
     )
     args = parser.parse_args()
@@ -167,8 +170,14 @@ def train(args: argparse.Namespace) -> None:
         vocab_size=args.vocab_size,
         seq_len=args.seq_len,
     )
-    tensor = getattr(args, "tensor", 1)
-    model = GPT(cfg) if tensor > 1 else DistributedDataParallel(GPT(cfg))
+    tensor, fsdp = getattr(args, "tensor", 1), getattr(args, "fsdp", False)
+    model = GPT(cfg) if tensor > 1 or fsdp else DistributedDataParallel(GPT(cfg))
+    if fsdp and tensor == 1:  # FSDP2 as its docs wrap a transformer: each block, then the root
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
     loss_context = contextlib.nullcontext
     if tensor > 1:
         from torch.distributed.device_mesh import init_device_mesh
@@ -212,7 +221,7 @@ def train(args: argparse.Namespace) -> None:
         loss_sum = 0.0
         for m in range(accum):
             tokens = next_batch()
-            if m < accum - 1 and tensor == 1:
+            if m < accum - 1 and tensor == 1 and not fsdp:
                 with model.no_sync():
                     loss = next_token_loss(model, tokens) / accum
                     loss.backward()

@@ -225,6 +225,11 @@ def test_serve_settings_become_the_deployments_options():
     check_fits(ServeConfig(replicas="1-1000000"), cpus=2)  # autoscaling up to what fits is fine
     with pytest.raises(ConfigError, match=r"--port 99999: a TCP port is 1\.\.65535"):
         ServeOptions(run_url="run", port=99999)
+    # ... and before the run is read or Ray started (it came after Ray's start-up, a few seconds in)
+    from petatrain import api
+
+    with pytest.raises(ConfigError, match=r"--port 99999: a TCP port is 1\.\.65535"):
+        api.serve("/no/such/run", port=99999)
     with pytest.raises(ConfigError, match=r"serve\.max_request_bytes must be >= 1024"):
         ServeConfig(max_request_bytes=10)
 

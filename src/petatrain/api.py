@@ -944,6 +944,8 @@ def serve(
     from petatrain.runtime import cluster
     from petatrain.train import weights
 
+    if not 0 < port <= 65535:  # before anything is read or started (ServeOptions checks it again)
+        raise ConfigError(f"--port {port}: a TCP port is 1..65535")
     ref, model_ref, registry_url = parse_ref(run), "", ""
     if ref.is_registry:
         store = Registry(registry, options)
