@@ -119,6 +119,21 @@ def test_a_gzip_bomb_is_unreadable_past_the_cap_and_never_expanded_whole(tmp_pat
     assert peak < 16 << 20, f"peak {peak >> 20} MiB: the decompressor ran past the cap"
 
 
+def test_a_file_too_large_for_the_workers_memory_is_one_quarantine_record_not_an_oom_loop(tmp_path, monkeypatch):
+    """Attack round 3 MED (issue 35): the 4 GiB cap was held whole in one worker's memory, so a pod
+    with less OOM-looped with no error. A file may expand to a quarter of what the worker has left
+    (its container's limit, else the host's available memory): past it, one record says why."""
+    monkeypatch.setattr(readers.registry, "memory_left", lambda: 8 << 20)
+    big = tmp_path / "big.jsonl.gz"
+    big.write_bytes(_gzip_bomb(64 << 20))
+    records, peak = _peak_bytes(lambda: _stage_one_read(big))
+    assert records.text == [] and [r.reason for r in records.rejects] == ["unreadable_file"]
+    detail = records.rejects[0].detail
+    assert "expands past 2097152 bytes when decompressed, 1/4 of the 8388608 bytes of memory" in detail
+    assert "give the workers more memory" in detail
+    assert peak < 8 << 20, f"peak {peak >> 20} MiB"
+
+
 def test_a_line_over_the_record_cap_is_too_long_unread_and_its_neighbours_kept(tmp_path):
     giant = b'{"text": "' + b"x" * (64 << 20) + b'"}'
     path = tmp_path / "in.jsonl"

@@ -11,6 +11,7 @@ from typing import Any
 from petatrain import constants
 from petatrain.config import JobConfig
 from petatrain.errors import ConfigError, PetatrainError
+from petatrain.host import memory_left
 from petatrain.storage import StorageOptions, join
 from petatrain.storage.fs import is_local, resolve
 
@@ -82,7 +83,7 @@ def fits_this_host(cfg: JobConfig, available: int | None = None) -> None:
 
     if cfg.resources.address or cfg.resources.accelerator == "gpu" or torch.cuda.is_available():
         return
-    available = _available_bytes() if available is None else available
+    available = memory_left() if available is None else available
     if available is None:
         return
     workers = cfg.parallel.worker_range()[1]
@@ -105,18 +106,6 @@ def fits_this_host(cfg: JobConfig, available: int | None = None) -> None:
             "available: the run may be OOM-killed", workers * memory.total / gib, workers, memory.phase,
             available / gib,
         )  # fmt: skip
-
-
-def _available_bytes() -> int | None:
-    """MemAvailable of /proc/meminfo (Linux), None elsewhere."""
-    try:
-        with open("/proc/meminfo") as info:
-            for line in info:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 def says_if_nothing_is_held_out(cfg: JobConfig, options: StorageOptions | None) -> None:

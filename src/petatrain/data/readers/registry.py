@@ -7,7 +7,9 @@ file of it at its line breaks (`SPLITTABLE`). A new format is a module with a `r
 and one line in `_TABLE`.
 
 `read_file` and `read_piece` dispatch on the name. A compressed file is decompressed first
-(`decompress`), in chunks up to `MAX_DECOMPRESSED_BYTES`, so a small bomb never expands whole.
+(`decompress`), in chunks up to `MAX_DECOMPRESSED_BYTES` or a share of the memory this worker has
+left (its container's, else the host's), so a small bomb never expands whole and a file too large
+for a small pod is one quarantine record instead of a worker killed for memory again and again.
 """
 
 from __future__ import annotations
@@ -24,9 +26,14 @@ from fsspec.utils import infer_compression
 from petatrain.data.readers import csv, jsonl, parquet, text, tfrecord, webdataset
 from petatrain.data.readers.base import FieldChoice, FileRecords, record_byte_cap
 from petatrain.errors import PetatrainError
+from petatrain.host import memory_left
 
 MAX_DECOMPRESSED_BYTES = 4 << 30  # per file: past it a compressed source is unreadable_file, not a worker OOM
+# The decompressed bytes are held with the records parsed from them: a file may take this share of
+# the memory its worker has left.
+MEMORY_SHARE = 4
 _DECOMPRESS_CHUNK = 1 << 20
+
 
 # A reader: (a file's decompressed bytes, the text field, the record byte cap, the records to fill).
 Read = Callable[[bytes, str, int, FileRecords], None]
@@ -75,12 +82,20 @@ def decompress(url: str, data: bytes) -> bytes:
     compression = infer_compression(url.lower())
     if not compression:
         return data
-    limit = MAX_DECOMPRESSED_BYTES
+    left = memory_left()
+    share = left // MEMORY_SHARE if left is not None else MAX_DECOMPRESSED_BYTES
+    limit = min(MAX_DECOMPRESSED_BYTES, share)
     out = io.BytesIO()
     with compr[compression](io.BytesIO(data), mode="rb") as handle:
         while chunk := handle.read(min(_DECOMPRESS_CHUNK, limit + 1 - out.tell())):
             out.write(chunk)
             if out.tell() > limit:
+                if limit < MAX_DECOMPRESSED_BYTES:  # the worker's memory, not the bomb cap, stopped it
+                    raise PetatrainError(
+                        f"expands past {limit} bytes when decompressed, 1/{MEMORY_SHARE} of the {left} bytes of memory "
+                        "this ingest worker has left; give the workers more memory, or split the file before "
+                        "compressing it"
+                    )
                 raise PetatrainError(f"expands past {limit} bytes when decompressed")
     return out.getvalue()
 
