@@ -153,3 +153,19 @@ def write_checkpoint(
         writer.wait()
     writer.close()
     assert writer.error is None, writer.error
+
+
+def kill_first_tries(tmp_path: Path, after_s: float = 8) -> dict[str, str]:
+    """The environment under which an orchestrator's tasks run `petatrain` through
+    `tests/kill_once.sh`: the first try of each loop step is SIGKILLed with all it started after
+    `after_s` seconds (mid-way), its retry runs through; the steps killed are marked in
+    `tmp_path/killed`."""
+    import sys
+
+    (tmp_path / "killed").mkdir()
+    return {
+        "PETATRAIN_BIN": str(ROOT / "tests" / "kill_once.sh"),
+        "PETATRAIN_REAL_BIN": str(Path(sys.executable).with_name("petatrain")),
+        "PETATRAIN_KILL_DIR": str(tmp_path / "killed"),
+        "PETATRAIN_KILL_AFTER": str(after_s),
+    }

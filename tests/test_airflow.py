@@ -2,24 +2,22 @@
 DAGs, run by Airflow's own scheduler on 127.0.0.1 (tests/airflow/airflow.sh: its own environment,
 SQLite, LocalExecutor). New files become a dataset version announced as an asset event; the
 training DAG, scheduled on that asset, continues and promotes. Every task's first try is SIGKILLed
-mid-way (tests/airflow/kill_once.sh) and Airflow's retry ends as one uninterrupted run would."""
+mid-way (tests/kill_once.sh) and Airflow's retry ends as one uninterrupted run would."""
 
 from __future__ import annotations
 
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import requests
-import yaml
 
-from helpers import ROOT, read_events
+from helpers import ROOT, kill_first_tries
 from ray_head import free_ports
-from test_loop import SETTINGS, _drop
+from test_loop import _drop, _loop_file, _one_version_one_run_one_model
 
 AIRFLOW = ROOT / "tests" / "airflow" / "airflow.sh"
 
@@ -29,16 +27,9 @@ def airflow(tmp_path):
     port = free_ports(1)[0]
     home = tmp_path / "airflow"
     (home / "dags").mkdir(parents=True)
-    (tmp_path / "killed").mkdir()
     # What the tasks run: petatrain's CLI from its own environment, through the shim that kills the
     # first try of each step (Airflow's processes, and so its tasks, inherit this environment).
-    env = {
-        **os.environ,
-        "PETATRAIN_BIN": str(ROOT / "tests" / "airflow" / "kill_once.sh"),
-        "PETATRAIN_REAL_BIN": str(Path(sys.executable).with_name("petatrain")),
-        "PETATRAIN_KILL_DIR": str(tmp_path / "killed"),
-        "PETATRAIN_KILL_AFTER": "8",
-    }
+    env = {**os.environ, **kill_first_tries(tmp_path)}
     command = ["bash", str(AIRFLOW), "start", str(port), str(home)]
     started = subprocess.run(command, capture_output=True, text=True, env=env)
     try:
@@ -73,13 +64,7 @@ def _wait(what: str, check, timeout_s: float, home: Path):
 @pytest.mark.chaos
 def test_airflow_runs_the_loop_and_a_killed_task_is_retried_to_the_same_result(airflow, tmp_path):
     url, home = airflow
-    loop_file = tmp_path / "loop.yaml"
-    loop = {
-        "model": "tiny", "job": str(ROOT / "examples" / "tiny.yaml"), "set": SETTINGS,
-        "source": str(tmp_path / "incoming"), "dataset": str(tmp_path / "data"), "runs": str(tmp_path / "runs"),
-        "registry": str(tmp_path / "registry"), "steps": 10, "watch": {"poll_s": 1, "settle_s": 0.5},
-    }  # fmt: skip
-    loop_file.write_text(yaml.safe_dump(loop))
+    loop_file = _loop_file(tmp_path)
     (home / "dags" / "loop_dags.py").write_text(
         "# An Airflow DAG file: petatrain's loop as two DAGs\n"
         "import datetime\n"
@@ -114,13 +99,4 @@ def test_airflow_runs_the_loop_and_a_killed_task_is_retried_to_the_same_result(a
     events = api.get(f"{url}/api/v2/assets/events", timeout=30).json()["asset_events"]
     assert [e["extra"]["version"] for e in events] == [1] and events[0]["extra"]["rows_added"] > 0
 
-    # One dataset version, one run (resumed, not started over), one model version.
-    runs = [p for p in (tmp_path / "runs").iterdir() if p.name != "_loop"]
-    assert len(runs) == 1 and (runs[0] / "final" / "model.safetensors").exists()
-    assert [e["event"] for e in read_events(str(runs[0]))].count("run_start") == 1
-    from petatrain.registry.store import Registry
-
-    registry = Registry(str(tmp_path / "registry"))
-    assert registry.versions("tiny") == [1] and registry.alias("tiny")["version"] == 1
-    (cycle,) = (tmp_path / "runs" / "_loop" / "cycles").iterdir()
-    assert json.loads(cycle.read_text())["outcome"] == "promoted"
+    _one_version_one_run_one_model(tmp_path)

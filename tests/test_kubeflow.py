@@ -1,21 +1,19 @@
 """The continuous-training loop as a Kubeflow Pipelines pipeline (issue 40, section 2b):
 petatrain.kubeflow's pipeline compiled to the spec a KFP cluster runs, and run end to end on the kfp
 SDK's local runner (each step a subprocess), from kfp's own environment (tests/kubeflow/kfp.sh).
-Every step's first try is SIGKILLed mid-way (tests/airflow/kill_once.sh); KFP's retry ends as one
+Every step's first try is SIGKILLed mid-way (tests/kill_once.sh); KFP's retry ends as one
 uninterrupted run would, and a run that finds nothing new trains nothing."""
 
 from __future__ import annotations
 
 import json
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import yaml
 
-from helpers import ROOT, read_events
-from test_loop import SETTINGS, _drop
+from helpers import ROOT, kill_first_tries
+from test_loop import _drop, _loop_file, _one_version_one_run_one_model
 
 KFP = ROOT / "tests" / "kubeflow" / "kfp.sh"
 EXAMPLE = ROOT / "examples" / "kubeflow" / "continuous.py"
@@ -59,22 +57,9 @@ def test_the_pipeline_compiles_to_a_spec_with_retries_no_cache_and_the_pending_c
 @pytest.mark.slow
 @pytest.mark.chaos
 def test_the_local_runner_keeps_a_model_current_and_a_killed_step_is_retried_to_one_result(kfp_python, tmp_path):
-    loop_file = tmp_path / "loop.yaml"
-    loop = {
-        "model": "tiny", "job": str(ROOT / "examples" / "tiny.yaml"), "set": SETTINGS,
-        "source": str(tmp_path / "incoming"), "dataset": str(tmp_path / "data"), "runs": str(tmp_path / "runs"),
-        "registry": str(tmp_path / "registry"), "steps": 10, "watch": {"poll_s": 1, "settle_s": 0.5},
-    }  # fmt: skip
-    loop_file.write_text(yaml.safe_dump(loop))
+    loop_file = _loop_file(tmp_path)
     _drop(tmp_path / "incoming", "a", 300, seed=3)
-    (tmp_path / "killed").mkdir()
-    env = {
-        "PETATRAIN_BIN": str(ROOT / "tests" / "airflow" / "kill_once.sh"),
-        "PETATRAIN_REAL_BIN": str(Path(sys.executable).with_name("petatrain")),
-        "PETATRAIN_KILL_DIR": str(tmp_path / "killed"),
-        "PETATRAIN_KILL_AFTER": "8",
-        "PATH": "/usr/bin:/bin",
-    }
+    env = {**kill_first_tries(tmp_path), "PATH": "/usr/bin:/bin"}
 
     def run_pipeline() -> str:
         argv = [kfp_python, str(EXAMPLE), str(loop_file), "--local", "--backoff", "1s", "--image", "python:3.11"]
@@ -87,19 +72,9 @@ def test_the_local_runner_keeps_a_model_current_and_a_killed_step_is_retried_to_
     # Each step's first try was killed, its retry succeeded: three steps, killed once each.
     assert sorted(p.name for p in (tmp_path / "killed").iterdir()) == ["ingest", "promote", "train"]
     assert log.count("finished with status \x1b[91mFAILURE") == 3 and log.count("with status \x1b[92mSUCCESS") == 4
-    # One dataset version, one run (resumed, not started over), one model version, promoted.
-    runs = [p for p in (tmp_path / "runs").iterdir() if p.name != "_loop"]
-    assert len(runs) == 1 and (runs[0] / "final" / "model.safetensors").exists()
-    assert [e["event"] for e in read_events(str(runs[0]))].count("run_start") == 1
-    from petatrain.registry.store import Registry
-
-    registry = Registry(str(tmp_path / "registry"))
-    assert registry.versions("tiny") == [1] and registry.alias("tiny")["version"] == 1
-    (cycle,) = (tmp_path / "runs" / "_loop" / "cycles").iterdir()
-    assert json.loads(cycle.read_text())["outcome"] == "promoted"
+    _one_version_one_run_one_model(tmp_path)
 
     # The next recurring run finds nothing new: ingest says so and nothing trains.
     log = run_pipeline()
     assert "Executing task \x1b[96m'loop-step-2'" not in log and "Output: 'done'" in log
-    assert len([p for p in (tmp_path / "runs").iterdir() if p.name != "_loop"]) == 1
-    assert registry.versions("tiny") == [1]
+    _one_version_one_run_one_model(tmp_path)

@@ -43,6 +43,20 @@ def _loop_file(tmp_path: Path, **extra) -> Path:
     return path
 
 
+def _one_version_one_run_one_model(tmp_path: Path) -> None:
+    """What a loop (`_loop_file`'s) that took one new version to a model leaves, however often its steps
+    were killed and retried: one run (resumed, not started over), one registered version, promoted."""
+    from petatrain.registry.store import Registry
+
+    runs = [p for p in (tmp_path / "runs").iterdir() if p.name != "_loop"]
+    assert len(runs) == 1 and (runs[0] / "final" / "model.safetensors").exists()
+    assert [e["event"] for e in read_events(str(runs[0]))].count("run_start") == 1
+    registry = Registry(str(tmp_path / "registry"))
+    assert registry.versions("tiny") == [1] and registry.alias("tiny")["version"] == 1
+    (cycle,) = (tmp_path / "runs" / "_loop" / "cycles").iterdir()
+    assert json.loads(cycle.read_text())["outcome"] == "promoted"
+
+
 def _drop(folder: Path, name: str, documents: int, seed: int) -> None:
     from petatrain.data import synth
 
