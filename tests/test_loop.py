@@ -17,6 +17,7 @@ import yaml
 
 from helpers import ROOT, read_events
 from petatrain.errors import ConfigError
+from ray_head import free_ports
 
 SETTINGS = [
     "parallel.workers=1", "train.eval_every=0", "train.warmup_steps=2", "checkpoint.every=5",
@@ -114,10 +115,16 @@ def test_a_bad_loop_file_is_one_line(tmp_path, extra, match):
 
 @pytest.mark.slow
 @pytest.mark.chaos
-def test_the_loop_keeps_a_model_current_and_a_kill_anywhere_reruns_to_one_result(tmp_path, ray_local):
+def test_the_loop_keeps_a_model_current_and_a_kill_anywhere_reruns_to_one_result(tmp_path, ray_local, request):
     """v1 from the first files (the loop killed mid-training, run again: the run resumes), v2 from a
     new file (killed after training, before its promotion: nothing trained again), v3 refused by
-    the gate (the champion stays, the reason recorded, never trained again)."""
+    the gate (the champion stays, the reason recorded, never trained again). The champion is served
+    (registry://tiny@champion --follow) from v1 on: the served model's version moves to v2, and
+    stays there when v3 is refused."""
+    import calendar
+
+    import requests
+
     from petatrain import api
     from petatrain.loop import records, spec
     from petatrain.loop.watch import Watcher
@@ -151,8 +158,24 @@ def test_the_loop_keeps_a_model_current_and_a_kill_anywhere_reruns_to_one_result
     assert [p.name for p in (tmp_path / "runs").iterdir() if p.name != "_loop"] == [Path(run1).name]
     assert [e["event"] for e in read_events(run1)].count("run_continue") == 1  # resumed, not started over
 
-    # -- cycle 2, in-process: "killed" as its promotion starts, then run again
+    # -- the champion served, following its alias, as a user serves it
     loop = spec.load(loop_file)
+    fast = ["serve.follow_poll_s=0.5", "serve.cpus_per_replica=0"]
+    port = free_ports(1)[0]
+    serving = api.serve("registry://tiny@champion", follow=True, port=port, overrides=fast, registry=loop.registry)
+    request.addfinalizer(api.stop_serving)
+
+    def served(version: int, timeout_s: float = 60) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            card = requests.get(f"{serving.url}/v1/models", timeout=30).json()["data"][0]
+            if card["version"] == version or time.monotonic() > deadline:
+                return card
+            time.sleep(0.2)
+
+    assert (served(1)["version"], served(1)["data_version"]) == (1, 1)
+
+    # -- cycle 2, in-process: "killed" as its promotion starts, then run again
     watcher = Watcher(loop.source, loop.dataset)
     _drop(source, "b", 150, seed=4)
     watcher.look()
@@ -178,6 +201,12 @@ def test_the_loop_keeps_a_model_current_and_a_kill_anywhere_reruns_to_one_result
     assert read_events(run2) == ledger, "the continuation had finished: its result, no training"
     assert store.versions("tiny") == [1, 2] and store.alias("tiny")["version"] == 2
     assert [e["event"] for e in store.events("tiny")] == ["model.promoted", "model.promoted"]
+    card = served(2)  # the served model moved: a new file became the model that answers
+    assert (card["version"], card["data_version"]) == (2, 2), card
+    answer = requests.post(f"{serving.url}/v1/completions", json={"prompt": "a", "max_tokens": 2}, timeout=60)
+    assert answer.status_code == 200  # staleness: v2's commit to this first answer by a model trained on it
+    committed = calendar.timegm(time.strptime(second.record["committed"], "%Y-%m-%dT%H:%M:%SZ"))
+    assert 0 < served(2)["staleness_s"] <= time.time() - committed + 1
 
     # -- cycle 3: the gate refuses; the champion stays, and the version is not trained again
     _drop(source, "c", 150, seed=5)
@@ -186,6 +215,7 @@ def test_the_loop_keeps_a_model_current_and_a_kill_anywhere_reruns_to_one_result
     third = api.loop_cycle(strict, [f.url for f in watcher.look().ready])
     assert third.outcome == "rejected" and "needs 90.00% better" in third.record["reason"]
     assert third.record["model_version"] == 2 and store.alias("tiny")["version"] == 2
+    assert served(2, timeout_s=0)["version"] == 2  # the refused version is not served
     assert api.loop_cycle(strict, []).outcome == "done"
     assert [(r["version"], r["outcome"]) for r in records.history(loop.state)] == [
         (1, "promoted"), (2, "promoted"), (3, "rejected")
