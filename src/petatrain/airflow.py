@@ -23,7 +23,7 @@ import os
 import subprocess
 from typing import Any
 
-BIN_ENV = "PETATRAIN_BIN"  # the `petatrain` of petatrain's own environment
+from petatrain.constants import BIN_ENV  # the standard library only
 
 
 def run_step(loop_file: str, step: str, *, timeout_s: float | None = None) -> dict[str, Any]:

@@ -24,10 +24,10 @@ import traceback
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+from petatrain import constants
 from petatrain.errors import PetatrainError
 
-VERBOSE_ENV = "PETATRAIN_VERBOSE"
-DEBUG_ENV = "PETATRAIN_DEBUG"
+VERBOSE_ENV, DEBUG_ENV = constants.VERBOSE_ENV, constants.DEBUG_ENV
 # Where Ray keeps the logs of the processes it starts (a documented link to the newest session).
 RAY_SESSION_LOGS = os.path.join(tempfile.gettempdir(), "ray", "session_latest", "logs")
 _BUFFERED = 20_000  # log records kept before a file is chosen (more are dropped, counted)

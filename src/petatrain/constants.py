@@ -13,6 +13,12 @@ CONTROLLER_ENV = "PETATRAIN_CONTROLLER"  # where Ray Train's controller runs: dr
 CONTROLLER_MODES = ("driver", "actor")
 RAY_ADDRESS_ENV = "RAY_ADDRESS"  # a cluster to join: the run is not local, so the driver's controller is off
 OMP_THREADS_ENV = "OMP_NUM_THREADS"  # the driver's choice, passed to the workers' runtime env
+VERBOSE_ENV = "PETATRAIN_VERBOSE"  # Ray's output on the terminal (set by --verbose, for the processes it starts)
+DEBUG_ENV = "PETATRAIN_DEBUG"  # the same, and a traceback under every one-line error
+REGISTRY_ENV = "PETATRAIN_REGISTRY"  # the model registry when a command names none (else .petatrain/registry)
+CACHE_DIR_ENV = "PETATRAIN_CACHE_DIR"  # the node-local shard cache (set in the pods `deploy k8s` writes)
+CALIBRATION_DIR_ENV = "PETATRAIN_CALIBRATION_DIR"  # where `profile` saves and `plan` reads calibrations
+BIN_ENV = "PETATRAIN_BIN"  # the orchestrators' tasks: the `petatrain` of petatrain's own environment
 
 # -- set for the processes of a Ray cluster petatrain starts itself (chaos/netns.py) -------------
 # (the two token variables are also named in the one line for a cluster that refuses a driver's token)

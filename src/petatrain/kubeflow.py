@@ -20,7 +20,6 @@ step. Every task's cache is off, since the same loop file gives new results as f
 # No `from __future__ import annotations`: KFP reads the component's annotations as types.
 from typing import Any
 
-BIN_ENV = "PETATRAIN_BIN"  # the `petatrain` of petatrain's own environment
 STEPS = ("ingest", "train", "promote")
 
 
@@ -33,6 +32,7 @@ def loop_step(loop_file: str, step: str) -> str:
     import os
     import subprocess
 
+    # constants.BIN_ENV, spelt out: KFP ships this function's source alone
     argv = [os.environ.get("PETATRAIN_BIN", "petatrain"), "loop", loop_file, "--once", "--only", step, "--json"]
     done = subprocess.run(argv, capture_output=True, text=True)
     if done.returncode != 0:  # petatrain's one-line error; KFP retries the task

@@ -21,7 +21,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from petatrain import api
+from petatrain import api, constants
 from petatrain import console as quiet
 from petatrain.config import JobConfig
 
@@ -63,7 +63,7 @@ def guarded(fn: Callable[[], Any]) -> Any:
     except KeyboardInterrupt:
         fail("interrupted", 130)
     except Exception as exc:
-        if os.environ.get("PETATRAIN_DEBUG"):
+        if os.environ.get(constants.DEBUG_ENV):
             raise
         fail(*quiet.explain(exc))
 

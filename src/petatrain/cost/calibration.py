@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from petatrain import constants
 from petatrain.errors import PetatrainError
 
 
@@ -37,7 +38,7 @@ class Calibration:
 
 def calibration_dir(configured: str = "") -> Path:
     return Path(
-        configured or os.environ.get("PETATRAIN_CALIBRATION_DIR") or "~/.cache/petatrain/calibration"
+        configured or os.environ.get(constants.CALIBRATION_DIR_ENV) or "~/.cache/petatrain/calibration"
     ).expanduser()
 
 

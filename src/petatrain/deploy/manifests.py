@@ -39,7 +39,7 @@ import shlex
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from petatrain import __version__
+from petatrain import __version__, constants
 from petatrain.config import JobConfig
 from petatrain.constants import SERVE_APP
 from petatrain.deploy.probe import HEALTH_PORT
@@ -606,7 +606,7 @@ def _env(cfg: JobConfig, target: Target) -> list[dict[str, Any]]:
     secret = target.s3_secret or f"{target.name}-s3"
     env: list[dict[str, Any]] = [
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},  # what the driver binds
-        {"name": "PETATRAIN_CACHE_DIR", "value": CACHE_PATH},
+        {"name": constants.CACHE_DIR_ENV, "value": CACHE_PATH},
         {"name": "RAY_USAGE_STATS_ENABLED", "value": "0"},
     ]
     # Required when the run reads or writes S3: a missing Secret stops the pod at its start, with the

@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from petatrain import constants
 from petatrain.errors import ConfigError, CorruptDataError, PetatrainError
 from petatrain.storage import StorageOptions, join
 from petatrain.storage.fs import atomic_write, exists, is_local, numbered, read_bytes, resolve
@@ -32,7 +33,7 @@ from petatrain.storage.lock import Lease, LeaseHeld
 
 log = logging.getLogger(__name__)
 
-REGISTRY_ENV = "PETATRAIN_REGISTRY"
+REGISTRY_ENV = constants.REGISTRY_ENV
 DEFAULT_REGISTRY = ".petatrain/registry"
 SCHEME = "registry://"
 FORMAT = "petatrain-model"

@@ -343,7 +343,7 @@ def _leave_together(writer: ckpt.CheckpointWriter, telemetry: Telemetry, device:
 
     Ray Train ends an attempt at the first rank's error and kills the others, so a rank that
     raised once its own checkpoint part was written would cut rank 0's commit short (the
-    checkpoint of a preemption lost, tests/test_train.py).
+    checkpoint of a preemption lost: tests/test_train_faults.py::test_preemption_waits_for_rank_0_to_commit).
     """
     writer.wait()
     committed = torch.tensor(-1 if writer.committed_step is None else writer.committed_step, device=device)

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from petatrain import constants
 from petatrain.errors import CorruptDataError, PetatrainError
 from petatrain.security.signing import sha256_hex
 from petatrain.storage import StorageOptions, read_bytes
@@ -71,7 +72,7 @@ def _stat_key(path: Path | str, checksum: str, sha256: str) -> tuple:
 
 
 def default_cache_dir(dataset_url: str) -> str:
-    root = os.environ.get("PETATRAIN_CACHE_DIR") or os.path.join(
+    root = os.environ.get(constants.CACHE_DIR_ENV) or os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "petatrain"
     )
     return os.path.join(root, hashlib.sha256(dataset_url.encode()).hexdigest()[:16])

@@ -1,4 +1,4 @@
-"""Asynchronous, verified, pickle-free checkpoints (DESIGN.md, "Run on storage").
+"""Asynchronous, verified, pickle-free checkpoints (docs/fault-tolerance.md, "Checkpoints").
 
 The training loop pays only for a snapshot (`tensors.Snapshot`, host copies or live
 references); `writer.CheckpointWriter` serialises, uploads and commits on a background thread
