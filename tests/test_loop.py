@@ -113,6 +113,44 @@ def test_a_bad_loop_file_is_one_line(tmp_path, extra, match):
         spec.load(_loop_file(tmp_path, **extra))
 
 
+def test_a_store_down_past_its_retries_is_waited_out_not_the_end_of_the_loop(tmp_path, monkeypatch):
+    """Issue 40, faults: the object store (or the registry on it) down beyond storage's own retries
+    ended `petatrain loop`. The watching loop says so in one line and tries the cycle again after
+    poll_s, doubling; `--once` (an orchestrator's task, which it retries) and an access denial still
+    end it."""
+    from petatrain import api
+    from petatrain.cli import loop as loop_cli
+    from petatrain.errors import AccessDeniedError, StorageAccessError
+    from petatrain.loop import spec as spec_mod
+    from petatrain.loop.watch import Watcher
+
+    loop = spec_mod.load(_loop_file(tmp_path))
+    (tmp_path / "incoming").mkdir()
+    said, slept, calls = [], [], []
+    outcomes = [StorageAccessError("s3://lake/registry: unreachable"), ConnectionError(), "done", KeyboardInterrupt()]
+
+    def cycle(*args, **kwargs):
+        calls.append(args)
+        outcome = outcomes.pop(0)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return api.LoopCycle(outcome, 1)
+
+    monkeypatch.setattr(api, "loop_cycle", cycle)
+    monkeypatch.setattr(loop_cli, "say", said.append)
+    monkeypatch.setattr(loop_cli.time, "sleep", slept.append)
+    watcher = Watcher(loop.source, loop.dataset)
+    with pytest.raises(KeyboardInterrupt):
+        loop_cli._cycles(loop, watcher, "", once=False, as_json=True)
+    assert len(calls) == 4 and slept == [1.0, 2.0, 1.0]  # poll_s 1: 1, 2, then the cycle's own poll
+    assert "the cycle failed (s3://lake/registry: unreachable); trying again in 1s" in said[0]
+    assert "the cycle failed (ConnectionError); trying again in 2s" in said[1]
+    for once, error in ((True, StorageAccessError("down")), (False, AccessDeniedError("denied"))):
+        outcomes[:] = [error]
+        with pytest.raises(type(error)):
+            loop_cli._cycles(loop, watcher, "", once=once, as_json=True)
+
+
 @pytest.mark.slow
 @pytest.mark.chaos
 def test_the_loop_keeps_a_model_current_and_a_kill_anywhere_reruns_to_one_result(tmp_path, ray_local, request):

@@ -15,7 +15,9 @@ from rich.markup import escape
 
 from petatrain import api, render
 from petatrain.cli.common import Address, Json, Sets, print_json, ray_session, say, verb
-from petatrain.errors import ConfigError
+from petatrain.errors import AccessDeniedError, ConfigError, StorageAccessError
+
+MAX_RETRY_WAIT_S = 300.0  # a store or registry down: the next try after poll_s, doubling, at most this
 
 
 @verb()
@@ -75,6 +77,7 @@ def _cycles(spec: Any, watcher: Any, address: str, *, once: bool, as_json: bool,
     not at every look; a changed source file is warned of once."""
     warned: set[str] = set()
     shown: tuple[str, int] | None = None
+    failures = 0  # cycles failed in a row on an unreachable store
     while True:
         if only in ("train", "promote"):  # no look at the source: the versions committed are the work
             cycle = api.loop_cycle(spec, [], address=address, on_step=_progress(as_json), only=only)
@@ -93,7 +96,21 @@ def _cycles(spec: Any, watcher: Any, address: str, *, once: bool, as_json: bool,
             time.sleep(spec.watch.settle_s)
             look = watcher.look()
         ready = [f.url for f in look.ready]
-        cycle = api.loop_cycle(spec, ready, address=address, on_step=_progress(as_json), only=only)
+        try:
+            cycle = api.loop_cycle(spec, ready, address=address, on_step=_progress(as_json), only=only)
+        except (StorageAccessError, ConnectionError) as exc:
+            if once or isinstance(exc, AccessDeniedError):  # an orchestrator retries the task; a denial stays
+                raise
+            # The object store or the registry is down past storage's own retries: every step is
+            # idempotent, so the cycle is tried again from the start, and a promotion cut short
+            # registers nothing twice (the version's record says which weights it is).
+            failures += 1
+            wait = min(spec.watch.poll_s * 2 ** (failures - 1), MAX_RETRY_WAIT_S)
+            why = escape(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+            say(f"[yellow]warning:[/yellow] the cycle failed ({why}); trying again in {wait:g}s")
+            time.sleep(wait)
+            continue
+        failures = 0
         quiet = cycle.outcome in ("idle", "done") and (cycle.outcome, cycle.version) == shown
         if as_json:
             if not quiet:
