@@ -264,6 +264,22 @@ def test_a_profile_partition_keeps_each_part_within_the_devices_memory():
     assert _boundaries(spec, cfg, 4, 2, profile, 4, limit=head + 2000) == [0, 5]  # the head alone
     with pytest.raises(ConfigError, match="no cut into 2 parts keeps every part within its memory limit"):
         _boundaries(spec, cfg, 4, 2, profile, 4, limit=head - 1)
+    # A stage split by 2 tensor-parallel ranks holds half of it on each (the head was taken as whole:
+    # a 3D layout that fits was refused on a GPU).
+    assert _boundaries(spec, cfg, 4, 2, profile, 4, limit=head - 1, tensor=2) == [0, 3]
+    # ... and the stage report predicts a rank's share of its compute and state.
+    from types import SimpleNamespace
+
+    from petatrain.train.pipeline import costs
+    from petatrain.train.pipeline.layout import Layout
+
+    plan = SimpleNamespace(starts=(0, 3), units=lambda k: [[0, 1, 2], [3, 4, 5]][k])
+    ranks = {t: Layout(stages=2, replicas=1, chunks=1, style="loop", tensor=t) for t in (1, 2)}
+    ranks = [
+        SimpleNamespace(plan=plan, layout=ranks[t], parts=[1], microbatches=4, rank=0, schedule=None) for t in (1, 2)
+    ]
+    whole, split = (costs.predict_rank(profile, piped, 4, sharded=False) for piped in ranks)
+    assert split[0] == pytest.approx(whole[0] / 2) and split[1] == whole[1] // 2
 
 
 def test_stage_table_leaves_out_the_warm_up_window():

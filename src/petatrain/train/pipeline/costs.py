@@ -212,19 +212,22 @@ def predict_rank(
     """What the profile predicts for a rank (`stages.PipelineRank`) of a step: (its compute seconds:
     its parts' per-micro-batch costs, M times; its state bytes: `copies` (memory.state_copies) of its
     parts' parameter bytes, split over the replicas under FSDP; the most activation bytes its
-    schedule's actions hold at once, or None for a profile without saved bytes)."""
+    schedule's actions hold at once, or None for a profile without saved bytes). A stage split by
+    `layout.tensor` ranks is predicted as its share of each, as plan models tensor parallelism (its
+    collectives are not in the profile of the whole model)."""
     plan, layout = piped.plan, piped.layout
+    tensor = getattr(layout, "tensor", 1)
     starts = list(plan.starts)
     per_part = stage_seconds(profile, starts, micro_batch)
-    busy = piped.microbatches * sum(per_part[k] for k in piped.parts)
+    busy = piped.microbatches * sum(per_part[k] for k in piped.parts) / tensor
     mine = [u for k in piped.parts for u in plan.units(k)]
-    state = int(copies * sum(profile.param_bytes[u] for u in mine)) // (layout.replicas if sharded else 1)
+    state = int(copies * sum(profile.param_bytes[u] for u in mine)) // (layout.replicas if sharded else 1) // tensor
     activations = None
     order = getattr(piped.schedule, "pipeline_order", None)
     if profile.saved_bytes and order is not None:
         scale = micro_batch / profile.micro_batch
         saved = {k: scale * sum(profile.saved_bytes[u] for u in plan.units(k)) for k in range(layout.parts)}
-        activations = int(activation_peak(order[layout.pp_rank(piped.rank)], saved))
+        activations = int(activation_peak(order[layout.pp_rank(piped.rank)], saved)) // tensor
     return busy, state, activations
 
 
@@ -237,18 +240,20 @@ def device_memory(device: torch.device) -> float:
 
 
 def unit_memory(
-    profile: LayerProfile, micro_batch: int, pc: Any, *, replicas: int = 1, copies: float = 4.0
+    profile: LayerProfile, micro_batch: int, pc: Any, *, replicas: int = 1, copies: float = 4.0, tensor: int = 1
 ) -> list[float]:
     """Each unit's predicted bytes on the rank that runs it: its state (`copies` of its parameter
     bytes, memory.state_copies; split over the replicas under data fsdp) and its saved activations for as many
     micro-batches as the schedule can hold at once (GPipe: all; the others: the first stage's
-    stages x chunks, the most)."""
+    stages x chunks, the most); a `tensor`-way split stage holds its share of both."""
     m = pc.microbatch_count()
     in_flight = m if pc.schedule == "gpipe" else min(m, pc.stages * pc.chunks_per_rank())
     share = replicas if pc.data == "fsdp" else 1
     saved = profile.saved_bytes or profile.activation_bytes
     scale = micro_batch / profile.micro_batch
-    return [copies * p / share + in_flight * a * scale for p, a in zip(profile.param_bytes, saved, strict=True)]
+    return [
+        (copies * p / share + in_flight * a * scale) / tensor for p, a in zip(profile.param_bytes, saved, strict=True)
+    ]
 
 
 def stage_seconds(profile: LayerProfile, plan_starts: list[int], micro_batch: int) -> list[float]:

@@ -150,7 +150,17 @@ class Pipeline(Strategy):
         dist.broadcast_object_list(shared, src=0)
         profile = costs.LayerProfile(**shared[0]) if shared[0] else None
         limit = costs.device_memory(device)
-        starts = _boundaries(spec, cfg, n_blocks, layout.parts, profile, micro, limit=limit, replicas=layout.replicas)
+        starts = _boundaries(
+            spec,
+            cfg,
+            n_blocks,
+            layout.parts,
+            profile,
+            micro,
+            limit=limit,
+            replicas=layout.replicas,
+            tensor=layout.tensor,
+        )
         plan = stages.PartPlan(tuple(starts), n_blocks)
         setattr(spec.module, TIED_NAMES, tied_names(spec.module))
         piped = stages.build(
@@ -241,6 +251,7 @@ def _boundaries(
     *,
     limit: float = 0.0,
     replicas: int = 1,
+    tensor: int = 1,
 ) -> list[int]:
     """Where each part starts (in units: first, blocks, last), as parallel.pipeline.partition says:
     `profile` (PipeDream's dynamic program over the measured per-unit times; `auto` when this model
@@ -265,7 +276,7 @@ def _boundaries(
             raise ConfigError(f"the layer profile has {len(profile.units)} units; this model has {n_blocks + 2}")
         pc = cfg.parallel.pipeline
         copies = state_copies(cfg.train.optimizer, cfg.train.precision)
-        memory = costs.unit_memory(profile, micro_batch, pc, replicas=replicas, copies=copies)
+        memory = costs.unit_memory(profile, micro_batch, pc, replicas=replicas, copies=copies, tensor=tensor)
         return partition(profile.scaled(micro_batch), parts, memory=memory, limit=limit)
     return partition(parameter_costs(spec), parts)
 
