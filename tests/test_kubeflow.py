@@ -63,6 +63,7 @@ def test_the_local_runner_keeps_a_model_current_and_a_killed_step_is_retried_to_
 
     def run_pipeline() -> str:
         argv = [kfp_python, str(EXAMPLE), str(loop_file), "--local", "--backoff", "1s", "--image", "python:3.11"]
+        argv += ["--root", str(tmp_path / "kfp")]
         done = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
         assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
         assert json.loads(done.stdout.splitlines()[-1])["state"] == "SUCCEEDED"

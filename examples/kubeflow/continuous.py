@@ -28,6 +28,9 @@ def main() -> int:
     parser.add_argument("--image", default="petatrain:latest", help="the components' image (on a cluster)")
     parser.add_argument("--retries", type=int, default=2, help="each step's retries")
     parser.add_argument("--backoff", default="5s", help="the wait before a retry")
+    parser.add_argument(
+        "--root", help="--local: where the runner keeps its outputs and logs (default: a new temp folder)"
+    )
     args = parser.parse_args()
     loop_file = os.path.abspath(args.loop)
     settings = {"image": args.image, "retries": args.retries, "backoff": args.backoff}
@@ -36,7 +39,7 @@ def main() -> int:
     if args.local:
         from kfp import local
 
-        root = tempfile.mkdtemp(prefix="petatrain-kfp-")  # the local runner's artifacts and logs
+        root = args.root or tempfile.mkdtemp(prefix="petatrain-kfp-")  # the local runner's artifacts and logs
         local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=root)
         run = continuous_pipeline(**settings)(loop_file=loop_file)
         print(json.dumps({"state": "SUCCEEDED", "pipeline_root": root, "outputs": dict(run.outputs)}))
