@@ -1079,5 +1079,5 @@ def test_absurd_counts_and_negative_sizes_are_refused_as_the_api_server_refuses_
         ], found
     with pytest.raises(ConfigError, match=r"parallel.workers: 1000000000 is over 100,000 ranks"):
         config.load(str(Path(__file__).parent.parent / "examples" / "tiny.yaml"), ["parallel.workers=1-1000000000"])
-    with pytest.raises(ConfigError, match=r"--count 1000000000: between 1 and 100,000"):
+    with pytest.raises(ConfigError, match=r"--count 1000000000: 1 to 100,000 accelerators"):
         deploy_k8s(cfg, Target(name="tiny", run_dir="s3://b/runs/x"), str(tmp_path), count=10**9)

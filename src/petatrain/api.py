@@ -1084,26 +1084,26 @@ def rotate_keys(keyref: str, targets: Sequence[str], *, retire: bool = False) ->
     records); no data is rewritten. `retire` then drops the older versions from the keyring."""
     from petatrain.data import index
     from petatrain.security import keys
-    from petatrain.storage.fs import exists, join
+    from petatrain.storage.fs import canonical_url, exists, join
     from petatrain.storage.lock import LEASE_FILE, Lease
     from petatrain.train.checkpoint.rewrap import rewrap_run
 
+    targets = [canonical_url(t) for t in targets]  # as the keyring records them: ./ds and /abs/ds are one
     options = StorageOptions(protection=Protection(encryption_key=keyref, signing_key=keyref))
     keys.open_keys(keyref)  # a missing or loose keyring: refused before anything changes
-    datasets = [t for t in targets if exists(join(t, index.MANIFEST), options)]
+
+    def is_dataset(target: str) -> bool:
+        return exists(join(target, index.MANIFEST), options)
 
     def is_run(target: str) -> bool:
         return exists(join(target, ".petatrain-run"), options) or exists(join(target, "checkpoints"), options)
 
+    datasets = [t for t in targets if is_dataset(t)]
     for target in targets:  # every target checked before the keyring gets its new version
         if target not in datasets and not is_run(target):
             raise ConfigError(f"{target} is neither a petatrain dataset nor a run; nothing was changed")
     if retire:  # what an earlier rotation re-wrapped, and still exists, would become unreadable
-        left = [
-            t
-            for t in keys.rotated_targets(keyref)
-            if t not in targets and (exists(join(t, index.MANIFEST), options) or is_run(t))
-        ]
+        left = [t for t in keys.rotated_targets(keyref) if t not in targets and (is_dataset(t) or is_run(t))]
         if left:
             raise ConfigError(
                 f"--retire would leave {', '.join(left)} unreadable: an earlier rotation of {keyref} re-wrapped "
@@ -1118,7 +1118,7 @@ def rotate_keys(keyref: str, targets: Sequence[str], *, retire: bool = False) ->
         else:
             with Lease(join(target, LEASE_FILE), kind="keys", what=target, options=options):
                 done.append(rewrap_run(target, options))
-    keys.record_targets(keyref, list(targets))
+    keys.record_targets(keyref, targets)
     retired = keys.retire_versions(keyref, version) if retire else []
     return {"keyref": keyref, "key_version": version, "rewrapped": done, "retired": retired}
 
@@ -1158,7 +1158,9 @@ def deploy_k8s(config: JobConfig, target: Any, out: str, *, from_plan: bool = Fa
 
     sized_by = "config"
     if not 0 <= count <= config_mod.MAX_WORKERS:
-        raise ConfigError(f"--count {count}: between 1 and {config_mod.MAX_WORKERS:,} accelerators (or CPU workers)")
+        raise ConfigError(
+            f"--count {count}: 1 to {config_mod.MAX_WORKERS:,} accelerators (or CPU workers), or 0 for the config's"
+        )
     if from_plan:
         chosen = plan(config, accelerator=target.accelerator, count=count).recommended
         if chosen is None:

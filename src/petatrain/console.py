@@ -27,7 +27,6 @@ from typing import Any, ClassVar
 from petatrain import constants
 from petatrain.errors import PetatrainError
 
-VERBOSE_ENV, DEBUG_ENV = constants.VERBOSE_ENV, constants.DEBUG_ENV
 # Where Ray keeps the logs of the processes it starts (a documented link to the newest session).
 RAY_SESSION_LOGS = os.path.join(tempfile.gettempdir(), "ray", "session_latest", "logs")
 _BUFFERED = 20_000  # log records kept before a file is chosen (more are dropped, counted)
@@ -39,12 +38,12 @@ RAY_CLIENT_SERVER_LOG = "ray.util.client.logsclient"
 def set_verbose(flag: bool) -> None:
     """`petatrain --verbose`: Ray's output on the console, for this process and the ones it starts."""
     if flag:
-        os.environ[VERBOSE_ENV] = "1"
+        os.environ[constants.VERBOSE_ENV] = "1"
 
 
 def ray_output_to_console() -> bool:
     """Whether Ray's own logging and its workers' output belong on the console."""
-    return bool(os.environ.get(DEBUG_ENV) or os.environ.get(VERBOSE_ENV))
+    return bool(os.environ.get(constants.DEBUG_ENV) or os.environ.get(constants.VERBOSE_ENV))
 
 
 class RayLogs(logging.Handler):

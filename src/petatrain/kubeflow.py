@@ -20,8 +20,6 @@ step. Every task's cache is off, since the same loop file gives new results as f
 # No `from __future__ import annotations`: KFP reads the component's annotations as types.
 from typing import Any
 
-STEPS = ("ingest", "train", "promote")
-
 
 def loop_step(loop_file: str, step: str) -> str:
     """`petatrain loop LOOP --once --only STEP --json`, whose JSON goes to the task's log; the output is

@@ -407,7 +407,10 @@ def _cycle_cronjob(
         "image": target.image,
         "imagePullPolicy": "IfNotPresent",
         "command": ["ray", "job", "submit", "--address", head, "--", *cycle],
-        "env": [{"name": "RAY_AUTH_MODE", "value": "token"}, {"name": "RAY_AUTH_TOKEN", "valueFrom": token}],
+        "env": [
+            {"name": constants.RAY_AUTH_MODE_ENV, "value": "token"},
+            {"name": constants.RAY_AUTH_TOKEN_ENV, "valueFrom": token},
+        ],
         "resources": {
             "requests": {"cpu": "100m", "memory": "512Mi"},
             "limits": {"cpu": "1", "memory": "512Mi"},

@@ -33,7 +33,6 @@ from petatrain.storage.lock import Lease, LeaseHeld
 
 log = logging.getLogger(__name__)
 
-REGISTRY_ENV = constants.REGISTRY_ENV
 DEFAULT_REGISTRY = ".petatrain/registry"
 SCHEME = "registry://"
 FORMAT = "petatrain-model"
@@ -44,7 +43,7 @@ _RESERVED = ("format", "name", "version", "created", "digest", "signature")  # t
 
 def registry_url(given: str | None = None) -> str:
     """--registry URL, else $PETATRAIN_REGISTRY, else .petatrain/registry (absolute where local)."""
-    url = given or os.environ.get(REGISTRY_ENV) or DEFAULT_REGISTRY
+    url = given or os.environ.get(constants.REGISTRY_ENV) or DEFAULT_REGISTRY
     return os.path.abspath(url) if is_local(url) and "://" not in url else url
 
 

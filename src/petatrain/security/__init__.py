@@ -2,5 +2,6 @@
 file or an OpenStack Barbican container), sealed files (AES-GCM in chunks), Parquet's modular
 encryption, signatures of manifests and checkpoints, and the per-role S3 access policies.
 
-Nothing here reaches an object store: these modules take key references and credentials (duck-typed
-`StorageOptions`, whose fields name them) and bytes or local files, so `storage/` may call them."""
+Nothing here reaches an object store: these modules take a job's `Protection` (protection.py: the
+key references, how strictly signatures are checked, a key service's credentials), or options that
+carry one, and bytes or local files, so `storage/` may call them."""

@@ -127,10 +127,11 @@ class StorageOptions:
 
     def trusts_unsigned(self, dataset: str) -> bool:
         """Whether the dataset at `dataset` is one `storage.signing.unsigned` lets be read unsigned."""
-        return _same_url(dataset) in {_same_url(u) for u in self.protection.unsigned_datasets}
+        return canonical_url(dataset) in {canonical_url(u) for u in self.protection.unsigned_datasets}
 
 
-def _same_url(url: str) -> str:
+def canonical_url(url: str) -> str:
+    """`url` as two names of one place compare equal: a local path absolute, no trailing slash."""
     return os.path.abspath(os.path.expanduser(url)) if is_local(url) else url.rstrip("/")
 
 

@@ -136,11 +136,14 @@ def check(base: JobConfig, spaces: list[Space]) -> list[JobConfig]:
                 f"--param {space.key}={space}: {space.key} is an integer, and {space.kind} draws fractions; "
                 f"search it with randint:{math.ceil(space.low)}:{math.floor(space.high)} or a choice"
             )
+        at_corners = []
         for value in space.corners():
             try:
-                apply(base, {space.key: value})
+                at_corners.append(apply(base, {space.key: value}))
             except ConfigError as exc:
                 raise ConfigError(f"--param {space.key}={space}: at {value!r}: {exc}") from None
+    if len(spaces) == 1:  # its corners are all the combinations there are
+        return at_corners
     corners = [space.corners() for space in spaces]
     if math.prod(len(c) for c in corners) > MAX_COMBINATIONS:
         corners = [_ends(c) for c in corners]

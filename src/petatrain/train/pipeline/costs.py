@@ -216,7 +216,7 @@ def predict_rank(
     `layout.tensor` ranks is predicted as its share of each, as plan models tensor parallelism (its
     collectives are not in the profile of the whole model)."""
     plan, layout = piped.plan, piped.layout
-    tensor = getattr(layout, "tensor", 1)
+    tensor = layout.tensor
     starts = list(plan.starts)
     per_part = stage_seconds(profile, starts, micro_batch)
     busy = piped.microbatches * sum(per_part[k] for k in piped.parts) / tensor

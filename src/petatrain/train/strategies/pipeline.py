@@ -120,8 +120,9 @@ class Pipeline(Strategy):
             self.data_shard(cfg, 0, workers)  # the batch divides into replicas x micro-batches
         if cfg.parallel.tensor > 1:  # each stage split by tensor parallelism: the shapes must divide
             plan = builtin_plan(cfg)
-            if plan is not None and plan.problem(cfg.parallel.tensor):
-                raise ConfigError(plan.problem(cfg.parallel.tensor))
+            problem = plan.problem(cfg.parallel.tensor) if plan is not None else ""
+            if problem:
+                raise ConfigError(problem)
 
     def steps(self, spec: ModelSpec, cfg: JobConfig, device: torch.device, world: int) -> Any:
         import torch.distributed as dist
