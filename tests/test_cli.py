@@ -283,22 +283,23 @@ def test_training_progress_is_a_line_per_ten_steps_one_per_fault_and_one_on_reco
     """Rendered from the ledger's events: every rank's step events, a failure whose detail is a
     long traceback, each rank's resume; the console gets four lines."""
     from petatrain.console import TrainProgress
+    from petatrain.observe import events as ev
 
     lines: list[str] = []
     progress = TrainProgress(lines.append, total_steps=20)
-    step = {"event": "step", "step_s": 0.1, "tokens": 1024, "loss": 2.5}
+    step = {"t": 1.0, "step_s": 0.1, "data_wait_s": 0.0, "tokens": 1024, "loss": 2.5}
     for n in range(1, 13):
-        for rank in (0, 1):
-            progress({**step, "attempt": 0, "step": n, "rank": rank})
-    progress({"event": "fault_injected", "attempt": 0, "fault": "kill", "step": 12, "rank": 1})
+        for _rank in (0, 1):
+            progress(ev.Step(**step, attempt=0, step=n))
+    progress(ev.FaultInjected(t=1.0, attempt=0, fault="kill", step=12, rank=1))
     traceback = "Traceback (most recent call last):\n" + "  File 'x.py', line 1\n" * 30 + "ActorDiedError"
-    progress({"event": "failure", "attempt": 0, "cause": "kill", "rank": None, "detail": traceback})
-    progress({"event": "restart", "attempt": 1, "reason": "kill"})
-    for rank in (0, 1):
-        progress({"event": "resume", "attempt": 1, "rank": rank, "step": 10, "checkpoint": "run/ckpt/step-10"})
+    progress(ev.Failure(t=1.0, attempt=0, cause="kill", rank=None, detail=traceback))
+    progress(ev.Restart(t=1.0, attempt=1, reason="kill"))
+    for _rank in (0, 1):
+        progress(ev.Resume(t=1.0, attempt=1, step=10, checkpoint="run/ckpt/step-10"))
     for n in range(11, 21):
-        progress({**step, "attempt": 1, "step": n})
-    progress({"event": "end", "status": "ok", "step": 20})
+        progress(ev.Step(**step, attempt=1, step=n))
+    progress(ev.End(t=1.0, status="ok", step=20))
     assert len(lines) == 4, lines
     assert lines[0].startswith("step     10/20  loss 2.5000  10,240 tokens/s")
     assert "kill on rank 1 at step 12 (injected)" in lines[1] and "Traceback" not in lines[1]
@@ -310,9 +311,13 @@ def test_training_progress_names_the_metrics_endpoint_and_its_target_file_at_the
     from petatrain.console import TrainProgress
 
     lines: list[str] = []
+    from petatrain.observe import events as ev
+
     progress = TrainProgress(lines.append, total_steps=20, targets="/runs/r/prometheus/targets.json")
-    progress({"event": "run_start", "run_id": "r", "metrics": "http://127.0.0.1:9464/metrics"})
-    progress({"event": "run_continue", "run_id": "r", "metrics": ""})  # a driver with the endpoint off: nothing
+    progress(
+        ev.RunStart(t=1.0, run_id="r", workers=[2, 2], steps=20, config={}, metrics="http://127.0.0.1:9464/metrics")
+    )
+    progress(ev.RunContinue(t=2.0, run_id="r", attempt=1, previous="ok", steps=20))  # the endpoint off: nothing
     assert lines == ["metrics: http://127.0.0.1:9464/metrics  (Prometheus file_sd: /runs/r/prometheus/targets.json)"]
 
 
@@ -320,12 +325,14 @@ def test_a_resize_is_one_line_and_the_resume_says_on_how_many_workers():
     from petatrain.console import TrainProgress
 
     lines: list[str] = []
+    from petatrain.observe import events as ev
+
     progress = TrainProgress(lines.append, total_steps=100)
-    progress({"event": "attempt_start", "attempt": 1, "world_size": 2})
+    progress(ev.AttemptStart(t=1.0, attempt=1, world_size=2))
     detail = "petatrain.train.rank.Resized: the cluster can host more workers: checkpoint of step 9 committed"
-    progress({"event": "failure", "attempt": 1, "cause": "resize", "rank": 0, "detail": detail})
-    progress({"event": "attempt_start", "attempt": 2, "world_size": 4})
-    progress({"event": "resume", "attempt": 2, "rank": 0, "step": 9, "checkpoint": "run/ckpt/step-9"})
+    progress(ev.Failure(t=2.0, attempt=1, cause="resize", rank=0, detail=detail))
+    progress(ev.AttemptStart(t=3.0, attempt=2, world_size=4))
+    progress(ev.Resume(t=4.0, attempt=2, step=9, checkpoint="run/ckpt/step-9"))
     assert lines == [
         "[cyan]resize[/cyan]: the cluster has room for more workers again (checkpoint of step 9 committed); restarting",
         "[green]recovered[/green]: attempt 3 resumes at step 9 on 4 workers from its latest checkpoint",
@@ -335,21 +342,28 @@ def test_a_resize_is_one_line_and_the_resume_says_on_how_many_workers():
 def test_the_ledger_follower_hands_on_each_new_event_once_and_skips_an_earlier_runs(tmp_path):
     import time
 
+    from petatrain.observe.events import record
     from petatrain.observe.ledger import LedgerFollower
 
     ledger = tmp_path / "events.jsonl"
-    ledger.write_text(json.dumps({"event": "end", "status": "ok"}) + "\n")  # a finished run, resumed
-    seen: list[dict] = []
+
+    def line(kind: str, **fields) -> str:
+        return json.dumps(record(kind, fields)) + "\n"
+
+    start = line("run_start", run_id="r", workers=[1, 1], steps=9, config={})
+    ledger.write_text(line("end", status="ok", step=9))  # a finished run, resumed
+    seen: list = []
     follower = LedgerFollower(str(tmp_path), None, seen.append)
+    step = line("step", attempt=0, step=1, step_s=0.1, data_wait_s=0.0, loss=1.0)
     with ledger.open("a") as handle:
-        handle.write(json.dumps({"event": "step", "step": 9}) + "\n")  # another driver's, before ours starts
-        handle.write(json.dumps({"event": "run_start"}) + "\n" + '{"event": "st')  # a line half written
+        handle.write(step)  # another driver's, before ours starts
+        handle.write(start + step[:20])  # a line half written
         handle.flush()
         time.sleep(1.2)
-        assert [e["event"] for e in seen] == ["run_start"]
-        handle.write('ep", "step": 1}\n' + json.dumps({"event": "end", "status": "ok"}) + "\n")
+        assert [e.kind for e in seen] == ["run_start"]
+        handle.write(step[20:] + line("end", status="ok", step=9))
     follower.stop()
-    assert [e["event"] for e in seen] == ["run_start", "step", "end"]
+    assert [e.kind for e in seen] == ["run_start", "step", "end"]
 
 
 def test_rays_records_are_kept_until_the_run_folder_exists_then_written_there(tmp_path):

@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from petatrain.observe import events as ev
+from petatrain.observe.ledger import EventLog
 from petatrain.runtime.hub.attempt import Attempt, Drain, Heartbeats, Resizes
 from petatrain.runtime.hub.injections import FiredInjections
 from petatrain.runtime.hub.ledger import Ledger, StepHold
@@ -34,6 +36,15 @@ class Clock:
         return self.t
 
 
+ATTEMPT = {"attempt": 0, "world_size": 1}
+CONTINUE = {"run_id": "r", "attempt": 1, "previous": "ok", "steps": 9}
+
+
+def step(n: int) -> dict[str, Any]:
+    """A step event's fields."""
+    return {"attempt": 0, "step": n, "step_s": 0.1, "data_wait_s": 0.0, "loss": 1.0}
+
+
 class FakeLog:
     """The ledger's sink (observe.ledger.EventLog): what was written, and when it was flushed."""
 
@@ -43,7 +54,7 @@ class FakeLog:
         self.closed = False
 
     def record(self, event: str, **fields: Any) -> dict[str, Any]:
-        return {"event": event, **fields}
+        return EventLog.record(event, **fields)  # checked against its class; kept and flagged if it does not fit
 
     def write(self, record: dict[str, Any]) -> dict[str, Any]:
         self.lines.append(record["event"])
@@ -286,16 +297,15 @@ def test_step_hold_writes_nothing_until_a_step_then_everything_in_order():
 
 def test_ledger_writes_in_order_shows_every_event_to_its_observers_and_flushes_every_few_seconds():
     log, clock, seen = FakeLog(), Clock(0.0), []
-    ledger = Ledger(
-        log, StepHold(), (lambda r: seen.append(("health", r["event"])), lambda r: seen.append(("m", 0))), clock
-    )
-    record = ledger.emit("run_start", {"run_id": "r"})
-    assert record == {"event": "run_start", "run_id": "r"}
-    ledger.emit_many([("attempt_start", {}), ("step", {"step": 0})])
+    observers = (lambda e: seen.append(("health", e.kind)), lambda e: seen.append(("m", 0)))
+    ledger = Ledger(log, StepHold(), observers, clock)
+    record = ledger.emit("run_start", {"run_id": "r", "workers": [1, 1], "steps": 2, "config": {}, "t": 1.0})
+    assert record["event"] == "run_start" and record["run_id"] == "r"
+    ledger.emit_many([("attempt_start", ATTEMPT), ("step", step(0))])
     assert log.lines == ["run_start", "attempt_start", "step"] and log.flushes == 0
     assert seen[:2] == [("health", "run_start"), ("m", 0)]
     clock.t = Ledger.FLUSH_S + 0.1
-    ledger.emit("step", {"step": 1})
+    ledger.emit("step", step(1))
     assert log.flushes == 1 and ledger.last_flush == clock.t
     ledger.close()
     assert log.closed
@@ -303,11 +313,11 @@ def test_ledger_writes_in_order_shows_every_event_to_its_observers_and_flushes_e
 
 def test_a_held_ledger_observes_every_event_but_writes_only_once_a_step_came():
     log, seen = FakeLog(), []
-    ledger = Ledger(log, StepHold(holding=True), (lambda r: seen.append(r["event"]),), Clock())
-    ledger.emit("run_continue", {})
-    ledger.emit("attempt_start", {})
+    ledger = Ledger(log, StepHold(holding=True), (lambda e: seen.append(e.kind),), Clock())
+    ledger.emit("run_continue", CONTINUE)
+    ledger.emit("attempt_start", ATTEMPT)
     assert log.lines == [] and seen == ["run_continue", "attempt_start"] and not ledger.started
-    ledger.emit("step", {"step": 5})
+    ledger.emit("step", step(5))
     assert log.lines == ["run_continue", "attempt_start", "step"] and ledger.started
 
 
@@ -319,10 +329,10 @@ def test_an_injected_fault_is_written_and_flushed_at_once_or_held_with_the_rest(
     # A finished run's continuation that has not trained a step: held in order with the others.
     log = FakeLog()
     ledger = Ledger(log, StepHold(holding=True), (seen.append,), Clock())
-    ledger.emit("run_continue", {})
+    ledger.emit("run_continue", CONTINUE)
     ledger.write_at_once("fault_injected", {"key": "kill@step=3"})
     assert log.lines == []
-    ledger.emit("step", {"step": 1})
+    ledger.emit("step", step(1))
     assert log.lines == ["run_continue", "fault_injected", "step"]
 
 
@@ -330,19 +340,19 @@ def test_an_injected_fault_is_written_and_flushed_at_once_or_held_with_the_rest(
 def test_run_phase_follows_the_events_for_the_health_endpoint():
     phase = RunPhase(Clock(100.0))
     states = []
-    for record in (
-        {"event": "run_start"},
-        {"event": "attempt_start", "t": 101.0},
-        {"event": "step", "step": 3},
-        {"event": "checkpoint_snapshot"},
-        {"event": "checkpoint_commit"},
-        {"event": "failure"},
-        {"event": "attempt_start", "t": 110.0},  # restarting until the new attempt's first step
-        {"event": "worker_start"},  # no state of its own
-        {"event": "step", "step": 2},
-        {"event": "end", "status": "ok"},
+    for event in (
+        ev.RunStart(t=100.0, run_id="r", workers=[1, 1], steps=3, config={}),
+        ev.AttemptStart(t=101.0, attempt=0, world_size=1),
+        ev.Step(t=102.0, **step(3)),
+        ev.CheckpointSnapshot(t=103.0, attempt=0, step=3, stall_s=0.1),
+        ev.CheckpointCommit(t=104.0, attempt=0, step=3, write_s=0.2, bytes=1, url="run/checkpoints/step-3"),
+        ev.Failure(t=105.0, attempt=0, cause="kill", detail="gone"),
+        ev.AttemptStart(t=110.0, attempt=1, world_size=1),  # restarting until the new attempt's first step
+        ev.WorkerStart(t=110.5, attempt=1, rank=0, pid=7, node="n"),  # no state of its own
+        ev.Step(t=112.0, **step(2)),
+        ev.End(t=113.0, status="ok", step=3),
     ):
-        phase.track(record)
+        phase.track(event)
         states.append(phase.phase["state"])
     assert states == [
         "starting", "starting", "training", "checkpointing", "training", "restarting", "restarting",
@@ -351,31 +361,32 @@ def test_run_phase_follows_the_events_for_the_health_endpoint():
     assert phase.health(1, 112.0) == {
         "state": "finished", "started_t": 100.0, "attempt_t": 110.0, "step": 2, "attempt": 1, "last_step_t": 112.0,
     }  # fmt: skip
-    phase.track({"event": "end", "status": "failed"})
+    phase.track(ev.End(t=114.0, status="failed", step=None))
     assert phase.phase["state"] == "failed"
 
 
 def test_placement_groups_come_from_worker_start_events():
     groups = PlacementGroups()
-    for record in (
-        {"event": "worker_start", "placement_group": "b"},
-        {"event": "worker_start", "placement_group": "a"},
-        {"event": "worker_start", "placement_group": "b"},
-        {"event": "worker_start", "placement_group": ""},
-        {"event": "step", "placement_group": "c"},
+    start = {"t": 1.0, "attempt": 0, "rank": 0, "pid": 7, "node": "n"}
+    for event in (
+        ev.WorkerStart(**start, placement_group="b"),
+        ev.WorkerStart(**start, placement_group="a"),
+        ev.WorkerStart(**start, placement_group="b"),
+        ev.WorkerStart(**start, placement_group=""),
+        *ev.read([{"t": 1.0, "event": "step", "placement_group": "c", **step(1)}]),
     ):
-        groups.track(record)
+        groups.track(event)
     assert groups.ids() == ["a", "b"]
 
 
 class FakeServer:
     def __init__(self, host: str, scraped: float | None = None, answers: bool = True):
         self.host, self.port, self.last_scrape, self.answers = host, 9100, scraped, answers
-        self.observed: list[dict] = []
+        self.observed: list[ev.Event] = []
         self.waited: list[tuple[float, float]] = []
         self.closed = False
 
-    def observe(self, event: dict[str, Any]) -> None:
+    def observe(self, event: ev.Event) -> None:
         self.observed.append(event)
 
     def wait_for_scrape(self, after: float, timeout_s: float) -> bool:
@@ -391,7 +402,7 @@ def test_metrics_url_names_the_node_for_an_endpoint_on_every_interface():
     assert Metrics(FakeServer("0.0.0.0")).url(lambda: "10.0.0.7") == "http://10.0.0.7:9100/metrics"
     assert Metrics(FakeServer("::")).url(lambda: "fd00::7") == "http://[fd00::7]:9100/metrics"
     none = Metrics(None)
-    none.observe({"event": "step"})
+    none.observe(ev.Step(t=1.0, **step(1)))
     none.close()
     assert none.url(lambda: "x") is None and not none.last_scrape(10)
 
@@ -406,9 +417,9 @@ def test_the_last_scrape_is_waited_for_only_where_something_scrapes():
     assert metrics.last_scrape(30) and scraped.waited == [(5.0, 30)] and slept == [Metrics.SCRAPE_ANSWER_S]
     late = FakeServer("127.0.0.1", scraped=1.0, answers=False)
     assert not Metrics(late, Clock(5.0), slept.append).last_scrape(30) and len(slept) == 1
-    metrics.observe({"event": "step"})
+    metrics.observe(ev.Step(t=1.0, **step(1)))
     metrics.close()
-    assert scraped.observed == [{"event": "step"}] and scraped.closed
+    assert scraped.observed == [ev.Step(t=1.0, **step(1))] and scraped.closed
 
 
 def test_an_injection_fires_once_across_drivers():

@@ -301,14 +301,19 @@ def test_run_in_progress_and_empty_or_odd_ledgers():
     events = [
         {"t": T0, "event": "run_start", "run_id": "r", "steps": 10},
         {"t": T0 + 2, "event": "step", "attempt": 0, "step": 1, "step_s": 1.5, "data_wait_s": 0.5},
-        {"t": T0 + 3, "event": "step", "step": 2, "step_s": "oops"},  # a field of the wrong type counts as 0
-        {"t": T0 + 4, "event": "step"},  # no step number: ignored
-        {"event": "step", "step": 3},  # no time: ignored
+        {"t": T0 + 3, "event": "step", "attempt": 0, "step": 2, "step_s": "oops", "data_wait_s": 0},  # wrong type
+        {"t": T0 + 4, "event": "step"},  # no step number
+        {"t": T0 + 4, "event": "stepp", "step": 3},  # a kind this petatrain does not know
+        {"event": "step", "step": 3},  # no time: left out
     ]
-    g = account(events)
-    assert g.status == "running" and "in progress" in g.note
+    g = account(events)  # a line that fits no event only marks the time: the run was alive then
+    assert (
+        g.status == "running" and "in progress" in g.note and "4 ledger line(s) fit no event" in g.note
+    )  # run_start too: no workers, no config
     assert g.wall_s == approx(4.0) and g.productive_s == approx(1.0) and g.data_wait_s == approx(0.5)
-    assert g.steps_kept == 2 and g.goodput == approx(0.25)
+    assert g.steps_kept == 1 and g.goodput == approx(0.25)
+    with pytest.raises(ValueError, match="schema version"):  # a newer petatrain's ledger is refused, not misread
+        account([{**events[0], "v": 99}])
     empty = account([])
     assert empty.goodput == 0.0 and empty.note == "no events" and empty.to_dict()["faults"] == []
 
@@ -458,7 +463,8 @@ def test_the_run_is_a_prometheus_file_sd_target():
 
 
 def test_pipeline_stages_have_metrics_of_their_own():
-    stage = {"event": "pipeline_stage", "t": 1.0, "attempt": 0, "steps": 10, "stages": 2}
+    stage = {"event": "pipeline_stage", "t": 1.0, "attempt": 0, "steps": 10, "stages": 2, "parts": [0], "units": []}
+    stage |= {"schedule": "1F1B", "microbatches": 4, "chunks": 1}
     with MetricsServer() as metrics:
         metrics.observe({**stage, "rank": 0, "busy_s": 0.6, "wall_s": 1.0})
         metrics.observe({**stage, "rank": 1, "busy_s": 0.9, "wall_s": 1.0})

@@ -23,6 +23,8 @@ from petatrain.errors import ConfigError
 from petatrain.observe import goodput
 from petatrain.observe.ledger import read_events
 
+STEP = {"attempt": 0, "step_s": 0.1, "data_wait_s": 0.0, "loss": 1.0}  # a step event's other fields
+
 
 def _ledger(run, cfg, *events: dict) -> None:
     """A run directory as a driver leaves it: its marker and a ledger starting with run_start."""
@@ -55,7 +57,8 @@ def test_a_folder_holding_a_run_is_refused_without_resume(tmp_path, token_datase
     from petatrain.runtime.driver import run
 
     cfg = tiny(token_dataset)
-    _ledger(tmp_path, cfg, {"event": "attempt_start", "attempt": 0, "world_size": 2}, {"event": "step", "step": 7})
+    started = {"event": "attempt_start", "attempt": 0, "world_size": 2}
+    _ledger(tmp_path, cfg, started, {"event": "step", **STEP, "step": 7})
     with pytest.raises(ConfigError) as refused:
         run(_job(cfg, tmp_path, resume=False))
     assert str(refused.value) == (
@@ -88,7 +91,7 @@ def test_a_finished_run_resumed_is_left_as_it_is(tmp_path, token_dataset, no_ray
         {"event": "attempt_start", "attempt": 0, "world_size": 2},
         {"event": "failure", "attempt": 0, "cause": "kill", "detail": "rank 1 died", "rank": 1},
         {"event": "attempt_start", "attempt": 1, "world_size": 2},
-        {"event": "step", "step": 30, "attempt": 1},
+        {"event": "step", **STEP, "step": 30, "attempt": 1},
         {"event": "end", "status": "ok", "step": 30},
     )  # fmt: skip
     (tmp_path / "final").mkdir()

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from petatrain.config import IngestConfig, JobConfig
 from petatrain.data.ingest.job import IngestJob, IngestSummary
 from petatrain.errors import ConfigError, CorruptDataError, GateRefused, PetatrainError
+from petatrain.observe import events
 from petatrain.observe.ledger import LedgerFollower
 from petatrain.security.protection import Protection
 from petatrain.storage import StorageOptions, join
@@ -61,7 +62,6 @@ __all__ = [
     "train",
 ]
 
-Event = dict[str, Any]
 log = logging.getLogger(__name__)
 
 
@@ -294,7 +294,7 @@ def train(
     run_dir: str | None = None,
     address: str = "",
     injections: Sequence[str] = (),
-    on_event: Callable[[Event], None] | None = None,
+    on_event: Callable[[events.Event], None] | None = None,
     stop_after_s: float | None = None,
     options: StorageOptions | None = None,
     resume: bool = False,
@@ -379,7 +379,7 @@ def continuation_dir(fork: Any, config: JobConfig, options: StorageOptions | Non
     makes the continuation (the checkpoint, the dataset version it goes on to, the config), so that
     running it again (an orchestrator's retry) finds the same run: `RUN+vVERSION-DIGEST`."""
     from petatrain.data.index import read_manifest, split_version
-    from petatrain.observe.ledger import prior_run_from, read_events
+    from petatrain.observe.ledger import prior_run_from, typed_events
 
     root, version = split_version(config.data.dataset)
     if version is None:  # the latest version, as the run will pin it
@@ -387,7 +387,7 @@ def continuation_dir(fork: Any, config: JobConfig, options: StorageOptions | Non
         if manifest is None:
             raise ConfigError(f"data.dataset: {root} is not a committed dataset")
         version = manifest.generation
-    prior = prior_run_from(read_events(fork.source, options))
+    prior = prior_run_from(typed_events(fork.source, options))
     pinned = dataclasses.replace(config, data=dataclasses.replace(config.data, dataset=f"{root}@v{version}"))
     digest = _digest({"source": prior.run_id if prior else fork.source, "step": fork.step, "config": pinned.to_dict()})
     parent, _, name = fork.source.rstrip("/").rpartition("/")

@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 
 from petatrain import constants
 from petatrain.errors import PetatrainError
+from petatrain.observe import events as ev
 
 # Where Ray keeps the logs of the processes it starts (a documented link to the newest session).
 RAY_SESSION_LOGS = os.path.join(tempfile.gettempdir(), "ray", "session_latest", "logs")
@@ -224,73 +225,63 @@ class TrainProgress:
         self.write, self.total, self.every = write, total_steps, every
         self.targets = targets  # the run's Prometheus file_sd file, named beside the metrics' URL
         self._seen: set[tuple[int, int]] = set()
-        self._injected: dict[int, dict[str, Any]] = {}  # attempt -> the fault injected in it
+        self._injected: dict[int, ev.FaultInjected] = {}  # attempt -> the fault injected in it
         self._resumed: set[int] = set()
         self._world: dict[int, int] = {}  # attempt -> its worker count
 
-    def __call__(self, event: dict[str, Any]) -> None:
-        kind = event.get("event")
-        handler = getattr(self, f"_on_{kind}", None)
-        if handler is not None:
-            handler(event)
+    def __call__(self, e: ev.Event) -> None:
+        """Show what an event (from `observe.ledger.LedgerFollower`) says, if anything."""
+        if isinstance(e, ev.Step):
+            self._on_step(e)
+        elif isinstance(e, ev.RunStart | ev.RunContinue) and e.metrics:
+            where = f"  (Prometheus file_sd: {self.targets})" if self.targets else ""
+            self.write(f"metrics: {e.metrics}{where}")
+        elif isinstance(e, ev.FaultInjected):
+            self._injected[e.attempt] = e
+        elif isinstance(e, ev.AttemptStart):
+            self._world[e.attempt] = e.world_size
+        elif isinstance(e, ev.Failure):
+            self._on_failure(e)
+        elif isinstance(e, ev.Resume):
+            self._on_resume(e)
+        elif isinstance(e, ev.End) and e.status != "ok":
+            self.write(f"[red]run failed[/red]: {' '.join(e.detail.split())[:200]}")
 
-    def _on_step(self, e: dict[str, Any]) -> None:
-        key = (e.get("attempt", 0), e["step"])
+    def _on_step(self, e: ev.Step) -> None:
+        key = (e.attempt, e.step)
         if key in self._seen:
             return
         self._seen.add(key)
-        step = e["step"]
-        if step % self.every and step != self.total:
+        if e.step % self.every and e.step != self.total:
             return
-        rate = e["tokens"] / e["step_s"] if e.get("tokens") and e.get("step_s") else None
+        rate = e.tokens / e.step_s if e.tokens and e.step_s else None
         speed = f"  {rate:,.0f} tokens/s" if rate else ""
-        self.write(f"step {step:>6}/{self.total}  loss {_fmt(e.get('loss'))}{speed}")
+        self.write(f"step {e.step:>6}/{self.total}  loss {_fmt(e.loss)}{speed}")
 
-    def _on_run_start(self, e: dict[str, Any]) -> None:
-        if e.get("metrics"):
-            where = f"  (Prometheus file_sd: {self.targets})" if self.targets else ""
-            self.write(f"metrics: {e['metrics']}{where}")
-
-    _on_run_continue = _on_run_start
-
-    def _on_fault_injected(self, e: dict[str, Any]) -> None:
-        self._injected[e.get("attempt", 0)] = e
-
-    def _on_attempt_start(self, e: dict[str, Any]) -> None:
-        if isinstance(e.get("world_size"), int):
-            self._world[e.get("attempt", 0)] = e["world_size"]
-
-    def _on_failure(self, e: dict[str, Any]) -> None:
-        attempt = e.get("attempt", 0)
-        if e.get("cause") == "resize":  # not a fault: the cluster grew back
-            detail = str(e.get("detail") or "").rpartition(": ")[2]
+    def _on_failure(self, e: ev.Failure) -> None:
+        if e.cause == "resize":  # not a fault: the cluster grew back
+            detail = e.detail.rpartition(": ")[2]
             self.write(f"[cyan]resize[/cyan]: the cluster has room for more workers again ({detail}); restarting")
             return
-        injected = self._injected.get(attempt)
-        if injected is not None and injected.get("fault") == e.get("cause"):
-            rank = "" if injected.get("rank") is None else f" on rank {injected['rank']}"
-            where = f" at step {injected['step']}" if injected.get("step") is not None else ""
-            self.write(f"[yellow]fault[/yellow] {e['cause']}{rank}{where} (injected); recovering")
+        injected = self._injected.get(e.attempt)
+        if injected is not None and injected.fault == e.cause:
+            rank = "" if injected.rank is None else f" on rank {injected.rank}"
+            where = f" at step {injected.step}" if injected.step is not None else ""
+            self.write(f"[yellow]fault[/yellow] {e.cause}{rank}{where} (injected); recovering")
             return
-        rank = "" if e.get("rank") is None else f" on rank {e['rank']}"
-        detail = " ".join(str(e.get("detail") or "").split())[:160]
-        self.write(f"[yellow]fault[/yellow] {e['cause']}{rank}: {detail}")
+        rank = "" if e.rank is None else f" on rank {e.rank}"
+        detail = " ".join(e.detail.split())[:160]
+        self.write(f"[yellow]fault[/yellow] {e.cause}{rank}: {detail}")
 
-    def _on_resume(self, e: dict[str, Any]) -> None:
-        attempt = e.get("attempt", 0)
+    def _on_resume(self, e: ev.Resume) -> None:
+        attempt = e.attempt
         if attempt == 0 or attempt in self._resumed:
             return
         self._resumed.add(attempt)
-        source = "its latest checkpoint" if e.get("checkpoint") else "the start (no checkpoint yet)"
+        source = "its latest checkpoint" if e.checkpoint else "the start (no checkpoint yet)"
         world = self._world.get(attempt)
         workers = f" on {world} workers" if world is not None and world != self._world.get(attempt - 1) else ""
-        self.write(
-            f"[green]recovered[/green]: attempt {attempt + 1} resumes at step {e['step']}{workers} from {source}"
-        )
-
-    def _on_end(self, e: dict[str, Any]) -> None:
-        if e.get("status") != "ok":
-            self.write(f"[red]run failed[/red]: {' '.join(str(e.get('detail') or '').split())[:200]}")
+        self.write(f"[green]recovered[/green]: attempt {attempt + 1} resumes at step {e.step}{workers} from {source}")
 
 
 class IngestProgress:

@@ -21,7 +21,8 @@ install() {
     "$VENV/bin/pip" install -q "apache-airflow==$VERSION"
   fi
   # petatrain.airflow (the standard library and Airflow only), from this checkout
-  if ! "$VENV/bin/python" -c "import petatrain.airflow as a, sys; sys.exit(a.__file__ != '$ROOT/src/petatrain/airflow.py')" 2>/dev/null; then
+  # (without the caller's PYTHONPATH: the tasks run without it, from what is installed)
+  if ! env -u PYTHONPATH "$VENV/bin/python" -c "import petatrain.airflow as a, sys; sys.exit(a.__file__ != '$ROOT/src/petatrain/airflow.py')" 2>/dev/null; then
     "$VENV/bin/pip" install -q --no-deps -e "$ROOT"
   fi
 }

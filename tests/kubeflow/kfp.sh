@@ -19,7 +19,8 @@ install() {
     "$VENV/bin/pip" install -q "kfp==$VERSION"
   fi
   # petatrain.kubeflow (the standard library and kfp only), from this checkout
-  if ! "$VENV/bin/python" -c "import petatrain.kubeflow as k, sys; sys.exit(k.__file__ != '$ROOT/src/petatrain/kubeflow.py')" 2>/dev/null; then
+  # (without the caller's PYTHONPATH: the steps run without it, from what is installed)
+  if ! env -u PYTHONPATH "$VENV/bin/python" -c "import petatrain.kubeflow as k, sys; sys.exit(k.__file__ != '$ROOT/src/petatrain/kubeflow.py')" 2>/dev/null; then
     "$VENV/bin/pip" install -q --no-deps -e "$ROOT"
   fi
   echo "$VENV/bin/python"

@@ -6,7 +6,7 @@ import dataclasses
 import os
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
@@ -27,6 +27,7 @@ from petatrain.cli.common import (
     show,
     verb,
 )
+from petatrain.observe import events
 
 
 @verb(ray_log="petatrain-driver.log")
@@ -136,8 +137,8 @@ def run_training(
     progress = quiet.TrainProgress(say, total_steps=cfg.train.steps, targets=targets)
     log_path = api.driver_log_path(run_dir, cfg.storage.options())
 
-    def on_event(event: dict[str, Any]) -> None:
-        if logs and log_path and event.get("event") in ("run_start", "run_continue"):  # the run holds its folder
+    def on_event(event: events.Event) -> None:
+        if logs and log_path and isinstance(event, events.RunStart | events.RunContinue):  # the run holds its folder
             logs.attach(log_path)
         if not as_json:
             progress(event)

@@ -2,17 +2,21 @@
 
 Every event is written through `record(kind, fields)`, which builds its class (a field the
 class does not have, or one it needs and is not given, is a bug and raises `TypeError`), and
-read back through `parse`. A line carries `t` (unix seconds, from the process that saw it),
-`event` (the kind) and `v` (`SCHEMA_VERSION`; ledgers written before the version have none
-and read as version 1). A reader of a ledger written by a newer petatrain refuses it.
+read back through `parse` (one line, strictly) or `read` (a whole ledger, as its readers take it).
+A line carries `t` (unix seconds, from the process that saw it), `event` (the kind) and `v`
+(`SCHEMA_VERSION`; ledgers written before the version have none and read as version 1). A reader
+of a ledger written by a newer petatrain refuses it.
 
-`goodput.py`, the report and the Prometheus metrics read these fields.
+The readers (`goodput.py`, the report, the Prometheus metrics, the console, lineage, MLflow,
+a search's trials) take the classes, never the raw lines.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -248,6 +252,17 @@ class Mlflow(Event):
     detail: str = ""
 
 
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Unreadable(Event):
+    """A ledger line with a time that is no event of this schema: a kind this petatrain does not
+    know, or a field missing or of the wrong type. Made by `read`, never written: it says the run
+    was alive at `t`, and nothing else."""
+
+    kind: ClassVar[str] = "unreadable"
+    event: str  # the line's kind, as written
+    reason: str
+
+
 KINDS: dict[str, type[Event]] = {
     cls.kind: cls
     for cls in (
@@ -300,3 +315,107 @@ def parse(line: dict[str, Any]) -> Event:
         return cls(**{k: v for k, v in line.items() if k in names})
     except TypeError as exc:
         raise ValueError(f"{cls.kind} event: {exc}") from None
+
+
+def read(lines: Iterable[Any]) -> list[Event]:
+    """The typed events of a ledger's lines, in order, as a report reads a run that crashed,
+    is in progress or was written by hand: a line without a time is left out; one whose kind
+    is unknown, or whose field is missing or of the wrong type, becomes `Unreadable` (a field
+    that has a default takes it instead, and one that may be None is None). A number is taken
+    for a float field and a whole float for an int one; NaN is no number. A newer schema
+    version raises ValueError."""
+    out: list[Event] = []
+    for line in lines:
+        if not isinstance(line, dict):
+            continue
+        t = _number(line.get("t"))
+        if t is None:
+            continue
+        version = line.get("v", 1)
+        if not isinstance(version, int) or version > SCHEMA_VERSION:
+            raise ValueError(f"event schema version {version!r}; this petatrain reads up to {SCHEMA_VERSION}")
+        kind = str(line.get("event"))
+        cls = KINDS.get(kind)
+        if cls is None:
+            out.append(Unreadable(t=t, event=kind, reason="unknown kind"))
+            continue
+        fields: dict[str, Any] = {"t": t}
+        for name, (check, default) in _readers(cls).items():
+            value = check(line.get(name, _MISSING))
+            if value is _MISSING:
+                value = default
+            if value is _MISSING:
+                break
+            fields[name] = value
+        else:
+            out.append(cls(**fields))
+            continue
+        out.append(Unreadable(t=t, event=kind, reason=f"{name}: {line.get(name, 'missing')!r}"))
+    return out
+
+
+def as_events(items: Iterable[Event | dict[str, Any]]) -> list[Event]:
+    """Events as their classes, in order: ledger lines among them are read through `read`."""
+    out: list[Event] = []
+    lines: list[dict[str, Any]] = []
+    for item in items:
+        if isinstance(item, Event):
+            out += [*read(lines), item]
+            lines = []
+        else:
+            lines.append(item)
+    return out + read(lines)
+
+
+_MISSING: Any = object()
+_READERS: dict[type[Event], dict[str, tuple[Callable[[Any], Any], Any]]] = {}
+
+
+def _readers(cls: type[Event]) -> dict[str, tuple[Callable[[Any], Any], Any]]:
+    """Per field but `t`: what checks a value (returns it, converted, or _MISSING) and its default."""
+    if cls not in _READERS:
+        table = {}
+        for f in dataclasses.fields(cls):
+            if f.name == "t":
+                continue
+            default = f.default if f.default is not dataclasses.MISSING else _MISSING
+            if f.default_factory is not dataclasses.MISSING:
+                default = f.default_factory()
+            table[f.name] = (_check(str(f.type)), default)
+        _READERS[cls] = table
+    return _READERS[cls]
+
+
+def _check(annotation: str) -> Callable[[Any], Any]:
+    optional = annotation.endswith(" | None")
+    base = annotation.removesuffix(" | None").split("[")[0]
+    convert: Callable[[Any], Any] = {
+        "float": _number,
+        "int": _whole,
+        "str": lambda v: v if isinstance(v, str) else None,
+        "bool": lambda v: v if isinstance(v, bool) else None,
+        "list": lambda v: v if isinstance(v, list) else None,
+        "dict": lambda v: v if isinstance(v, dict) else None,
+    }.get(base, lambda v: v)
+
+    def check(value: Any) -> Any:
+        if value is _MISSING or value is None:
+            return None if optional else _MISSING
+        converted = convert(value)
+        if converted is None:
+            return None if optional else _MISSING
+        return converted
+
+    return check
+
+
+def _number(value: Any) -> float | None:
+    if type(value) is int:  # not isinstance: a bool is not a number here
+        return float(value)
+    return value if type(value) is float and not math.isnan(value) else None
+
+
+def _whole(value: Any) -> int | None:
+    if type(value) is int:
+        return value
+    return int(value) if type(value) is float and value.is_integer() else None

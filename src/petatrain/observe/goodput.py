@@ -1,8 +1,8 @@
 """Goodput accounting: where a run's wall time went, computed from its event ledger.
 
-`account(events)` is a pure function of the events `ledger.read_events` returns. The
-wall time (run_start to end, or to the last event while a run is in progress) is split
-into parts that do not overlap:
+`account(events)` is a pure function of a run's events (`observe.events` classes, or the
+ledger's lines, which it reads through `events.read`). The wall time (run_start to end, or
+to the last event while a run is in progress) is split into parts that do not overlap:
 
     productive        step time of the steps kept in the final model, data wait excluded
     data_wait         data wait of the kept steps
@@ -22,8 +22,12 @@ occurrence was lost to a fault and is recomputed time. goodput = productive / wa
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from petatrain.observe import events as ev
+from petatrain.observe.events import Event
 
 # report.json stays small for long runs: the loss curve is thinned to this many points.
 MAX_CURVE_POINTS = 5000
@@ -204,35 +208,37 @@ class _Occurrence:
     tokens: int
 
 
-def account(events: list[dict[str, Any]]) -> Goodput:
+def account(events: Iterable[Event | dict[str, Any]]) -> Goodput:
     """Split a run's wall time into goodput and its losses; see the module docstring.
 
     Robust to what a ledger of a crashed or running run looks like: missing run_start
     (the first event starts the clock), missing end (the last event stops it), events
-    without an attempt number (they belong to the attempt in progress), missing fields.
+    without an attempt number (they belong to the attempt in progress), lines that are no
+    event of the schema (they only mark the time: `events.read`).
     """
-    events = [e for e in events if isinstance(e, dict) and as_number(e.get("t")) is not None]
+    events = ev.as_events(events)
     g = Goodput()
     if not events:
         g.note = "no events"
         return g
 
-    start_event = next((e for e in events if e.get("event") == "run_start"), None)
+    start_event = next((e for e in events if isinstance(e, ev.RunStart)), None)
     # A run continued by a later driver (`train --resume`) counts to that driver's end and target.
-    begun = [i for i, e in enumerate(events) if e.get("event") in ("run_start", "run_continue")]
+    begun = [i for i, e in enumerate(events) if isinstance(e, ev.RunStart | ev.RunContinue)]
     latest = events[begun[-1]] if begun else None
     end_event = next(
-        (e for i, e in reversed(list(enumerate(events))) if e.get("event") == "end" and i > (begun or [-1])[-1]), None
+        (e for i, e in reversed(list(enumerate(events))) if isinstance(e, ev.End) and i > (begun or [-1])[-1]), None
     )
-    t0 = _t(start_event) if start_event else min(_t(e) for e in events)
-    t_end = _t(end_event) if end_event else max(_t(e) for e in events)
+    t0 = start_event.t if start_event else min(e.t for e in events)
+    t_end = end_event.t if end_event else max(e.t for e in events)
     g.wall_s = max(t_end - t0, 0.0)
     if start_event:
-        g.run_id = start_event.get("run_id")
-    if latest:
-        g.steps_target = _int(latest.get("steps"))
+        g.run_id = start_event.run_id or None
+    if isinstance(latest, ev.RunStart | ev.RunContinue):
+        g.steps_target = latest.steps
     if end_event:
-        g.status = str(end_event.get("status") or "failed")
+        g.status = end_event.status or "failed"
+    unreadable = sum(isinstance(e, ev.Unreadable) for e in events)
 
     attempts = _attempt_numbers(events)
     g.attempts = len({a for a, _ in attempts})
@@ -240,19 +246,18 @@ def account(events: list[dict[str, Any]]) -> Goodput:
     # Steps: the last occurrence of each step number is kept, earlier ones were redone.
     occurrences = []
     for i, (e, (attempt, _)) in enumerate(zip(events, attempts, strict=True)):
-        step = _int(e.get("step"))
-        if e.get("event") != "step" or step is None:
+        if not isinstance(e, ev.Step):
             continue
         occurrences.append(
             _Occurrence(
                 index=i,
-                t=_t(e),
+                t=e.t,
                 attempt=attempt,
-                step=step,
-                step_s=max(as_number(e.get("step_s")) or 0.0, 0.0),
-                data_wait_s=max(as_number(e.get("data_wait_s")) or 0.0, 0.0),
-                loss=as_number(e.get("loss")),
-                tokens=_int(e.get("tokens")) or 0,
+                step=e.step,
+                step_s=max(e.step_s, 0.0),
+                data_wait_s=max(e.data_wait_s, 0.0),
+                loss=e.loss,
+                tokens=e.tokens,
             )
         )
     last_of_step = {o.step: o.index for o in occurrences}
@@ -290,75 +295,81 @@ def account(events: list[dict[str, Any]]) -> Goodput:
         )
     elif g.status == "running":
         g.note = "no end event: the run is in progress or its driver died; wall time ends at the last event"
+    if unreadable:
+        unfit = f"{unreadable} ledger line(s) fit no event of this petatrain and only mark the time"
+        g.note = f"{g.note}; {unfit}" if g.note else unfit
     return g
 
 
-def _attempt_numbers(events: list[dict[str, Any]]) -> list[tuple[int, bool]]:
+def attempt_of(event: Event) -> int | None:
+    """The attempt an event names, if its kind has one."""
+    attempt = getattr(event, "attempt", None)
+    return attempt if isinstance(attempt, int) else None
+
+
+def _attempt_numbers(events: Sequence[Event]) -> list[tuple[int, bool]]:
     """(attempt, explicit) for each event; events without one belong to the attempt in progress."""
     current = 0
     out = []
     for e in events:
-        attempt = _int(e.get("attempt"))
-        if attempt is not None and e.get("event") in ("attempt_start", "restart", "resume", "worker_start"):
+        attempt = attempt_of(e)
+        if attempt is not None and isinstance(e, ev.AttemptStart | ev.Restart | ev.Resume | ev.WorkerStart):
             current = attempt
         out.append((attempt if attempt is not None else current, attempt is not None))
     return out
 
 
 def _checkpoints(
-    events: list[dict[str, Any]], attempts: list[tuple[int, bool]], t0: float
+    events: Sequence[Event], attempts: list[tuple[int, bool]], t0: float
 ) -> tuple[list[CheckpointRecord], list[dict[str, Any]]]:
     by_key: dict[tuple[int, int], CheckpointRecord] = {}
     skipped = []
     for e, (attempt, _) in zip(events, attempts, strict=True):
-        kind = e.get("event")
-        if kind not in ("checkpoint_snapshot", "checkpoint_staging", "checkpoint_commit", "checkpoint_skipped"):
-            continue
-        step = _int(e.get("step"))
-        if kind == "checkpoint_snapshot" and step is not None:
+        if isinstance(e, ev.CheckpointSnapshot):
             # After its commit when checkpoints are synchronous (the stall is known only then).
-            record = by_key.setdefault((attempt, step), CheckpointRecord(step=step, attempt=attempt, t_s=0, stall_s=0))
-            record.t_s = _t(e) - t0
-            record.stall_s = max(as_number(e.get("stall_s")) or 0.0, 0.0)
-        elif kind == "checkpoint_staging" and step is not None and (attempt, step) in by_key:
+            blank = CheckpointRecord(step=e.step, attempt=attempt, t_s=0, stall_s=0)
+            record = by_key.setdefault((attempt, e.step), blank)
+            record.t_s = e.t - t0
+            record.stall_s = max(e.stall_s, 0.0)
+        elif isinstance(e, ev.CheckpointStaging) and (attempt, e.step) in by_key:
             # The next step waited for the write to read a live snapshot: stall, not training.
-            by_key[(attempt, step)].stall_s += max(as_number(e.get("wait_s")) or 0.0, 0.0)
-        elif kind == "checkpoint_commit" and step is not None:
+            by_key[(attempt, e.step)].stall_s += max(e.wait_s, 0.0)
+        elif isinstance(e, ev.CheckpointCommit):
             # A commit whose snapshot line was lost is still a checkpoint.
             committed = by_key.setdefault(
-                (attempt, step), CheckpointRecord(step=step, attempt=attempt, t_s=_t(e) - t0, stall_s=0.0)
+                (attempt, e.step), CheckpointRecord(step=e.step, attempt=attempt, t_s=e.t - t0, stall_s=0.0)
             )
             committed.committed = True
-            committed.write_s = as_number(e.get("write_s"))
-            committed.bytes = _int(e.get("bytes"))
-            committed.url = e.get("url")
-        elif kind == "checkpoint_skipped":
-            skipped.append({"url": e.get("url"), "reason": e.get("reason"), "t_s": _round(_t(e) - t0)})
+            committed.write_s = e.write_s
+            committed.bytes = e.bytes
+            committed.url = e.url
+        elif isinstance(e, ev.CheckpointSkipped):
+            skipped.append({"url": e.url, "reason": e.reason, "t_s": _round(e.t - t0)})
     return list(by_key.values()), skipped
 
 
-def _pipeline(events: list[dict[str, Any]]) -> dict[str, Any] | None:
+def _pipeline(events: Sequence[Event]) -> dict[str, Any] | None:
     """Per pipeline rank (one per stage position): compute and wall time summed over its steady reports,
     the idle share of its steps (the bubble, with the waits for its neighbours), its memory (state and
     peak activations, the most any window saw), and the layer profile's predictions beside them."""
     rows: dict[int, dict[str, Any]] = {}
     shape: dict[str, Any] = {}
-    reports = [e for e in events if e.get("event") == "pipeline_stage" and _int(e.get("rank")) is not None]
+    reports = [e for e in events if isinstance(e, ev.PipelineStage)]
     # An attempt's first window holds its set-up (shape inference, first allocations): left out when
     # later windows exist, so the table shows the steady state the prediction is for.
-    steady = [e for e in reports if not e.get("warm_up")]
+    steady = [e for e in reports if not e.warm_up]
     for e in steady or reports:
-        row = rows.setdefault(int(e["rank"]), {"busy_s": 0.0, "wall_s": 0.0, "steps": 0, "predicted_busy_s": 0.0})
-        row.update(parts=e.get("parts"), units=e.get("units"), param_bytes=_int(e.get("param_bytes")))
-        row["busy_s"] += as_number(e.get("busy_s")) or 0.0
-        row["wall_s"] += as_number(e.get("wall_s")) or 0.0
-        row["steps"] += _int(e.get("steps")) or 0
-        predicted = as_number(e.get("predicted_busy_s"))
+        row = rows.setdefault(e.rank, {"busy_s": 0.0, "wall_s": 0.0, "steps": 0, "predicted_busy_s": 0.0})
+        row.update(parts=e.parts, units=e.units, param_bytes=e.param_bytes)
+        row["busy_s"] += e.busy_s
+        row["wall_s"] += e.wall_s
+        row["steps"] += e.steps
+        predicted = e.predicted_busy_s
         row["predicted_busy_s"] = (
             None if predicted is None or row["predicted_busy_s"] is None else row["predicted_busy_s"] + predicted
         )
         _memory(row, e)
-        shape = {k: e.get(k) for k in ("schedule", "stages", "microbatches", "chunks", "bubble_theory")}
+        shape = {k: getattr(e, k) for k in ("schedule", "stages", "microbatches", "chunks", "bubble_theory")}
     if not rows:
         return None
     out = []
@@ -376,13 +387,16 @@ def _pipeline(events: list[dict[str, Any]]) -> dict[str, Any] | None:
     return {**shape, "bubble_measured": _round(sum(idles) / len(idles)) if idles else None, "stages_measured": out}
 
 
-def _memory(row: dict[str, Any], e: dict[str, Any]) -> None:
+def _memory(row: dict[str, Any], e: ev.PipelineStage) -> None:
     """A report's memory into its rank's row: the largest measured, the last prediction."""
-    for key in ("state_bytes", "activation_bytes", "device_peak_bytes"):
-        value = _int(e.get(key))
+    for key, value in (
+        ("state_bytes", e.state_bytes),
+        ("activation_bytes", e.activation_bytes),
+        ("device_peak_bytes", e.device_peak_bytes),
+    ):
         if value is not None:
             row[key] = max(row.get(key) or 0, value)
-    state, activations = _int(e.get("predicted_state_bytes")), _int(e.get("predicted_activation_bytes"))
+    state, activations = e.predicted_state_bytes, e.predicted_activation_bytes
     if row.get("activation_bytes") is not None and row.get("state_bytes") is not None:
         row["memory_bytes"] = row["state_bytes"] + row["activation_bytes"]
     if state is not None and activations is not None:
@@ -390,14 +404,11 @@ def _memory(row: dict[str, Any], e: dict[str, Any]) -> None:
         row["predicted_memory_bytes"] = state + activations
 
 
-def _evals(events: list[dict[str, Any]], attempts: list[tuple[int, bool]], t0: float) -> list[dict[str, Any]]:
+def _evals(events: Sequence[Event], attempts: list[tuple[int, bool]], t0: float) -> list[dict[str, Any]]:
     latest: dict[int, dict[str, Any]] = {}
     for e, (attempt, _) in zip(events, attempts, strict=True):
-        if e.get("event") != "eval":
-            continue
-        step, loss = _int(e.get("step")), as_number(e.get("loss"))
-        if step is not None and loss is not None:
-            latest[step] = {"step": step, "loss": loss, "attempt": attempt, "t_s": _round(_t(e) - t0)}
+        if isinstance(e, ev.Eval):
+            latest[e.step] = {"step": e.step, "loss": e.loss, "attempt": attempt, "t_s": _round(e.t - t0)}
     return [latest[s] for s in sorted(latest)]
 
 
@@ -406,33 +417,31 @@ class _Marks:
     """Per attempt, in ledger order: injections, progress marks (steps, snapshots), the first
     resume, the drain before a failure; and the failures themselves."""
 
-    injections: dict[int, list[tuple[int, dict[str, Any]]]] = field(default_factory=dict)
+    injections: dict[int, list[tuple[int, ev.FaultInjected]]] = field(default_factory=dict)
     progress: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
-    resumes: dict[int, dict[str, Any]] = field(default_factory=dict)
+    resumes: dict[int, ev.Resume] = field(default_factory=dict)
     drains: dict[int, float] = field(default_factory=dict)  # when Ray Train's shutdown began waiting for rank 0
-    failures: list[tuple[int, dict[str, Any], int]] = field(default_factory=list)  # (index, event, attempt)
+    failures: list[tuple[int, ev.Failure, int]] = field(default_factory=list)  # (index, event, attempt)
     steps_of: dict[int, list[_Occurrence]] = field(default_factory=dict)
 
-    def failed_at(self, failure: dict[str, Any], attempt: int) -> float:
+    def failed_at(self, failure: ev.Failure, attempt: int) -> float:
         """The failure event's time, or the start of the drain before it: the failure was decided
         then, and letting rank 0 finish its checkpoint write is part of the recovery."""
-        t = _t(failure)
-        return min(t, self.drains[attempt]) if attempt in self.drains else t
+        return min(failure.t, self.drains[attempt]) if attempt in self.drains else failure.t
 
 
-def _marks(events: list[dict[str, Any]], attempts: list[tuple[int, bool]], occurrences: list[_Occurrence]) -> _Marks:
+def _marks(events: Sequence[Event], attempts: list[tuple[int, bool]], occurrences: list[_Occurrence]) -> _Marks:
     m = _Marks()
     for i, (e, (attempt, _)) in enumerate(zip(events, attempts, strict=True)):
-        kind = e.get("event")
-        if kind == "fault_injected":
+        if isinstance(e, ev.FaultInjected):
             m.injections.setdefault(attempt, []).append((i, e))
-        elif kind in ("step", "checkpoint_snapshot"):
-            m.progress.setdefault(attempt, []).append((i, _t(e)))
-        elif kind == "resume":
+        elif isinstance(e, ev.Step | ev.CheckpointSnapshot):
+            m.progress.setdefault(attempt, []).append((i, e.t))
+        elif isinstance(e, ev.Resume):
             m.resumes.setdefault(attempt, e)
-        elif kind == "checkpoint_drain":
-            m.drains[attempt] = _t(e) - (as_number(e.get("waited_s")) or 0.0)
-        elif kind == "failure":
+        elif isinstance(e, ev.CheckpointDrain):
+            m.drains[attempt] = e.t - e.waited_s
+        elif isinstance(e, ev.Failure):
             m.failures.append((i, e, attempt))
     for o in occurrences:
         m.steps_of.setdefault(o.attempt, []).append(o)
@@ -447,10 +456,10 @@ def _detect_starts(m: _Marks, t0: float) -> list[float | None]:
     previous_failure_t = t0
     for i, failure, attempt in m.failures:
         t_fail = m.failed_at(failure, attempt)
-        injected = [e for j, e in m.injections.get(attempt, []) if j < i and _t(e) <= t_fail]
+        injected = [e for j, e in m.injections.get(attempt, []) if j < i and e.t <= t_fail]
         marks = [t for j, t in m.progress.get(attempt, []) if j < i and t <= t_fail]
         last_step_t = max((o.t for o in m.steps_of.get(attempt, []) if o.index < i), default=None)
-        fault_t = _t(injected[-1]) if injected else last_step_t
+        fault_t = injected[-1].t if injected else last_step_t
         if fault_t is None:
             detect_start.append(None)
         else:
@@ -460,7 +469,7 @@ def _detect_starts(m: _Marks, t0: float) -> list[float | None]:
 
 
 def _faults(
-    events: list[dict[str, Any]],
+    events: Sequence[Event],
     attempts: list[tuple[int, bool]],
     occurrences: list[_Occurrence],
     t0: float,
@@ -478,14 +487,14 @@ def _faults(
         t_fail = failed_at(failure, attempt)
         last_reached = max((o.step for o in steps_of.get(attempt, []) if o.index < i), default=None)
         injection = next((e for j, e in reversed(injections.get(attempt, [])) if j < i), None)
-        step = _int(injection.get("step")) if injection else None
+        step = injection.step if injection else None
         if step is None:
             step = last_reached
         elif last_reached is None or step > last_reached:
             last_reached = step  # the injecting rank had finished it; others' events may not have arrived
-        rank = _int(failure.get("rank"))
+        rank = failure.rank
         if rank is None and injection:
-            rank = _int(injection.get("rank"))
+            rank = injection.rank
 
         next_attempt = next((a for a in known_attempts if a > attempt), None)
         next_steps = steps_of.get(next_attempt, []) if next_attempt is not None else []
@@ -507,7 +516,7 @@ def _faults(
         restart_s = max(restart_end - t_fail, 0.0) if restart_end is not None else 0.0
 
         resumed_from = None  # the last step whose result the next attempt started from
-        resume_step = _int(resumes[next_attempt].get("step")) if next_attempt in resumes else None
+        resume_step = resumes[next_attempt].step if next_attempt in resumes else None
         if first is not None:
             resumed_from = first.step - 1
         elif resume_step is not None:
@@ -518,7 +527,7 @@ def _faults(
 
         rows.append(
             FaultRecord(
-                cause=str(failure.get("cause") or "unknown"),
+                cause=failure.cause or "unknown",
                 rank=rank,
                 attempt=attempt,
                 step=step,
@@ -527,42 +536,22 @@ def _faults(
                 recovered_after_s=(first.t - t_fail) if first is not None else None,
                 restart_s=restart_s,
                 steps_lost=steps_lost,
-                detail=str(failure.get("detail") or ""),
+                detail=failure.detail,
             )
         )
     return rows
 
 
-def _t(event: dict[str, Any]) -> float:
-    """An event's time; `account` keeps only events that have one."""
-    return as_number(event.get("t")) or 0.0
-
-
-def as_number(value: Any) -> float | None:
-    """A JSON value as a float; None for anything else (missing, text, bool, NaN)."""
-    kind = type(value)  # not isinstance: a bool is not a number here; called once or more per event
-    if kind is float:
-        return value if value == value else None  # NaN is "missing", not a number to add up
-    return float(value) if kind is int else None
-
-
-def _int(value: Any) -> int | None:
-    number = as_number(value)
-    return int(number) if number is not None else None
-
-
-def _startup(
-    events: list[dict[str, Any]], occurrences: list[_Occurrence], faults: list[FaultRecord], t0: float
-) -> float:
+def _startup(events: Sequence[Event], occurrences: list[_Occurrence], faults: list[FaultRecord], t0: float) -> float:
     """Each driver's start-up: its start (run_start, run_continue) to the start of the first step
     after it, less what a failure's restart interval already counts (a driver lost and continued)."""
     begun = sorted((o.t - o.step_s, o.t) for o in occurrences)
     restarts = [(t0 + f.t_s, t0 + f.t_s + f.restart_s) for f in faults]
     total = 0.0
     for e in events:
-        if e.get("event") not in ("run_start", "run_continue"):
+        if not isinstance(e, ev.RunStart | ev.RunContinue):
             continue
-        start = _t(e)
+        start = e.t
         first = next((b for b, _ in begun if b >= start), None)
         if first is None:
             continue

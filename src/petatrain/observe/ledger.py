@@ -14,7 +14,7 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -98,15 +98,15 @@ def read_events(run_url: str, options: StorageOptions | None = None) -> list[dic
 
 
 class LedgerFollower:
-    """Reads the run's `events.jsonl` as it grows (a thread) and hands each new event to
-    `on_event`, from this driver's `run_start` (or `run_continue`) on: what was in the ledger
+    """Reads the run's `events.jsonl` as it grows (a thread) and hands each new event, as its
+    class (`events.read`), to `on_event`, from this driver's `run_start` (or `run_continue`) on: what was in the ledger
     before (an earlier driver of the run) is skipped, and so is what a driver that still holds the folder writes before
     this one is refused.
 
     A local ledger is read from where the last read ended, every half second. One on an object
     store is uploaded whole by the hub every few seconds, so it is read whole as often."""
 
-    def __init__(self, run_url: str, options: StorageOptions | None, on_event: Callable[[dict[str, Any]], None]):
+    def __init__(self, run_url: str, options: StorageOptions | None, on_event: Callable[[events.Event], None]):
         self.run_url, self.options, self.on_event = run_url, options, on_event
         self._path = resolve(join(run_url, EVENTS_FILE), options)[1] if is_local(run_url) else None
         self.every_s = 0.5 if self._path else 5.0
@@ -146,8 +146,8 @@ class LedgerFollower:
 
     def _poll(self) -> None:
         try:
-            for event in self._new_events():
-                self._started = self._started or event.get("event") in ("run_start", "run_continue")
+            for event in events.read(self._new_events()):
+                self._started = self._started or isinstance(event, events.RunStart | events.RunContinue)
                 if self._started:
                     self.on_event(event)
         except Exception:  # progress is best effort; the run's outcome does not depend on it
@@ -174,7 +174,7 @@ class PriorRun:
     step: int  # the step the run last reached
     ended: str  # "" when the last driver stopped without an end event; else the end's status (ok | failed)
     fired: list[str]  # injected faults that fired already (none fires again)
-    failures: list[dict[str, Any]]  # the failure events so far
+    failures: list[events.Failure]  # the failure events so far
     placement_groups: list[str]  # of its attempts (worker_start events): a dead driver's stay reserved
     # A run started by `train --continue`: the step of the checkpoint it continued from, whose loader
     # position each recovery carries onto the run's dataset version again (until a checkpoint of its own).
@@ -186,45 +186,58 @@ class PriorRun:
         return f"run {self.run_id} ({how} at step {self.step}, {self.next_attempt} attempt(s))"
 
 
-def load_events(run_url: str, options: StorageOptions | None = None) -> list[dict[str, Any]]:
-    """The run's events; a missing run, ledger or an empty ledger is an error saying which."""
+def typed_events(run_url: str, options: StorageOptions | None = None) -> list[events.Event]:
+    """All events of a run as their classes (`events.read`: a torn or foreign line only marks
+    its time); a ledger written by a newer petatrain is an error."""
+    try:
+        return events.read(read_events(run_url, options))
+    except ValueError as exc:
+        raise PetatrainError(f"{join(run_url, EVENTS_FILE)}: {exc}") from None
+
+
+def load_events(run_url: str, options: StorageOptions | None = None) -> list[events.Event]:
+    """The run's events as their classes; a missing run, ledger or an empty ledger is an error saying which."""
     ledger = join(run_url, EVENTS_FILE)
     if not exists(ledger, options):
         if not exists(run_url, options):
             raise PetatrainError(f"run not found: {run_url}")
         raise PetatrainError(f"{run_url} has no {EVENTS_FILE}: not a petatrain run, or it has not started")
-    events = read_events(run_url, options)
-    if not events:
+    found = typed_events(run_url, options)
+    if not found:
         raise PetatrainError(f"{ledger} holds no readable events")
-    return events
+    return found
 
 
-def prior_run_from(events: list[dict[str, Any]]) -> PriorRun | None:
+def prior_run_from(found: Iterable[events.Event | dict[str, Any]]) -> PriorRun | None:
     """The run a ledger's events hold; None when it never started."""
-    start = next((e for e in events if e.get("event") == "run_start"), None)
+    typed = events.as_events(found)
+    start = next((e for e in typed if isinstance(e, events.RunStart)), None)
     if start is None:
         return None
-    attempts = [int(e["attempt"]) for e in events if isinstance(e.get("attempt"), int)]
-    steps = [int(e["step"]) for e in events if e.get("event") == "step" and isinstance(e.get("step"), int)]
-    end, config = None, start.get("config") or {}
-    for e in events:
-        if e.get("event") == "end":
+    attempts = [a for e in typed if isinstance(a := getattr(e, "attempt", None), int)]
+    steps = [e.step for e in typed if isinstance(e, events.Step)]
+    end: events.End | None = None
+    config = start.config
+    for e in typed:
+        if isinstance(e, events.End):
             end = e
-        elif e.get("event") in ("run_continue", "attempt_start"):
+        elif isinstance(e, events.RunContinue | events.AttemptStart):
             end = None  # an end before a later driver's start belongs to an earlier driver
-        if e.get("event") == "run_continue" and isinstance(e.get("config"), dict):
-            config = e["config"]  # a branch went on with other hyperparameters
+        if isinstance(e, events.RunContinue) and e.config is not None:
+            config = e.config  # a branch went on with other hyperparameters
     return PriorRun(
-        run_id=str(start.get("run_id") or ""),
+        run_id=start.run_id,
         config=config,
         next_attempt=max(attempts, default=-1) + 1,
         step=steps[-1] if steps else 0,  # a branch may have gone back to an earlier step
-        ended=str(end.get("status") or "failed") if end else "",
-        fired=sorted({str(e["key"]) for e in events if e.get("event") == "fault_injected" and e.get("key")}),
-        failures=[e for e in events if e.get("event") == "failure"],
-        placement_groups=sorted({str(e["placement_group"]) for e in events if e.get("placement_group")}),
-        carry_step=_carry_step(start.get("source")),
-        source=start.get("source") if isinstance(start.get("source"), dict) else None,
+        ended=(end.status or "failed") if end else "",
+        fired=sorted({e.key for e in typed if isinstance(e, events.FaultInjected) and e.key}),
+        failures=[e for e in typed if isinstance(e, events.Failure)],
+        placement_groups=sorted(
+            {e.placement_group for e in typed if isinstance(e, events.WorkerStart) and e.placement_group}
+        ),
+        carry_step=_carry_step(start.source),
+        source=start.source,
     )
 
 

@@ -11,9 +11,11 @@ after n samples of a pass of L holding R replays, floor(n·R/L) were replays.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from petatrain.observe.events import Eval, Event, RunStart
 from petatrain.storage import StorageOptions
 from petatrain.storage.fs import exists, is_local, join
 
@@ -52,28 +54,28 @@ class Link:
         return asdict(self)
 
 
-def link(run_url: str, events: list[dict[str, Any]]) -> Link:
-    """The lineage record of one run, from its ledger."""
+def link(run_url: str, events: Sequence[Event]) -> Link:
+    """The lineage record of one run, from its ledger's events."""
     from petatrain.data.index import split_version
     from petatrain.observe.ledger import prior_run_from
 
-    start = next(e for e in events if e.get("event") == "run_start")
+    start = next(e for e in events if isinstance(e, RunStart))
     prior = prior_run_from(events)
-    config = prior.config if prior is not None else (start.get("config") or {})
+    config = prior.config if prior is not None else start.config
     data, train, model = (config.get(k) or {} for k in ("data", "train", "model"))
     dataset, version = split_version(str(data.get("dataset") or ""))
-    source = start.get("source") if isinstance(start.get("source"), dict) else None
+    source = start.source
     carry = source.get("carry") if source else None
     label = str(source.get("from")) if source else None
     how = "start" if label is None else "continue" if carry else "exploit" if label.startswith("trial ") else "from"
     start_step = int(source.get("step") or 0) if source else 0
     step = prior.step if prior is not None else start_step
     samples = max(0, step - start_step) * int(train.get("global_batch") or 0)
-    evals = [e for e in events if e.get("event") == "eval" and isinstance(e.get("loss"), int | float)]
+    evals = [e for e in events if isinstance(e, Eval)]
     status = (prior.ended or "interrupted") if prior is not None else "interrupted"
     return Link(
         run=run_url,
-        run_id=str(start.get("run_id") or ""),
+        run_id=start.run_id,
         status=status,
         how=how,
         source=label,
@@ -81,7 +83,7 @@ def link(run_url: str, events: list[dict[str, Any]]) -> Link:
         step=step,
         samples=samples,
         tokens=samples * int(model.get("seq_len") or 0),
-        eval_loss=float(evals[-1]["loss"]) if evals else None,
+        eval_loss=evals[-1].loss if evals else None,
         reads=_reads(dataset, version, samples, carry if isinstance(carry, dict) else None),
         replay=float(data.get("replay", 0.0)) if carry else None,
     )
@@ -106,7 +108,7 @@ def _reads(dataset: str, version: int | None, samples: int, carry: dict[str, Any
 def chain(run_url: str, options: StorageOptions | None = None) -> list[dict[str, Any]]:
     """The run and every run it started from, newest first; a source that is gone ends the chain
     with {"run": ..., "missing": true}."""
-    from petatrain.observe.ledger import load_events, read_events
+    from petatrain.observe.ledger import load_events, typed_events
 
     links: list[dict[str, Any]] = []
     url: str | None = run_url
@@ -118,8 +120,8 @@ def chain(run_url: str, options: StorageOptions | None = None) -> list[dict[str,
             if not exists(join(url, "events.jsonl"), options):
                 links.append({"run": url, "missing": True})
                 break
-            events = read_events(url, options)
-        if not any(e.get("event") == "run_start" for e in events):
+            events = typed_events(url, options)
+        if not any(isinstance(e, RunStart) for e in events):
             links.append({"run": url, "missing": True})
             break
         record = link(url, events)
@@ -138,8 +140,8 @@ def _source_run(label: str | None) -> str | None:
     return run if not is_local(run) else run.rstrip("/")
 
 
-def trained_on(events: list[dict[str, Any]], run_url: str) -> list[dict[str, Any]]:
+def trained_on(events: Sequence[Event], run_url: str) -> list[dict[str, Any]]:
     """What a run read, for its report: [{dataset, version, kind, rows}]."""
-    if not any(e.get("event") == "run_start" for e in events):
+    if not any(isinstance(e, RunStart) for e in events):
         return []
     return [asdict(r) for r in link(run_url, events).reads]

@@ -26,7 +26,8 @@ from urllib.parse import urlsplit
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-from petatrain.observe.goodput import as_number as _num
+from petatrain.observe import events as ev
+from petatrain.observe.events import Event
 
 log = logging.getLogger(__name__)
 
@@ -96,51 +97,54 @@ class MetricsServer:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}/metrics"
 
-    def observe(self, event: dict[str, Any]) -> None:
-        """Update the metrics from one ledger event (unknown kinds and missing fields are ignored)."""
-        kind = event.get("event")
+    def observe(self, line: Event | dict[str, Any]) -> None:
+        """Update the metrics from one ledger event, or its line (read as `events.read` reads it:
+        a line that fits no event only marks the time)."""
+        typed = [line] if isinstance(line, Event) else ev.read([line])
         with self._lock:
-            t = _num(event.get("t"))
-            if t is not None:
-                if kind == "run_start" or self._t_start is None:
-                    self._t_start = t if self._t_start is None else min(self._t_start, t)
-                self._t_last = t if self._t_last is None else max(self._t_last, t)
-            attempt = _num(event.get("attempt"))
-            if attempt is not None and kind in ("attempt_start", "restart", "resume"):
-                self.attempt.set(attempt)
-            if kind == "step":
-                self._observe_step(event)
-            elif kind == "checkpoint_snapshot":
-                stall = max(_num(event.get("stall_s")) or 0.0, 0.0)
-                self.checkpoint_stall_seconds.set(stall)
-                self.checkpoint_stall_total.inc(stall)
-            elif kind == "checkpoint_commit":
-                self.checkpoints_total.inc()
-            elif kind == "eval" and (loss := _num(event.get("loss"))) is not None:
-                self.eval_loss.set(loss)
-            elif kind == "failure":
-                self.failures_total.labels(cause=str(event.get("cause") or "unknown")).inc()
-            elif kind == "restart":
-                self.restarts_total.inc()
-            elif kind == "pipeline_stage":
-                self._observe_stage(event)
+            for event in typed:
+                self._observe(event)
             if self._t_start is not None and self._t_last is not None and self._t_last > self._t_start:
                 self.goodput.set(self._productive / (self._t_last - self._t_start))
 
-    def _observe_stage(self, event: dict[str, Any]) -> None:
-        busy, wall = _num(event.get("busy_s")), _num(event.get("wall_s"))
-        if busy is None or wall is None or busy < 0 or wall <= 0:
+    def _observe(self, event: Event) -> None:
+        t = event.t
+        if isinstance(event, ev.RunStart) or self._t_start is None:
+            self._t_start = t if self._t_start is None else min(self._t_start, t)
+        self._t_last = t if self._t_last is None else max(self._t_last, t)
+        if isinstance(event, ev.AttemptStart | ev.Restart | ev.Resume):
+            self.attempt.set(event.attempt)
+        if isinstance(event, ev.Step):
+            self._observe_step(event)
+        elif isinstance(event, ev.CheckpointSnapshot):
+            stall = max(event.stall_s, 0.0)
+            self.checkpoint_stall_seconds.set(stall)
+            self.checkpoint_stall_total.inc(stall)
+        elif isinstance(event, ev.CheckpointCommit):
+            self.checkpoints_total.inc()
+        elif isinstance(event, ev.Eval):
+            self.eval_loss.set(event.loss)
+        elif isinstance(event, ev.Failure):
+            self.failures_total.labels(cause=event.cause or "unknown").inc()
+        elif isinstance(event, ev.Restart):
+            self.restarts_total.inc()
+        elif isinstance(event, ev.PipelineStage):
+            self._observe_stage(event)
+
+    def _observe_stage(self, event: ev.PipelineStage) -> None:
+        busy, wall = event.busy_s, event.wall_s
+        if busy < 0 or wall <= 0:
             return
-        rank = str(event.get("rank"))
+        rank = str(event.rank)
         self.stage_busy_total.labels(rank=rank).inc(busy)
         self.stage_wall_total.labels(rank=rank).inc(wall)
         self.stage_idle.labels(rank=rank).set(max(0.0, 1 - busy / wall))
 
-    def _observe_step(self, event: dict[str, Any]) -> None:
-        step = _num(event.get("step"))
-        step_s = max(_num(event.get("step_s")) or 0.0, 0.0)
-        wait = min(max(_num(event.get("data_wait_s")) or 0.0, 0.0), step_s)
-        tokens = _num(event.get("tokens")) or 0.0
+    def _observe_step(self, event: ev.Step) -> None:
+        step = event.step
+        step_s = max(event.step_s, 0.0)
+        wait = min(max(event.data_wait_s, 0.0), step_s)
+        tokens = event.tokens
         self.steps_total.inc()
         self.step_seconds.set(step_s)
         self.data_wait_seconds.set(wait)
@@ -149,9 +153,9 @@ class MetricsServer:
             self.tokens_total.inc(tokens)
             if step_s > 0:
                 self.tokens_per_second.set(tokens / step_s)
-        if (loss := _num(event.get("loss"))) is not None:
-            self.loss.set(loss)
-        if step is None or step < 0:
+        if event.loss is not None:
+            self.loss.set(event.loss)
+        if step < 0:
             return
         self.step.set(step)
         # A step number seen again replaces its earlier, now lost, occurrence (as in goodput.account).

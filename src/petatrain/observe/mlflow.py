@@ -19,6 +19,7 @@ import tempfile
 from typing import Any
 
 from petatrain.errors import ConfigError, PetatrainError
+from petatrain.observe import events as ev
 from petatrain.storage import StorageOptions, join
 from petatrain.storage.fs import exists, read_bytes
 
@@ -79,21 +80,21 @@ def sync_run(run_url: str, uri: str, experiment: str = "petatrain", options: Sto
     params = [Param(k, v[:_MAX_PARAM]) for k, v in _flat(prior.config).items() if k not in logged]
     metrics = []
     for e in events[done:]:
-        ms = int(float(e.get("t") or 0) * 1000)
-        if e.get("event") == "step" and e.get("loss") is not None:
-            metrics.append(Metric("loss", float(e["loss"]), ms, int(e["step"])))
-            if e.get("lr") is not None:
-                metrics.append(Metric("lr", float(e["lr"]), ms, int(e["step"])))
-            if e.get("tokens") and e.get("step_s"):
-                metrics.append(Metric("tokens_per_s", float(e["tokens"]) / float(e["step_s"]), ms, int(e["step"])))
-        elif e.get("event") == "eval" and e.get("loss") is not None:
-            metrics.append(Metric("eval_loss", float(e["loss"]), ms, int(e["step"])))
+        ms = int(e.t * 1000)
+        if isinstance(e, ev.Step) and e.loss is not None:
+            metrics.append(Metric("loss", e.loss, ms, e.step))
+            if e.lr is not None:
+                metrics.append(Metric("lr", e.lr, ms, e.step))
+            if e.tokens and e.step_s:
+                metrics.append(Metric("tokens_per_s", e.tokens / e.step_s, ms, e.step))
+        elif isinstance(e, ev.Eval):
+            metrics.append(Metric("eval_loss", e.loss, ms, e.step))
     report = join(run_url, "report.json")
-    fresh = any(e.get("event") != "mlflow" for e in events[done:])  # a sync's own record is not news
+    fresh = any(not isinstance(e, ev.Mlflow) for e in events[done:])  # a sync's own record is not news
     if fresh and exists(report, options):
         goodput = json.loads(read_bytes(report, options)).get("goodput")
         if isinstance(goodput, int | float):
-            metrics.append(Metric("goodput", float(goodput), int(events[-1].get("t", 0) * 1000), prior.step))
+            metrics.append(Metric("goodput", float(goodput), int(events[-1].t * 1000), prior.step))
     for i in range(0, max(len(params), len(metrics)), 500):
         mlflow.log_batch(run_id, metrics=metrics[i : i + 500], params=params[i : i + 100] if i == 0 else [])
     if len(params) > 100:

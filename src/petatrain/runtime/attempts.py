@@ -45,8 +45,6 @@ class RayAttempts:
     def emit(self, event: str, **fields: Any) -> dict[str, Any]:
         record = self.hub.call("emit", event, fields)
         self.ended = self.ended or event == "end"
-        if self.job.on_event:
-            self.job.on_event(record)
         return record
 
     def build(self, attempt: int, world: int) -> Any:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +19,6 @@ class TrainJob:
     options: StorageOptions | None = None  # None: the config's `storage` section
     address: str = ""
     injections: list[Injection] = field(default_factory=list)
-    on_event: Callable[[dict[str, Any]], None] | None = None  # progress for the CLI
     local_cpus: int = 0
     stop_after_s: float | None = None  # end the run (checkpointed, final weights) this long after it started
     # Continue the run the run directory holds (a RayJob retry, a lost head pod, a new cluster):

@@ -144,10 +144,10 @@ def _finished(prior: Any, run_url: str) -> RunResult:
     failures = []
     for f in prior.failures:
         try:
-            cause = FailureCause(f.get("cause"))
+            cause = FailureCause(f.cause)
         except ValueError:
             cause = FailureCause.UNKNOWN
-        failures.append(Failure(cause, str(f.get("detail") or ""), f.get("rank")))
+        failures.append(Failure(cause, f.detail, f.rank))
     return RunResult(
         run=run_url, final=join(run_url, "final", "model.safetensors"), steps=prior.step,
         attempts=prior.next_attempt, failures=failures, wall_s=0.0,

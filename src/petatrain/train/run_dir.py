@@ -15,7 +15,7 @@ import contextlib
 import json
 from collections.abc import Iterator
 
-from petatrain.observe.ledger import EVENTS_FILE, PriorRun, prior_run_from, read_events
+from petatrain.observe.ledger import EVENTS_FILE, PriorRun, prior_run_from, typed_events
 from petatrain.storage import StorageOptions, folder, join
 from petatrain.storage.fs import exists, refuse_linked_entries, resolve
 from petatrain.storage.lock import LEASE_FILE, Lease
@@ -95,7 +95,7 @@ def run_id(run_url: str, options: StorageOptions | None = None) -> str:
 def prior_run(run_url: str, options: StorageOptions | None = None) -> PriorRun | None:
     """The run this folder's ledger holds, or None for a new folder (or a run that never started)."""
     try:
-        events = read_events(run_url, options)
+        events = typed_events(run_url, options)
     except FileNotFoundError:
         return None
     return prior_run_from(events)

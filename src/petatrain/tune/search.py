@@ -29,7 +29,8 @@ from typing import Any
 
 from petatrain.config import JobConfig, TuneConfig
 from petatrain.errors import ConfigError, PetatrainError
-from petatrain.observe.ledger import EventLog, read_events
+from petatrain.observe import events as ev
+from petatrain.observe.ledger import EventLog, typed_events
 from petatrain.storage import StorageOptions, join
 from petatrain.storage.fs import atomic_write, exists, is_local, read_bytes, resolve
 from petatrain.tune import credentials
@@ -275,7 +276,7 @@ class _Progress:
 
         def release(trial: Any) -> None:
             events = _events(trial_dir(out, trial.trial_id), credentials.held(out))
-            groups = {str(e["placement_group"]) for e in events if e.get("placement_group")}
+            groups = {e.placement_group for e in events if isinstance(e, ev.WorkerStart) and e.placement_group}
             remove_placement_groups(groups, f"of trial {trial.trial_id}: the trial ended")
 
         class Progress(Callback):
@@ -329,8 +330,8 @@ def _conclude(
             decisions.append({"trial": trial_id, "step": step, "decision": "stopped", "by": settings.scheduler})
             _record_stop(run_url, events, step, settings.scheduler, options)
         for e in events:
-            if e.get("event") == "run_continue" and e.get("source"):
-                source = e["source"]
+            if isinstance(e, ev.RunContinue) and e.source:
+                source = e.source
                 decisions.append(
                     {"trial": trial_id, "step": source["step"], "decision": "exploit", "from": source["from"]}
                 )
@@ -380,12 +381,12 @@ def _conclude(
 
 
 def _outcome(
-    events: list[dict[str, Any]], curve: list[list[Any]], tuned: dict[str, Any], metric: str, steps: int
+    events: list[ev.Event], curve: list[list[Any]], tuned: dict[str, Any], metric: str, steps: int
 ) -> tuple[int | None, Any, bool]:
     """(step, metric value, finished) of a trial: its run's last evaluation and whether the run
     ended ok at its last step, from the run's ledger; what Tune last recorded where the ledger
     has no evaluation (a run that never got to one)."""
-    evals = [int(e["step"]) for e in events if e.get("event") == "eval"]
+    evals = [e.step for e in events if isinstance(e, ev.Eval)]
     if not evals:
         step = int(tuned["step"]) if tuned.get("step") is not None else None
         return step, tuned.get(metric), False
@@ -395,17 +396,18 @@ def _outcome(
     elif tuned.get("step") == step:
         value = tuned.get(metric)
     else:  # train_loss: the loss of the step evaluated, as the trial reported it
-        value = next(
-            (e.get("loss") for e in reversed(events) if e.get("event") == "step" and e.get("step") == step), None
-        )
-    last: dict[str, Any] = next(
-        (e for e in reversed(events) if e.get("event") in ("end", "run_start", "run_continue")), {}
-    )
-    finished = last.get("event") == "end" and last.get("status") == "ok" and last.get("step") == steps
+        value = next((e.loss for e in reversed(events) if isinstance(e, ev.Step) and e.step == step), None)
+    last = _last_driver_event(events)
+    finished = isinstance(last, ev.End) and last.status == "ok" and last.step == steps
     return step, value, finished
 
 
-def _curve(events: list[dict[str, Any]], history: Any, metric: str) -> list[list[Any]]:
+def _last_driver_event(events: list[ev.Event]) -> ev.Event | None:
+    """The run's latest start, continuation or end: whether its last driver ended, and how."""
+    return next((e for e in reversed(events) if isinstance(e, ev.End | ev.RunStart | ev.RunContinue)), None)
+
+
+def _curve(events: list[ev.Event], history: Any, metric: str) -> list[list[Any]]:
     """[step, value] of each evaluation. eval_loss comes from the trial's ledger: every driver of
     its run, a step evaluated again after a fault counted once, and [None, None] where a PBT
     exploit made the run continue from another trial's state (the line breaks there). Tune's
@@ -418,11 +420,11 @@ def _curve(events: list[dict[str, Any]], history: Any, metric: str) -> list[list
     curve: list[list[Any]] = []
     at: dict[int, int] = {}  # step -> its index in the current segment
     for e in events:
-        if e.get("event") == "run_continue" and e.get("source") and curve:
+        if isinstance(e, ev.RunContinue) and e.source and curve:
             curve.append([None, None])
             at = {}
-        elif e.get("event") == "eval":
-            step, point = int(e["step"]), [int(e["step"]), float(e["loss"])]
+        elif isinstance(e, ev.Eval):
+            step, point = e.step, [e.step, e.loss]
             if step in at:
                 curve[at[step]] = point
             else:
@@ -431,17 +433,17 @@ def _curve(events: list[dict[str, Any]], history: Any, metric: str) -> list[list
     return curve
 
 
-def _events(run_url: str, options: StorageOptions | None) -> list[dict[str, Any]]:
+def _events(run_url: str, options: StorageOptions | None) -> list[ev.Event]:
     try:
-        return read_events(run_url, options)
+        return typed_events(run_url, options)
     except FileNotFoundError:
         return []
 
 
-def _record_stop(run_url: str, events: list[dict[str, Any]], step: int | None, by: str, options: Any) -> None:
+def _record_stop(run_url: str, events: list[ev.Event], step: int | None, by: str, options: Any) -> None:
     """The ledger of a trial the scheduler stopped ends saying so (its driver was stopped with it)."""
-    last = next((e for e in reversed(events) if e.get("event") in ("end", "run_start", "run_continue")), None)
-    if last is None or last.get("event") == "end":
+    last = _last_driver_event(events)
+    if last is None or isinstance(last, ev.End):
         return
     ledger = EventLog(run_url, options)
     try:

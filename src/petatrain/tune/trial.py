@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from petatrain.config import JobConfig
+from petatrain.observe import events as ev
 from petatrain.observe.ledger import LedgerFollower
 from petatrain.storage import StorageOptions, join
 from petatrain.train.checkpoint.branch import copy_checkpoint
@@ -133,7 +134,7 @@ class _Reporter:
         self.job, self.setup, self.trial_id, self.scratch = job, setup, trial_id, scratch
         self.entered = entered  # when Tune called the trial: its start-up runs to the first step
         self.startup_s: float | None = None
-        self.events: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self.events: queue.Queue[ev.Event | None] = queue.Queue()
         self.error: BaseException | None = None
         self.loss: float | None = None  # of the newest step
         self.committed: set[int] = set()
@@ -169,24 +170,23 @@ class _Reporter:
             follower.stop()
             self.events.put(None)
 
-    def _take(self, event: dict[str, Any]) -> None:
-        kind = event.get("event")
-        if kind == "step" and self.startup_s is None:
-            self.startup_s = float(event["t"]) - self.entered
-        if kind == "step" and event.get("loss") is not None:
-            self.loss = float(event["loss"])
-        elif kind == "checkpoint_commit":
-            self.committed.add(int(event["step"]))
-            if self.pending is not None and self.pending["step"] == event["step"]:
+    def _take(self, event: ev.Event) -> None:
+        if isinstance(event, ev.Step) and self.startup_s is None:
+            self.startup_s = event.t - self.entered
+        if isinstance(event, ev.Step) and event.loss is not None:
+            self.loss = event.loss
+        elif isinstance(event, ev.CheckpointCommit):
+            self.committed.add(event.step)
+            if self.pending is not None and self.pending["step"] == event.step:
                 self._report(self.pending, checkpoint=True)
                 self.pending = None
-        elif kind == "eval":
+        elif isinstance(event, ev.Eval):
             if self.pending is not None:  # its checkpoint never came (a retention race, a fault)
                 self._report(self.pending, checkpoint=False)
                 self.pending = None
-            step = int(event["step"])
+            step = event.step
             metrics = {
-                "eval_loss": float(event["loss"]),
+                "eval_loss": event.loss,
                 "train_loss": self.loss,
                 "step": step,
                 "startup_s": self.startup_s,  # trial called -> its run's first step done

@@ -10,6 +10,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from petatrain.observe import events
+
 
 class EventSink(Protocol):
     """What the ledger writes to (`observe.ledger.EventLog`)."""
@@ -60,7 +62,7 @@ class Ledger:
         self,
         log: EventSink,
         hold: StepHold | None = None,
-        observers: Sequence[Callable[[dict[str, Any]], None]] = (),
+        observers: Sequence[Callable[[events.Event], None]] = (),
         clock: Callable[[], float] = time.time,
     ):
         self.log, self.hold, self.observers, self.clock = log, hold or StepHold(), tuple(observers), clock
@@ -74,8 +76,9 @@ class Ledger:
         record = self.log.record(event, **fields)
         for ready in self.hold.admit(event, record):
             self.log.write(ready)
-        for observe in self.observers:
-            observe(record)
+        for typed in events.read([record]):  # the observers take its class (one that fits none: its time only)
+            for observe in self.observers:
+                observe(typed)
         if self.clock() - self.last_flush > self.FLUSH_S:
             self.flush()
         return record

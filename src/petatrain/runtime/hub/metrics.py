@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
+
+from petatrain.observe.events import Event
 
 
 class Server(Protocol):
@@ -16,7 +18,7 @@ class Server(Protocol):
     @property
     def last_scrape(self) -> float | None: ...
 
-    def observe(self, event: dict[str, Any]) -> None: ...
+    def observe(self, event: Event) -> None: ...
 
     def wait_for_scrape(self, after: float, timeout_s: float) -> bool: ...
 
@@ -41,9 +43,9 @@ class Metrics:
 
         return cls(MetricsServer(host, port) if host else None)
 
-    def observe(self, record: dict[str, Any]) -> None:
+    def observe(self, event: Event) -> None:
         if self.server is not None:
-            self.server.observe(record)
+            self.server.observe(event)
 
     def url(self, node_ip: Callable[[], str]) -> str | None:
         """Where Prometheus reaches the metrics: an endpoint on every interface is named by `node_ip()`."""

@@ -8,6 +8,8 @@ import time
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+from petatrain.observe import events as ev
+
 
 class RunPhase:
     """The run's state (starting, training, checkpointing, restarting, finished, failed), when it
@@ -30,20 +32,19 @@ class RunPhase:
         self._lock = threading.Lock()
         self.phase: dict[str, Any] = {"state": "starting", "started_t": clock(), "attempt_t": None, "step": None}
 
-    def track(self, record: dict[str, Any]) -> None:
-        event = record.get("event", "")
+    def track(self, event: ev.Event) -> None:
         with self._lock:
             phase = self.phase
-            if event == "end":
-                phase["state"] = "finished" if record.get("status") == "ok" else "failed"
-            elif event == "attempt_start" and phase["state"] == "restarting":
+            if isinstance(event, ev.End):
+                phase["state"] = "finished" if event.status == "ok" else "failed"
+            elif isinstance(event, ev.AttemptStart) and phase["state"] == "restarting":
                 pass  # restarting until the new attempt's first step
-            elif event in self.STATES:
-                phase["state"] = self.STATES[event]
-            if event == "attempt_start":
-                phase["attempt_t"], phase["step"] = record.get("t"), None  # steps of this attempt
-            if event == "step" and isinstance(record.get("step"), int):
-                phase["step"] = max(phase["step"] or 0, record["step"])
+            elif event.kind in self.STATES:
+                phase["state"] = self.STATES[event.kind]
+            if isinstance(event, ev.AttemptStart):
+                phase["attempt_t"], phase["step"] = event.t, None  # steps of this attempt
+            if isinstance(event, ev.Step):
+                phase["step"] = max(phase["step"] or 0, event.step)
 
     def health(self, attempt: int, last_step_t: float | None) -> dict[str, Any]:
         """The run's state for the driver's health endpoint: state, attempt, newest step and when."""
@@ -58,10 +59,10 @@ class PlacementGroups:
         self._lock = threading.Lock()
         self._ids: set[str] = set()
 
-    def track(self, record: dict[str, Any]) -> None:
-        if record.get("event") == "worker_start" and record.get("placement_group"):
+    def track(self, event: ev.Event) -> None:
+        if isinstance(event, ev.WorkerStart) and event.placement_group:
             with self._lock:
-                self._ids.add(str(record["placement_group"]))
+                self._ids.add(event.placement_group)
 
     def ids(self) -> list[str]:
         with self._lock:
