@@ -76,6 +76,7 @@ def test_heartbeat_dates_the_last_step_not_the_message(ray_local, tmp_path):
     long ago that was, and the hub dates the beat by it on its own clock."""
     import time
 
+    from petatrain.observe.events import Eval
     from petatrain.runtime.hub.actor import RunHub
     from petatrain.runtime.worker import Telemetry
 
@@ -92,10 +93,11 @@ def test_heartbeat_dates_the_last_step_not_the_message(ray_local, tmp_path):
     assert sent[-1][3] == -1 and sent[-1][-1] == 0.0  # no step yet: dated on arrival
     beats.progress(5, now=True)
     time.sleep(0.3)
-    beats.record("note")
+    note = Eval(attempt=0, step=5, loss=1.0)
+    beats.record(note)
     beats.flush()
     events, _, _, step, _, _, age = sent[-1]
-    assert [e for e, _ in events] == ["note"] and step == 5 and 0.3 <= age < 2.0
+    assert events == [note] and step == 5 and 0.3 <= age < 2.0
 
     hub = RunHub.remote(str(tmp_path), None)
     ray_local.get(hub.new_attempt.remote(0))

@@ -63,6 +63,13 @@ def job(*overrides: str):
     return config.load(None, ["parallel.workers=1-2", "train.global_batch=8", *overrides])
 
 
+def _fields(event) -> dict:
+    """An event's fields as its ledger line holds them, less the time."""
+    from petatrain.observe.events import line
+
+    return {k: v for k, v in line(event).items() if k not in ("t", "event", "v")}
+
+
 def supervise(attempts: FakeAttempts, cluster: FakeCluster | None = None, *overrides: str):
     cfg = job(*overrides)
     events: list[tuple[str, dict]] = []
@@ -72,7 +79,7 @@ def supervise(attempts: FakeAttempts, cluster: FakeCluster | None = None, *overr
         cluster=cluster or FakeCluster(),
         restart=RestartPolicy(cfg.faults.max_restarts),
         world_size=WorldSizePolicy(cfg),
-        emit=lambda event, **fields: events.append((event, fields)),
+        emit=lambda event: events.append((event.kind, _fields(event))),
         sleep=slept.append,
     )
     return sup, events, slept
@@ -123,7 +130,10 @@ def test_the_restart_budget_runs_out():
     with pytest.raises(PetatrainError, match=gave_up):
         sup.run()
     assert len(attempts.runs) == 3 and sup.state is State.RECOVERING
-    assert events[-1] == ("end", {"status": "failed", "step": None, "detail": "gave up after 2 restarts"})
+    assert events[-1] == (
+        "end",
+        {"status": "failed", "step": None, "detail": "gave up after 2 restarts", "final": None},
+    )
 
 
 def test_a_petatrain_error_on_a_rank_is_reported_not_retried():

@@ -417,23 +417,23 @@ def _mirror_run(run: str, config: JobConfig, options: StorageOptions | None) -> 
     uri = config.observe.mlflow_uri
     try:
         done = mlflow.sync_run(run, uri, config.observe.mlflow_experiment, options)
-        fields = {"status": "logged", "mlflow_run_id": done["mlflow_run_id"]}
+        event = events.Mlflow(status="logged", uri=_redacted(uri), mlflow_run_id=done["mlflow_run_id"])
     except Exception as exc:  # MLflow down, unreachable, refusing: the run stands, the ledger says so
         detail = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
         log.warning("%s was not logged to MLflow at %s (%s); `petatrain mlflow sync %s` logs it later",
                     run, _redacted(uri), detail, run)  # fmt: skip
-        fields, done = {"status": "pending", "detail": detail}, {"pending": detail}
-    _record_mlflow(run, uri, fields, options)
+        event, done = events.Mlflow(status="pending", uri=_redacted(uri), detail=detail), {"pending": detail}
+    _record_mlflow(run, event, options)
     return done
 
 
-def _record_mlflow(run: str, uri: str, fields: dict[str, Any], options: StorageOptions | None) -> None:
+def _record_mlflow(run: str, event: events.Mlflow, options: StorageOptions | None) -> None:
     """The run ledger's `mlflow` event: logged (with the MLflow run), or pending and why."""
     from petatrain.observe.ledger import EventLog
 
     ledger = EventLog(run, options)
     try:
-        ledger.emit("mlflow", uri=_redacted(uri), **fields)
+        ledger.write_event(event)
     finally:
         ledger.close()
 
@@ -719,7 +719,9 @@ def mlflow_sync(
         versions.append(
             {"model": promoted, "mlflow_version": mlflow.mirror_version(record, uri, done["mlflow_run_id"], alias)}
         )
-    _record_mlflow(run, uri, {"status": "logged", "mlflow_run_id": done["mlflow_run_id"]}, options)
+    _record_mlflow(
+        run, events.Mlflow(status="logged", uri=_redacted(uri), mlflow_run_id=done["mlflow_run_id"]), options
+    )
     return {**done, "versions": versions}
 
 

@@ -1,8 +1,9 @@
 """The event kinds of a run's ledger (`RUN/events.jsonl`), one dataclass each: the schema.
 
-Every event is written through `record(kind, fields)`, which builds its class (a field the
-class does not have, or one it needs and is not given, is a bug and raises `TypeError`), and
-read back through `parse` (one line, strictly) or `read` (a whole ledger, as its readers take it).
+Every event is written as its class (its emitter builds it: a field the class does not have, or
+one it needs and is not given, is a bug that mypy and the constructor catch), turned into its
+ledger line by `line` (`record(kind, fields)` builds the class from a kind's name), and read back
+through `parse` (one line, strictly) or `read` (a whole ledger, as its readers take it).
 A line carries `t` (unix seconds, from the process that saw it), `event` (the kind) and `v`
 (`SCHEMA_VERSION`; ledgers written before the version have none and read as version 1). A reader
 of a ledger written by a newer petatrain refuses it.
@@ -17,7 +18,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 SCHEMA_VERSION = 1
@@ -26,7 +27,7 @@ SCHEMA_VERSION = 1
 @dataclass(kw_only=True, slots=True, frozen=True)
 class Event:
     kind: ClassVar[str] = ""
-    t: float
+    t: float = field(default_factory=time.time)  # when it happened, by the clock of the process that saw it
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -289,17 +290,21 @@ KINDS: dict[str, type[Event]] = {
 }
 
 
+def line(event: Event) -> dict[str, Any]:
+    """The ledger line of an event."""
+    return {"t": event.t, "event": event.kind, "v": SCHEMA_VERSION} | {
+        f.name: getattr(event, f.name) for f in dataclasses.fields(event) if f.name != "t"
+    }
+
+
 def record(kind: str, fields: dict[str, Any]) -> dict[str, Any]:
-    """The ledger line for an event of `kind`, checked against its class."""
+    """The ledger line for an event of `kind` with `fields`, checked against its class."""
     cls = KINDS.get(kind)
     if cls is None:
         raise TypeError(f"no event kind {kind!r}; add a class to petatrain.observe.events")
     fields = dict(fields)
     t = fields.pop("t", None) or time.time()
-    event = cls(t=t, **fields)  # TypeError names a field that is wrong
-    return {"t": t, "event": kind, "v": SCHEMA_VERSION} | {
-        f.name: getattr(event, f.name) for f in dataclasses.fields(event) if f.name != "t"
-    }
+    return line(cls(t=t, **fields))  # TypeError names a field that is wrong
 
 
 def parse(line: dict[str, Any]) -> Event:

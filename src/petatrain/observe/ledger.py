@@ -52,7 +52,11 @@ class EventLog:
         self._file = open(self._path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
 
     def emit(self, event: str, **fields: Any) -> dict[str, Any]:
+        """An event given by its kind's name and fields (`write_event` takes the class itself)."""
         return self.write(self.record(event, **fields))
+
+    def write_event(self, event: events.Event) -> dict[str, Any]:
+        return self.write(events.line(event))
 
     @staticmethod
     def record(event: str, **fields: Any) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """Prometheus metrics of a training run, fed by the same events that go into the ledger.
 
     metrics = MetricsServer(port=0)             # 127.0.0.1, a free port: metrics.port
-    metrics.observe(log.emit("step", ...))      # EventLog.emit returns the event it wrote
+    metrics.observe(events.Step(attempt=0, step=1, ...))  # or a ledger line (dict)
     ...
     metrics.close()
 

@@ -9,6 +9,7 @@ from typing import Any
 
 from petatrain import constants
 from petatrain.config import JobConfig
+from petatrain.observe import events as ev
 from petatrain.runtime import cluster
 from petatrain.runtime.failures import CAUSES, AttemptFailed, FailureCause
 from petatrain.runtime.hub.handle import HubHandle
@@ -42,9 +43,9 @@ class RayAttempts:
 
         self.causes = {**CAUSES, NonFiniteLoss: FailureCause.NONFINITE}
 
-    def emit(self, event: str, **fields: Any) -> dict[str, Any]:
-        record = self.hub.call("emit", event, fields)
-        self.ended = self.ended or event == "end"
+    def emit(self, event: ev.Event) -> dict[str, Any]:
+        record = self.hub.call("emit", event)
+        self.ended = self.ended or isinstance(event, ev.End)
         return record
 
     def build(self, attempt: int, world: int) -> Any:
@@ -58,10 +59,8 @@ class RayAttempts:
         trainer = trainer or self.build(attempt, world)
         self.hub.call("new_attempt", attempt)
         in_driver = getattr(trainer, "controller_in_driver", False)
-        self.emit(
-            "attempt_start", attempt=attempt, world_size=world, controller="driver" if in_driver else "actor",
-            warm_controller=warm,
-        )  # fmt: skip
+        controller = "driver" if in_driver else "actor"
+        self.emit(ev.AttemptStart(attempt=attempt, world_size=world, controller=controller, warm_controller=warm))
         error = fit(trainer, attempt, world, self.watch, shared_job=self.job.gate is not None)
         if error is None:
             return AttemptOutcome()

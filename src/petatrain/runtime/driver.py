@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from petatrain.config import JobConfig
+from petatrain.observe import events as ev
 from petatrain.runtime import cluster, setup
 from petatrain.runtime.attempts import RayAttempts
 from petatrain.runtime.endpoints import Endpoints, last_scrape, open_endpoints, publish_targets
@@ -84,8 +85,10 @@ def _announce(ready: setup.Run, attempts: RayAttempts, endpoints: Endpoints) -> 
         return
     lo, hi = cfg.parallel.worker_range()
     attempts.emit(
-        "run_start", run_id=ready.run_id, workers=[lo, hi], steps=cfg.train.steps, metrics=endpoints.metrics,
-        config=cfg.to_dict(), t=attempts.started, health=endpoints.health, source=source,
+        ev.RunStart(
+            t=attempts.started, run_id=ready.run_id, workers=[lo, hi], steps=cfg.train.steps,
+            metrics=endpoints.metrics or "", config=cfg.to_dict(), health=endpoints.health, source=source,
+        )
     )  # fmt: skip
 
 
@@ -96,16 +99,20 @@ def _continue(
     failure. A branch (`source`) abandons what that driver was doing: no failure, and the config
     the run goes on with is recorded (its hyperparameters may differ from the run's start)."""
     attempts.emit(
-        "run_continue", run_id=prior.run_id, attempt=prior.next_attempt, previous=prior.ended or "interrupted",
-        steps=cfg.train.steps, metrics=metrics or "", health=health, source=source,
-        config=cfg.to_dict() if source else None,
+        ev.RunContinue(
+            run_id=prior.run_id, attempt=prior.next_attempt, previous=prior.ended or "interrupted",
+            steps=cfg.train.steps, metrics=metrics or "", health=health, source=source,
+            config=cfg.to_dict() if source else None,
+        )
     )  # fmt: skip
     if not prior.ended and source is None:
         attempts.emit(
-            "failure", attempt=prior.next_attempt - 1, cause=FailureCause.DRIVER_LOST.value, rank=None,
-            detail=f"the driver stopped at step {prior.step} without ending the run; a new driver continues it",
+            ev.Failure(
+                attempt=prior.next_attempt - 1, cause=FailureCause.DRIVER_LOST.value, rank=None,
+                detail=f"the driver stopped at step {prior.step} without ending the run; a new driver continues it",
+            )
         )  # fmt: skip
-        attempts.emit("restart", attempt=prior.next_attempt, reason=FailureCause.DRIVER_LOST.value)
+        attempts.emit(ev.Restart(attempt=prior.next_attempt, reason=FailureCause.DRIVER_LOST.value))
 
 
 def _finish(ready: setup.Run, hub: HubHandle, attempts: RayAttempts, count: int, failures: list[Failure]) -> RunResult:
@@ -115,7 +122,7 @@ def _finish(ready: setup.Run, hub: HubHandle, attempts: RayAttempts, count: int,
     if reached < 0:  # the attempt resumed where the run ends: it trained no step
         reached = ready.job.branch.step if ready.job.branch else ready.prior.step if ready.prior else cfg.train.steps
     detail = "" if reached >= cfg.train.steps else f"stopped at step {reached}: the time limit was reached"
-    attempts.emit("end", status="ok", step=reached, detail=detail, final=final)
+    attempts.emit(ev.End(status="ok", step=reached, detail=detail, final=final))
     wall = time.time() - attempts.started
     return RunResult(run=ready.url, final=final, steps=reached, attempts=count, failures=failures, wall_s=wall)
 

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 from petatrain.config import JobConfig
 from petatrain.errors import PetatrainError
+from petatrain.observe import events as ev
 from petatrain.runtime.failures import AttemptFailed, Failure, FailureCause, classify, lost_a_peer
 
 log = logging.getLogger(__name__)
@@ -144,7 +145,7 @@ class Supervisor:
     cluster: Cluster
     restart: RestartPolicy
     world_size: WorldSizePolicy
-    emit: Callable[..., Any]  # emit(event, **fields): the ledger
+    emit: Callable[[ev.Event], Any]  # the ledger
     before_attempt: Callable[[], None] = lambda: None  # e.g. the run directory's lease is still ours
     # On a cluster that can grow (KubeRay replacing a lost pod, the autoscaler adding nodes): how
     # long to wait for room for the smallest worker count before giving up; 0 on a local Ray.
@@ -205,11 +206,12 @@ class Supervisor:
 
     def _recover(self, failure: Failure) -> None:
         self.failures.append(failure)
-        self.emit("failure", attempt=self.attempt, cause=failure.cause.value, detail=failure.detail, rank=failure.rank)
+        cause = failure.cause.value
+        self.emit(ev.Failure(attempt=self.attempt, cause=cause, detail=failure.detail, rank=failure.rank))
         if self.restart.decide(failure) is RestartDecision.RAISE:
-            self.emit("end", status="failed", step=None, detail=self.restart.why(failure))
+            self.emit(ev.End(status="failed", step=None, detail=self.restart.why(failure)))
             raise self.restart.gave_up(failure)
         self.attempt += 1
         if failure.cause is FailureCause.NODE_LOST:
             self.sleep(NODE_LOST_SETTLE_S)
-        self.emit("restart", attempt=self.attempt, world_size=None, reason=failure.cause.value)
+        self.emit(ev.Restart(attempt=self.attempt, world_size=None, reason=failure.cause.value))

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from petatrain.observe.events import CheckpointCommit, Event, FaultInjected
 from petatrain.runtime.startup import spares
 
 
@@ -68,7 +69,7 @@ class Telemetry:
 
     def __init__(self, hub: Any, attempt: int, rank: int, node_id: str, period_s: float = 1.0):
         self.hub, self.attempt, self.rank, self.node_id, self.period_s = hub, attempt, rank, node_id, period_s
-        self.pending: list[tuple[str, dict[str, Any]]] = []
+        self.pending: list[Event] = []
         self.step = -1
         self.step_at = time.time()
         self.sent_at = 0.0
@@ -76,9 +77,10 @@ class Telemetry:
         self._answers: list[Any] = []  # the hub's answers to the flushes, not yet read
         self._resize: int | None = None
 
-    def record(self, event: str, **fields: Any) -> None:
+    def record(self, event: Event) -> None:
+        """Sent with the next flush; it keeps the time it was made."""
         with self._lock:
-            self.pending.append((event, {"attempt": self.attempt, "t": time.time(), **fields}))
+            self.pending.append(event)
 
     def progress(self, step: int, *, now: bool = False) -> None:
         """Step `step` ended; sent with the next flush (at once if `now`)."""
@@ -88,7 +90,7 @@ class Telemetry:
 
     def commit(self, info: dict[str, Any]) -> None:
         """The checkpoint writer committed (after its snapshot event if asynchronous); sent at once."""
-        self.record("checkpoint_commit", **info)
+        self.record(CheckpointCommit(attempt=self.attempt, **info))
         self.flush()
 
     def alive(self) -> None:
@@ -145,8 +147,8 @@ class HubChannel:
     rank: int
     node_id: str
 
-    def emit(self, event: str, sync: bool = False, **fields: Any) -> None:
-        ref = self.hub.emit.remote(event, {"attempt": self.attempt, **fields})
+    def emit(self, event: Event, sync: bool = False) -> None:
+        ref = self.hub.emit.remote(event)
         if sync:
             import ray
 
@@ -178,7 +180,7 @@ class HubChannel:
         """Claim injection `key` (each fires once per run); False if another attempt fired it."""
         import ray
 
-        return bool(ray.get(self.hub.fire.remote(key, {"attempt": self.attempt, **fields})))
+        return bool(ray.get(self.hub.fire.remote(key, FaultInjected(attempt=self.attempt, **fields))))
 
 
 @dataclass(slots=True)

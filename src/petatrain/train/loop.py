@@ -30,12 +30,13 @@ from petatrain.chaos import inject
 from petatrain.config import JobConfig
 from petatrain.errors import CorruptDataError, PetatrainError
 from petatrain.models import ModelSpec, build_model
+from petatrain.observe import events as ev
 from petatrain.storage import StorageOptions
 from petatrain.train import checkpoint as ckpt
 from petatrain.train import recipe, strategies
 from petatrain.train.batches import TokenBatches
 from petatrain.train.parallel import load_into, read_for_resume, state_for_save, step_runner
-from petatrain.train.rank import NextRanks, Preempted, PreemptionNotice, RankEnv, Resized, Telemetry
+from petatrain.train.rank import HubChannel, NextRanks, Preempted, PreemptionNotice, RankEnv, Resized, Telemetry
 
 log = logging.getLogger(__name__)
 
@@ -93,19 +94,21 @@ def train_worker(payload: Payload, env: RankEnv) -> None:
     preemption = env.preemption_notice()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the watchdog asks for stacks before a kill
     hub.emit(
-        "worker_start",
-        rank=env.rank,
-        pid=os.getpid(),
-        node=env.node_id,
-        warm_up=env.warm_up(),
-        torch_threads=torch.get_num_threads(),
-        placement_group=env.placement_group,
+        ev.WorkerStart(
+            attempt=hub.attempt,
+            rank=env.rank,
+            pid=os.getpid(),
+            node=env.node_id,
+            warm_up=env.warm_up(),
+            torch_threads=torch.get_num_threads(),
+            placement_group=env.placement_group,
+        )
     )
     hub.beat(-1)
 
     faults = ckpt.StorageFaults()  # armed by injected `storage` faults
     r = _set_up(cfg, payload, env, faults)
-    start = _resume(r, hub.emit)
+    start = _resume(r, hub)
     chaos = inject.RankFaults(
         payload.injections,
         rank=env.rank,
@@ -195,9 +198,9 @@ def _set_arithmetic(cfg: JobConfig, device: torch.device) -> None:
     torch.set_flush_denormal(cfg.train.flush_denormal)  # CPU arithmetic
 
 
-def _resume(r: Rank, emit) -> int:
+def _resume(r: Rank, hub: HubChannel) -> int:
     """Load the newest checkpoint every rank verified (model, optimizer, loader, RNG); the step to start from."""
-    state, shards = _restore_point(r.payload, r.model, r.rank, r.world, r.cfg, emit)
+    state, shards = _restore_point(r.payload, r.model, r.rank, r.world, r.cfg, hub)
     start = 0
     if state is not None:
         load_into(r.model, r.optimizer, state, shards, rank=r.rank, cfg=r.cfg)
@@ -208,7 +211,8 @@ def _resume(r: Rank, emit) -> int:
             torch.set_rng_state(rng)
         start = state.step
     if r.rank == 0:
-        emit("resume", step=start, checkpoint=ckpt.step_dir(r.payload.run_url, start) if state else None)
+        checkpoint = ckpt.step_dir(r.payload.run_url, start) if state else None
+        hub.emit(ev.Resume(attempt=hub.attempt, step=start, checkpoint=checkpoint))
     return start
 
 
@@ -257,16 +261,20 @@ def _train(r: Rank, start: int, preemption: PreemptionNotice, chaos: inject.Rank
             grad_norm = _on_nonfinite(r, step)
         if r.rank == 0:
             if staging_wait > 0.0:  # checkpoint stall, not training
-                telemetry.record("checkpoint_staging", step=last_checkpoint, wait_s=staging_wait)
+                telemetry.record(
+                    ev.CheckpointStaging(attempt=telemetry.attempt, step=last_checkpoint, wait_s=staging_wait)
+                )
             telemetry.record(
-                "step",
-                step=step,
-                step_s=time.perf_counter() - last_end - staging_wait,
-                data_wait_s=r.data.wait_s - wait_mark,
-                loss=loss_value if not nonfinite and math.isfinite(loss_value) else None,
-                lr=lr,
-                tokens=cfg.train.global_batch * cfg.model.seq_len,
-                grad_norm=grad_norm,
+                ev.Step(
+                    attempt=telemetry.attempt,
+                    step=step,
+                    step_s=time.perf_counter() - last_end - staging_wait,
+                    data_wait_s=r.data.wait_s - wait_mark,
+                    loss=loss_value if not nonfinite and math.isfinite(loss_value) else None,
+                    lr=lr,
+                    tokens=cfg.train.global_batch * cfg.model.seq_len,
+                    grad_norm=grad_norm,
+                )
             )
         elapsed = time.time() - r.payload.run_started
         # Another rank's fault is imminent: the ledger holds every step up to it.
@@ -309,13 +317,13 @@ def _report_stage(r: Rank) -> None:
     """A pipeline rank's compute since the last checkpoint, for the report's stage table."""
     stage = r.steps.stage_report(r.optimizer)
     if stage is not None:
-        r.telemetry.record("pipeline_stage", **stage)
+        r.telemetry.record(ev.PipelineStage(attempt=r.telemetry.attempt, **stage))
 
 
 def _on_nonfinite(r: Rank, step: int) -> float:
     """The step's update was dropped: record it; roll back (raise) if faults.nonfinite says so; its grad norm."""
     if r.rank == 0:
-        r.telemetry.record("nonfinite", step=step, action=r.cfg.faults.nonfinite)
+        r.telemetry.record(ev.NonFinite(attempt=r.telemetry.attempt, step=step, action=r.cfg.faults.nonfinite))
     if r.cfg.faults.nonfinite == "rollback":
         _leave_together(r.writer, r.telemetry, r.device)
         raise NonFiniteLoss(f"non-finite loss at step {step}; rolling back to the last checkpoint")
@@ -332,7 +340,7 @@ def _checkpoint(r: Rank, step: int, schedule: recipe.CheckpointSchedule, *, live
     if not r.cfg.checkpoint.asynchronous:  # the loop waits for the commit: all of it is stall
         stall += r.writer.wait()
     if r.rank == 0:
-        r.telemetry.record("checkpoint_snapshot", step=step, stall_s=stall, live=live)
+        r.telemetry.record(ev.CheckpointSnapshot(attempt=r.telemetry.attempt, step=step, stall_s=stall, live=live))
     schedule.taken(stall, r.writer.last_write_s, r.writer.last_write_cpu_s)
     return stall
 
@@ -352,7 +360,9 @@ def _leave_together(writer: ckpt.CheckpointWriter, telemetry: Telemetry, device:
     return int(committed.item())
 
 
-def _restore_point(payload: Payload, model: torch.nn.Module, rank: int, world: int, cfg: JobConfig, emit):
+def _restore_point(
+    payload: Payload, model: torch.nn.Module, rank: int, world: int, cfg: JobConfig, hub: HubChannel
+) -> tuple[ckpt.CheckpointState | None, dict]:
     """The newest checkpoint every rank can read and verify, and the tensors this rank loads
     from it (`parallel.read_for_resume`: rank file -> tensors); (None, {}) for a fresh start.
 
@@ -368,7 +378,7 @@ def _restore_point(payload: Payload, model: torch.nn.Module, rank: int, world: i
             state = ckpt.latest_verified(
                 payload.run_url,
                 payload.options,
-                on_skip=lambda url, why: emit("checkpoint_skipped", url=url, reason=why),
+                on_skip=lambda url, why: hub.emit(ev.CheckpointSkipped(attempt=hub.attempt, url=url, reason=why)),
                 below=below,
             )
         chosen = torch.tensor([state.step if state else -1], dtype=torch.long)
@@ -398,7 +408,8 @@ def _restore_point(payload: Payload, model: torch.nn.Module, rank: int, world: i
             return state, shards
         if problem and int(first_bad.item()) == rank:
             log.warning("skipping checkpoint: %s", problem)
-            emit("checkpoint_skipped", url=ckpt.step_dir(payload.run_url, step), reason=problem)
+            url = ckpt.step_dir(payload.run_url, step)
+            hub.emit(ev.CheckpointSkipped(attempt=hub.attempt, url=url, reason=problem))
         below = step
 
 
@@ -479,7 +490,7 @@ def _evaluate(r: Rank, step: int) -> None:
     r.model.train()
     dist.all_reduce(total)
     if r.rank == 0 and total[1] > 0:
-        r.telemetry.record("eval", step=step, loss=float(total[0] / total[1]))
+        r.telemetry.record(ev.Eval(attempt=r.telemetry.attempt, step=step, loss=float(total[0] / total[1])))
 
 
 def _hold(r: Rank, step: int) -> None:

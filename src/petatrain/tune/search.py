@@ -447,7 +447,8 @@ def _record_stop(run_url: str, events: list[ev.Event], step: int | None, by: str
         return
     ledger = EventLog(run_url, options)
     try:
-        ledger.emit("end", status="stopped", step=step, detail=f"stopped by the search's {by} scheduler at step {step}")
+        detail = f"stopped by the search's {by} scheduler at step {step}"
+        ledger.write_event(ev.End(status="stopped", step=step, detail=detail))
     finally:
         ledger.close()
 

@@ -42,6 +42,8 @@ from ray.train.v2._internal.execution.controller.state import AbortedState
 from ray.train.v2._internal.execution.worker_group import state as group_state
 from ray.train.v2._internal.execution.worker_group import worker_group as group_module
 
+from petatrain.observe.events import CheckpointDrain
+
 log = logging.getLogger(__name__)
 
 
@@ -151,9 +153,10 @@ class CommitDrain(WorkerGroupCallback):
                 outcome = ray.get(rank0.execute_async(finish_writes, self.timeout_s), timeout=self.timeout_s + 5)
         except Exception as exc:  # rank 0 died meanwhile, or the hub is gone: the shutdown goes on
             log.warning("letting rank 0 finish its checkpoint write failed: %s", exc)
-        fields = {"attempt": self.attempt, "lost": lost, "waited_s": round(time.monotonic() - t0, 3), **outcome}
+        waited = round(time.monotonic() - t0, 3)
+        drain = CheckpointDrain(attempt=self.attempt, lost=lost, waited_s=waited, **outcome)
         with contextlib.suppress(Exception):
-            self.hub.emit.remote("checkpoint_drain", fields)
+            self.hub.emit.remote(drain)
 
 
 class NoControllerActor:

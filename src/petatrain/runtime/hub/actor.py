@@ -7,6 +7,7 @@ from typing import Any
 
 import ray
 
+from petatrain.observe.events import Event, FaultInjected
 from petatrain.observe.ledger import EventLog
 from petatrain.runtime.hub.attempt import Attempt, Drain, Heartbeats, Resizes
 from petatrain.runtime.hub.injections import FiredInjections
@@ -52,18 +53,18 @@ class RunHub:
 
     # -- ledger -------------------------------------------------------------------------------
     @ray.method(concurrency_group="ledger")
-    def emit(self, event: str, fields: dict[str, Any]) -> dict[str, Any]:
-        return self.ledger.emit(event, fields)
+    def emit(self, event: Event) -> dict[str, Any]:
+        return self.ledger.emit(event)
 
     @ray.method(concurrency_group="ledger")
-    def emit_many(self, events: list[tuple[str, dict[str, Any]]]) -> None:
-        """Several events in one call (the loop batches its step events), in order."""
-        self.ledger.emit_many(events)
+    def emit_many(self, batch: list[Event]) -> None:
+        """Several events in one call, in order."""
+        self.ledger.emit_many(batch)
 
     @ray.method(concurrency_group="ledger")
     def telemetry(
         self,
-        events: list[tuple[str, dict[str, Any]]],
+        batch: list[Event],
         attempt: int,
         rank: int,
         step: int,
@@ -73,7 +74,7 @@ class RunHub:
     ) -> int | None:
         """A rank's batched events and its heartbeat: one actor call per flush of the loop. Returns
         the worker count the driver asked this attempt to restart on (`request_resize`), if it did."""
-        self.ledger.emit_many(events)
+        self.ledger.emit_many(batch)
         self.beats.beat(attempt, rank, step, pid, node_id, age_s)
         return self.resizes.asked(attempt)
 
@@ -150,11 +151,11 @@ class RunHub:
 
     # -- fault injection ------------------------------------------------------------------------
     @ray.method(concurrency_group="ledger")
-    def fire(self, key: str, fields: dict[str, Any]) -> bool:
-        """True the first time `key` fires; the fault_injected event is written before it acts."""
+    def fire(self, key: str, event: FaultInjected) -> bool:
+        """True the first time `key` fires; its event is written before the fault acts."""
         if not self.injections.claim(key):
             return False
-        self.ledger.write_at_once("fault_injected", fields)
+        self.ledger.write_at_once(event)
         return True
 
     def fired_keys(self) -> list[str]:

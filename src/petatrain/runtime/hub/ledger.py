@@ -16,11 +16,7 @@ from petatrain.observe import events
 class EventSink(Protocol):
     """What the ledger writes to (`observe.ledger.EventLog`)."""
 
-    def record(self, event: str, **fields: Any) -> dict[str, Any]: ...
-
     def write(self, record: dict[str, Any]) -> dict[str, Any]: ...
-
-    def emit(self, event: str, **fields: Any) -> dict[str, Any]: ...
 
     def flush(self) -> None: ...
 
@@ -72,27 +68,25 @@ class Ledger:
     def started(self) -> bool:
         return self.hold.started
 
-    def emit(self, event: str, fields: dict[str, Any]) -> dict[str, Any]:
-        record = self.log.record(event, **fields)
-        for ready in self.hold.admit(event, record):
+    def emit(self, event: events.Event) -> dict[str, Any]:
+        record = events.line(event)
+        for ready in self.hold.admit(event.kind, record):
             self.log.write(ready)
-        for typed in events.read([record]):  # the observers take its class (one that fits none: its time only)
-            for observe in self.observers:
-                observe(typed)
+        for observe in self.observers:
+            observe(event)
         if self.clock() - self.last_flush > self.FLUSH_S:
             self.flush()
         return record
 
-    def emit_many(self, events: list[tuple[str, dict[str, Any]]]) -> None:
-        for event, fields in events:
-            self.emit(event, fields)
+    def emit_many(self, batch: list[events.Event]) -> None:
+        for event in batch:
+            self.emit(event)
 
-    def write_at_once(self, event: str, fields: dict[str, Any]) -> None:
+    def write_at_once(self, event: events.Event) -> None:
         """Written and flushed now, past the observers (an injected fault, before it acts); held like
         any other event while a finished run's continuation has not trained a step (its record stays
         as it was if it never does, and a later driver fires the fault again)."""
-        record = self.log.record(event, **fields)
-        for ready in self.hold.admit(event, record):
+        for ready in self.hold.admit(event.kind, events.line(event)):
             self.log.write(ready)
         self.flush()
 
