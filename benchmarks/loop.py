@@ -8,12 +8,19 @@ from scratch, then served from `registry://bench@champion` with `--follow`); eac
 row once, with replay), evaluates and promotes; the server swaps to the new version. A client asks
 the server all along; the server measures staleness at its first answer of each version.
 
-Side by side, the other way to keep a model current (cron + a training script, or KubeRay's
-RayCronJob): retrain from scratch on the whole latest version, once over its rows, measured once
-(the last version) and set in the same breakdown.
+Side by side:
+- the same cycles run by Airflow 3 (`petatrain.airflow`'s two DAGs on a real Airflow, started from
+  its own environment by `tests/airflow/airflow.sh`): each new file triggers the ingest DAG at once
+  (as a sensor would; a schedule adds up to its interval), the training DAG runs on the dataset's
+  asset event, each task `petatrain loop --once --only STEP` in a process of its own; the server
+  follows the same champion. Its staleness is split into the tasks' own times and what Airflow adds
+  between them (scheduling, each task's process and its local Ray);
+- the other way to keep a model current (cron + a training script, or KubeRay's RayCronJob):
+  retrain from scratch on the whole latest version, once over its rows, measured once (the last
+  version) and set in the same breakdown.
 
-    .venv/bin/python benchmarks/loop.py               # ~6 minutes on 2 cores
-    .venv/bin/python benchmarks/loop.py --cycles 3
+    .venv/bin/python benchmarks/loop.py               # ~11 minutes on 2 cores (Airflow's ~5)
+    .venv/bin/python benchmarks/loop.py --cycles 3 --no-airflow
 
 Prints the per-cycle table and writes benchmarks/results/loop.json. Goal: staleness p50 <= 2 minutes
 on this machine.
@@ -22,11 +29,13 @@ on this machine.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import sys
 import threading
 import time
+from pathlib import Path
 
 from _common import ROOT, WORK, write_results
 
@@ -105,12 +114,120 @@ def _cycle(spec, watcher, dropped_at: float) -> dict:
     return {**done.record, "wait_s": round(started - dropped_at, 3)}
 
 
+def _airflow_cycles(
+    cycles: int, extra: int, loop_file: Path, incoming: Path, spec, seen: list[dict], work: Path
+) -> list[dict]:
+    """The cycles with Airflow as the orchestrator; one row per version: staleness and where it went."""
+    import json
+    import socket
+    import subprocess
+
+    import requests
+
+    from petatrain.data import synth
+    from petatrain.data.index import open_dataset, split_version
+    from petatrain.registry.store import Registry
+
+    dataset, registry = spec.dataset, Registry(spec.registry)
+
+    def champion_data_version() -> int:
+        """The data version the served champion was trained on (a version the gate refused is not)."""
+        alias = registry.alias(spec.model)
+        record = registry.record(spec.model, alias["version"]) if alias else {}
+        return split_version(str(record.get("dataset") or ""))[1] or 0
+
+    script, home = ROOT / "tests" / "airflow" / "airflow.sh", work / "airflow"
+    (home / "dags").mkdir(parents=True)
+    (home / "dags" / "loop_dags.py").write_text(
+        "import datetime\nfrom petatrain.airflow import continuous_dags\n"
+        f"continuous_dags({str(loop_file)!r}, schedule=None, retry_delay=datetime.timedelta(seconds=1))\n"
+    )
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "PETATRAIN_BIN": str(Path(sys.executable).with_name("petatrain"))}  # the tasks' CLI
+    env.pop("RAY_ADDRESS", None)  # each task starts its own local Ray, as on an Airflow worker
+    command = ["bash", str(script), "start", str(port), str(home)]
+    started = subprocess.run(command, capture_output=True, text=True, env=env)
+    if started.returncode != 0:
+        raise SystemExit(f"Airflow did not start: {started.stderr[-2000:]}")
+    url = started.stdout.strip()
+    try:
+        passwords = json.loads(next(home.glob("simple_auth_manager_passwords.json*")).read_text())
+        user, password = next(iter(passwords.items()))
+        token = requests.post(f"{url}/auth/token", json={"username": user, "password": password}, timeout=30)
+        api = requests.Session()
+        api.headers["Authorization"] = f"Bearer {token.json()['access_token']}"
+
+        def until(check, timeout_s: float):
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                if found := check():
+                    return found
+                time.sleep(0.5)
+            raise SystemExit(f"Airflow: timed out; see {home / 'run'}")
+
+        for dag in ("petatrain_ingest", "petatrain_train"):
+            until(lambda d=dag: api.get(f"{url}/api/v2/dags/{d}", timeout=30).ok, 180)
+            api.patch(f"{url}/api/v2/dags/{dag}", json={"is_paused": False}, timeout=30).raise_for_status()
+
+        def runs(dag: str) -> list[dict]:
+            listed = api.get(f"{url}/api/v2/dags/{dag}/dagRuns", timeout=30).json()["dag_runs"]
+            done = [r for r in listed if r["state"] in ("success", "failed")]
+            return sorted(done, key=lambda r: r.get("start_date") or "")
+
+        def tasks(dag: str, run: dict) -> dict[str, float]:
+            path = f"{url}/api/v2/dags/{dag}/dagRuns/{run['dag_run_id']}/taskInstances"
+            return {t["task_id"]: _epoch_iso(t["end_date"]) - _epoch_iso(t["start_date"])
+                    for t in api.get(path, timeout=30).json()["task_instances"] if t["start_date"]}  # fmt: skip
+
+        rows = []
+        for k in range(cycles):
+            trained_before = len(runs("petatrain_train"))
+            dropped = time.time()
+            synth.generate(str(incoming / f"af-{k}"), documents=extra, files=1, bad_records=False, seed=500 + k)
+            api.post(f"{url}/api/v2/dags/petatrain_ingest/dagRuns", json={"logical_date": None}, timeout=30)
+            until(lambda n=trained_before: len(runs("petatrain_train")) > n, 900)
+            manifest = open_dataset(dataset).manifest
+            version, committed = manifest.generation, _epoch(manifest.updated)
+            promoted = champion_data_version() >= version
+            deadline = time.time() + (120 if promoted else 0)  # a refused version is served with a later one
+            while time.time() < deadline and _first_served(seen, version) is None:
+                time.sleep(0.2)
+            spent = {**tasks("petatrain_ingest", runs("petatrain_ingest")[-1]),
+                     **tasks("petatrain_train", runs("petatrain_train")[-1])}  # fmt: skip
+            rows.append({
+                "version": version, "outcome": "promoted" if promoted else "refused",
+                **{f"{t}_task_s": round(v, 3) for t, v in spent.items()}, "committed": committed, "dropped": dropped,
+            })  # fmt: skip
+            print(rows[-1])
+        for row in rows:  # a refused version is served with a later one: its staleness runs to that answer
+            served = _first_served(seen, row["version"])
+            landing = round(served - row["dropped"], 3) if served is not None else None
+            tasks_s = sum(v for k, v in row.items() if k.endswith("_task_s"))
+            row["staleness_s"] = round(served - row.pop("committed"), 3) if served is not None else None
+            row["landing_to_served_s"], row["between_tasks_s"] = landing, None
+            if landing is not None and row["outcome"] == "promoted":
+                row["between_tasks_s"] = round(landing - tasks_s, 3)
+            row.pop("dropped")
+        return rows
+    finally:
+        subprocess.run(["bash", str(script), "stop", str(home)], capture_output=True, timeout=120)
+
+
+def _epoch_iso(iso: str) -> float:
+    import datetime as dt
+
+    return dt.datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cycles", type=int, default=5)
     parser.add_argument("--documents", type=int, default=1000, help="documents of the first version")
     parser.add_argument("--increment", type=float, default=0.01, help="each cycle's new data, of the first")
     parser.add_argument("--first-steps", type=int, default=40)
+    parser.add_argument("--no-airflow", action="store_true", help="leave out the Airflow side")
     args = parser.parse_args()
 
     from petatrain import api
@@ -155,9 +272,9 @@ def main() -> None:
     stop = threading.Event()
     client = _asker(serving.url, seen, stop)
     records: list[dict] = []
+    extra = max(1, round(args.documents * args.increment))  # each cycle's new documents
     try:
         for k in range(args.cycles):
-            extra = max(1, round(args.documents * args.increment))
             dropped = time.time()
             synth.generate(str(incoming / f"inc-{k + 2}"), documents=extra, files=1, bad_records=False, seed=100 + k)
             record = _cycle(spec, watcher, dropped)
@@ -169,6 +286,7 @@ def main() -> None:
         rows = [_row(r, seen) for r in records]
         for row in rows:
             print(row)
+        airflow = [] if args.no_airflow else _airflow_cycles(args.cycles, extra, loop_file, incoming, spec, seen, work)
         # The other way: retrain from scratch on the whole latest version, once over its rows.
         latest = open_dataset(spec.dataset).manifest
         job = spec.job_config()
@@ -205,10 +323,26 @@ def main() -> None:
             f"| v{r['version']} ({r['outcome']}) | {r['steps_trained']} | {' | '.join(map(shown, cells))} | "
             f"{shown(r['landing_to_served_s'])} |"
         )
+    airflow_p50 = None
+    if airflow:
+        airflow_p50 = statistics.median(r["staleness_s"] for r in airflow if r["staleness_s"] is not None)
+        print("\n| Airflow: version | ingest task | train task | promote task | around the tasks | staleness |", end="")
+        print(" landing to served |")
+        print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        keys = ("ingest_task_s", "train_task_s", "promote_task_s", "between_tasks_s", "staleness_s")
+        for r in airflow:
+            print(
+                f"| v{r['version']} ({r['outcome']}) | {' | '.join(shown(r.get(k)) for k in keys)} | "
+                f"{shown(r['landing_to_served_s'])} |"
+            )
     print()
     print("| keeping current | train | staleness (p50 / estimate) | vs continue |")
     print("| --- | ---: | ---: | ---: |")
     print(f"| petatrain loop (continue, each new row once) | {mean['train_s']:.1f}s | {p50:.1f}s | 1.00 |")
+    if airflow:
+        train_task = statistics.mean(r.get("train_task_s", 0.0) for r in airflow)
+        print(f"| Airflow 3 DAGs (the same steps, a process each) | {train_task:.1f}s | {airflow_p50:.1f}s | "
+              f"{airflow_p50 / p50:.2f} |")  # fmt: skip
     print(
         f"| retrain from scratch, once over v{latest.generation} ({steps} steps) | {retrain_s:.1f}s | "
         f"{retrain_staleness:.1f}s | {retrain_staleness / p50:.2f} |"
@@ -222,6 +356,7 @@ def main() -> None:
             "mean": mean,
             "requests": len(seen),
             "failed_requests": len(failed),
+            "airflow": {"cycles": airflow, "staleness_p50_s": airflow_p50},
             "retrain": {
                 "version": latest.generation,
                 "steps": steps,
