@@ -202,14 +202,13 @@ def _airflow_cycles(
             })  # fmt: skip
             print(rows[-1])
         for row in rows:  # a refused version is served with a later one: its staleness runs to that answer
-            served = _first_served(seen, row["version"])
-            landing = round(served - row["dropped"], 3) if served is not None else None
+            served, committed, dropped = _first_served(seen, row["version"]), row.pop("committed"), row.pop("dropped")
+            landing = round(served - dropped, 3) if served is not None else None
             tasks_s = sum(v for k, v in row.items() if k.endswith("_task_s"))
-            row["staleness_s"] = round(served - row.pop("committed"), 3) if served is not None else None
+            row["staleness_s"] = round(served - committed, 3) if served is not None else None
             row["landing_to_served_s"], row["between_tasks_s"] = landing, None
             if landing is not None and row["outcome"] == "promoted":
                 row["between_tasks_s"] = round(landing - tasks_s, 3)
-            row.pop("dropped")
         return rows
     finally:
         subprocess.run(["bash", str(script), "stop", str(home)], capture_output=True, timeout=120)
