@@ -308,18 +308,14 @@ def record(kind: str, fields: dict[str, Any]) -> dict[str, Any]:
 
 
 def parse(line: dict[str, Any]) -> Event:
-    """The typed event of a ledger line; ValueError for a kind or version this petatrain cannot read."""
-    version = line.get("v", 1)
-    if not isinstance(version, int) or version > SCHEMA_VERSION:
-        raise ValueError(f"event schema version {version!r}; this petatrain reads up to {SCHEMA_VERSION}")
-    cls = KINDS.get(str(line.get("event")))
-    if cls is None:
-        raise ValueError(f"unknown event kind {line.get('event')!r}")
-    names = {f.name for f in dataclasses.fields(cls)}
-    try:
-        return cls(**{k: v for k, v in line.items() if k in names})
-    except TypeError as exc:
-        raise ValueError(f"{cls.kind} event: {exc}") from None
+    """The typed event of one ledger line, strictly: ValueError for a line `read` would not take
+    as an event (no time, a kind or version this petatrain cannot read, a field that does not fit)."""
+    found = read([line])
+    if not found:
+        raise ValueError("not an event of this petatrain: no time")
+    if isinstance(found[0], Unreadable):
+        raise ValueError(f"not an event of this petatrain: {found[0].event} event: {found[0].reason}")
+    return found[0]
 
 
 def read(lines: Iterable[Any]) -> list[Event]:
@@ -360,16 +356,14 @@ def read(lines: Iterable[Any]) -> list[Event]:
 
 
 def as_events(items: Iterable[Event | dict[str, Any]]) -> list[Event]:
-    """Events as their classes, in order: ledger lines among them are read through `read`."""
-    out: list[Event] = []
-    lines: list[dict[str, Any]] = []
-    for item in items:
-        if isinstance(item, Event):
-            out += [*read(lines), item]
-            lines = []
-        else:
-            lines.append(item)
-    return out + read(lines)
+    """Events as their classes, in order: a ledger line among them is read through `read`."""
+    return [e for item in items for e in ([item] if isinstance(item, Event) else read([item]))]
+
+
+def attempt_of(event: Event) -> int | None:
+    """The attempt an event names, if its kind has one."""
+    attempt = getattr(event, "attempt", None)
+    return attempt if isinstance(attempt, int) else None
 
 
 _MISSING: Any = object()

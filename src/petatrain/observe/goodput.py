@@ -301,18 +301,12 @@ def account(events: Iterable[Event | dict[str, Any]]) -> Goodput:
     return g
 
 
-def attempt_of(event: Event) -> int | None:
-    """The attempt an event names, if its kind has one."""
-    attempt = getattr(event, "attempt", None)
-    return attempt if isinstance(attempt, int) else None
-
-
 def _attempt_numbers(events: Sequence[Event]) -> list[tuple[int, bool]]:
     """(attempt, explicit) for each event; events without one belong to the attempt in progress."""
     current = 0
     out = []
     for e in events:
-        attempt = attempt_of(e)
+        attempt = ev.attempt_of(e)
         if attempt is not None and isinstance(e, ev.AttemptStart | ev.Restart | ev.Resume | ev.WorkerStart):
             current = attempt
         out.append((attempt if attempt is not None else current, attempt is not None))

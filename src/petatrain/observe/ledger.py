@@ -14,7 +14,7 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -212,13 +212,12 @@ def load_events(run_url: str, options: StorageOptions | None = None) -> list[eve
     return found
 
 
-def prior_run_from(found: Iterable[events.Event | dict[str, Any]]) -> PriorRun | None:
+def prior_run_from(typed: Sequence[events.Event]) -> PriorRun | None:
     """The run a ledger's events hold; None when it never started."""
-    typed = events.as_events(found)
     start = next((e for e in typed if isinstance(e, events.RunStart)), None)
     if start is None:
         return None
-    attempts = [a for e in typed if isinstance(a := getattr(e, "attempt", None), int)]
+    attempts = [a for e in typed if (a := events.attempt_of(e)) is not None]
     steps = [e.step for e in typed if isinstance(e, events.Step)]
     end: events.End | None = None
     config = start.config
