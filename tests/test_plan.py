@@ -481,18 +481,27 @@ def test_cli_plan_json_and_errors(tmp_path):
     report = json.loads(result.stdout)
     assert {c["accelerator"] for c in report["candidates"]} == {"H100-SXM"}
     assert report["recommended"]["accelerator"] == "H100-SXM"
-    bad = run_cli("plan", "--accelerator", "TPUv9")
-    assert bad.returncode != 0 and "not in the catalog" in bad.stderr and "Traceback" not in bad.stderr
-    human = run_cli("plan", str(ROOT / "examples" / "plan-70b.yaml"), "--deadline", "2000")
-    assert human.returncode == 0 and "recommended" in human.stdout
-    impossible = run_cli("plan", str(ROOT / "examples" / "plan-70b.yaml"), "--deadline", "1")
-    assert impossible.returncode == 1 and "no candidate" in impossible.stderr
+    # The rest in this process (the subprocess above shows what a user's shell gets).
+    bad = _invoke("plan", "--accelerator", "TPUv9")
+    assert bad.exit_code != 0 and "not in the catalog" in bad.stderr and "Traceback" not in bad.stderr
+    human = _invoke("plan", str(ROOT / "examples" / "plan-70b.yaml"), "--deadline", "2000")
+    assert human.exit_code == 0 and "recommended" in human.stdout
+    impossible = _invoke("plan", str(ROOT / "examples" / "plan-70b.yaml"), "--deadline", "1")
+    assert impossible.exit_code == 1 and "no candidate" in impossible.stderr
+
+
+def _invoke(*args: str):
+    from typer.testing import CliRunner
+
+    from petatrain.cli import app
+
+    return CliRunner().invoke(app, list(args), env={"PETATRAIN_DEBUG": None}, catch_exceptions=False)
 
 
 @pytest.mark.parametrize("verb", ["plan", "profile"])
 def test_plan_verbs_have_help(verb):
-    result = run_cli(verb, "--help")
-    assert result.returncode == 0 and "Usage" in result.stdout
+    result = _invoke(verb, "--help")
+    assert result.exit_code == 0 and "Usage" in result.stdout
 
 
 def test_pipeline_candidates_are_searched_hybrids():

@@ -186,12 +186,19 @@ def test_a_quoted_csv_over_the_split_size_is_ingested_whole_and_says_why(tmp_pat
     assert "quoted" in summary.note and str(path) in summary.note
 
 
-def test_the_cli_splits_at_split_size_and_refuses_a_bad_one(tmp_path):
+def test_the_cli_splits_at_split_size_and_refuses_a_bad_one(tmp_path, ray_local):
+    """In this process on the session's Ray (a subprocess would start one of its own: ~6 s), then
+    the refusal as a user sees it: exit code and one line on stderr."""
+    from typer.testing import CliRunner
+
+    from petatrain.cli import app
+
     path = tmp_path / "big.jsonl"
     path.write_bytes(_jsonl(200))
     out = str(tmp_path / "ds")
-    result = run_cli("ingest", str(path), "--out", out, "--split-size", "8KB", "--dedup", "none", "--json")
-    assert result.returncode == 0, result.stderr[-2000:]
+    argv = ["ingest", str(path), "--out", out, "--split-size", "8KB", "--dedup", "none", "--json"]
+    result = CliRunner().invoke(app, argv, env={"PETATRAIN_DEBUG": None}, catch_exceptions=False)
+    assert result.exit_code == 0, result.output[-2000:]
     summary = json.loads(result.stdout)
     assert summary["files_split"] == 1 and summary["pieces"] == -(-path.stat().st_size // 8000)
     bad = run_cli("ingest", str(path), "--out", str(tmp_path / "other"), "--split-size", "lots")

@@ -189,6 +189,7 @@ def test_real_gloo_ranks_read_each_sample_once(token_ds, tmp_path):
     assert gathered == _rank_sets(token_ds, 3, 0, seed=9)
 
 
+@pytest.mark.slow  # ~9 s: a 10M-row index written and opened
 def test_order_scales_to_ten_million_shards(tmp_path):
     """Opening a 10M-shard index holds arrays the size of the index, never of the samples."""
     import pyarrow as pa

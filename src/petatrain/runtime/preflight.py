@@ -75,13 +75,11 @@ def fits_this_host(cfg: JobConfig, available: int | None = None) -> None:
     available memory; warned when plan's whole estimate (activations too) does. Without it, a model
     too large was OOM-killed on every attempt and reported as a worker fault. (On a cluster or a GPU
     the driver does not hold the memory the workers get.)"""
-    import torch
-
     from petatrain.cost.workload import Workload
     from petatrain.plan.estimate import memory_per_device
     from petatrain.train import strategies
 
-    if cfg.resources.address or cfg.resources.accelerator == "gpu" or torch.cuda.is_available():
+    if cfg.resources.address or cfg.resources.accelerator == "gpu":
         return
     available = memory_left() if available is None else available
     if available is None:
@@ -94,18 +92,27 @@ def fits_this_host(cfg: JobConfig, available: int | None = None) -> None:
         return
     gib = 2**30
     states = workers * (memory.weights + memory.gradients + memory.optimizer)
+    if workers * memory.total <= available or _has_cuda():  # the states are part of the total
+        return
     if states > available:
         raise ConfigError(
             f"the model's weights, gradients and optimizer state take {states / gib:.1f} GiB on {workers} "
             f"worker(s) (petatrain plan's count: {memory.weights / gib:.2f} + {memory.gradients / gib:.2f} + "
             f"{memory.optimizer / gib:.2f} GiB each); this host has {available / gib:.1f} GiB available"
         )
-    if workers * memory.total > available:
-        log.warning(
-            "plan estimates %.1f GiB for %d worker(s) at their peak (%s), more than the %.1f GiB this host has "
-            "available: the run may be OOM-killed", workers * memory.total / gib, workers, memory.phase,
-            available / gib,
-        )  # fmt: skip
+    log.warning(
+        "plan estimates %.1f GiB for %d worker(s) at their peak (%s), more than the %.1f GiB this host has "
+        "available: the run may be OOM-killed", workers * memory.total / gib, workers, memory.phase,
+        available / gib,
+    )  # fmt: skip
+
+
+def _has_cuda() -> bool:
+    """Whether torch sees a GPU here (accelerator auto), asked only when a model would not fit: torch's
+    import takes ~1 s, which a config error or a missing dataset should not wait for."""
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def says_if_nothing_is_held_out(cfg: JobConfig, options: StorageOptions | None) -> None:
