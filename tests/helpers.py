@@ -169,3 +169,19 @@ def kill_first_tries(tmp_path: Path, after_s: float = 8) -> dict[str, str]:
         "PETATRAIN_KILL_DIR": str(tmp_path / "killed"),
         "PETATRAIN_KILL_AFTER": str(after_s),
     }
+
+
+# -- ranks as local processes (gloo), for the layout and schedule comparisons --------------------
+# Forked from one server that imported torch (and DTensor, TorchDynamo) once: a spawned rank paid
+# ~2 s of CPU for those imports, and these tests start 20 of them.
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo", "torch.nn.parallel", "helpers"]
+
+
+def start_ranks(fn, args: tuple, nprocs: int) -> None:
+    """`fn(rank, *args)` in `nprocs` processes, as torch.multiprocessing.start_processes runs it
+    (an error in any rank is raised here), forked from a server holding torch's imports."""
+    import torch.multiprocessing as mp
+
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(_PRELOAD)
+    mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver")

@@ -7,8 +7,8 @@ import itertools
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from helpers import start_ranks
 from petatrain.config import ModelConfig, ParallelConfig, PipelineConfig
 from petatrain.errors import ConfigError
 from petatrain.train.pipeline.layout import Layout, partition, uniform
@@ -192,7 +192,7 @@ def test_every_schedule_matches_the_unsplit_model(tmp_path, world):
     out = str(tmp_path / "results.pt")
     init = f"file://{tmp_path}/store"
     kinds = ["gpt", "mlp"] if world == 2 else ["gpt"]
-    mp.start_processes(_worker, args=(world, init, CASES[world], kinds, out), nprocs=world, start_method="spawn")
+    start_ranks(_worker, (world, init, CASES[world], kinds, out), world)
     results = torch.load(out)
     assert len(results) == len(CASES[world]) * len(kinds)
     for case, worst in results.items():

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from helpers import ingest
+from helpers import ingest, start_ranks
 from petatrain.data import StreamingDataset, loader, synth
 from petatrain.errors import CorruptDataError, PetatrainError
 
@@ -183,7 +183,7 @@ def test_real_gloo_ranks_read_each_sample_once(token_ds, tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path / "gathered.json"
-    torch.multiprocessing.spawn(_ranked_worker, args=(3, token_ds, port, str(out)), nprocs=3, join=True)
+    start_ranks(_ranked_worker, (3, token_ds, port, str(out)), 3)
     gathered = json.loads(out.read_text())
     assert sorted(i for r in gathered for i in r) == list(range(StreamingDataset(token_ds).num_samples))
     assert gathered == _rank_sets(token_ds, 3, 0, seed=9)

@@ -12,10 +12,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
-from helpers import sha256, tiny, train
+from helpers import sha256, start_ranks, tiny, train
 from petatrain import config
 from petatrain.errors import ConfigError
 
@@ -148,7 +147,7 @@ def test_every_layout_matches_the_unsplit_model(tmp_path, world):
     """Loss, every gradient by name, the clipping norm, the weights after 2 steps, the evaluation
     loss, the checkpoint's tensors and a DDP checkpoint loaded: the unsplit model's, fp32 on gloo."""
     out = str(tmp_path / "results.pt")
-    mp.start_processes(_worker, args=(world, f"file://{tmp_path}/store", out), nprocs=world, start_method="spawn")
+    start_ranks(_worker, (world, f"file://{tmp_path}/store", out), world)
     results = torch.load(out)
     assert len(results) == 2 * len(CASES[world])
     for case, worst in results.items():
