@@ -179,7 +179,8 @@ _PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch._dy
 
 def start_ranks(fn, args: tuple, nprocs: int) -> None:
     """`fn(rank, *args)` in `nprocs` processes, as torch.multiprocessing.start_processes runs it
-    (an error in any rank is raised here), forked from a server holding torch's imports."""
+    (an error in any rank is raised here), forked from a server holding torch's imports. The ranks
+    get the environment the server started with (the first call's), not the caller's current one."""
     import torch.multiprocessing as mp
 
     context = mp.get_context("forkserver")

@@ -262,54 +262,63 @@ def test_reshard_copies_each_ranks_rows_out_of_the_old_files_that_hold_them():
         reshard(lambda k: files[k], {"w": (10, 0, 5), "tiny": (2, 0, 1)}, 3)
 
 
-_RESHARD_SCRIPT = (
-    """
-import json, os, sys, torch, torch.distributed as dist
-from safetensors.torch import load_file, save_file
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
-from petatrain import config
-from petatrain.models import build_model
-from petatrain.train import checkpoint as ckpt
-from petatrain.train.recipe import build_optimizer
-from petatrain.train.parallel import load_into, parallelize, read_for_resume, state_for_save
+def _reshard_rank(rank: int, phase: str, folder: str, world: int, old_world: int) -> None:
+    """One rank of the reshard test (a process forked by start_ranks): `save` FSDP shards of a
+    trained step, or `load` them on another world size; each rank writes the files it read."""
+    import os
 
-phase, folder, rank, world, old_world = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:])
-dist.init_process_group("gloo", init_method=f"file://{folder}/store-{phase}", rank=rank, world_size=world)
-# d_model 40: most dims (40, 120, 160, 320, 64 rows) split unevenly over 3 ranks
-cfg = config.load("examples/tiny.yaml", ["parallel.strategy=fsdp", "model.d_model=40"])
-torch.manual_seed(0 if phase == "save" else 1)
-spec = build_model(cfg.model, cfg.train)
-model = parallelize(spec, cfg, torch.device("cpu"))
-optimizer = build_optimizer(model, cfg.train)
-if phase == "save":
-    tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_len + 1))
-    spec.loss_fn(model, tokens).backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    tensors, meta, _ = state_for_save(model, optimizer, rank=rank, cfg=cfg, buffers=ckpt.HostBuffers())
-    save_file(tensors, f"{folder}/rank-{rank}.safetensors")
-    if rank == 0:
-        json.dump(meta["param_groups"], open(f"{folder}/groups.json", "w"))
-else:
-    read = []
-    def load(k):
-        read.append(k)
-        return load_file(f"{folder}/rank-{k}.safetensors")
-    groups = json.load(open(f"{folder}/groups.json"))
-    state = ckpt.CheckpointState(
-        step=1, strategy="fsdp", world_size=old_world, param_groups=groups, files={}, loader={}, time=0.0
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import load_file, save_file
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
     )
-    shards = read_for_resume(state, load, model=model, rank=rank, world=world, cfg=cfg)
-    load_into(model, optimizer, state, shards, rank=rank, cfg=cfg)
-    print("read", json.dumps(read))
-full = StateDictOptions(full_state_dict=True, cpu_offload=True)
-model_sd = get_model_state_dict(model, options=full)
-optim_sd = get_optimizer_state_dict(model, optimizer, options=full)
-if rank == 0:
-    save_file(ckpt.flatten_state(model_sd, optim_sd, with_model=True)[0], f"{folder}/full-{phase}.safetensors")
-"""
-    + _GLOO_EXIT
-)
+
+    from petatrain.models import build_model
+    from petatrain.train import checkpoint as ckpt
+    from petatrain.train.parallel import load_into, parallelize, read_for_resume, state_for_save
+    from petatrain.train.recipe import build_optimizer
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store-{phase}", rank=rank, world_size=world)
+    # d_model 40: most dims (40, 120, 160, 320, 64 rows) split unevenly over 3 ranks
+    cfg = config.load(ROOT / "examples" / "tiny.yaml", ["parallel.strategy=fsdp", "model.d_model=40"])
+    torch.manual_seed(0 if phase == "save" else 1)
+    spec = build_model(cfg.model, cfg.train)
+    model = parallelize(spec, cfg, torch.device("cpu"))
+    optimizer = build_optimizer(model, cfg.train)
+    if phase == "save":
+        tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_len + 1))
+        spec.loss_fn(model, tokens).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        tensors, meta, _ = state_for_save(model, optimizer, rank=rank, cfg=cfg, buffers=ckpt.HostBuffers())
+        save_file(tensors, f"{folder}/rank-{rank}.safetensors")
+        if rank == 0:
+            Path(f"{folder}/groups.json").write_text(json.dumps(meta["param_groups"]))
+    else:
+        read: list[int] = []
+
+        def load(k: int) -> dict:
+            read.append(k)
+            return load_file(f"{folder}/rank-{k}.safetensors")
+
+        groups = json.loads(Path(f"{folder}/groups.json").read_text())
+        state = ckpt.CheckpointState(
+            step=1, strategy="fsdp", world_size=old_world, param_groups=groups, files={}, loader={}, time=0.0
+        )
+        shards = read_for_resume(state, load, model=model, rank=rank, world=world, cfg=cfg)
+        load_into(model, optimizer, state, shards, rank=rank, cfg=cfg)
+        Path(f"{folder}/read-{rank}.json").write_text(json.dumps(read))
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_sd = get_model_state_dict(model, options=full)
+    optim_sd = get_optimizer_state_dict(model, optimizer, options=full)
+    if rank == 0:
+        save_file(ckpt.flatten_state(model_sd, optim_sd, with_model=True)[0], f"{folder}/full-{phase}.safetensors")
+    dist.destroy_process_group()
+    os._exit(0)  # not through finalization: see _GLOO_EXIT
 
 
 @pytest.mark.parametrize(("old_world", "new_world", "reads"), [(3, 2, [[0, 1], [1, 2]]), (2, 3, [[0], [0, 1], [1]])])
@@ -318,31 +327,14 @@ def test_fsdp_checkpoint_loads_on_another_world_size_reading_only_the_rows_each_
 ):
     """Shards of 3 ranks load on 2 and back: the full model and optimizer state are exactly the
     saved ones, and each rank read only the old files that hold its rows."""
-    import subprocess
-    import sys
-
     import torch
     from safetensors.torch import load_file
 
-    def run(phase: str, world: int) -> list[str]:
-        procs = [
-            subprocess.Popen(
-                [sys.executable, "-c", _RESHARD_SCRIPT, phase, str(tmp_path), str(r), str(world), str(old_world)],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                cwd=ROOT,
-            )
-            for r in range(world)
-        ]
-        outs = [p.communicate(timeout=300) for p in procs]
-        for p, (_, err) in zip(procs, outs, strict=True):
-            assert p.returncode == 0, err[-3000:]
-        return [out for out, _ in outs]
+    from helpers import start_ranks
 
-    run("save", old_world)
-    outs = run("load", new_world)
-    assert [json.loads(out.split("read ")[-1]) for out in outs] == reads
+    start_ranks(_reshard_rank, ("save", str(tmp_path), old_world, old_world), old_world)
+    start_ranks(_reshard_rank, ("load", str(tmp_path), new_world, old_world), new_world)
+    assert [json.loads((tmp_path / f"read-{r}.json").read_text()) for r in range(new_world)] == reads
     saved, loaded = load_file(tmp_path / "full-save.safetensors"), load_file(tmp_path / "full-load.safetensors")
     assert set(saved) == set(loaded) and len(saved) > 20
     for name, tensor in saved.items():
