@@ -151,57 +151,53 @@ def test_live_snapshot_is_written_as_taken_and_refused_if_it_changed(tmp_path):
 # gloo's worker thread can drop its last reference to a finished all-gather after wait() has returned;
 # if that happens while Python finalizes, the tensors' decref takes the GIL, which calls pthread_exit inside
 # a noexcept frame: std::terminate and exit -6 (seen in CI; 2 of 15 runs of the reshard load here).
-# Leave without finalizing once every file is written.
-_GLOO_EXIT = """
-dist.destroy_process_group()
-sys.stdout.flush()
-os._exit(0)
-"""
+# Leave without finalizing once every file is written (os._exit: the ranks below end so).
 
 
-_WATCH_SCRIPT = (
-    """
-import os, socket, sys, torch, torch.distributed as dist
-from petatrain import config
-from petatrain.models import build_model
-from petatrain.train import checkpoint as ckpt
-from petatrain.train.recipe import build_optimizer
-from petatrain.train.parallel import parallelize, state_for_save
+def _watch_rank(rank: int, strategy: str, out: str) -> None:
+    """A rank alone (forked by start_ranks): the live tensors' version counters through backward and
+    optimizer.step, written to `out` as [live tensors, moved in backward, moved in step]."""
+    import os
+    import socket
 
-with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-cfg = config.load("examples/tiny.yaml", [f"parallel.strategy={sys.argv[1]}"])
-spec = build_model(cfg.model, cfg.train)
-model = parallelize(spec, cfg, torch.device("cpu"))
-optimizer = build_optimizer(model, cfg.train)
-tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_len + 1))
-spec.loss_fn(model, tokens).backward()
-optimizer.step()
-_, _, live = state_for_save(model, optimizer, rank=0, cfg=cfg, buffers=ckpt.HostBuffers(), live=True)
-versions = [t._version for t in live]
-spec.loss_fn(model, tokens).backward()
-after_backward = sum(v != t._version for v, t in zip(versions, live))
-optimizer.step()
-print(len(live), after_backward, sum(v != t._version for v, t in zip(versions, live)))
-"""
-    + _GLOO_EXIT
-)
+    import torch
+    import torch.distributed as dist
+
+    from petatrain.models import build_model
+    from petatrain.train import checkpoint as ckpt
+    from petatrain.train.parallel import parallelize, state_for_save
+    from petatrain.train.recipe import build_optimizer
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    cfg = config.load(ROOT / "examples" / "tiny.yaml", [f"parallel.strategy={strategy}"])
+    spec = build_model(cfg.model, cfg.train)
+    model = parallelize(spec, cfg, torch.device("cpu"))
+    optimizer = build_optimizer(model, cfg.train)
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_len + 1))
+    spec.loss_fn(model, tokens).backward()
+    optimizer.step()
+    _, _, live = state_for_save(model, optimizer, rank=0, cfg=cfg, buffers=ckpt.HostBuffers(), live=True)
+    versions = [t._version for t in live]
+    spec.loss_fn(model, tokens).backward()
+    after_backward = sum(v != t._version for v, t in zip(versions, live, strict=True))
+    optimizer.step()
+    after_step = sum(v != t._version for v, t in zip(versions, live, strict=True))
+    Path(out).write_text(json.dumps([len(live), after_backward, after_step]))
+    dist.destroy_process_group()
+    os._exit(0)  # not through finalization: gloo's thread (see above)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_live_snapshot_guard_sees_every_change_optimizer_step_makes(strategy):
+def test_live_snapshot_guard_sees_every_change_optimizer_step_makes(strategy, tmp_path):
     """The writer's guard watches version counters: every live tensor's moves in optimizer.step
     (FSDP's sharded DTensors bump only their own, not their local tensor's), none in forward/backward."""
-    import subprocess
-    import sys
+    from helpers import start_ranks
 
-    out = subprocess.run(
-        [sys.executable, "-c", _WATCH_SCRIPT, strategy], capture_output=True, text=True, timeout=300, cwd=ROOT
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    live, after_backward, after_step = map(int, out.stdout.split()[-3:])
+    start_ranks(_watch_rank, (strategy, str(tmp_path / "counts.json")), 1)
+    live, after_backward, after_step = json.loads((tmp_path / "counts.json").read_text())
     assert live > 50 and after_backward == 0 and after_step == live, (live, after_backward, after_step)
 
 
@@ -318,7 +314,7 @@ def _reshard_rank(rank: int, phase: str, folder: str, world: int, old_world: int
     if rank == 0:
         save_file(ckpt.flatten_state(model_sd, optim_sd, with_model=True)[0], f"{folder}/full-{phase}.safetensors")
     dist.destroy_process_group()
-    os._exit(0)  # not through finalization: see _GLOO_EXIT
+    os._exit(0)  # not through finalization: gloo's thread (see above)
 
 
 @pytest.mark.parametrize(("old_world", "new_world", "reads"), [(3, 2, [[0, 1], [1, 2]]), (2, 3, [[0], [0, 1], [1]])])

@@ -172,7 +172,7 @@ def _ranked_worker(rank, world, url, port, out):
                 json.dump(gathered, handle)
     finally:
         torch.distributed.destroy_process_group()
-    os._exit(0)  # not through finalization, which can race gloo's worker thread: see _GLOO_EXIT in test_checkpoint.py
+    os._exit(0)  # not through finalization, which can race gloo's worker thread: see test_checkpoint.py
 
 
 @pytest.mark.slow
