@@ -171,6 +171,18 @@ def kill_first_tries(tmp_path: Path, after_s: float = 8) -> dict[str, str]:
     }
 
 
+def train_workers() -> set[int]:
+    """Pids of this machine's Ray Train worker processes (Ray titles them `ray::RayTrainWorker...`)."""
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and (entry / "cmdline").read_bytes().startswith(b"ray::RayTrainWorker"):
+                pids.add(int(entry.name))
+        except OSError:  # ended meanwhile
+            pass
+    return pids
+
+
 # -- ranks as local processes (gloo), for the layout and schedule comparisons --------------------
 # Forked from one server that imported torch (and DTensor, TorchDynamo) once: a spawned rank paid
 # ~2 s of CPU for those imports, and these tests start 20 of them.

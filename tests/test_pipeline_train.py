@@ -165,16 +165,31 @@ def test_fsdp_and_pipeline_checkpoints_resume_in_each_other(pipeline_run, baseli
         assert max(float((ours[k] - theirs[k]).abs().max()) for k in theirs) < 1e-5, name
 
 
-# Runs in the head's namespace: a pipeline job on the two-node cluster for a fixed time (the run is
-# checkpointed and ends with its final weights when the time is up, whatever attempt it is in).
+# Runs in the head's namespace: a pipeline job on the two-node cluster, ended (checkpointed, with its
+# final weights) through TrainJob.stop once the grown attempt has trained a few steps, else when the
+# time given is up, whatever attempt it is in.
 _CLUSTER_DRIVER = """
-import json, sys
+import json, sys, threading, time
 from petatrain import config
 from petatrain.chaos.inject import parse
+from petatrain.observe.ledger import read_events
 from petatrain.runtime.driver import TrainJob, run
 cfg = config.load(sys.argv[1], sys.argv[5:])
 job = TrainJob(config=cfg, run_url=sys.argv[2], stop_after_s=float(sys.argv[3]), address=sys.argv[4],
-               injections=[parse(f"partition@step=8,rank={r}") for r in range(4)])
+               injections=[parse(f"partition@step=8,rank={r}") for r in range(4)], stop=threading.Event())
+
+def stop_once_grown():
+    while not job.stop.is_set():
+        time.sleep(0.5)
+        try:
+            events = read_events(sys.argv[2])
+        except Exception:
+            continue
+        resumed = [e["step"] for e in events if e["event"] == "resume" and e["attempt"] == 2]
+        if resumed and any(e["event"] == "step" and e["attempt"] == 2 and e["step"] >= resumed[0] + 5 for e in events):
+            job.stop.set()
+
+threading.Thread(target=stop_once_grown, daemon=True).start()
 print(json.dumps(run(job).to_dict()))
 """
 
@@ -184,7 +199,8 @@ def test_a_stage_node_partitioned_shrinks_the_replicas_and_they_grow_back(token_
     """2 stages x 2 replicas on two Ray nodes in network namespaces (2 ranks a node). The worker
     node's link is cut at step 8: the node is lost in seconds and training goes on as 2 stages x 1
     replica on the head node (parallel.workers 2-4). A fresh worker node joins: the driver sees room
-    for 4 again, the ranks stop together after a checkpoint (no step lost) and 2 x 2 resumes from it."""
+    for 4 again, the ranks stop together after a checkpoint (no step lost) and 2 x 2 resumes from it;
+    a few steps later the driver's program ends the run (TrainJob.stop)."""
     import sys
     import time
 
@@ -196,7 +212,7 @@ def test_a_stage_node_partitioned_shrinks_the_replicas_and_they_grow_back(token_
     run_dir = tmp_path / "run"
     overrides = [*PIPELINE, f"data.dataset={token_dataset}", "train.steps=100000", "parallel.workers=2-4"]
     overrides += ["resources.cpus_per_worker=0.5", "train.eval_every=0", "checkpoint.every=50"]
-    argv = [sys.executable, "-c", _CLUSTER_DRIVER, str(ROOT / "examples" / "tiny.yaml"), str(run_dir), "80"]
+    argv = [sys.executable, "-c", _CLUSTER_DRIVER, str(ROOT / "examples" / "tiny.yaml"), str(run_dir), "240"]
 
     def so_far() -> list[dict]:
         return read_events(str(run_dir)) if (run_dir / "events.jsonl").exists() else []
@@ -234,4 +250,6 @@ def test_a_stage_node_partitioned_shrinks_the_replicas_and_they_grow_back(token_
     assert resumed[2] == steps[1][-1] > 8, "the resize's checkpoint is the step the ranks stopped at: no step lost"
     assert any(e["event"] == "step" and e["attempt"] == 2 and e["step"] > resumed[2] for e in events)
     assert events[-1]["event"] == "end" and events[-1]["status"] == "ok"
+    # TrainJob.stop ended it, within a telemetry answer of being set (5 steps in), not the time cap
+    assert resumed[2] + 5 <= events[-1]["step"] < resumed[2] + 200, (resumed, events[-1])
     assert (run_dir / "final" / "model.safetensors").exists()

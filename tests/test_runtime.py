@@ -5,11 +5,10 @@ from __future__ import annotations
 import os
 import signal
 import time
-from pathlib import Path
 
 import pytest
 
-from helpers import tiny, train
+from helpers import tiny, train, train_workers
 from petatrain.errors import ConfigError
 from petatrain.observe.ledger import read_events
 
@@ -101,9 +100,13 @@ def test_heartbeat_dates_the_last_step_not_the_message(ray_local, tmp_path):
 
     hub = RunHub.remote(str(tmp_path), None)
     ray_local.get(hub.new_attempt.remote(0))
-    ray_local.get(hub.telemetry.remote([], 0, 1, 5, 123, "node", 3.0))
+    assert ray_local.get(hub.telemetry.remote([], 0, 1, 5, 123, "node", 3.0)) == (None, False), "nothing asked"
     beat = ray_local.get(hub.heartbeats.remote())[1]
     assert beat["step"] == 5 and 3.0 <= time.time() - beat["t"] < 6.0
+    # What the driver asks reaches the ranks in the answers: a resize of this attempt, the run's end.
+    ray_local.get([hub.request_resize.remote(0, 4), hub.request_stop.remote()])
+    assert ray_local.get(hub.telemetry.remote([], 0, 0, 6, 123, "node")) == (4, True)
+    assert ray_local.get(hub.telemetry.remote([], 1, 0, 0, 123, "node")) == (None, True), "the stop is the run's"
     ray_local.kill(hub)
 
 
@@ -197,18 +200,6 @@ def test_restart_runs_the_controller_started_while_the_attempt_trained(token_dat
     assert [(e["controller"], e["warm_controller"]) for e in starts] == [("actor", False), ("actor", True)]
 
 
-def _train_workers() -> set[int]:
-    """Pids of this machine's Ray Train worker processes (Ray titles them `ray::RayTrainWorker...`)."""
-    pids = set()
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and (entry / "cmdline").read_bytes().startswith(b"ray::RayTrainWorker"):
-                pids.add(int(entry.name))
-        except OSError:  # ended meanwhile
-            pass
-    return pids
-
-
 @pytest.mark.slow
 def test_controller_runs_in_the_driver_and_an_interrupt_ends_its_workers(token_dataset, tmp_path):
     """By default Ray Train's controller is an object of the driver (no process of its own);
@@ -221,13 +212,13 @@ def test_controller_runs_in_the_driver_and_an_interrupt_ends_its_workers(token_d
     starts = [e for e in read_events(str(tmp_path / "ok")) if e["event"] == "attempt_start"]
     assert [(e["controller"], e["warm_controller"]) for e in starts] == [("driver", False), ("driver", False)]
 
-    before = _train_workers()
+    before = train_workers()
     seen: set[int] = set()
 
     def interrupt_once_training() -> None:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            seen.update(_train_workers() - before)
+            seen.update(train_workers() - before)
             if len(seen) == 2:
                 time.sleep(3)  # into the loop
                 os.kill(os.getpid(), signal.SIGINT)
@@ -244,7 +235,7 @@ def test_controller_runs_in_the_driver_and_an_interrupt_ends_its_workers(token_d
         signal.signal(signal.SIGINT, previous)
     assert len(seen) == 2, "the workers never started"
     deadline = time.monotonic() + 15
-    while _train_workers() & seen:
+    while train_workers() & seen:
         assert time.monotonic() < deadline, "the interrupted run's workers are still alive"
         time.sleep(0.2)
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -18,6 +20,8 @@ from petatrain.runtime.startup.standby import Standby
 from petatrain.runtime.supervisor import AttemptOutcome
 from petatrain.runtime.trainer import fit, make_trainer
 from petatrain.runtime.watchdog import Watchdog
+
+log = logging.getLogger(__name__)
 
 
 class RayAttempts:
@@ -42,6 +46,9 @@ class RayAttempts:
         from petatrain.train.loop import NonFiniteLoss
 
         self.causes = {**CAUSES, NonFiniteLoss: FailureCause.NONFINITE}
+        self._closed = threading.Event()
+        if job.stop is not None:
+            threading.Thread(target=self._forward_stop, args=(job.stop,), name="petatrain-stop", daemon=True).start()
 
     def emit(self, event: ev.Event) -> dict[str, Any]:
         record = self.hub.call("emit", event)
@@ -74,8 +81,22 @@ class RayAttempts:
         return cluster.died_on_its_own({(b["pid"], b["node_id"]): rank for rank, b in beats.items()})
 
     def close(self) -> None:
+        self._closed.set()
         self.watch.stop()
         self.standby.discard()
+
+    def _forward_stop(self, stop: threading.Event) -> None:
+        """TrainJob.stop, once set, to the hub: the training attempt's ranks stop at the next step boundary."""
+        while not self._closed.is_set():
+            if stop.wait(0.2):
+                try:
+                    self.hub.call("request_stop", timeout=30)
+                except Exception:  # the run is ending anyway; an attempt that starts now stops after a step
+                    log.warning("could not ask the run hub to stop the run", exc_info=True)
+                return
+
+    def _stop_after(self) -> float | None:
+        return self.started + self.job.stop_after_s if self.job.stop_after_s else None
 
     def _payload(self, attempt: int) -> Any:
         from petatrain.train.loop import Payload
@@ -89,7 +110,7 @@ class RayAttempts:
             attempt=attempt,
             run_started=self.started,
             injections=list(job.injections),  # the workers leave out those that fired already
-            stop_at=self.started + job.stop_after_s if job.stop_after_s else None,
+            stop_at=time.time() if job.stop is not None and job.stop.is_set() else self._stop_after(),
             hold_at_eval=job.gate is not None,
             carry_step=self.carry_step,
         )

@@ -21,6 +21,10 @@ class TrainJob:
     injections: list[Injection] = field(default_factory=list)
     local_cpus: int = 0
     stop_after_s: float | None = None  # end the run (checkpointed, final weights) this long after it started
+    # Set from any thread to end the run as stop_after_s does: at the step boundary after rank 0 hears
+    # it (its next telemetry answer, within ~1 s), checkpointed, final weights written. For a program
+    # that embeds the driver.
+    stop: threading.Event | None = None
     # Continue the run the run directory holds (a RayJob retry, a lost head pod, a new cluster):
     # same run id, the next attempt number, from its newest committed checkpoint. Without it, a
     # run directory that holds a run is refused.

@@ -76,6 +76,7 @@ class Telemetry:
         self._lock = threading.Lock()  # the checkpoint writer's thread records too
         self._answers: list[Any] = []  # the hub's answers to the flushes, not yet read
         self._resize: int | None = None
+        self._stop = False  # the driver asked the run to end (stop_requested)
 
     def record(self, event: Event) -> None:
         """Sent with the next flush; it keeps the time it was made."""
@@ -106,7 +107,7 @@ class Telemetry:
             age = time.time() - self.step_at if self.step >= 0 else 0.0
             ref = self.hub.telemetry.remote(events, self.attempt, self.rank, self.step, os.getpid(), self.node_id, age)
             self.sent_at = time.monotonic()
-            if self.rank == 0:  # the rank that reads them (resize_requested)
+            if self.rank == 0:  # the rank that reads them (resize_requested, stop_requested)
                 self._answers.append(ref)
         if wait:
             import ray
@@ -121,21 +122,30 @@ class Telemetry:
 
     def resize_requested(self) -> int | None:
         """The worker count the driver asked for, from the hub's answers to the flushes so far (never waits)."""
+        self._read_answers()
+        return self._resize
+
+    def stop_requested(self) -> bool:
+        """Whether the driver asked the run to end (TrainJob.stop), from the hub's answers so far (never waits)."""
+        self._read_answers()
+        return self._stop
+
+    def _read_answers(self) -> None:
         import ray
 
         with self._lock:
             answers = self._answers
-        if self._resize is None and answers:
+        if answers and (self._resize is None or not self._stop):
             ready, _ = ray.wait(answers, num_returns=len(answers), timeout=0)
             with self._lock:
                 self._answers = [a for a in self._answers if a not in ready]
             for ref in ready:
                 try:
-                    value = ray.get(ref)
+                    asked = ray.get(ref)
                 except Exception:  # a hub that failed to answer: its watchdog call fails the attempt too
                     continue
-                self._resize = value if value is not None else self._resize
-        return self._resize
+                self._resize = asked.resize if asked.resize is not None else self._resize
+                self._stop = self._stop or asked.stop
 
 
 @dataclass(slots=True)

@@ -56,7 +56,7 @@ class Payload:
     attempt: int
     run_started: float
     injections: list[inject.Injection]
-    stop_at: float | None = None  # unix time: stop at the first step boundary after it (soak windows)
+    stop_at: float | None = None  # unix time: stop at the first step boundary after it (soak windows, TrainJob.stop)
     # Wait after each evaluation until the driver's owner has taken it (a search's trial: Tune may
     # stop the trial there, or PBT replace its state), so the run never trains past a decision.
     hold_at_eval: bool = False
@@ -241,7 +241,9 @@ def _train(r: Rank, start: int, preemption: PreemptionNotice, chaos: inject.Rank
         # it runs while the optimizer steps. Whether to skip the update is decided from the
         # global gradient norm, which every rank already holds after the gradient reduction.
         due = r.rank == 0 and schedule.due(step)
-        halt = r.rank == 0 and r.payload.stop_at is not None and time.time() >= r.payload.stop_at
+        halt = r.rank == 0 and (
+            (r.payload.stop_at is not None and time.time() >= r.payload.stop_at) or telemetry.stop_requested()
+        )
         resize = r.rank == 0 and telemetry.resize_requested() is not None
         decisions = (preemption.received, due, halt, resize)
         flags = torch.stack([loss_sum, *(torch.tensor(float(d), device=r.device) for d in decisions)])

@@ -42,6 +42,10 @@ class Telemetry(Protocol):
         """The worker count the driver asked this attempt to restart on, once its answer is in (else None)."""
         ...
 
+    def stop_requested(self) -> bool:
+        """Whether the driver asked the run to end (TrainJob.stop), once its answer is in."""
+        ...
+
 
 class HubChannel(Protocol):
     """One rank's calls to the driver: events, heartbeats, checkpoint parts, injected faults."""

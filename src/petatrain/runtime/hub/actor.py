@@ -3,13 +3,14 @@ this package (see its docstring); here are only the threads each call runs on.""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import ray
 
 from petatrain.observe.events import Event, FaultInjected
 from petatrain.observe.ledger import EventLog
-from petatrain.runtime.hub.attempt import Attempt, Drain, Heartbeats, Resizes
+from petatrain.runtime.hub.attempt import Asked, Attempt, Drain, Heartbeats, Resizes
 from petatrain.runtime.hub.injections import FiredInjections
 from petatrain.runtime.hub.ledger import Ledger, StepHold
 from petatrain.runtime.hub.metrics import Metrics
@@ -46,6 +47,7 @@ class RunHub:
         )
         self.attempt = Attempt()
         self.beats, self.drain, self.resizes = Heartbeats(self.attempt), Drain(self.attempt), Resizes()
+        self.stopping = threading.Event()  # the driver asked the run to end (request_stop)
         self.evals = EvalHold(self.attempt, self.beats)
         self.hang = HangWatch(self.attempt, self.beats, self.drain, self.evals)
         self.parts = PartsRendezvous(self.attempt, self.drain)
@@ -71,12 +73,13 @@ class RunHub:
         pid: int,
         node_id: str,
         age_s: float = 0.0,
-    ) -> int | None:
+    ) -> Asked:
         """A rank's batched events and its heartbeat: one actor call per flush of the loop. Returns
-        the worker count the driver asked this attempt to restart on (`request_resize`), if it did."""
+        what the driver asked: the worker count to restart this attempt on (`request_resize`), and
+        whether the run is to end (`request_stop`)."""
         self.ledger.emit_many(batch)
         self.beats.beat(attempt, rank, step, pid, node_id, age_s)
-        return self.resizes.asked(attempt)
+        return Asked(self.resizes.asked(attempt), self.stopping.is_set())
 
     @ray.method(concurrency_group="ledger")
     def started(self) -> bool:
@@ -125,6 +128,11 @@ class RunHub:
         """The cluster can host `world` workers now: the attempt's rank 0 hears it in its next
         telemetry answer and the ranks stop together after a checkpoint (`train.rank.Resized`)."""
         self.resizes.request(attempt, world)
+
+    def request_stop(self) -> None:
+        """End the run: the attempt's rank 0 hears it in its next telemetry answer, and the ranks stop
+        together at the next step boundary, checkpointed, with the final weights (`TrainJob.stop`)."""
+        self.stopping.set()
 
     @ray.method(concurrency_group="watch")
     def watch(self, attempt: int, timeout_s: float, announced: bool, wait_s: float) -> dict[str, Any]:

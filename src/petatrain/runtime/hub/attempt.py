@@ -1,11 +1,11 @@
-"""The attempt the run is on, and what the hub keeps per attempt: heartbeats, lost ranks, resizes."""
+"""The attempt the run is on, and what the hub keeps per attempt: heartbeats, lost ranks, resizes; the run's stop."""
 
 from __future__ import annotations
 
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 
 class Attempt:
@@ -87,6 +87,13 @@ class Drain:
             if attempt == self._attempt.number:
                 self.lost, self.draining = set(lost), True
                 self._attempt.cond.notify_all()
+
+
+class Asked(NamedTuple):
+    """The hub's answer to a rank's telemetry: what the driver asked of the attempt and the run."""
+
+    resize: int | None  # restart on this many workers (the cluster grew back), after a checkpoint
+    stop: bool  # end the run at the next step boundary, checkpointed, final weights written (TrainJob.stop)
 
 
 class Resizes:
