@@ -174,15 +174,20 @@ def test_storage_outage_skips_a_checkpoint_without_a_partial_commit(token_datase
         assert (folder / "COMMITTED").exists() == (folder / "state.json").exists()
 
 
-def test_nonfinite_loss_skip_and_rollback(token_dataset, tmp_path):
+def test_nonfinite_loss_skip_and_rollback_and_giving_up_after_max_restarts(token_dataset, tmp_path):
+    """A NaN loss skipped; one rolled back to the last checkpoint (a restart); and, in that run, an
+    exception after it: past faults.max_restarts=1, the run gives up and its ledger ends."""
     summary = train(tiny(token_dataset), tmp_path / "skip", "nan@step=5,rank=0")
     events = read_events(str(tmp_path / "skip"))
     assert summary["failures"] == []
     assert [(e["step"], e["action"]) for e in events if e["event"] == "nonfinite"] == [(6, "skip")]
-    summary = train(tiny(token_dataset, "faults.nonfinite=rollback"), tmp_path / "rollback", "nan@step=12,rank=1")
-    assert [f["cause"] for f in summary["failures"]] == ["nonfinite"]
-    resumes = [e["step"] for e in read_events(str(tmp_path / "rollback")) if e["event"] == "resume"]
-    assert resumes == [0, 10]
+    rollback = tiny(token_dataset, "faults.nonfinite=rollback", "faults.max_restarts=1")
+    with pytest.raises(PetatrainError, match=r"faults\.max_restarts=1"):
+        train(rollback, tmp_path / "rollback", "nan@step=12,rank=1", "raise@step=15,rank=0")
+    events = read_events(str(tmp_path / "rollback"))
+    assert [e["cause"] for e in events if e["event"] == "failure"] == ["nonfinite", "exception"]
+    assert [e["step"] for e in events if e["event"] == "resume"] == [0, 10]
+    assert kinds(tmp_path / "rollback")[-1] == "end"
 
 
 def test_a_kill_hidden_behind_a_survivors_collective_error_counts_as_a_kill(ray_local):
@@ -209,12 +214,6 @@ def test_a_kill_hidden_behind_a_survivors_collective_error_counts_as_a_kill(ray_
     died = died_on_its_own(where, wait_s=10)
     failure = classify(survivor, hang=None, nodes_lost=False, died=died)
     assert (failure.cause, failure.rank) == ("kill", 1), failure
-
-
-def test_gives_up_after_max_restarts(token_dataset, tmp_path):
-    with pytest.raises(PetatrainError, match=r"faults\.max_restarts=1"):
-        train(tiny(token_dataset, "faults.max_restarts=1"), tmp_path, "raise@step=3", "raise@step=4")
-    assert kinds(tmp_path)[-1] == "end"
 
 
 def test_fsdp_resumes_on_another_world_size(baseline, token_dataset, tmp_path):
