@@ -428,7 +428,8 @@ ACTOR_METHODS = {
     "emit": "ledger", "emit_many": "ledger", "telemetry": "ledger", "started": "ledger", "flush": "ledger",
     "close": "ledger", "fire": "ledger", "health": None, "placement_groups": None, "metrics_url": None,
     "last_scrape": "linger", "new_attempt": None, "beat": None, "heartbeats": None, "attempt_failed": None,
-    "request_resize": None, "request_stop": None, "watch": "watch", "hold": "parts", "release": None, "report_part": "parts",
+    "request_resize": None, "request_stop": None,
+    "watch": "watch", "hold": "parts", "release": None, "report_part": "parts",
     "wait_parts": "parts", "fired_keys": None,
 }  # fmt: skip
 
