@@ -57,6 +57,9 @@ class RayHead:
         ]  # fmt: skip
         env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
         env.update(self.client_env, RAY_USAGE_STATS_ENABLED="0", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+        # As `deploy k8s` starts a head: without it, the Ray Client server's per-driver process,
+        # forked while gRPC threads run, dies in about one connection in four (see runtime/cluster.py).
+        env["GRPC_ENABLE_FORK_SUPPORT"] = "0"
         log = self.temp_dir / "ray-start.log"  # a file, not a pipe: the daemons would hold a pipe open
         with log.open("wb") as out:
             started = subprocess.Popen(argv, env=env, start_new_session=True, stdout=out, stderr=subprocess.STDOUT)

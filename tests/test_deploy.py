@@ -61,6 +61,7 @@ def test_a_rayjob_continues_its_run_and_scales_between_the_worker_range():
     assert job["entrypoint"].endswith("--set observe.metrics_host=pod-ip") and "$" not in job["entrypoint"]
     head_env = job["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["env"]
     assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in head_env
+    assert {"name": "GRPC_ENABLE_FORK_SUPPORT", "value": "0"} in head_env  # Ray Client drivers join at once
     assert job["shutdownAfterJobFinishes"] is True and job["backoffLimit"] >= 1
     cluster = job["rayClusterSpec"]
     assert cluster["authOptions"] == {"mode": "token"}

@@ -580,6 +580,8 @@ def _pod(
         "ports": ports,
         "volumeMounts": mounts,
     }
+    if head:  # the Ray Client server forks a process per driver; gRPC's fork handlers can kill it
+        container["env"] = [*container["env"], {"name": "GRPC_ENABLE_FORK_SUPPORT", "value": "0"}]
     if fabric is not None:  # RDMA registers (locks) memory
         container["env"] = [*container["env"], *({"name": k, "value": v} for k, v in fabric[2].items())]
         container["securityContext"] = {"capabilities": {"add": ["IPC_LOCK"]}}

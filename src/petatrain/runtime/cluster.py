@@ -59,10 +59,13 @@ def init_ray(address: str, local_cpus: int = 0, tls: RayTlsConfig | None = None)
             break
         except ConnectionError as exc:
             # The Ray Client server starts a server process per driver; forked while its other
-            # threads are inside gRPC, that process sometimes dies at once (its log: "epoll_wait
-            # error: Bad file descriptor"; seen about once in five connections on a loaded
-            # 2-core machine). A new connection gets a new process.
-            if tries_left and is_client_address(address) and "Starting Ray client server failed" in str(exc):
+            # threads are inside gRPC, that process sometimes dies at once (the server's log: "Other
+            # threads are currently calling into gRPC, skipping fork() handlers"; 3 connections in 12
+            # to a 2-core head, each after a 30 s wait). A head started with GRPC_ENABLE_FORK_SUPPORT=0
+            # never does (14 in 14; `deploy k8s` sets it); else a new connection gets a new process.
+            said = str(exc)
+            died = "Starting Ray client server failed" in said or "start_specific_server" in said
+            if tries_left and is_client_address(address) and died:
                 log.info("the Ray Client server at %s could not start this driver's server; trying again", address)
                 continue
             raise PetatrainError(f"cannot reach the Ray cluster at {address!r}: {exc}") from None
