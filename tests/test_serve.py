@@ -475,7 +475,7 @@ def test_sigterm_stops_serve_as_ctrl_c_does_and_leaves_nothing_running(baseline)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}  # a user's shell: no Ray settings
     argv = [
         sys.executable,
         "-m",
@@ -515,6 +515,7 @@ def test_sigterm_stops_serve_as_ctrl_c_does_and_leaves_nothing_running(baseline)
             server.kill()
     assert server.returncode == 0, err[-3000:]
     assert "stopping" in err and "SIGTERM" not in err and "Stack trace" not in err, err[-3000:]
+    assert "\tWARNING " not in err and "\tINFO " not in err, err[-3000:]  # Ray's own logging goes to its file
     deadline = time.monotonic() + 30
     while (alive := {p: c for p, c in started.items() if _cmdline(p) == c}) and time.monotonic() < deadline:
         time.sleep(0.5)

@@ -10,7 +10,7 @@ from typing import Annotated, Any
 import typer
 
 from petatrain import api
-from petatrain.cli.common import Address, Json, Sets, say, show, verb
+from petatrain.cli.common import Address, Json, Sets, ray_session, say, show, verb
 
 
 @verb()
@@ -46,6 +46,7 @@ def serve(
     overrides = list(set_ or [])
     overrides += [f"serve.replicas={replicas}"] if replicas is not None else []
     overrides += [f"serve.max_batch={max_batch}"] if max_batch is not None else []
+    ray_session(None)  # Ray's own logging into the log file (the run's TLS: api.serve, from its config)
     serving = api.serve(
         run, checkpoint=checkpoint, host=host, port=port, address=address, follow=follow, overrides=overrides,
         registry=registry,
