@@ -134,6 +134,55 @@ def test_a_file_too_large_for_the_workers_memory_is_one_quarantine_record_not_an
     assert peak < 8 << 20, f"peak {peak >> 20} MiB"
 
 
+@pytest.mark.chaos
+def test_a_file_whose_every_reader_is_killed_is_one_quarantine_record_not_a_loop(ray_local, tmp_path):
+    """Attack round 3 MED (issue 35): Ray Data runs a task again, forever, when its process dies, so
+    a file that takes more memory than a worker has (a pod's cgroup limit: the kernel kills the
+    worker) looped an ingest with no error. Here an OOM killer of the test's kills every ingest task
+    past 400 MiB, and one file expands to 1 GiB (under the memory-share cap): its task is run three
+    times, then the file is one quarantine record and the others are committed."""
+    import gzip
+    import signal
+    import threading
+    import time
+
+    import psutil
+
+    from petatrain.data.ingest.pipeline import TASK_RETRIES
+
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "fine.jsonl").write_text("".join(json.dumps({"text": f"document number {i}"}) + "\n" for i in range(50)))
+    member = gzip.compress(bytes(1 << 20))  # gzip members concatenate: 1024 of them expand to 1 GiB
+    (raw / "huge.jsonl.gz").write_bytes(member * 1024)
+    killed, stop = [], threading.Event()
+
+    def oom_killer():
+        while not stop.is_set():
+            for proc in psutil.process_iter(["cmdline", "memory_info"]):
+                cmd, mem = proc.info["cmdline"] or [""], proc.info["memory_info"]
+                if cmd[0].startswith("ray::") and mem is not None and mem.rss > 400 << 20:
+                    os.kill(proc.pid, signal.SIGKILL)
+                    killed.append(proc.pid)
+            time.sleep(0.02)
+
+    killer = threading.Thread(target=oom_killer, daemon=True)
+    killer.start()
+    started = time.monotonic()
+    try:
+        summary, rejects = _ingest_rejects([raw], tmp_path / "ds")
+    finally:
+        stop.set()
+        killer.join()
+    assert len(killed) == TASK_RETRIES + 1, killed
+    assert summary.rows_out == 50 and summary.rejected == {"unreadable_file": 1}
+    [reject] = rejects
+    assert reject["source"].endswith("huge.jsonl.gz") and reject["reason"] == "unreadable_file"
+    assert "the worker reading it was lost 3 times (its process died)" in reject["detail"]
+    assert time.monotonic() - started < 120
+    assert index.open_dataset(str(tmp_path / "ds")).num_rows == 50
+
+
 def test_a_line_over_the_record_cap_is_too_long_unread_and_its_neighbours_kept(tmp_path):
     giant = b'{"text": "' + b"x" * (64 << 20) + b'"}'
     path = tmp_path / "in.jsonl"

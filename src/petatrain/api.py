@@ -188,7 +188,7 @@ def ingest(
     on_stage: Callable[[str, str], None] | None = None,
     on_progress: Callable[[str, Any], None] | None = None,
 ) -> IngestSummary:
-    """Ingest `sources` into the dataset at `out` (on Ray Data); `on_stage(stage, "start"|"done")`,
+    """Ingest `sources` into the dataset at `out` (on Ray tasks); `on_stage(stage, "start"|"done")`,
     `on_progress(stage, StageProgress)` as each piece of a stage's work finishes (not through Ray Client).
 
     Through Ray Client (`address="ray://..."`) the ingest's driver runs on the cluster, as a task."""

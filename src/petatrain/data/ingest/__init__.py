@@ -1,5 +1,5 @@
 """The ingest pipeline: raw files -> a clean, deduplicated, sharded dataset, on Ray. `pipeline` runs it
-and commits (`run(IngestJob) -> IngestSummary`, with `job` holding both); `stages` holds the Ray Data
+and commits (`run(IngestJob) -> IngestSummary`, with `job` holding both); `stages` holds the Ray
 task bodies, `split` cuts large files into pieces, `clean`, `dedup` with `minhash`, and `tokenize` are
 its steps, `register` adopts a folder of Parquet files as a dataset. It reads raw files through
 `petatrain.data.readers` and writes the dataset the top-level `petatrain.data` modules describe.

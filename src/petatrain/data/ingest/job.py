@@ -70,7 +70,7 @@ class IngestJob:
     append: bool = False
     register: bool = False
     refresh: bool = False  # with register: the index becomes exactly the sources' current files
-    # Starts or joins the Ray cluster the job's Ray Data pipeline runs on (api.ingest passes
+    # Starts or joins the Ray cluster the job's Ray tasks run on (api.ingest passes
     # runtime.cluster.init_ray for --address); None: a Ray this process started already, or Ray's default.
     connect: Callable[[], None] | None = None
     options: StorageOptions | None = None

@@ -1,15 +1,15 @@
-"""`petatrain ingest`: raw files -> a clean, deduplicated, sharded dataset, on Ray Data.
+"""`petatrain ingest`: raw files -> a clean, deduplicated, sharded dataset, on Ray tasks.
 
 Stages, each distributed and each writing to a staging folder inside the dataset:
 
-1. read + clean + sign (Ray Data, one task per source file, or per piece of a file over
+1. read + clean + sign (a Ray task per source file, or per piece of a file over
    `split_size`, see `split.py`): parse, quarantine bad records to rejects, NFC-normalise,
    hash for exact dedup and MinHash for near dedup.
 2. dedup (Ray tasks, hash-partitioned map-reduce, see `dedup.py`): which documents to
    drop, deterministic "earliest in input order wins".
 3. shard plan (driver, per-file counts only): contiguous runs of documents in input
    order, about `shard_size` bytes each.
-4. write (Ray Data, one task per shard): filter drops, optionally tokenise and pack,
+4. write (a Ray task per shard): filter drops, optionally tokenise and pack,
    write Parquet shards and the dedup state an `--append` will compare against.
 5. commit (driver): move rejects and state into place, extend the shard index, and
    write the manifest last. Before that, the dataset is what it was.
@@ -22,6 +22,7 @@ other fields ride along as columns (`--fields`, `--drop-fields`), their own `id`
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -81,6 +82,9 @@ from petatrain.storage.lock import LEASE_FILE, Lease
 log = logging.getLogger(__name__)
 
 _TOKENIZER_SAMPLE_BYTES = 32 << 20
+# A stage's task whose process died is run again this many times (a lost node, a spot VM), then
+# counted as the item's own doing: a file that kills every process reading it is quarantined.
+TASK_RETRIES = 2
 # Settings that must match between an ingest and the append that extends it.
 _FIXED_SETTINGS = (
     "text_field",
@@ -209,7 +213,10 @@ def _ingest(
     stage_one = ReadCleanSign(staging=staging, cfg=cfg, options=options, lsh=lsh, crypt=crypt, fields=choice)
     with _stage("read_clean_sign", summary, job):
         total_bytes = sum(f.size for f in files)
-        done = _mapped("read_clean_sign", items, stage_one, job, total_bytes, rows="rows_in", size="size")
+        done = _mapped(
+            "read_clean_sign", items, stage_one, job, total_bytes, rows="rows_in", size="size",
+            crashed=stage_one.crashed,
+        )  # fmt: skip
         file_stats = sorted(done, key=lambda r: (r["file_ord"], r["piece"]))
     # Each piece read what its scan saw (split.check_piece); a file that was replaced as a whole
     # while the scans ran, each scan consistent with the bytes it saw, still shows in its listing.
@@ -433,7 +440,7 @@ def _stage(name: str, summary: IngestSummary, job: IngestJob):
 
 
 def _progress(name: str) -> Callable[[int, int], None]:
-    """A progress callback for stages that run as plain Ray tasks (Ray Data draws its own)."""
+    """A progress callback for stages that run as plain Ray tasks."""
     if sys.stderr.isatty():
         from rich.progress import Progress
 
@@ -452,37 +459,68 @@ def _progress(name: str) -> Callable[[int, int], None]:
 
 
 def _mapped(
-    stage: str, items: list[dict], fn: Any, job: IngestJob, total_bytes: int, *, rows: str, size: str
+    stage: str,
+    items: list[dict],
+    fn: Any,
+    job: IngestJob,
+    total_bytes: int,
+    *,
+    rows: str,
+    size: str,
+    crashed: Callable[[dict, str], dict] | None = None,
 ) -> list[dict]:
-    """`fn` over `items` on Ray Data, every result; with `job.on_progress`, told as each finishes
-    (the results stream back as their tasks end, in whatever order), with the rows and bytes so far."""
-    mapped = _from_items(items).map(fn, num_cpus=1)
-    if job.on_progress is None:
-        return mapped.take_all()
+    """`fn(item)` for every item, one Ray task each (a CPU apiece, results as their tasks end, in
+    whatever order); with `job.on_progress`, told as each finishes, with the rows and bytes so far.
+
+    A task whose process dies (killed for memory by the kernel or Ray's monitor, or crashed) is run
+    again `TASK_RETRIES` times, then given to `crashed(item, why)` for the result that stands for it
+    (the read stage's: a quarantine record of the file); without `crashed`, or when what the task
+    raised was its own error, the stage fails with it (the other tasks cancelled). Ray Data's map
+    would retry such a task forever: one file that takes more memory than a worker has looped an
+    ingest with no error."""
+    import ray
+    from ray.exceptions import OutOfMemoryError, WorkerCrashedError
+
+    task = ray.remote(num_cpus=1, max_retries=TASK_RETRIES, scheduling_strategy="DEFAULT")(_call)
+    body = ray.put(fn)
+    # Tasks in flight: enough to keep every CPU busy, few enough that waiting on them stays cheap.
+    window = max(2, 2 * int(ray.cluster_resources().get("CPU", 1)))
+    queued, pending = iter(items), {}
     started, results = time.perf_counter(), []
     rows_done = bytes_done = 0
-    for result in mapped.iter_rows():
-        results.append(dict(result))
-        rows_done += int(result.get(rows) or 0)
-        bytes_done += int(result.get(size) or 0)
-        progress = StageProgress(
-            items=len(results), items_total=len(items), rows=rows_done,
-            bytes=min(bytes_done, total_bytes or bytes_done), bytes_total=total_bytes,
-            elapsed_s=time.perf_counter() - started,
-        )  # fmt: skip
-        job.on_progress(stage, progress)
+    try:
+        while True:
+            for item in itertools.islice(queued, window - len(pending)):
+                pending[task.remote(body, item)] = item
+            if not pending:
+                break
+            (ref,), _ = ray.wait(list(pending), num_returns=1)
+            item = pending.pop(ref)
+            try:
+                result = ray.get(ref)
+            except (OutOfMemoryError, WorkerCrashedError) as exc:
+                if crashed is None:
+                    raise
+                why = "out of memory" if isinstance(exc, OutOfMemoryError) else "its process died"
+                result = crashed(item, f"the worker reading it was lost {TASK_RETRIES + 1} times ({why})")
+            results.append(result)
+            rows_done += int(result.get(rows) or 0)
+            bytes_done += int(result.get(size) or 0)
+            if job.on_progress is not None:
+                progress = StageProgress(
+                    items=len(results), items_total=len(items), rows=rows_done,
+                    bytes=min(bytes_done, total_bytes or bytes_done), bytes_total=total_bytes,
+                    elapsed_s=time.perf_counter() - started,
+                )  # fmt: skip
+                job.on_progress(stage, progress)
+    finally:
+        for ref in pending:  # a failed stage stops its other tasks
+            ray.cancel(ref, force=True)
     return results
 
 
-def _from_items(items: list[dict]):
-    import ray
-    from ray.data import DataContext
-
-    # Each stage is a single map over files or shards, so there is no downstream operator
-    # to reserve CPUs for; the reservation left half of a 2-core machine idle (measured:
-    # 8.8 s with it, 6.3 s without, for 311 MB).
-    DataContext.get_current().op_resource_reservation_enabled = False
-    return ray.data.from_items(items, override_num_blocks=max(1, len(items)))
+def _call(fn: Any, item: dict) -> dict:
+    return fn(item)
 
 
 def _tokenizer(

@@ -101,7 +101,7 @@ def scan_chunk(item: dict[str, Any], options: StorageOptions | None) -> dict[str
 
 
 class BoundaryScan:
-    """Ray Data task body: one nominal chunk [lo, hi) of a file -> its piece [start, end) between
+    """A Ray task's body: one nominal chunk [lo, hi) of a file -> its piece [start, end) between
     record boundaries, the records in it, and the digests of the checksum blocks that start in
     the chunk. A record that straddles `hi` belongs to this piece; one that straddles `lo` to the
     piece before."""

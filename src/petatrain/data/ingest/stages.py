@@ -1,4 +1,4 @@
-"""The ingest stages that run as Ray Data tasks, and the shard plan between them.
+"""The ingest stages that run as Ray tasks, and the shard plan between them.
 
 `ReadCleanSign` turns one source file into staged documents, dedup signatures and rejects;
 `plan_shards` cuts the kept documents, in input order, into shards; `ShardWriter` writes
@@ -74,7 +74,7 @@ def whole_file(file_ord: int, url: str, size: int) -> dict[str, Any]:
 
 
 class ReadCleanSign:
-    """Ray Data task body: one source file, or one piece of a split one -> staged docs, signatures
+    """A Ray task's body: one source file, or one piece of a split one -> staged docs, signatures
     and rejects."""
 
     def __init__(
@@ -91,8 +91,18 @@ class ReadCleanSign:
         self.fields = fields  # None: keep no source fields
 
     def __call__(self, item: dict[str, Any]) -> dict[str, Any]:
+        return self._stage(item, *self._read(item))
+
+    def crashed(self, item: dict[str, Any], why: str) -> dict[str, Any]:
+        """What stands for an item whose every reading process died (killed for memory, crashed):
+        the file (or piece) quarantined as unreadable_file with `why`, nothing of it kept. Its
+        checksum is unknown (""): no read of it finished."""
+        records = src.FileRecords()
+        records.reject(0, "unreadable_file", why)
+        return self._stage(item, records, "", 0)
+
+    def _stage(self, item: dict[str, Any], records: src.FileRecords, checksum: str, size: int) -> dict[str, Any]:
         url, file_ord, piece = item["url"], int(item["file_ord"]), int(item["piece"])
-        records, checksum, size = self._read(item)
         records = cleaning.clean(records, min_chars=self.cfg.min_chars, max_chars=self.cfg.max_chars)
         name = staged_name(file_ord, piece)
         fields_schema = b""
@@ -392,7 +402,7 @@ def _piece_ranges(file_ord: int, pieces: list[dict], start: int, end: int) -> li
 
 
 class ShardWriter:
-    """Ray Data task body: one shard spec -> a Parquet shard (+ its dedup state)."""
+    """A Ray task's body: one shard spec -> a Parquet shard (+ its dedup state)."""
 
     def __init__(
         self,
