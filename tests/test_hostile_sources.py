@@ -134,6 +134,33 @@ def test_a_file_too_large_for_the_workers_memory_is_one_quarantine_record_not_an
     assert peak < 8 << 20, f"peak {peak >> 20} MiB"
 
 
+def test_a_parquet_dictionary_bomb_is_unreadable_before_it_is_decoded(tmp_path, monkeypatch):
+    """A 300-byte Parquet file: one 1 MiB value in a dictionary page, its index repeated 4,000 times
+    (no Arrow schema stored, so a reader decodes plain strings: 4 GiB). Its expansion is counted on
+    the dictionary before anything is decoded: one unreadable_file, no gigabytes allocated."""
+    monkeypatch.setattr(readers.parquet, "memory_left", lambda: 256 << 20)  # a 64 MiB share
+    values = pa.DictionaryArray.from_arrays(pa.array([0] * 4000, pa.int32()), pa.array(["a" * (1 << 20)]))
+    path = tmp_path / "bomb.parquet"
+    pq.write_table(
+        pa.table({"text": values}), path, compression="zstd", dictionary_pagesize_limit=4 << 20, store_schema=False
+    )
+    assert path.stat().st_size < 4096
+    pool = pa.default_memory_pool()
+    before = pool.max_memory()
+    records = _stage_one_read(path)
+    assert records.text == []
+    assert [(r.reason, r.detail) for r in records.rejects] == [
+        (
+            "unreadable_file",
+            "PetatrainError: expands past 67108864 bytes when read (its strings repeat dictionary values)",
+        )
+    ]
+    assert pool.max_memory() < before + (256 << 20), "the strings were decoded"
+    # The same values a few times over are read as they always were.
+    pq.write_table(pa.table({"text": values[:3]}), path, store_schema=False)
+    assert _stage_one_read(path).text == ["a" * (1 << 20)] * 3
+
+
 @pytest.mark.chaos
 def test_a_file_whose_every_reader_is_killed_is_one_quarantine_record_not_a_loop(ray_local, tmp_path):
     """Attack round 3 MED (issue 35): Ray Data runs a task again, forever, when its process dies, so
@@ -161,7 +188,7 @@ def test_a_file_whose_every_reader_is_killed_is_one_quarantine_record_not_a_loop
         while not stop.is_set():
             for proc in psutil.process_iter(["cmdline", "memory_info"]):
                 cmd, mem = proc.info["cmdline"] or [""], proc.info["memory_info"]
-                if cmd[0].startswith("ray::") and mem is not None and mem.rss > 400 << 20:
+                if cmd[0].startswith("ray::_ingest_task") and mem is not None and mem.rss > 400 << 20:
                     os.kill(proc.pid, signal.SIGKILL)
                     killed.append(proc.pid)
             time.sleep(0.02)

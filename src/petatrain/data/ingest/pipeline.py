@@ -481,7 +481,7 @@ def _mapped(
     import ray
     from ray.exceptions import OutOfMemoryError, WorkerCrashedError
 
-    task = ray.remote(num_cpus=1, max_retries=TASK_RETRIES, scheduling_strategy="DEFAULT")(_call)
+    task = ray.remote(num_cpus=1, max_retries=TASK_RETRIES, scheduling_strategy="DEFAULT")(_ingest_task)
     body = ray.put(fn)
     # Tasks in flight: enough to keep every CPU busy, few enough that waiting on them stays cheap.
     window = max(2, 2 * int(ray.cluster_resources().get("CPU", 1)))
@@ -519,7 +519,7 @@ def _mapped(
     return results
 
 
-def _call(fn: Any, item: dict) -> dict:
+def _ingest_task(fn: Any, item: dict) -> dict:
     return fn(item)
 
 

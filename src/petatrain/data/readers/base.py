@@ -7,7 +7,8 @@ the file goes on. Asked to (`FieldChoice`), a reader also keeps each record's ot
 
 Nothing is read unbounded: a line or member longer than `record_byte_cap(max_chars)` is
 rejected `too_long` before it is copied or decoded, and a reject keeps the first
-`RAW_PREFIX_BYTES` of its record (the registry bounds decompression: `registry.MAX_DECOMPRESSED_BYTES`).
+`RAW_PREFIX_BYTES` of its record. A file expands in its worker's memory to at most
+`expansion_limit` (the registry's decompression, the Parquet reader's pages and dictionaries).
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ from typing import Any
 
 import pyarrow as pa
 
+MAX_EXPANDED_BYTES = 4 << 30  # per file: past it a source is unreadable_file, not a worker OOM
+# What a file expands to is held with the records parsed from it: a file may take this share of
+# the memory its worker has left.
+MEMORY_SHARE = 4
 RAW_PREFIX_BYTES = 4096  # of a rejected record's bytes, kept in its reject; the detail gives the full length
 _BYTES_PER_CHAR = 12  # the most a char takes in JSON: an astral one as an escaped surrogate pair, \ud83d\ude00
 _RECORD_SLACK_BYTES = 1 << 20  # the rest of a record beside its text: keys, quotes, other fields
@@ -299,3 +304,9 @@ def column_records(
     if out.choice is not None:
         others = [n for n in table.column_names if n != text_field and out.choice.wanted(n)]
         out.tables.append(table.select(others).take(pa.array(kept, pa.int64())))
+
+
+def expansion_limit(cap: int, left: int | None) -> int:
+    """The bytes one file may expand to in memory: `cap`, or a `MEMORY_SHARE`th of the `left`
+    bytes its worker has (`host.memory_left`), whichever is less."""
+    return min(cap, left // MEMORY_SHARE) if left is not None else cap

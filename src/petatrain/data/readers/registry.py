@@ -24,14 +24,18 @@ from fsspec.compression import compr
 from fsspec.utils import infer_compression
 
 from petatrain.data.readers import csv, jsonl, parquet, text, tfrecord, webdataset
-from petatrain.data.readers.base import FieldChoice, FileRecords, record_byte_cap
+from petatrain.data.readers.base import (
+    MAX_EXPANDED_BYTES,
+    MEMORY_SHARE,
+    FieldChoice,
+    FileRecords,
+    expansion_limit,
+    record_byte_cap,
+)
 from petatrain.errors import PetatrainError
 from petatrain.host import memory_left
 
-MAX_DECOMPRESSED_BYTES = 4 << 30  # per file: past it a compressed source is unreadable_file, not a worker OOM
-# The decompressed bytes are held with the records parsed from them: a file may take this share of
-# the memory its worker has left.
-MEMORY_SHARE = 4
+MAX_DECOMPRESSED_BYTES = MAX_EXPANDED_BYTES  # per file: past it a compressed source is unreadable_file
 _DECOMPRESS_CHUNK = 1 << 20
 
 
@@ -83,8 +87,7 @@ def decompress(url: str, data: bytes) -> bytes:
     if not compression:
         return data
     left = memory_left()
-    share = left // MEMORY_SHARE if left is not None else MAX_DECOMPRESSED_BYTES
-    limit = min(MAX_DECOMPRESSED_BYTES, share)
+    limit = expansion_limit(MAX_DECOMPRESSED_BYTES, left)
     out = io.BytesIO()
     with compr[compression](io.BytesIO(data), mode="rb") as handle:
         while chunk := handle.read(min(_DECOMPRESS_CHUNK, limit + 1 - out.tell())):
