@@ -105,7 +105,14 @@ def test_prometheus_finds_the_run_and_scrapes_its_final_goodput_after_it_ends(
         start, end = events[0], events[-1]
         assert start["event"] == "run_start" and end["event"] == "end" and end["status"] == "ok"
         query = f'petatrain_goodput{{run_id="{start["run_id"]}",run_dir="{run}"}}[5m]'
-        answer = requests.get(f"{server}/api/v1/query", params={"query": query}, timeout=10).json()
+        # The run ended once a scrape had read its final values; Prometheus stores a scrape's samples
+        # after it has read the whole answer, so the query may come a moment before they are in.
+        deadline = time.monotonic() + 10
+        while True:
+            answer = requests.get(f"{server}/api/v1/query", params={"query": query}, timeout=10).json()
+            if answer.get("data", {}).get("result") or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
         panels = dashboard_queries(**{"$run_id": start["run_id"], "$__range": "5m"})
         # Asked at the last scrape: a warm 250-step run may end within a second of the first one.
         last = max((float(v[0]) for s in answer["data"]["result"] for v in s["values"]), default=end["t"])
