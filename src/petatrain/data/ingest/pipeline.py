@@ -485,7 +485,8 @@ def _mapped(
     body = ray.put(fn)
     # Tasks in flight: enough to keep every CPU busy, few enough that waiting on them stays cheap.
     window = max(2, 2 * int(ray.cluster_resources().get("CPU", 1)))
-    queued, pending = iter(items), {}
+    queued = iter(items)
+    pending: dict[Any, dict] = {}  # a task's ObjectRef -> its item
     started, results = time.perf_counter(), []
     rows_done = bytes_done = 0
     try:
