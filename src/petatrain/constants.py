@@ -59,16 +59,17 @@ def set_train_defaults() -> None:
     os.environ.setdefault(PREEMPTION_WATCHER_ENV, "0")
 
 
-# Ray runs a task its memory monitor killed again, forever by default: an ingest task over a file
-# too large for a worker's memory would never end. Bounded, the ingest quarantines the file.
+# A task whose process died is run again this many times (a lost node, a spot VM), then counted as
+# its input's doing (ingest quarantines a file that kills every process reading it). Ray runs a task
+# its memory monitor killed again forever by default: RAY_task_oom_retries bounds that alike.
+TASK_RETRIES = 2
 TASK_OOM_RETRIES_ENV = "RAY_task_oom_retries"
-TASK_OOM_RETRIES = "2"
 
 
 def set_local_cluster_defaults() -> None:
     """Settings for a Ray this process starts on its own machine."""
     os.environ.setdefault(LOG_MONITOR_THRESHOLD_ENV, "0")
-    os.environ.setdefault(TASK_OOM_RETRIES_ENV, TASK_OOM_RETRIES)
+    os.environ.setdefault(TASK_OOM_RETRIES_ENV, str(TASK_RETRIES))
 
 
 def controller_mode() -> str:

@@ -613,7 +613,7 @@ def _env(cfg: JobConfig, target: Target) -> list[dict[str, Any]]:
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},  # what the driver binds
         {"name": constants.CACHE_DIR_ENV, "value": CACHE_PATH},
         {"name": "RAY_USAGE_STATS_ENABLED", "value": "0"},
-        {"name": constants.TASK_OOM_RETRIES_ENV, "value": constants.TASK_OOM_RETRIES},  # not forever
+        {"name": constants.TASK_OOM_RETRIES_ENV, "value": str(constants.TASK_RETRIES)},  # not forever
     ]
     # Required when the run reads or writes S3: a missing Secret stops the pod at its start, with the
     # Secret's name, instead of a run that fails later without credentials.

@@ -37,6 +37,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from petatrain import constants
 from petatrain.config import parse_size
 from petatrain.data import commit_log, lineage
 from petatrain.data import index as idx
@@ -82,9 +83,6 @@ from petatrain.storage.lock import LEASE_FILE, Lease
 log = logging.getLogger(__name__)
 
 _TOKENIZER_SAMPLE_BYTES = 32 << 20
-# A stage's task whose process died is run again this many times (a lost node, a spot VM), then
-# counted as the item's own doing: a file that kills every process reading it is quarantined.
-TASK_RETRIES = 2
 # Settings that must match between an ingest and the append that extends it.
 _FIXED_SETTINGS = (
     "text_field",
@@ -473,15 +471,15 @@ def _mapped(
     whatever order); with `job.on_progress`, told as each finishes, with the rows and bytes so far.
 
     A task whose process dies (killed for memory by the kernel or Ray's monitor, or crashed) is run
-    again `TASK_RETRIES` times, then given to `crashed(item, why)` for the result that stands for it
-    (the read stage's: a quarantine record of the file); without `crashed`, or when what the task
+    again `constants.TASK_RETRIES` times, then given to `crashed(item, why)` for the result that stands for
+    it (the read stage's: a quarantine record of the file); without `crashed`, or when what the task
     raised was its own error, the stage fails with it (the other tasks cancelled). Ray Data's map
     would retry such a task forever: one file that takes more memory than a worker has looped an
     ingest with no error."""
     import ray
     from ray.exceptions import OutOfMemoryError, WorkerCrashedError
 
-    task = ray.remote(num_cpus=1, max_retries=TASK_RETRIES, scheduling_strategy="DEFAULT")(_ingest_task)
+    task = ray.remote(num_cpus=1, max_retries=constants.TASK_RETRIES, scheduling_strategy="DEFAULT")(_ingest_task)
     body = ray.put(fn)
     # Tasks in flight: enough to keep every CPU busy, few enough that waiting on them stays cheap.
     window = max(2, 2 * int(ray.cluster_resources().get("CPU", 1)))
@@ -503,7 +501,7 @@ def _mapped(
                 if crashed is None:
                     raise
                 why = "out of memory" if isinstance(exc, OutOfMemoryError) else "its process died"
-                result = crashed(item, f"the worker reading it was lost {TASK_RETRIES + 1} times ({why})")
+                result = crashed(item, f"the worker reading it was lost {constants.TASK_RETRIES + 1} times ({why})")
             results.append(result)
             rows_done += int(result.get(rows) or 0)
             bytes_done += int(result.get(size) or 0)

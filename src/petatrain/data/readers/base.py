@@ -22,6 +22,8 @@ from typing import Any
 
 import pyarrow as pa
 
+from petatrain.errors import PetatrainError
+
 MAX_EXPANDED_BYTES = 4 << 30  # per file: past it a source is unreadable_file, not a worker OOM
 # What a file expands to is held with the records parsed from it: a file may take this share of
 # the memory its worker has left.
@@ -310,3 +312,15 @@ def expansion_limit(cap: int, left: int | None) -> int:
     """The bytes one file may expand to in memory: `cap`, or a `MEMORY_SHARE`th of the `left`
     bytes its worker has (`host.memory_left`), whichever is less."""
     return min(cap, left // MEMORY_SHARE) if left is not None else cap
+
+
+def too_large(cap: int, left: int | None, how: str, advice: str) -> PetatrainError:
+    """The error for a file that expands past `expansion_limit(cap, left)` `how` ("when
+    decompressed"); when the worker's memory, not the cap, set the limit, it says so and `advice`."""
+    limit = expansion_limit(cap, left)
+    if limit < cap:
+        return PetatrainError(
+            f"expands past {limit} bytes {how}, 1/{MEMORY_SHARE} of the {left} bytes of memory this ingest "
+            f"worker has left; give the workers more memory, or {advice}"
+        )
+    return PetatrainError(f"expands past {limit} bytes {how}")

@@ -15,8 +15,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from petatrain.data.buffers import arrow_reader
-from petatrain.data.readers.base import MAX_EXPANDED_BYTES, FileRecords, column_records, expansion_limit
-from petatrain.errors import PetatrainError
+from petatrain.data.readers.base import MAX_EXPANDED_BYTES, FileRecords, column_records, expansion_limit, too_large
 from petatrain.host import memory_left
 
 
@@ -27,7 +26,8 @@ def read(data: bytes, text_field: str, max_bytes: int, out: FileRecords) -> None
     columns = [text_field] if text_field in names else names[:1]
     if out.choice is not None:  # only the fields asked for are read
         columns += [n for n in names if n not in columns and out.choice.wanted(n)]
-    limit = expansion_limit(MAX_EXPANDED_BYTES, memory_left())
+    left = memory_left()
+    limit = expansion_limit(MAX_EXPANDED_BYTES, left)
     meta, wanted = handle.metadata, set(columns)
     pages = sum(
         chunk.total_uncompressed_size
@@ -35,26 +35,21 @@ def read(data: bytes, text_field: str, max_bytes: int, out: FileRecords) -> None
         for chunk in (meta.row_group(r).column(c) for c in range(meta.num_columns))
         if chunk.path_in_schema.split(".")[0] in wanted
     )
+    advice = "write it with smaller row groups"
     if pages > limit:
-        raise PetatrainError(f"expands past {limit} bytes when read (its pages declare {pages})")
+        raise too_large(MAX_EXPANDED_BYTES, left, f"when read (its pages declare {pages})", advice)
     strings = [n for n in columns if _is_bytes(schema.field(n).type)]
     if strings:  # read as dictionaries: their expansion is counted before it is made
         handle = pq.ParquetFile(arrow_reader(data), read_dictionary=strings)
     first = expanded = 0
     for batch in handle.iter_batches(columns=columns):
         table = pa.Table.from_batches([batch])
-        for name in strings:
-            column = table.column(name)
-            if pa.types.is_dictionary(column.type):
-                for chunk in column.chunks:
-                    expanded += pc.sum(pc.binary_length(chunk.dictionary).take(chunk.indices)).as_py() or 0
+        for column in table.columns:
+            for chunk in column.chunks if pa.types.is_dictionary(column.type) else ():
+                expanded += pc.sum(pc.binary_length(chunk.dictionary).take(chunk.indices)).as_py() or 0
         if expanded > limit:
-            raise PetatrainError(f"expands past {limit} bytes when read (its strings repeat dictionary values)")
-        for name in strings:
-            if pa.types.is_dictionary(table.column(name).type):
-                index = table.schema.get_field_index(name)
-                table = table.set_column(index, schema.field(name), table.column(name).cast(schema.field(name).type))
-        column_records(table, text_field, out, first)
+            raise too_large(MAX_EXPANDED_BYTES, left, "when read (its strings repeat dictionary values)", advice)
+        column_records(table.cast(pa.schema([schema.field(n) for n in table.column_names])), text_field, out, first)
         first += batch.num_rows
 
 

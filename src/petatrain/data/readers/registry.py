@@ -26,11 +26,11 @@ from fsspec.utils import infer_compression
 from petatrain.data.readers import csv, jsonl, parquet, text, tfrecord, webdataset
 from petatrain.data.readers.base import (
     MAX_EXPANDED_BYTES,
-    MEMORY_SHARE,
     FieldChoice,
     FileRecords,
     expansion_limit,
     record_byte_cap,
+    too_large,
 )
 from petatrain.errors import PetatrainError
 from petatrain.host import memory_left
@@ -93,13 +93,9 @@ def decompress(url: str, data: bytes) -> bytes:
         while chunk := handle.read(min(_DECOMPRESS_CHUNK, limit + 1 - out.tell())):
             out.write(chunk)
             if out.tell() > limit:
-                if limit < MAX_DECOMPRESSED_BYTES:  # the worker's memory, not the bomb cap, stopped it
-                    raise PetatrainError(
-                        f"expands past {limit} bytes when decompressed, 1/{MEMORY_SHARE} of the {left} bytes of memory "
-                        "this ingest worker has left; give the workers more memory, or split the file before "
-                        "compressing it"
-                    )
-                raise PetatrainError(f"expands past {limit} bytes when decompressed")
+                raise too_large(
+                    MAX_DECOMPRESSED_BYTES, left, "when decompressed", "split the file before compressing it"
+                )
     return out.getvalue()
 
 
