@@ -107,14 +107,14 @@ _ROUTED: RayLogs | None = None
 
 
 def quiet_ray() -> RayLogs | None:
-    """Move the driver's Ray logging off the console into a `RayLogs` (once per process), and
-    turn Ray Data's own progress bars off; None when Ray's output belongs on the console."""
+    """Move the driver's Ray logging off the console into a `RayLogs` (once per process); None
+    when Ray's output belongs on the console."""
     global _ROUTED
     if ray_output_to_console():
         return None
     if _ROUTED is not None:
         return _ROUTED
-    from ray.data import DataContext
+    import ray  # noqa: F401  (importing Ray adds its console handler, taken off below)
 
     _ROUTED = RayLogs()
     atexit.register(_ROUTED.finish, "petatrain.log")  # a command that failed keeps Ray's records too
@@ -125,7 +125,6 @@ def quiet_ray() -> RayLogs | None:
                 logger.removeHandler(handler)
         if name in ("ray", "ray.data", RAY_CLIENT_SERVER_LOG):  # the others propagate to `ray`
             logger.addHandler(_ROUTED)
-    DataContext.get_current().enable_progress_bars = False
     return _ROUTED
 
 

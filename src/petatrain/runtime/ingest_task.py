@@ -1,9 +1,8 @@
 """An ingest asked for through Ray Client (`--address ray://...`): its driver runs on the cluster.
 
-Ray Data cannot drive a pipeline from a Ray Client process (it needs the core worker a client
-does not have: `'Worker' object has no attribute 'core_worker'`), so the whole ingest
-(`data.ingest.run`: lease, stages, commit) runs as one task on the cluster, holding no CPU of
-its own, while this process waits for it. Each stage's start and end reach the caller's
+The whole ingest (`data.ingest.run`: lease, stages, commit) runs as one task on the cluster,
+holding no CPU of its own, while this process waits for it: its stages' tasks are submitted and
+awaited next to the data, not across the client's link. Each stage's start and end reach the caller's
 `on_stage` through a small actor as they happen; an error raised there comes back as itself.
 Sources, the dataset and a keyring named by `file:` must be where the cluster's nodes can read
 them, as for any ingest on a cluster.
@@ -51,18 +50,14 @@ class StageRelay:
 
 
 @ray.remote(num_cpus=0, max_retries=0)
-def _ingest_on_cluster(job: IngestJob, relay: Any, verbose: bool) -> IngestSummary:
-    from ray.data import DataContext
-
+def _ingest_on_cluster(job: IngestJob, relay: Any) -> IngestSummary:
     from petatrain.data.ingest import run
 
-    if not verbose:  # the caller's console shows the stages; Ray Data's bars would go to this worker's log
-        DataContext.get_current().enable_progress_bars = False
     # Synchronous: every event is in the relay before the summary is returned.
     return run(dataclasses.replace(job, on_stage=lambda name, what: ray.get(relay.stage.remote(name, what))))
 
 
-def run_on_cluster(job: IngestJob, *, verbose: bool = False) -> IngestSummary:
+def run_on_cluster(job: IngestJob) -> IngestSummary:
     """Run `job` on the Ray cluster this process joined through Ray Client (`job.connect` joins it)."""
     started = time.perf_counter()
     if job.on_stage:
@@ -83,7 +78,7 @@ def run_on_cluster(job: IngestJob, *, verbose: bool = False) -> IngestSummary:
         options=(job.options or StorageOptions()).for_workers(),  # the cluster has not this process's AWS_*
     )
     relay = StageRelay.remote()  # type: ignore[attr-defined]
-    done = _ingest_on_cluster.remote(remote, relay, verbose)
+    done = _ingest_on_cluster.remote(remote, relay)
     try:
         seen = 0
         while True:
