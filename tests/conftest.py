@@ -54,11 +54,11 @@ def ray_local():
     (listening on 127.0.0.1 only)."""
     import ray
 
-    from petatrain.runtime.cluster import init_ray
+    from petatrain.runtime.cluster import init_ray, stop_ray
 
     init_ray("", local_cpus=2)
     yield ray
-    ray.shutdown()
+    stop_ray()
 
 
 @pytest.fixture(scope="session")

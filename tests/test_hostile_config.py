@@ -243,13 +243,19 @@ for proc in [me, *me.children(recursive=True)]:
     except psutil.NoSuchProcess:
         continue
 print(json.dumps(listening))
-ray.shutdown()
+# Its autoscaler monitor is ended first, at once; the cluster goes on (see _ray.end_local_monitor).
+from petatrain.runtime._ray import end_local_monitor
+monitor = ray._private.worker._global_node.all_processes["monitor"][0].process
+end_local_monitor()
+assert monitor.poll() is not None, "the monitor still runs"
+assert ray.get(Pid.remote().pid.remote()) > 0
 """
 
 
 @pytest.mark.slow  # ~8 s: a local Ray of its own, in a subprocess
 def test_a_local_ray_listens_on_loopback_only():
-    """Started by `init_ray("")`, in its own process: the tests' session Ray is started otherwise."""
+    """Started by `init_ray("")`, in its own process: the tests' session Ray is started otherwise.
+    It exits without `ray.shutdown()`: petatrain's exit hook ends the monitor, then Ray's the rest."""
     done = subprocess.run([sys.executable, "-c", _LISTENERS], capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     listening = json.loads(done.stdout.strip().splitlines()[-1])

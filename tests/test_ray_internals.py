@@ -21,6 +21,8 @@ PRIVATE = [
     ("ray._private.worker", "raise_sys_exit_with_custom_error_message"),
     ("ray._private.worker", "global_worker"),
     ("ray._private.worker", "_worker_logs_enabled"),
+    ("ray._private.worker", "_global_node"),
+    ("ray._private.ray_constants", "PROCESS_TYPE_MONITOR"),
     ("ray._private.node", "Node.get_session_dir_path"),
     ("ray._private.node", "Node.node_ip_address"),
     ("ray._private.node", "Node.node_manager_port"),

@@ -994,9 +994,9 @@ def stop_serving(*, ray_too: bool = False) -> None:
         app.stop()
     finally:
         if ray_too:
-            import ray
+            from petatrain.runtime.cluster import stop_ray
 
-            ray.shutdown()
+            stop_ray()
 
 
 # -- planning -------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
@@ -19,6 +20,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 CLIENT_SERVER_RETRIES = 2  # new connections when a Ray Client server fails to start this driver's server
+_monitor_ended_at_exit = False
 
 
 def init_ray(address: str, local_cpus: int = 0, tls: RayTlsConfig | None = None) -> None:
@@ -71,6 +73,28 @@ def init_ray(address: str, local_cpus: int = 0, tls: RayTlsConfig | None = None)
             raise PetatrainError(f"cannot reach the Ray cluster at {address!r}: {exc}") from None
     if not to_console:
         silence_worker_logs()
+    global _monitor_ended_at_exit
+    if not _monitor_ended_at_exit:  # before Ray's own exit hook (registered on import: atexit runs last-in first)
+        atexit.register(_end_local_monitor)
+        _monitor_ended_at_exit = True
+
+
+def stop_ray() -> None:
+    """`ray.shutdown()`, a second sooner where this process started the local Ray (see
+    `_ray.end_local_monitor`); a process that exits without it gets the same at exit."""
+    import ray
+
+    _end_local_monitor()
+    ray.shutdown()
+
+
+def _end_local_monitor() -> None:
+    from petatrain.runtime._ray import end_local_monitor
+
+    try:
+        end_local_monitor()
+    except Exception:  # an optimisation: Ray's shutdown stops it the slow way
+        log.debug("could not end the local Ray's monitor first", exc_info=True)
 
 
 def is_client_address(address: str) -> bool:
