@@ -138,10 +138,13 @@ def _running(pid: int) -> bool:
         return False
 
 
-def _kill_namespace_processes(name: str, *, grace_s: float = 2.0) -> None:
-    """SIGTERM every process in namespace `name`, SIGKILL what is left after `grace_s`."""
+def _kill_namespace_processes(*names: str, grace_s: float = 2.0) -> None:
+    """SIGTERM every process in the namespaces `names`, SIGKILL what is left after `grace_s` (at
+    once where it is 0)."""
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-        pids = [p for p in _netns_pids(name) if _running(p)]
+        if sig == signal.SIGTERM and not grace_s:
+            continue
+        pids = [p for name in names for p in _netns_pids(name) if _running(p)]
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
@@ -151,7 +154,7 @@ def _kill_namespace_processes(name: str, *, grace_s: float = 2.0) -> None:
             time.sleep(0.05)
         if not pids:
             return
-    logger.warning("processes %s in network namespace %s survived SIGKILL", pids, name)
+    logger.warning("processes %s in network namespaces %s survived SIGKILL", pids, names)
 
 
 def _delete_namespace(name: str) -> None:
@@ -280,6 +283,10 @@ class TwoNodeCluster:
         for listener in self._forwarders:
             with contextlib.suppress(OSError):
                 listener.close()
+        # Both nodes at once, killed outright: nothing in them is kept (a SIGTERMed Ray head waited
+        # 2 s for its autoscaler monitor, whose handler calls the GCS stopping beside it). With
+        # `keep_logs`, SIGTERM first, so the processes' logs end as they would.
+        _kill_namespace_processes(self.worker_ns, self.head_ns, grace_s=2.0 if self.keep_logs else 0)
         for name in (self.worker_ns, self.head_ns):
             _delete_namespace(name)
         if not self.keep_logs:
