@@ -155,6 +155,100 @@ def write_checkpoint(
     assert writer.error is None, writer.error
 
 
+# Runs in the head's namespace of a TwoNodeCluster: a job of 4 ranks (2 a node), the worker node's
+# link cut at step 8, ended (checkpointed, with its final weights) through TrainJob.stop once the
+# grown attempt has trained 5 steps, else when the time given is up, whatever attempt it is in.
+_GROWING_DRIVER = """
+import json, sys, threading, time
+from petatrain import config
+from petatrain.chaos.inject import parse
+from petatrain.observe.ledger import read_events
+from petatrain.runtime.driver import TrainJob, run
+cfg = config.load(sys.argv[1], sys.argv[5:])
+job = TrainJob(config=cfg, run_url=sys.argv[2], stop_after_s=float(sys.argv[3]), address=sys.argv[4],
+               injections=[parse(f"partition@step=8,rank={r}") for r in range(4)], stop=threading.Event())
+
+def stop_once_grown():
+    while not job.stop.is_set():
+        time.sleep(0.5)
+        try:
+            events = read_events(sys.argv[2])
+        except Exception:
+            continue
+        resumed = [e["step"] for e in events if e["event"] == "resume" and e["attempt"] == 2]
+        if resumed and any(e["event"] == "step" and e["attempt"] == 2 and e["step"] >= resumed[0] + 5 for e in events):
+            job.stop.set()
+
+threading.Thread(target=stop_once_grown, daemon=True).start()
+print(json.dumps(run(job).to_dict()))
+"""
+
+
+def partitioned_and_grown_back(overrides: list[str], run_dir: Path) -> list[dict]:
+    """A job of 4 ranks on two Ray nodes in network namespaces (2 a node, `overrides` say how they
+    are laid out: 2 stages x 2 replicas, tensor-parallel pairs x 2 replicas). The worker node's link
+    is cut at step 8: the node is lost in seconds and training goes on as the 2 ranks of the head
+    node (parallel.workers 2-4). A fresh worker node joins: the driver sees room for 4 again, the
+    ranks stop together after a checkpoint (no step lost) and 4 ranks resume from it; a few steps
+    later the driver's program ends the run (TrainJob.stop). Checks all that; returns the ledger."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    from petatrain.chaos.netns import TwoNodeCluster
+
+    need_network_namespaces()
+    overrides = [*overrides, "train.steps=100000", "parallel.workers=2-4", "resources.cpus_per_worker=0.5"]
+    overrides += ["train.eval_every=0", "checkpoint.every=50"]
+    argv = [sys.executable, "-c", _GROWING_DRIVER, str(ROOT / "examples" / "tiny.yaml"), str(run_dir), "240"]
+    logs = run_dir.parent / f"{run_dir.name}-driver"
+    logs.mkdir(parents=True)
+
+    def so_far() -> list[dict]:
+        return read_events(str(run_dir)) if (run_dir / "events.jsonl").exists() else []
+
+    def attempts() -> list[dict]:
+        return [e for e in so_far() if e["event"] == "attempt_start"]
+
+    def shrunk_past_the_cut() -> bool:
+        """The 2 ranks train beyond step 8: the grown job resumes after it, where no partition fires again."""
+        return any(e["event"] == "step" and e["attempt"] == 1 and e["step"] > 8 for e in so_far())
+
+    with TwoNodeCluster(head_cpus=1, worker_cpus=1) as cluster:
+        out, err = (logs / "out.json").open("w"), (logs / "err.log").open("w")
+        driver = cluster.popen([*argv, cluster.address, *overrides], stdout=out, stderr=err, text=True)
+        try:
+            deadline = time.monotonic() + 90
+            while not shrunk_past_the_cut() and driver.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.5)
+            assert [a["world_size"] for a in attempts()] == [4, 2], (logs / "err.log").read_text()[-3000:]
+            cluster.restart_worker()  # the node comes back while the 2 ranks train
+            assert driver.wait(timeout=240) == 0, (logs / "err.log").read_text()[-3000:]
+        except subprocess.TimeoutExpired:
+            raise AssertionError((logs / "err.log").read_text()[-3000:]) from None
+        finally:
+            if driver.poll() is None:
+                driver.kill()
+                driver.wait()
+    summary = json.loads((logs / "out.json").read_text())
+    assert [f["cause"] for f in summary["failures"]] == ["node_lost", "resize"], summary["failures"]
+    events = read_events(str(run_dir))
+    assert [e["world_size"] for e in events if e["event"] == "attempt_start"] == [4, 2, 4]
+    cut = next(e for e in events if e["event"] == "fault_injected")
+    lost = next(e for e in events if e["event"] == "failure")
+    assert lost["t"] - cut["t"] < 20, "the lost node is noticed in seconds, not the 30-minute collective timeout"
+    steps = {a: [e["step"] for e in events if e["event"] == "step" and e["attempt"] == a] for a in (1, 2)}
+    resumed = {e["attempt"]: e["step"] for e in events if e["event"] == "resume"}
+    assert resumed[2] == steps[1][-1] > 8, "the resize's checkpoint is the step the ranks stopped at: no step lost"
+    assert any(e["event"] == "step" and e["attempt"] == 2 and e["step"] > resumed[2] for e in events)
+    assert events[-1]["event"] == "end" and events[-1]["status"] == "ok"
+    # TrainJob.stop ended it, within a telemetry answer of being set (5 steps in), not the time cap
+    assert resumed[2] + 5 <= events[-1]["step"] < resumed[2] + 200, (resumed, events[-1])
+    assert (run_dir / "final" / "model.safetensors").exists()
+    return events
+
+
 def kill_first_tries(tmp_path: Path, after_s: float = 8) -> dict[str, str]:
     """The environment under which an orchestrator's tasks run `petatrain` through
     `tests/kill_once.sh`: the first try of each loop step is SIGKILLed with all it started after
