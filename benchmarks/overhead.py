@@ -45,7 +45,9 @@ comes out of theirs; steal (cores the hypervisor gave to other tenants) is recor
 `--workers 1` on this 2-core machine leaves one core to the control plane, as a GPU node
 leaves most of its cores (its ranks drive accelerators): the ratio is then the loop's own
 cost under each system, not its daemons' share of cores the workers need. Results go to
-`results/overhead-1-workers.json`. `--only` keeps the rows whose names contain one of its
+`results/overhead-1-workers.json`. `--tensor 2 --fsdp --workers 4` is the 2-D layout (two
+tensor-parallel pairs sharded by FSDP2 over the pairs) and `--pipeline 1f1b|interleaved` a stage
+per rank, on both sides. `--only` keeps the rows whose names contain one of its
 parts (torchrun and petatrain with checkpoints every 10 s always run).
 """
 
@@ -70,6 +72,7 @@ HERE = Path(__file__).resolve().parent
 WORK = HERE / ".work" / "overhead"
 MODEL = {"n_layer": 4, "n_head": 4, "d_model": 256}  # on top of examples/tiny.yaml
 TARGET = 0.03  # petatrain at most 3% slower
+MICROBATCHES = 4  # of a pipeline step (--pipeline): micro-batches of 4 rows
 PLAIN, OURS = "plain torchrun DDP", "petatrain, async checkpoint every 10 s"
 BARE, RAY_TRAIN = "bare Ray actors, plain loop", "Ray Train TorchTrainer, plain loop"
 
@@ -185,12 +188,14 @@ def run_plain(
     workers: int = 2,
     tensor: int = 1,
     fsdp: bool = False,
+    pipeline: str = "",
 ) -> dict:
     """The plain loop under `torchrun`, `ray-train` (a TorchTrainer) or `ray-actors` (bare actors)."""
     out = WORK / f"plain-{under}-{rep}.json"
     out.unlink(missing_ok=True)
     script = [str(HERE / "plain_ddp.py"), "--dataset", ds, "--out", str(out), "--steps", str(steps)]
     script += ["--tensor", str(tensor), *(["--fsdp"] if fsdp else [])]
+    script += ["--pipeline", pipeline, "--microbatches", str(MICROBATCHES)] if pipeline else []
     script += ["--n-layer", str(MODEL["n_layer"]), "--n-head", str(MODEL["n_head"]), "--d-model", str(MODEL["d_model"])]
     if under == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(workers), *script]
@@ -226,6 +231,7 @@ def run_petatrain(
     workers: int = 2,
     tensor: int = 1,
     fsdp: bool = False,
+    pipeline: str = "",
 ) -> dict:
     """`spares` turns on the per-attempt helpers as by default: the spare workers and the warm
     standby (which has nothing to start while the controller runs in the driver)."""
@@ -234,7 +240,14 @@ def run_petatrain(
     sets = [f"data.dataset={ds}", f"train.steps={steps}", "train.eval_every=0", f"checkpoint.every={checkpoint_every}"]
     sets += [f"faults.standby={str(spares).lower()}", f"faults.spares={str(spares).lower()}"]
     sets += [f"parallel.workers={workers}", f"parallel.tensor={tensor}"]
+    cores = os.cpu_count() or 1
+    if workers > cores:  # all on this host, as torchrun's
+        sets += [f"resources.cpus_per_worker={cores / workers:g}"]
     sets += ["parallel.strategy=fsdp"] if fsdp else []
+    if pipeline:  # the plain side's layout: a stage per rank, the blocks split evenly by count
+        sets += ["parallel.strategy=pipeline", f"parallel.pipeline.stages={workers}"]
+        sets += [f"parallel.pipeline.schedule={pipeline}", f"parallel.pipeline.microbatches={MICROBATCHES}"]
+        sets += ["parallel.pipeline.partition=uniform"]
     sets += [f"model.{k}={v}" for k, v in MODEL.items()]
     cmd = [sys.executable, "-m", "petatrain", "train", str(TINY), "--run-dir", str(run_dir), "--json"]
     cmd += [arg for s in sets for arg in ("--set", s)]
@@ -305,10 +318,17 @@ def _print_table(summary: dict[str, dict], args: argparse.Namespace) -> None:
             else ""
         )
         + ("; both sides FSDP2 (the plain rows run plain_ddp.py --fsdp)" if args.fsdp else "")
+        + (
+            f"; both sides a {args.pipeline} pipeline of {args.workers} stages, {MICROBATCHES} micro-batches "
+            f"(the plain rows run plain_ddp.py --pipeline {args.pipeline}: torch.distributed.pipelining)"
+            if args.pipeline
+            else ""
+        )
         + "\n"
     )
-    if args.fsdp:  # the plain side is FSDP2 too (its row keeps its name in the JSON)
-        summary = {name.replace("DDP", "FSDP2"): s for name, s in summary.items()}
+    if args.fsdp or args.pipeline:  # the plain side's layout (its row keeps its name in the JSON)
+        plain = f"pipelining {args.pipeline}" if args.pipeline else "FSDP2"
+        summary = {name.replace("DDP", plain): s for name, s in summary.items()}
     header = f"{'run':<44} {'steps/s':>20} {'median step ms':>15} {'vs plain':>9} {'paired (min-max)':>22}"
     print(f"{header} {'control plane, cores':>21} {'workers CPU ms/step':>20}")
     for name, s in summary.items():
@@ -336,22 +356,30 @@ def main() -> None:
         "--tensor", type=int, default=1, help="tensor-parallel degree of both sides (the plain script's --tensor)"
     )
     parser.add_argument("--fsdp", action="store_true", help="FSDP2 on both sides (parallel.strategy=fsdp)")
+    parser.add_argument(
+        "--pipeline",
+        choices=("1f1b", "interleaved"),
+        help="a pipeline stage per rank on both sides (interleaved: 2 parts per rank); the plain side is "
+        "torch.distributed.pipelining (plain_ddp.py --pipeline)",
+    )
     args = parser.parse_args()
-    if args.fsdp and args.tensor > 1:
-        parser.error("--fsdp with --tensor: not measured yet (a 2-D mesh needs more ranks than this machine's cores)")
+    if args.pipeline and (args.fsdp or args.tensor > 1 or args.workers < 2):
+        parser.error("--pipeline: 2 or more workers, one stage each, without --fsdp or --tensor")
+    if args.fsdp and args.tensor > 1 and args.workers <= args.tensor:
+        parser.error("--fsdp with --tensor N: FSDP2 shards over the replicas: --workers a multiple of N above it")
     WORK.mkdir(parents=True, exist_ok=True)
     ds = token_dataset()
-    n, w, t, f = args.steps, args.workers, args.tensor, args.fsdp
+    n, w, layout = args.steps, args.workers, {"tensor": args.tensor, "fsdp": args.fsdp, "pipeline": args.pipeline or ""}
     runs = {
-        PLAIN: lambda rep: run_plain(ds, n, args.warmup, rep, workers=w, tensor=t, fsdp=f),
-        BARE: lambda rep: run_plain(ds, n, args.warmup, rep, "ray-actors", w, tensor=t, fsdp=f),
-        RAY_TRAIN: lambda rep: run_plain(ds, n, args.warmup, rep, "ray-train", w, tensor=t, fsdp=f),
-        OURS: lambda rep: run_petatrain(ds, n, args.warmup, rep, "10s", workers=w, tensor=t, fsdp=f),
+        PLAIN: lambda rep: run_plain(ds, n, args.warmup, rep, workers=w, **layout),
+        BARE: lambda rep: run_plain(ds, n, args.warmup, rep, "ray-actors", w, **layout),
+        RAY_TRAIN: lambda rep: run_plain(ds, n, args.warmup, rep, "ray-train", w, **layout),
+        OURS: lambda rep: run_petatrain(ds, n, args.warmup, rep, "10s", workers=w, **layout),
         "petatrain, checkpoints off": lambda rep: run_petatrain(
-            ds, n, args.warmup, rep, "1000000", workers=w, tensor=t, fsdp=f
+            ds, n, args.warmup, rep, "1000000", workers=w, **layout
         ),
         "petatrain, ckpt 10 s + spares start": lambda rep: run_petatrain(
-            ds, n, args.warmup, rep, "10s", spares=True, workers=w, tensor=t, fsdp=f
+            ds, n, args.warmup, rep, "10s", spares=True, workers=w, **layout
         ),
     }
     wanted = [part.strip() for part in args.only.split(",") if part.strip()]
@@ -388,10 +416,12 @@ def main() -> None:
     cores = ", ".join(f"{name} {s['control_plane_cores']:.3f}" for name, s in summary.items())
     print(f"control plane (CPU of every process but the {w} workers, median, cores): {cores}; {os.cpu_count()} cores")
     print("noise: 2 shared cores (load averages per run are in the JSON); compare medians, not single runs")
+    t, f = args.tensor, args.fsdp
     name = "overhead" if w == 2 else f"overhead-{w}-workers"
     name = name if t == 1 else f"{name}-tensor-{t}"
+    name = f"{name}-fsdp" if f else name
     write_results(
-        f"{name}-fsdp" if f else name,
+        f"{name}-pipeline-{args.pipeline}" if args.pipeline else name,
         {
             "setup": {
                 "model": {**MODEL, "vocab_size": 320, "seq_len": 64},
@@ -399,7 +429,10 @@ def main() -> None:
                 "micro_batch": 8,
                 "workers": w,
                 "tensor_parallel": t,
-                "strategy": "fsdp" if f else ("tensor" if t > 1 else "ddp"),
+                "strategy": "pipeline" if args.pipeline else "fsdp" if f else ("tensor" if t > 1 else "ddp"),
+                "pipeline": {"schedule": args.pipeline, "stages": w, "microbatches": MICROBATCHES}
+                if args.pipeline
+                else None,
                 "backend": "gloo",
                 "steps": args.steps,
                 "warmup_steps_excluded": args.warmup,

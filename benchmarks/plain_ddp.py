@@ -22,7 +22,8 @@ measurable (README, overhead).
 
 With --tensor N the ranks are N-way tensor-parallel groups instead (torch's `parallelize_module` with
 the GPT's plan, loss_parallel, a group reading the same rows; the groups replicated by FSDP2's
-`replicate` when there are several): the plain script of petatrain's `parallel.tensor` layout.
+`replicate` when there are several, or with --fsdp sharded again by `fully_shard` per block over
+the replicas, 2-D): the plain script of petatrain's `parallel.tensor` layout.
 """
 
 from __future__ import annotations
@@ -87,6 +88,12 @@ def main() -> None:
         "--fsdp", action="store_true", help="FSDP2 instead of DDP: fully_shard per block, then the root (ZeRO-3)"
     )
     parser.add_argument(
+        "--pipeline",
+        choices=("1f1b", "interleaved"),
+        help="the model in one stage per rank (interleaved: two parts per rank) with torch.distributed.pipelining",
+    )
+    parser.add_argument("--microbatches", type=int, default=4, help="micro-batches of a pipeline step")
+    parser.add_argument(
         "--keep-denormals", action="store_true", help="do not flush denormals (petatrain's train.flush_denormal=false)"
     )
     args = parser.parse_args()
@@ -97,8 +104,12 @@ def main() -> None:
         run_in_ray_actors(args)
         return
     dist.init_process_group("gloo")
-    train(args)
+    loop(args)
     dist.destroy_process_group()
+
+
+def loop(args: argparse.Namespace) -> None:
+    (train_pipeline if getattr(args, "pipeline", None) else train)(args)
 
 
 def run_in_ray_train(args: argparse.Namespace) -> None:
@@ -112,7 +123,7 @@ def run_in_ray_train(args: argparse.Namespace) -> None:
     ray.init(include_dashboard=False, logging_level="WARNING")
     with tempfile.TemporaryDirectory(prefix="plain-ray-train-") as storage:
         TorchTrainer(
-            lambda config: train(argparse.Namespace(**config)),
+            lambda config: loop(argparse.Namespace(**config)),
             train_loop_config=vars(args),
             torch_config=TorchConfig(backend="gloo"),
             scaling_config=ScalingConfig(num_workers=args.workers, resources_per_worker={"CPU": 1}),
@@ -136,7 +147,7 @@ def run_in_ray_actors(args: argparse.Namespace) -> None:
             def loop() -> None:
                 try:
                     dist.init_process_group("gloo")
-                    train(argparse.Namespace(**config))
+                    loop(argparse.Namespace(**config))
                     dist.destroy_process_group()
                 except BaseException as e:  # raised again in the actor's task
                     errors.append(e)
@@ -188,7 +199,13 @@ def train(args: argparse.Namespace) -> None:
         mesh = init_device_mesh("cpu", (world // tensor, tensor), mesh_dim_names=("data", "tensor"))
         parallelize_module(model, mesh["tensor"], gpt_tensor_plan(cfg).styles(tensor))
         model.head.weight = model.wte.weight  # tied again: each module got its own DTensor
-        if world > tensor:
+        if world > tensor and fsdp:  # 2-D: FSDP2 shards each tensor-parallel block again over the replicas
+            from torch.distributed.fsdp import fully_shard
+
+            for block in model.blocks:
+                fully_shard(block, mesh=mesh["data"])
+            fully_shard(model, mesh=mesh["data"])
+        elif world > tensor:
             from torch.distributed._composable.replicate_with_fsdp import replicate
 
             replicate(model, mesh=mesh["data"])
@@ -239,6 +256,120 @@ def train(args: argparse.Namespace) -> None:
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump({"step_end_s": ends, "loss": losses, "threads": torch.get_num_threads(), "world": world}, f)
+
+
+def train_pipeline(args: argparse.Namespace) -> None:
+    """The loop as a user writes it with torch.distributed.pipelining and Megatron's habits: the GPT
+    cut into P x v parts (v = 2 for interleaved), the blocks evenly by count, the first part with
+    the embedding and the last with the head (torchtitan's split; petatrain's `uniform`), part k on
+    rank k mod P; the embedding and the head stay tied, their gradients summed between the first
+    and the last rank after each step, and the gradient norm clipped over all ranks."""
+    from torch import nn
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+
+    from petatrain.models.gpt import logits_loss
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.use_deterministic_algorithms(True)
+    torch.set_flush_denormal(not args.keep_denormals)
+    torch.manual_seed(args.seed)
+    cfg = ModelConfig(
+        n_layer=args.n_layer, n_head=args.n_head, d_model=args.d_model, vocab_size=args.vocab_size, seq_len=args.seq_len
+    )
+    model = GPT(cfg)  # the same initial weights on every rank: each keeps its parts
+    chunks = 2 if args.pipeline == "interleaved" else 1
+    parts = world * chunks
+    base, extra = divmod(len(model.blocks), parts)
+    bounds, start = [], 0
+    for k in range(parts):
+        end = start + base + (1 if k < extra else 0)
+        bounds.append((start, end))
+        start = end
+
+    class Part(nn.Module):
+        def __init__(self, k: int) -> None:
+            super().__init__()
+            self.first, self.last = k == 0, k == parts - 1
+            self.blocks = nn.ModuleList(model.blocks[bounds[k][0] : bounds[k][1]])
+            if self.first:
+                self.wte, self.wpe, self.drop = model.wte, model.wpe, model.drop
+            if self.last:
+                self.ln_f, self.head = model.ln_f, model.head
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.first:
+                x = self.drop(self.wte(x) + self.wpe(torch.arange(x.size(1))))
+            for block in self.blocks:
+                x = block(x)
+            return self.head(self.ln_f(x)) if self.last else x
+
+    mine_k = range(rank, parts, world)  # "loop" placement: part k on rank k mod P
+    mine = [Part(k) for k in mine_k]
+    stages = [PipelineStage(part, k, parts, torch.device("cpu")) for part, k in zip(mine, mine_k, strict=True)]
+    if chunks == 1:
+        schedule = Schedule1F1B(stages[0], n_microbatches=args.microbatches, loss_fn=logits_loss)
+    else:
+        schedule = ScheduleInterleaved1F1B(stages, n_microbatches=args.microbatches, loss_fn=logits_loss)
+    first_rank, last_rank = 0, (parts - 1) % world
+    tied = dist.new_group([first_rank, last_rank]) if first_rank != last_rank else None
+    tied_weight = (
+        model.wte.weight if rank == first_rank else model.head.weight if rank == last_rank else None
+    )  # this rank's copy of the tied weight (the first part's, or the last part's)
+    params = list(dict.fromkeys(p for part in mine for p in part.parameters()))
+    counted = [p for p in params if not (rank == last_rank and rank != first_rank and p is tied_weight)]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), foreach=False)
+
+    rows = token_rows(args.dataset, args.seq_len + 1)
+    epoch, cursor, order = 0, 0, None
+
+    def next_batch() -> torch.Tensor:
+        nonlocal epoch, cursor, order
+        if order is None or cursor + args.global_batch > len(order):
+            order = np.random.default_rng(args.seed + epoch).permutation(len(rows))
+            epoch, cursor = epoch + 1, 0
+        batch = rows[order[cursor : cursor + args.global_batch]]
+        cursor += args.global_batch
+        return torch.from_numpy(batch.astype(np.int64))  # (B, T+1)
+
+    ends, losses = [], []
+    for step in range(args.steps):
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, args)
+        tokens = next_batch()
+        micro_losses: list[torch.Tensor] = []
+        if rank == first_rank and rank == last_rank:
+            schedule.step(tokens[:, :-1], target=tokens[:, 1:], losses=micro_losses)
+        elif rank == first_rank:
+            schedule.step(tokens[:, :-1])
+        elif rank == last_rank:
+            schedule.step(target=tokens[:, 1:], losses=micro_losses)
+        else:
+            schedule.step()
+        if tied is not None and tied_weight is not None and tied_weight.grad is not None:
+            dist.all_reduce(tied_weight.grad, group=tied)  # both copies get the sum, as one tied weight would
+        squares = torch.stack([p.grad.pow(2).sum() for p in counted if p.grad is not None]).sum()
+        dist.all_reduce(squares)
+        norm = squares.sqrt()
+        if norm > 1.0:
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(1.0 / (norm + 1e-6))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if rank == 0:
+            ends.append(time.perf_counter())
+        if micro_losses:
+            losses.append(float(torch.stack(micro_losses).detach().mean()))
+    final = torch.tensor([losses[-1] if losses else 0.0])
+    dist.broadcast(final, src=last_rank)  # the loss is the last part's
+    if rank == 0:
+        with open(args.out, "w") as f:
+            result = {"step_end_s": ends, "loss": [float(final)], "threads": torch.get_num_threads()}
+            json.dump({**result, "world": world}, f)
 
 
 if __name__ == "__main__":
