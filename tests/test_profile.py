@@ -50,6 +50,39 @@ def test_profile_measures_compares_and_calibrates(tmp_path):
     assert again["estimate"]["efficiency"] == pytest.approx(cal.efficiency)
 
 
+def test_a_tensor_parallel_profile_measures_each_layers_collectives_and_plan_uses_their_bandwidth(tmp_path):
+    """parallel.tensor 2: the collectives of each block, as the built-in GPT's plan issues them (sequence
+    parallel: an all-gather and a reduce-scatter of a micro-batch's activations around the attention
+    and around the MLP), timed on 2 gloo processes; the calibration keeps their bus bandwidth and
+    plan's tensor-parallel groups on that accelerator get it instead of the catalog's link."""
+    from petatrain.plan import catalog
+    from petatrain.plan.recommend import intra_bandwidth
+
+    cfg = small_job(tmp_path, "parallel.tensor=2")
+    report = profile(cfg, steps=2)
+    tp = report["tensor_collectives"]
+    act = 8 * 64 * 64 * 4  # micro-batch x seq_len x d_model x fp32: one micro-batch's activations
+    assert [name for name in tp["layers"] if name.startswith("layer")] == ["layer 0", "layer 1"]
+    for name in ("layer 0", "layer 1"):
+        forward = tp["layers"][name]["forward"]
+        assert {op: k["count"] for op, k in forward.items()} == {
+            "all_gather_into_tensor": 2,
+            "reduce_scatter_tensor": 2,
+        }
+        assert all(k["bytes"] == 2 * act and k["seconds"] > 0 for k in forward.values())
+        assert tp["layers"][name]["backward"]  # the same collectives' transposes
+    assert tp["bus_bandwidth"] > 0 and tp["seconds_per_micro_batch"] > 0
+    assert tp["planned_bus_bytes_per_micro_batch"] == (2 * 4 + 2) * act  # 2 (n-1)/n = 1 on 2 ranks
+    assert 0.5 < tp["planned_over_measured_bytes"] < 2
+    (row,) = [r for r in report["comparison"] if r["figure"] == "tensor-parallel collectives per micro-batch"]
+    assert row["estimate"] is None  # no bandwidth known yet for the CPU: nothing to estimate with
+    cal = load_calibrations(str(tmp_path))["cpu"]
+    assert cal.tensor_bus_bandwidth == pytest.approx(tp["bus_bandwidth"])
+    h100 = catalog.load_catalog(cfg.plan)["H100-SXM"]
+    assert intra_bandwidth(h100, cal) == cal.tensor_bus_bandwidth
+    assert intra_bandwidth(h100, None) == pytest.approx(0.8 * h100.intra_link_gb_s_per_direction * 1e9)
+
+
 def test_profile_cli_json(tmp_path):
     result = run_cli(
         "profile", "--steps", "1", "--json", "--set", f"plan.calibration_dir={tmp_path}", "--set", "model.seq_len=32"

@@ -514,10 +514,41 @@ def profile(r: dict[str, Any]) -> None:
     if spread is not None:
         out.print(f"the {r['steps']} timed steps spread {spread:.0%} (interquartile range / median)", highlight=False)
     out.print(f"the estimate's efficiency is from {r['estimate'].get('calibration_source', '?')}", highlight=False)
+    if r.get("tensor_collectives"):
+        _tensor_collectives(r["tensor_collectives"])
     if r.get("calibration_refused"):
         out.print(f"[yellow]calibration {escape(r['calibration_refused'])}[/yellow]", highlight=False)
     if r.get("calibration_path"):
         out.print(f"calibration saved to {r['calibration_path']} (plan uses it for {r['calibration']['accelerator']})")
+
+
+def _tensor_collectives(tp: dict[str, Any]) -> None:
+    """profile with parallel.tensor: each layer's collectives, one micro-batch."""
+    table = Table(
+        title=f"tensor-parallel collectives of one micro-batch ({tp['micro_batch']} rows), {tp['degree']} ranks, "
+        f"{tp['backend']}"
+    )
+    for col in ("layer", "forward", "backward", "ms"):
+        table.add_column(col, justify="left" if col != "ms" else "right")
+
+    def said(kinds: dict[str, dict[str, float]]) -> str:
+        return ", ".join(
+            f"{k['count']:g} {op.replace('_into_tensor', '').replace('_tensor', '')} {k['bytes'] / 2**10:,.0f} KiB"
+            for op, k in sorted(kinds.items())
+        )
+
+    for layer, phases in tp["layers"].items():
+        seconds = sum(k["seconds"] for kinds in phases.values() for k in kinds.values())
+        table.add_row(layer, said(phases.get("forward", {})), said(phases.get("backward", {})), f"{seconds * 1e3:.2f}")
+    show_table(table)
+    ratio = tp.get("planned_over_measured_bytes")
+    out.print(
+        f"bus bandwidth achieved {tp['bus_bandwidth'] / 1e9:,.3f} GB/s (kept in the calibration for plan's "
+        f"tensor-parallel groups); plan's model moves {tp['planned_bus_bytes_per_micro_batch'] / 2**20:,.2f} MiB a "
+        f"micro-batch over each link, measured {tp['bus_bytes_per_micro_batch'] / 2**20:,.2f} MiB"
+        + (f" ({ratio:.2f}x)" if ratio else ""),
+        highlight=False,
+    )
 
 
 def layers(r: dict[str, Any]) -> None:

@@ -25,6 +25,9 @@ class Calibration:
     measured_at: str
     config: dict
     spread: float = 0.0  # interquartile range of the timed steps over their median (0: not recorded)
+    # Bus bandwidth (bytes/s over each rank's link, as a ring counts them) the tensor-parallel
+    # collectives achieved in `profile` with parallel.tensor > 1; 0: not measured (the catalog's link).
+    tensor_bus_bandwidth: float = 0.0
     path: str = ""  # where it was read from (not written in the file)
 
     def describe(self) -> str:

@@ -233,6 +233,12 @@ def profile(cfg: JobConfig, *, steps: int = 5, use_dataset: bool = False, save: 
         "verdict": _verdict(split, step_time, efficiency),
         "calibration_path": None,
     }
+    if cfg.parallel.tensor > 1:
+        report["tensor_collectives"] = _tensor_collectives(cfg, w, accelerator, prior)
+        measured["tensor_bus_bandwidth"] = report["tensor_collectives"]["bus_bandwidth"]
+        comparison.append(report["tensor_collectives"].pop("comparison"))
+    elif prior is not None:  # a profile without tensor parallelism keeps what an earlier one measured
+        measured["tensor_bus_bandwidth"] = prior.tensor_bus_bandwidth
     calibration = _calibration(cfg, accelerator, measured, peak, steps)
     report["calibration"] = calibration.to_dict()
     limit = cfg.plan.calibration_max_spread
@@ -268,9 +274,29 @@ def _calibration(cfg: JobConfig, accelerator: str, measured: dict[str, Any], pea
         overhead_s=measured["time_split_s"]["data_wait"],
         steps=steps,
         spread=measured["step_time_spread"] or 0.0,
+        tensor_bus_bandwidth=measured.get("tensor_bus_bandwidth", 0.0),
         measured_at=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         config={"model": cfg.to_dict()["model"], "train": cfg.to_dict()["train"]},
     )
+
+
+def _tensor_collectives(cfg: JobConfig, w: est.Workload, accelerator: str, prior: Calibration | None) -> dict[str, Any]:
+    """The tensor-parallel collectives of one micro-batch, per layer (plan.tensor_profile), and the
+    plan's estimate of their time: at the bandwidth an earlier profile measured, else at the catalog's
+    link within a node (none for the CPU without one)."""
+    from petatrain.plan import tensor_profile
+    from petatrain.plan.recommend import intra_bandwidth
+    from petatrain.train.strategies.tensor import tensor_exposed_s
+
+    measured = tensor_profile.measure(cfg)
+    acc = load_catalog(cfg.plan).get(accelerator)
+    bandwidth = intra_bandwidth(acc, prior) if acc is not None else (prior.tensor_bus_bandwidth if prior else 0.0)
+    estimate = tensor_exposed_s(w, cfg.parallel.tensor, w.n_layer, 1, bandwidth) if bandwidth else None
+    measured["estimate_bandwidth"] = bandwidth
+    measured["comparison"] = _row(
+        "tensor-parallel collectives per micro-batch", measured["seconds_per_micro_batch"], estimate, _ms
+    )
+    return measured
 
 
 def _peak_memory(stepper: TrainStep, cpu: bool) -> tuple[int, str]:

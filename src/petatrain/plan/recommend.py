@@ -235,7 +235,7 @@ def _best_tensor(
                 shaped = dataclasses.replace(w.with_micro_batch(micro), recompute=recompute)
                 c = _evaluate(shaped, acc, count, Tensor(t, data), cfg, calibration, mtbf_hours)
                 accumulation = w.global_batch // (replicas * micro)
-                tp_s = tensor_exposed_s(shaped, t, w.n_layer, accumulation, _intra_bandwidth(acc))
+                tp_s = tensor_exposed_s(shaped, t, w.n_layer, accumulation, intra_bandwidth(acc, calibration))
                 c.layout = {
                     "tensor": t, "replicas": replicas, "data": data, "micro_batch": micro, "recompute": recompute,
                     "tensor_comm_s": tp_s,
@@ -266,7 +266,11 @@ def _recompute(policy: str) -> str:
     return f" recompute {policy}" if policy != "none" else ""
 
 
-def _intra_bandwidth(acc: Accelerator) -> float:
+def intra_bandwidth(acc: Accelerator, calibration: Calibration | None = None) -> float:
+    """Bytes/s a tensor-parallel group's collectives get inside a node: what `profile` measured on
+    this accelerator, else the catalog's link at LINK_EFFICIENCY."""
+    if calibration is not None and calibration.tensor_bus_bandwidth > 0:
+        return calibration.tensor_bus_bandwidth
     return LINK_EFFICIENCY * acc.intra_link_gb_s_per_direction * 1e9
 
 
@@ -297,7 +301,7 @@ def _best_pipeline(
                 layers = math.ceil(w.n_layer / stages)
                 c.layout = {"stages": stages, "replicas": replicas, "microbatches": m, "micro_batch": micro}
                 c.layout.update(recompute=recompute, data=data, tensor=t)
-                c.layout["tensor_comm_s"] = tensor_exposed_s(shaped, t, layers, m, _intra_bandwidth(acc))
+                c.layout["tensor_comm_s"] = tensor_exposed_s(shaped, t, layers, m, intra_bandwidth(acc, calibration))
                 tensor = f" tensor {t}" if t > 1 else ""
                 c.layout["label"] = f"pipeline {stages}x{replicas}{tensor} M={m}" + _recompute(recompute)
                 c.layout["settings"] = [
@@ -391,7 +395,12 @@ def _evaluate(
     intra = acc.intra_link_gb_s_per_direction * 1e9
     bandwidth = LINK_EFFICIENCY * (intra if nodes == 1 else min(intra, acc.network_bytes_per_device()))
     exposed, bubble = spec.communication_s(
-        w, n, compute_s=compute, accumulation=accumulation, bandwidth=bandwidth, intra_bandwidth=_intra_bandwidth(acc)
+        w,
+        n,
+        compute_s=compute,
+        accumulation=accumulation,
+        bandwidth=bandwidth,
+        intra_bandwidth=intra_bandwidth(acc, calibration),
     )
 
     # Data: the loader streams in the background; a step cannot be faster than its bytes.
