@@ -514,7 +514,9 @@ def profile(r: dict[str, Any]) -> None:
     if spread is not None:
         out.print(f"the {r['steps']} timed steps spread {spread:.0%} (interquartile range / median)", highlight=False)
     out.print(f"the estimate's efficiency is from {r['estimate'].get('calibration_source', '?')}", highlight=False)
-    if r.get("tensor_collectives"):
+    if r.get("tensor_collectives", {}).get("skipped"):
+        out.print(f"[yellow]tensor-parallel collectives not measured: {r['tensor_collectives']['skipped']}[/yellow]")
+    elif r.get("tensor_collectives"):
         _tensor_collectives(r["tensor_collectives"])
     if r.get("calibration_refused"):
         out.print(f"[yellow]calibration {escape(r['calibration_refused'])}[/yellow]", highlight=False)

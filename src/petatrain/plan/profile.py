@@ -34,6 +34,7 @@ from petatrain.cost.calibration import Calibration, load_calibrations, save_cali
 from petatrain.errors import ConfigError
 from petatrain.models import build_model
 from petatrain.plan import estimate as est
+from petatrain.plan import tensor_profile
 from petatrain.plan.catalog import load_catalog
 from petatrain.plan.flops import FlopCounter
 from petatrain.train import recipe
@@ -233,11 +234,13 @@ def profile(cfg: JobConfig, *, steps: int = 5, use_dataset: bool = False, save: 
         "verdict": _verdict(split, step_time, efficiency),
         "calibration_path": None,
     }
-    if cfg.parallel.tensor > 1:
+    if cfg.parallel.tensor > 1 and tensor_profile.unavailable(cfg):  # the rest is measured all the same
+        report["tensor_collectives"] = {"skipped": tensor_profile.unavailable(cfg)}
+    elif cfg.parallel.tensor > 1:
         report["tensor_collectives"] = _tensor_collectives(cfg, w, accelerator, prior)
         measured["tensor_bus_bandwidth"] = report["tensor_collectives"]["bus_bandwidth"]
         comparison.append(report["tensor_collectives"].pop("comparison"))
-    elif prior is not None:  # a profile without tensor parallelism keeps what an earlier one measured
+    if "tensor_bus_bandwidth" not in measured and prior is not None:  # kept from an earlier profile
         measured["tensor_bus_bandwidth"] = prior.tensor_bus_bandwidth
     calibration = _calibration(cfg, accelerator, measured, peak, steps)
     report["calibration"] = calibration.to_dict()
@@ -284,7 +287,6 @@ def _tensor_collectives(cfg: JobConfig, w: est.Workload, accelerator: str, prior
     """The tensor-parallel collectives of one micro-batch, per layer (plan.tensor_profile), and the
     plan's estimate of their time: at the bandwidth an earlier profile measured, else at the catalog's
     link within a node (none for the CPU without one)."""
-    from petatrain.plan import tensor_profile
     from petatrain.plan.recommend import intra_bandwidth
     from petatrain.train.strategies.tensor import tensor_exposed_s
 

@@ -51,10 +51,9 @@ def measure(cfg: JobConfig, *, repeats: int = 3) -> dict[str, Any]:
     plan = builtin_plan(cfg)
     if plan is not None and plan.problem(degree):
         raise ConfigError(plan.problem(degree))
-    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= degree
-    if torch.cuda.is_available() and not cuda:
-        raise ConfigError(f"profile: parallel.tensor {degree} needs {degree} GPUs on this host, it has "
-                          f"{torch.cuda.device_count()}")  # fmt: skip
+    if unavailable(cfg):
+        raise ConfigError(f"profile: {unavailable(cfg)}")
+    cuda = torch.cuda.is_available()
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="petatrain-tp-profile-") as folder:
@@ -64,6 +63,17 @@ def measure(cfg: JobConfig, *, repeats: int = 3) -> dict[str, Any]:
         with open(out) as handle:
             records = json.load(handle)
     return summarize(cfg, records, repeats)
+
+
+def unavailable(cfg: JobConfig) -> str:
+    """Why this host cannot measure the collectives ("" if it can): on GPUs, one per rank of the group
+    (gloo between CPU processes would calibrate an accelerator's link with the CPU's)."""
+    degree = cfg.parallel.tensor
+    if torch.cuda.is_available() and torch.cuda.device_count() < degree:
+        return f"parallel.tensor {degree} needs {degree} GPUs on this host to measure its collectives; it has " + str(
+            torch.cuda.device_count()
+        )
+    return ""
 
 
 def summarize(cfg: JobConfig, records: list[dict[str, Any]], repeats: int) -> dict[str, Any]:
