@@ -35,6 +35,7 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -55,6 +56,22 @@ def token_rows(dataset: str, width: int) -> np.ndarray:
         data = np.frombuffer(column.buffers()[1], dtype=np.uint16)
         parts.append(data.reshape(len(column), -1)[:, :width])
     return np.concatenate(parts)
+
+
+def batches(rows: np.ndarray, seed: int, size: int, replica: int, replicas: int) -> Callable[[], torch.Tensor]:
+    """Batches of `size` rows, a new permutation each epoch, this replica's share of each."""
+    epoch, cursor, order = 0, 0, None
+
+    def next_batch() -> torch.Tensor:
+        nonlocal epoch, cursor, order
+        if order is None or cursor + size > len(order):
+            order = np.random.default_rng(seed + epoch).permutation(len(rows))[replica::replicas]
+            epoch, cursor = epoch + 1, 0
+        batch = rows[order[cursor : cursor + size]]
+        cursor += size
+        return torch.from_numpy(batch.astype(np.int64))  # (B, T+1)
+
+    return next_batch
 
 
 def lr_at(step: int, args: argparse.Namespace) -> float:
@@ -220,16 +237,7 @@ def train(args: argparse.Namespace) -> None:
     accum = args.global_batch // replicas // args.micro_batch
 
     rows = token_rows(args.dataset, args.seq_len + 1)
-    epoch, cursor, order = 0, 0, None
-
-    def next_batch() -> torch.Tensor:
-        nonlocal epoch, cursor, order
-        if order is None or cursor + args.micro_batch > len(order):
-            order = np.random.default_rng(args.seed + epoch).permutation(len(rows))[rank // tensor :: replicas]
-            epoch, cursor = epoch + 1, 0
-        batch = rows[order[cursor : cursor + args.micro_batch]]
-        cursor += args.micro_batch
-        return torch.from_numpy(batch.astype(np.int64))  # (B, T+1)
+    next_batch = batches(rows, args.seed, args.micro_batch, rank // tensor, replicas)
 
     ends, losses = [], []
     for step in range(args.steps):
@@ -323,17 +331,7 @@ def train_pipeline(args: argparse.Namespace) -> None:
     ]
     optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), foreach=False)
 
-    rows = token_rows(args.dataset, args.seq_len + 1)
-    epoch, cursor, order = 0, 0, None
-
-    def next_batch() -> torch.Tensor:
-        nonlocal epoch, cursor, order
-        if order is None or cursor + args.global_batch > len(order):
-            order = np.random.default_rng(args.seed + epoch).permutation(len(rows))
-            epoch, cursor = epoch + 1, 0
-        batch = rows[order[cursor : cursor + args.global_batch]]
-        cursor += args.global_batch
-        return torch.from_numpy(batch.astype(np.int64))  # (B, T+1)
+    next_batch = batches(token_rows(args.dataset, args.seq_len + 1), args.seed, args.global_batch, 0, 1)
 
     ends, losses = [], []
     for step in range(args.steps):
