@@ -296,14 +296,17 @@ def gpt_tensor_plan(cfg: ModelConfig) -> Any:
                 input_layouts=Replicate(), desired_input_layouts=Shard(1), use_local_output=True
             ),
             "blocks.*.ln1": SequenceParallel(),
+            # The attention and the MLP get their input as a DTensor (use_local_output=False): its
+            # gradient then leaves them Partial and is reduce-scattered back to the positions' split;
+            # a local tensor made the column-parallel layer all-reduce it first (twice the bytes).
             "blocks.*.attn": PrepareModuleInput(
-                input_layouts=Shard(1), desired_input_layouts=Replicate(), use_local_output=True
+                input_layouts=Shard(1), desired_input_layouts=Replicate(), use_local_output=False
             ),
             "blocks.*.attn.qkv": FusedColwise(3),
             "blocks.*.attn.proj": RowwiseParallel(output_layouts=Shard(1)),
             "blocks.*.ln2": SequenceParallel(),
             "blocks.*.mlp": PrepareModuleInput(
-                input_layouts=Shard(1), desired_input_layouts=Replicate(), use_local_output=True
+                input_layouts=Shard(1), desired_input_layouts=Replicate(), use_local_output=False
             ),
             "blocks.*.mlp.up": ColwiseParallel(),
             "blocks.*.mlp.down": RowwiseParallel(output_layouts=Shard(1)),

@@ -220,7 +220,7 @@ def _timed_mode_class() -> type:
             if isinstance(buffer, (list, tuple)):  # c10d's in-place ops take lists of tensors
                 buffer = buffer[0] if buffer else None
             size = buffer.numel() * buffer.element_size() if isinstance(buffer, torch.Tensor) else 0
-            parents = sorted(self.tracker.parents, key=len)
+            parents = sorted(self.tracker.parents - {"Global"}, key=len)  # ModTracker's root: no module
             self.records.append(
                 {
                     "layer": layer_of(" ".join(parents)),
