@@ -72,7 +72,9 @@ def test_the_local_runner_keeps_a_model_current_and_a_killed_step_is_retried_to_
     log = run_pipeline()
     # Each step's first try was killed, its retry succeeded: three steps, killed once each.
     assert sorted(p.name for p in (tmp_path / "killed").iterdir()) == ["ingest", "promote", "train"]
-    assert log.count("finished with status \x1b[91mFAILURE") == 3 and log.count("with status \x1b[92mSUCCESS") == 4
+    failed = [line for line in log.splitlines() if "Error:" in line or "failed (" in line]
+    assert log.count("finished with status \x1b[91mFAILURE") == 3, failed
+    assert log.count("with status \x1b[92mSUCCESS") == 4, log[-4000:]
     _one_version_one_run_one_model(tmp_path)
 
     # The next recurring run finds nothing new: ingest says so and nothing trains.
