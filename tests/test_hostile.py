@@ -128,6 +128,38 @@ def test_an_expired_lease_of_a_dead_ingest_is_taken_over(tmp_path):
     assert summary.rows_out > 0 and not (out / "_lock").exists()
 
 
+def test_a_lease_whose_holder_here_is_dead_or_a_zombie_is_taken_at_once_a_live_ones_is_not(tmp_path):
+    """A holder on this host that was killed is not waited out for its 60 s. Killed by an orchestrator's
+    shim that exits without waiting for it, it stays a zombie where nothing reaps it: it answers
+    signals (os.kill(pid, 0)) but renews nothing, so it counts as dead too."""
+    import socket
+    import subprocess
+
+    from petatrain.storage.lock import _zombie
+
+    url = str(tmp_path / "ds" / "_lock")
+    os.makedirs(tmp_path / "ds")
+    child = subprocess.Popen(["true"])  # exits at once; not waited for: a zombie, still signalable
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not _zombie(child.pid):
+            time.sleep(0.01)
+        here = {"kind": "ingest", "host": socket.gethostname(), "since": 0.0, "expires": time.time() + 60}
+        (tmp_path / "ds" / "_lock").write_text(json.dumps({**here, "owner": "zombie", "pid": child.pid}))
+        with Lease(url, kind="ingest"):
+            pass
+        alive = subprocess.Popen(["sleep", "30"])
+        try:
+            (tmp_path / "ds" / "_lock").write_text(json.dumps({**here, "owner": "alive", "pid": alive.pid}))
+            with pytest.raises(LeaseHeld, match=f"pid {alive.pid}"):
+                Lease(url, kind="ingest").acquire()
+        finally:
+            alive.kill()
+            alive.wait()
+    finally:
+        child.wait()
+
+
 def test_a_manifest_changed_under_an_ingest_is_not_overwritten(tmp_path, monkeypatch):
     """The lease is the lock; the manifest's generation is the fence if a lease was lost."""
     out = tmp_path / "ds"

@@ -69,6 +69,16 @@ class LeaseRecord:
             return True
         except PermissionError:
             return False
+        return _zombie(self.pid)
+
+
+def _zombie(pid: int) -> bool:
+    """`pid` has exited and only waits to be reaped (a killed holder whose parent left without waiting,
+    in a container whose first process reaps nothing): it answers signals but renews nothing."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rpartition(")")[2].split()[0] == "Z"
+    except (OSError, IndexError):
         return False
 
 
