@@ -234,8 +234,8 @@ def profile(cfg: JobConfig, *, steps: int = 5, use_dataset: bool = False, save: 
         "verdict": _verdict(split, step_time, efficiency),
         "calibration_path": None,
     }
-    if cfg.parallel.tensor > 1 and tensor_profile.unavailable(cfg):  # the rest is measured all the same
-        report["tensor_collectives"] = {"skipped": tensor_profile.unavailable(cfg)}
+    if cfg.parallel.tensor > 1 and (why := tensor_profile.unavailable(cfg)):  # the rest is measured all the same
+        report["tensor_collectives"] = {"skipped": why}
     elif cfg.parallel.tensor > 1:
         report["tensor_collectives"] = _tensor_collectives(cfg, w, accelerator, prior)
         measured["tensor_bus_bandwidth"] = report["tensor_collectives"]["bus_bandwidth"]

@@ -4,8 +4,8 @@ The configured model is split as `train` splits it (the tensor strategy: `parall
 model's plan, the head's loss over vocabulary-sharded logits) over `parallel.tensor` processes of this
 host (gloo on the CPU, NCCL where the host has that many GPUs, one each). Forward and backward of one
 micro-batch run a few times under a dispatch mode that sees every collective DTensor issues, waits
-for it and times it, and files it under the module that ran it (the module tracker of torch's
-CommDebugMode). Per layer: each collective's kind, count, bytes and seconds, in forward and backward.
+for it and times it, and files it under the modules running it (torch's ModTracker). Per layer:
+each collective's kind, count, bytes and seconds, in forward and backward.
 In all: the bus bandwidth they achieved (the bytes a ring moves over each rank's link, per second),
 which the calibration keeps for `plan`'s tensor-parallel groups on this accelerator; and the
 planner's model of the same collectives (`tensor_exposed_s`: Megatron's two all-reduces of a
@@ -30,14 +30,9 @@ import torch
 from petatrain.config import JobConfig
 from petatrain.errors import ConfigError
 
-# Bytes a ring moves over each rank's link for each kind of collective, as a share of the buffer
-# (the whole tensor: all-reduce's input, all-gather's output, reduce-scatter's input), n ranks.
-_RING = {
-    "all_reduce": lambda n: 2 * (n - 1) / n,
-    "all_gather_into_tensor": lambda n: (n - 1) / n,
-    "reduce_scatter_tensor": lambda n: (n - 1) / n,
-    "all_to_all_single": lambda n: (n - 1) / n,
-}
+# The collectives timed (their functional ops' names); the buffer sized is the whole tensor:
+# all-reduce's input, all-gather's output, reduce-scatter's and all-to-all's input.
+_TIMED = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")
 _LAYER = re.compile(r"\.(blocks|layers|h)\.(\d+)(\.|\s|$)")
 
 
@@ -48,11 +43,11 @@ def measure(cfg: JobConfig, *, repeats: int = 3) -> dict[str, Any]:
     degree = cfg.parallel.tensor
     if degree < 2:
         raise ConfigError("profile: the tensor-parallel collectives need parallel.tensor >= 2")
-    plan = builtin_plan(cfg)
-    if plan is not None and plan.problem(degree):
+    plan = builtin_plan(cfg)  # shapes that cannot split: one line, before any process (any strategy:
+    if plan is not None and plan.problem(degree):  # a pipeline's stages split their layers alike)
         raise ConfigError(plan.problem(degree))
-    if unavailable(cfg):
-        raise ConfigError(f"profile: {unavailable(cfg)}")
+    if why := unavailable(cfg):
+        raise ConfigError(f"profile: {why}")
     cuda = torch.cuda.is_available()
     import torch.multiprocessing as mp
 
@@ -79,7 +74,9 @@ def unavailable(cfg: JobConfig) -> str:
 def summarize(cfg: JobConfig, records: list[dict[str, Any]], repeats: int) -> dict[str, Any]:
     """Per layer and phase: count, bytes and seconds of each collective kind (per micro-batch), the bus
     bandwidth achieved, and the planner's bytes for the same micro-batch against the measured ones."""
+    from petatrain.cost import formulas
     from petatrain.cost.workload import Workload
+    from petatrain.train.strategies.tensor import tensor_exposed_s
 
     degree = cfg.parallel.tensor
     layers: dict[str, dict[str, dict[str, dict[str, float]]]] = {}
@@ -90,7 +87,8 @@ def summarize(cfg: JobConfig, records: list[dict[str, Any]], repeats: int) -> di
         kind["count"] += 1
         kind["bytes"] += r["bytes"]
         kind["seconds"] += r["seconds"]
-        bus_bytes += _RING.get(r["op"], lambda n: 1.0)(degree) * r["bytes"] / repeats
+        ring = formulas.ring_allreduce_seconds if r["op"] == "all_reduce" else formulas.ring_collective_seconds
+        bus_bytes += ring(r["bytes"], degree, 1.0) / repeats  # at 1 byte/s: the bytes over each link
         seconds += r["seconds"] / repeats
     for phases in layers.values():  # per micro-batch: the repeats' mean
         for kinds in phases.values():
@@ -98,15 +96,13 @@ def summarize(cfg: JobConfig, records: list[dict[str, Any]], repeats: int) -> di
                 kind["count"], kind["bytes"] = round(kind["count"] / repeats, 6), round(kind["bytes"] / repeats, 3)
                 kind["seconds"] /= repeats
     w = Workload.from_config(cfg)
-    act = w.micro_batch * w.seq_len * w.d_model * w.activation_bytes_per_element
-    per_layer = 4 + (2 if w.recompute == "full" else 0)
-    planned = (w.n_layer * per_layer + 2) * _RING["all_reduce"](degree) * act
+    planned = tensor_exposed_s(w, degree, w.n_layer, 1, 1.0)  # at 1 byte/s: the bytes plan counts
     return {
         "degree": degree,
         "backend": records[0]["backend"] if records else "",
         "micro_batch": w.micro_batch,
         "layers": {name: layers[name] for name in sorted(layers, key=_layer_order)},
-        "collectives_per_micro_batch": round(sum(1 for _ in records) / repeats),
+        "collectives_per_micro_batch": round(len(records) / repeats),
         "seconds_per_micro_batch": seconds,
         "bus_bytes_per_micro_batch": bus_bytes,
         "bus_bandwidth": bus_bytes / seconds if seconds else 0.0,
@@ -157,7 +153,7 @@ def _rank(rank: int, world: int, init: str, config: dict, repeats: int, out: str
         tokens = tokens.to(device)
 
         def micro_batch() -> None:
-            with steps._context():
+            with steps.loss_context():
                 spec.loss_fn(steps.model, tokens).backward()
             steps.model.zero_grad(set_to_none=True)
 
@@ -212,7 +208,7 @@ def _timed_mode_class() -> type:
             started = time.perf_counter()
             out = func(*args, **kwargs)
             name = packet.__name__.rstrip("_")
-            if isinstance(out, torch.Tensor) and name in _RING:  # a functional collective: wait for it
+            if isinstance(out, torch.Tensor) and name in _TIMED:  # a functional collective: wait for it
                 out = torch.ops._c10d_functional.wait_tensor(out)
             self._sync()
             seconds = time.perf_counter() - started

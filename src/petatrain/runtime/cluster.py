@@ -20,7 +20,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 CLIENT_SERVER_RETRIES = 2  # new connections when a Ray Client server fails to start this driver's server
-_monitor_ended_at_exit = False
 
 
 def init_ray(address: str, local_cpus: int = 0, tls: RayTlsConfig | None = None) -> None:
@@ -73,10 +72,9 @@ def init_ray(address: str, local_cpus: int = 0, tls: RayTlsConfig | None = None)
             raise PetatrainError(f"cannot reach the Ray cluster at {address!r}: {exc}") from None
     if not to_console:
         silence_worker_logs()
-    global _monitor_ended_at_exit
-    if not _monitor_ended_at_exit:  # before Ray's own exit hook (registered on import: atexit runs last-in first)
-        atexit.register(_end_local_monitor)
-        _monitor_ended_at_exit = True
+    # Before Ray's own exit hook (registered when Ray is imported; atexit runs last-in first), once.
+    atexit.unregister(_end_local_monitor)
+    atexit.register(_end_local_monitor)
 
 
 def stop_ray() -> None:

@@ -79,7 +79,7 @@ class TensorSteps(MicroBatches):
 
     loss_parallel: bool = False
 
-    def _context(self) -> Any:
+    def loss_context(self) -> Any:
         if not self.loss_parallel:
             return contextlib.nullcontext()
         from torch.distributed.tensor.parallel import loss_parallel
@@ -91,11 +91,11 @@ class TensorSteps(MicroBatches):
         return split_of(self.model)[0]
 
     def forward_backward(self, next_batch: NextBatch, amp: Any, *, poison: bool = False) -> torch.Tensor:
-        with self._context():
+        with self.loss_context():
             return super().forward_backward(next_batch, amp, poison=poison)
 
     def eval_loss(self, tokens: torch.Tensor, amp: Any) -> torch.Tensor | None:
-        with self._context():
+        with self.loss_context():
             loss = super().eval_loss(tokens, amp)
         return local(loss) if loss is not None else None
 
