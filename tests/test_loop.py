@@ -172,15 +172,21 @@ def test_the_loop_keeps_a_model_current_and_a_kill_anywhere_reruns_to_one_result
     _drop(source, "a", 300, seed=3)
     loop_file = _loop_file(tmp_path)
     address = ray_local.get_runtime_context().gcs_address
-    argv = [sys.executable, "-m", "petatrain", "loop", str(loop_file), "--once", "--json", "--address", address]
+    # The hang freezes the worker after step 9 (the step-5 checkpoint committed), so the kill below
+    # is mid-training however fast the steps are: ten tiny steps take 0.15 s, less than one look at
+    # the ledger. It fires once per run: the loop run again resumes without it.
+    argv = [
+        sys.executable, "-m", "petatrain", "loop", str(loop_file), "--once", "--json", "--address", address,
+        "--inject", "hang@step=9",
+    ]  # fmt: skip
 
-    # -- cycle 1, through the CLI as a user runs it; SIGKILLed once its run has a checkpoint
+    # -- cycle 1, through the CLI as a user runs it; SIGKILLed with its run frozen mid-way
     killed = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline and killed.poll() is None:
             ledgers = list((tmp_path / "runs").glob("v1-*/events.jsonl"))
-            if ledgers and any(e["event"] == "checkpoint_commit" for e in read_events(str(ledgers[0].parent))):
+            if ledgers and any(e["event"] == "fault_injected" for e in read_events(str(ledgers[0].parent))):
                 break
             time.sleep(0.2)
         assert killed.poll() is None, killed.communicate()[1].decode()[-3000:]
@@ -194,7 +200,9 @@ def test_the_loop_keeps_a_model_current_and_a_kill_anywhere_reruns_to_one_result
     assert first["ingested"] is None, "the files were committed before the kill: nothing to append again"
     run1 = first["record"]["run"]
     assert [p.name for p in (tmp_path / "runs").iterdir() if p.name != "_loop"] == [Path(run1).name]
-    assert [e["event"] for e in read_events(run1)].count("run_continue") == 1  # resumed, not started over
+    ledger = read_events(run1)
+    assert [e["event"] for e in ledger].count("run_continue") == 1  # resumed, not started over
+    assert [e["step"] for e in ledger if e["event"] == "resume"] == [0, 5]  # from the step-5 checkpoint
 
     # -- the champion served, following its alias, as a user serves it
     loop = spec.load(loop_file)

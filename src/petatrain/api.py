@@ -765,6 +765,7 @@ def loop_cycle(
     options: StorageOptions | None = None,
     on_step: Callable[[str, dict[str, Any]], None] | None = None,
     only: str = "",
+    injections: Sequence[str] = (),
 ) -> LoopCycle:
     """One cycle of the continuous-training loop `spec` (a `petatrain.loop.spec.LoopSpec`): append
     `files` (stable new source files, the watcher's) to the dataset, then bring the model up to its
@@ -784,7 +785,9 @@ def loop_cycle(
     `only` runs one part, for an orchestrator's tasks: "ingest" (the append; outcome "committed" with
     the version's `dataset.committed` event as the record, or "idle" / "done" when nothing new came),
     "train" (the run for the latest version, not promoted: outcome "trained"), "promote" (the cycle
-    without an append: the run's result as recorded, the gate, the promotion and the record)."""
+    without an append: the run's result as recorded, the gate, the promotion and the record).
+    `injections` are faults injected into the cycle's run, as `train`'s (each fires once per run: a
+    cycle run again after one does not fire it again)."""
     from petatrain.data import commit_log
     from petatrain.data.index import read_manifest, split_version
     from petatrain.data.manifest import epoch, now
@@ -834,7 +837,7 @@ def loop_cycle(
             job = dataclasses.replace(job, train=dataclasses.replace(job.train, steps=steps))
             tell("train", {"version": version, "from": None, "steps": steps})
             run_dir = join(spec.runs, f"v{version}-{_digest({'config': job.to_dict()})}")
-            trained = train(job, run_dir=run_dir, resume=True, address=address, options=options)
+            trained = train(job, run_dir=run_dir, resume=True, address=address, options=options, injections=injections)
         else:  # the champion goes on: every row the versions since added once, with its replay share
             from petatrain.runtime.preflight import may_carry
 
@@ -844,7 +847,7 @@ def loop_cycle(
             passed = (carried["new_rows"] + carried["replay_rows"]) // job.train.global_batch + 1
             job = dataclasses.replace(job, train=dataclasses.replace(job.train, steps=step + passed))
             tell("train", {"version": version, "from": f"{base['run']}@{step}", "steps": step + passed})
-            trained = train(job, carry=f"{base['run']}@{step}", address=address, options=options)
+            trained = train(job, carry=f"{base['run']}@{step}", address=address, options=options, injections=injections)
         run, result_steps = trained.run, trained.steps
     times["train"] = round(time.perf_counter() - begun, 3)
     if only == "train":

@@ -14,7 +14,7 @@ import typer
 from rich.markup import escape
 
 from petatrain import api, render
-from petatrain.cli.common import Address, Json, Sets, print_json, ray_session, say, verb
+from petatrain.cli.common import Address, Injects, Json, Sets, print_json, ray_session, say, verb
 from petatrain.errors import AccessDeniedError, ConfigError, StorageAccessError
 
 MAX_RETRY_WAIT_S = 300.0  # a store or registry down: the next try after poll_s, doubling, at most this
@@ -30,12 +30,15 @@ def loop(
     ] = "",
     address: Address = "",
     set_: Sets = None,
+    inject: Injects = None,
     as_json: Json = False,
 ) -> None:
     """Watch a source for new files; for each new set of them: append them as a new dataset version,
     continue the champion model onto it, evaluate, promote if the gate passes (a server started with
     `serve registry://MODEL@champion --follow` swaps to it). Every step is idempotent: killed anywhere,
-    run it again and it goes on where it stopped, never training a version twice."""
+    run it again and it goes on where it stopped, never training a version twice. `--inject` puts a
+    fault into each cycle's training run, as `train --inject` does (once per run)."""
+    from petatrain.chaos.inject import parse
     from petatrain.loop import spec as spec_mod
     from petatrain.loop.watch import Watcher
     from petatrain.storage.fs import join
@@ -43,6 +46,9 @@ def loop(
 
     if only and not once:
         raise ConfigError("--only runs one part of one cycle: give --once too")
+    injections = list(inject or [])
+    for injection in injections:  # a typo is one line before the first cycle, not after its ingest
+        parse(injection)
     spec = spec_mod.load(loop_file, list(set_ or []))
     cfg = spec.job_config()
     options = cfg.storage.options()
@@ -63,7 +69,7 @@ def loop(
     if not as_json:
         say(f"loop {escape(spec.model)}: watching {escape(spec.source)} -> {escape(spec.dataset)}")
     try:
-        _cycles(spec, watcher, address, once=once, as_json=as_json, only=only)
+        _cycles(spec, watcher, address, once=once, as_json=as_json, only=only, injections=injections)
     except KeyboardInterrupt:  # how a watcher is stopped: every step is idempotent, a rerun goes on
         say("loop stopped: run it again and it goes on where it stopped")
         raise typer.Exit(130) from None
@@ -72,7 +78,16 @@ def loop(
             lease.release()
 
 
-def _cycles(spec: Any, watcher: Any, address: str, *, once: bool, as_json: bool, only: str = "") -> None:
+def _cycles(
+    spec: Any,
+    watcher: Any,
+    address: str,
+    *,
+    once: bool,
+    as_json: bool,
+    only: str = "",
+    injections: list[str] | None = None,
+) -> None:
     """Look, run a cycle, sleep; one cycle with `once`. A cycle with nothing to do is shown once,
     not at every look; a changed source file is warned of once."""
     warned: set[str] = set()
@@ -80,7 +95,9 @@ def _cycles(spec: Any, watcher: Any, address: str, *, once: bool, as_json: bool,
     failures = 0  # cycles failed in a row on an unreachable store
     while True:
         if only in ("train", "promote"):  # no look at the source: the versions committed are the work
-            cycle = api.loop_cycle(spec, [], address=address, on_step=_progress(as_json), only=only)
+            cycle = api.loop_cycle(
+                spec, [], address=address, on_step=_progress(as_json), only=only, injections=injections or []
+            )
             if as_json:
                 print_json(cycle.to_dict())
             else:
@@ -97,7 +114,9 @@ def _cycles(spec: Any, watcher: Any, address: str, *, once: bool, as_json: bool,
             look = watcher.look()
         ready = [f.url for f in look.ready]
         try:
-            cycle = api.loop_cycle(spec, ready, address=address, on_step=_progress(as_json), only=only)
+            cycle = api.loop_cycle(
+                spec, ready, address=address, on_step=_progress(as_json), only=only, injections=injections or []
+            )
         except (StorageAccessError, ConnectionError) as exc:
             if once or isinstance(exc, AccessDeniedError):  # an orchestrator retries the task; a denial stays
                 raise
