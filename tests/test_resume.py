@@ -106,20 +106,23 @@ def test_a_finished_run_resumed_is_left_as_it_is(tmp_path, token_dataset, no_ray
 @pytest.mark.chaos
 def test_a_killed_driver_is_continued_by_a_new_one_with_the_same_weights(baseline, token_dataset, tmp_path, ray_local):
     """The driver is SIGKILLed (its head pod is lost) after a checkpoint; `train --resume` on the
-    same run directory, as a RayJob retry runs it, ends with the uninterrupted run's weights."""
+    same run directory, as a RayJob retry runs it, ends with the uninterrupted run's weights. The
+    kill is mid-run however fast the steps are: an injected hang freezes the rank after step 15
+    (20 tiny steps take less than one look at the ledger), and fires once per run."""
     address = ray_local.get_runtime_context().gcs_address
     run_dir = tmp_path / "run"
     argv = [
         sys.executable, "-m", "petatrain", "train", str(ROOT / "examples" / "tiny.yaml"), "--run-dir", str(run_dir),
         "--address", address, "--resume", "--json",
         "--set", f"data.dataset={token_dataset}", "--set", "train.steps=30", "--set", "faults.hang_timeout_s=6",
+        "--inject", "hang@step=15",
     ]  # fmt: skip
     first = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline and first.poll() is None:
             events = read_events(str(run_dir)) if (run_dir / "events.jsonl").exists() else []
-            if any(e["event"] == "checkpoint_commit" and e["step"] >= 10 for e in events):
+            if any(e["event"] == "fault_injected" for e in events):
                 break
             time.sleep(0.2)
         assert first.poll() is None, first.communicate()[1].decode()[-3000:]
