@@ -250,10 +250,12 @@ def partitioned_and_grown_back(overrides: list[str], run_dir: Path) -> list[dict
 
 
 def kill_first_tries(tmp_path: Path, after_s: float = 8) -> dict[str, str]:
-    """The environment under which an orchestrator's tasks run `petatrain` through
-    `tests/kill_once.sh`: the first try of each loop step is SIGKILLed with all it started after
-    `after_s` seconds (mid-way), its retry runs through; the steps killed are marked in
-    `tmp_path/killed`."""
+    """The environment under which an orchestrator's tasks run `petatrain` (a loop of `_loop_file`'s
+    folders) through `tests/kill_once.sh`: the first try of each loop step is SIGKILLed with all it
+    started mid-way, its retry runs through; the steps killed are marked in `tmp_path/killed`. The
+    ingest is killed once it has staged a file of the version (nothing committed), the training once
+    an injected hang holds it after step 7 (its step-5 checkpoint committed), the promotion after
+    `after_s` seconds."""
     import sys
 
     (tmp_path / "killed").mkdir()
@@ -261,8 +263,25 @@ def kill_first_tries(tmp_path: Path, after_s: float = 8) -> dict[str, str]:
         "PETATRAIN_BIN": str(ROOT / "tests" / "kill_once.sh"),
         "PETATRAIN_REAL_BIN": str(Path(sys.executable).with_name("petatrain")),
         "PETATRAIN_KILL_DIR": str(tmp_path / "killed"),
+        "PETATRAIN_KILL_ON_INGEST": f"{tmp_path}/data/_staging/*/docs/*",
+        "PETATRAIN_KILL_ON_TRAIN": f"{tmp_path}/runs/v1-*/events.jsonl::fault_injected",
+        "PETATRAIN_INJECT_TRAIN": "hang@step=7",
         "PETATRAIN_KILL_AFTER": str(after_s),
     }
+
+
+def stopped_ray_processes() -> list[str]:
+    """This machine's Ray processes stopped by a signal (state T): left behind, they never end."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and (command := (entry / "cmdline").read_bytes()).startswith(b"ray::"):
+                stat = (entry / "stat").read_text()
+                if stat[stat.rindex(")") + 2] == "T":
+                    found.append(f"{entry.name} {command.split(bytes(1))[0].decode()}")
+        except OSError:  # ended meanwhile
+            pass
+    return found
 
 
 def train_workers() -> set[int]:

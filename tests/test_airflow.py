@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from helpers import ROOT, kill_first_tries
+from helpers import ROOT, kill_first_tries, stopped_ray_processes
 from ray_head import free_ports
 from test_loop import _drop, _loop_file, _one_version_one_run_one_model
 
@@ -100,3 +100,4 @@ def test_airflow_runs_the_loop_and_a_killed_task_is_retried_to_the_same_result(a
     assert [e["extra"]["version"] for e in events] == [1] and events[0]["extra"]["rows_added"] > 0
 
     _one_version_one_run_one_model(tmp_path)
+    assert not stopped_ray_processes(), "the killed training's worker, held by its hang, outlived its try"

@@ -12,7 +12,7 @@ import subprocess
 import pytest
 import yaml
 
-from helpers import ROOT, kill_first_tries
+from helpers import ROOT, kill_first_tries, stopped_ray_processes
 from test_loop import _drop, _loop_file, _one_version_one_run_one_model
 
 KFP = ROOT / "tests" / "kubeflow" / "kfp.sh"
@@ -70,6 +70,7 @@ def test_the_local_runner_keeps_a_model_current_and_a_killed_step_is_retried_to_
         return done.stdout + done.stderr
 
     log = run_pipeline()
+    assert not stopped_ray_processes(), "the killed training's worker, held by its hang, outlived its try"
     # Each step's first try was killed, its retry succeeded: three steps, killed once each.
     assert sorted(p.name for p in (tmp_path / "killed").iterdir()) == ["ingest", "promote", "train"]
     failed = [line for line in log.splitlines() if "Error:" in line or "failed (" in line]
