@@ -115,6 +115,7 @@ def test_ingest_flags_override_only_what_they_name_and_set_overrides_them(tmp_pa
         (["deploy", "k8s"], "deploy k8s needs a CONFIG and --out DIR"),
         (["deploy", "k8s", "examples/tiny.yaml", "--out", "unused", "--kind", "pod"], "--kind 'pod'"),
         (["loop", "no-loop.yaml", "--inject", "hang@steps=9"], "cannot read 'steps=9'"),
+        (["config", "--set", "observe.profile_steps=0"], "observe.profile_at must be >= 0 (0: off) and"),
     ],
 )
 def test_a_users_error_is_one_line_and_exit_2(args, message):

@@ -285,17 +285,17 @@ def test_a_profile_partition_keeps_each_part_within_the_devices_memory():
 def test_stage_table_leaves_out_the_warm_up_window():
     from petatrain.observe.goodput import account
 
-    def report(rank, busy, wall, warm, predicted=None, activations=None):
+    def report(rank, busy, wall, warm, predicted=None, activations=None, reduce=None):
         return {
             "t": 1.0, "event": "pipeline_stage", "attempt": 0, "rank": rank, "parts": [rank], "units": ["x..y"],
             "steps": 10, "busy_s": busy, "wall_s": wall, "schedule": "1f1b", "stages": 2, "microbatches": 4,
             "chunks": 1, "bubble_theory": 0.2, "predicted_busy_s": predicted, "warm_up": warm,
             "state_bytes": 400, "activation_bytes": activations, "predicted_state_bytes": 400,
-            "predicted_activation_bytes": 540,
+            "predicted_activation_bytes": 540, **({"reduce_s": reduce} if reduce is not None else {}),
         }  # fmt: skip
 
-    events = [report(0, 9.0, 10.0, True, activations=900), report(0, 0.6, 1.0, False, 0.5, 600)]
-    p = account([*events, report(0, 0.6, 1.0, False, 0.5, 500)]).pipeline
+    events = [report(0, 9.0, 10.0, True, activations=900, reduce=5.0), report(0, 0.6, 1.0, False, 0.5, 600, 0.1)]
+    p = account([*events, report(0, 0.6, 1.0, False, 0.5, 500, 0.2)]).pipeline
     assert p is not None and p["bubble_theory"] == 0.2
     (stage,) = p["stages_measured"]
     assert stage["steps"] == 20 and stage["busy_s"] == pytest.approx(1.2) and stage["idle_share"] == pytest.approx(0.4)
@@ -303,6 +303,9 @@ def test_stage_table_leaves_out_the_warm_up_window():
     # memory: the largest steady window's (the warm-up's shape inference left out), beside the prediction
     assert (stage["memory_bytes"], stage["predicted_memory_bytes"]) == (1000, 940)
     assert stage["memory_error"] == pytest.approx(-0.06)
+    assert stage["reduce_s"] == pytest.approx(0.3)  # the data-parallel dimension's gradient reduction
+    (older,) = account([report(0, 0.6, 1.0, False)]).pipeline["stages_measured"]  # a ledger from before it
+    assert older["reduce_s"] is None
 
 
 def test_pipeline_configs_train_cannot_run_are_refused_before_workers_start():

@@ -28,7 +28,8 @@ def _losses(run_dir) -> dict[int, float]:
 @pytest.fixture(scope="module")
 def pipeline_run(token_dataset, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("pipeline")
-    summary = train(tiny(token_dataset, *PIPELINE), run_dir)
+    traced = ["observe.profile_at=12", "observe.profile_steps=2"]  # torch.profiler over steps 12-13
+    summary = train(tiny(token_dataset, *PIPELINE, *traced), run_dir)
     assert summary["attempts"] == 1 and summary["failures"] == []
     return run_dir
 
@@ -52,10 +53,35 @@ def test_the_report_has_a_stage_table(pipeline_run):
     assert [s["rank"] for s in stages] == [0, 1] and all(s["steps"] == 20 for s in stages)
     assert stages[0]["units"][0].startswith("first..") and stages[1]["units"][0].endswith("..last")
     assert all(0 < s["busy_s"] < s["wall_s"] and 0 < s["idle_share"] < 1 for s in stages)
+    assert all(0 < s["reduce_s"] < s["wall_s"] for s in stages)  # the tied weights' sum, between the two ranks
     # memory: weights, gradients and AdamW's two moments (gradients dropped after the step or not), and
     # the activations the schedule held at once; without a layer profile, nothing predicted
     assert all(3 * s["param_bytes"] <= s["state_bytes"] <= 4 * s["param_bytes"] for s in stages), stages
     assert all(s["activation_bytes"] > 0 and s["memory_error"] is None for s in stages)
+
+
+def test_a_traced_step_says_where_its_time_went_on_every_rank(pipeline_run):
+    """observe.profile_at: each rank's torch.profiler trace of the steps (Chrome's format) and its
+    summary: the step's wall time, each phase of the loop inside it, the operators' own time."""
+    import gzip
+
+    folder = pipeline_run / "traces" / "attempt-0"
+    for rank in (0, 1):
+        trace = json.loads(gzip.decompress((folder / f"rank-{rank}.json.gz").read_bytes()))
+        names = {e.get("name") for e in trace["traceEvents"]}
+        assert {"petatrain.schedule", "petatrain.optimizer", "aten::mm"} <= names
+        summary = json.loads((folder / f"rank-{rank}.summary.json").read_text())
+        assert (summary["rank"], summary["first_step"], summary["steps"]) == (rank, 12, 2)
+        spans = summary["spans_ms"]
+        inside = ("data", "schedule", "reduce_gradients")
+        assert set(spans) >= {"forward_backward", *inside, "clip", "optimizer", "flags", "flags_wait", "telemetry"}
+        assert all(spans[name]["calls"] == 1 for name in ("forward_backward", "schedule", "optimizer"))
+        assert sum(spans[name]["ms"] for name in inside) <= spans["forward_backward"]["ms"] < summary["step_ms"]
+        assert spans["clip"]["ms"] <= spans["optimizer"]["ms"]
+        assert summary["communication_self_ms"] > 0 and summary["top_self_ms"][0]["ms"] > 0
+        assert (
+            summary["cpu_ms"] > 0 and summary["preempted_per_step"] >= 0
+        )  # the training thread: its CPU, others' turns
 
 
 def test_every_fault_in_a_pipeline_resumes_bit_identically(pipeline_run, token_dataset, tmp_path):

@@ -204,7 +204,8 @@ def report(r: dict[str, Any]) -> None:
 def _pipeline(p: dict[str, Any]) -> None:
     """The stage table: each pipeline rank's compute, idle share and the partition's prediction."""
     table = Table(title=_pipeline_title(p))
-    for column in ("rank", "units", "steps", "idle", "compute s (predicted)", "memory MiB (predicted)"):
+    columns = ("rank", "units", "steps", "idle", "compute s (predicted)", "grad reduce s", "memory MiB (predicted)")
+    for column in columns:
         table.add_column(column, justify="left" if column == "units" else "right")
     for s in p["stages_measured"]:
         memory = _mib(s.get("memory_bytes"))
@@ -214,6 +215,7 @@ def _pipeline(p: dict[str, Any]) -> None:
             str(s["steps"]),
             _or_dash(s["idle_share"], "{:.1%}"),
             f"{s['busy_s']:.2f}{_predicted(s['predicted_busy_s'], s['prediction_error'], '{:.2f}')}",
+            _or_dash(s.get("reduce_s"), "{:.2f}"),
             "–"
             if memory is None
             else f"{memory:.1f}" + _predicted(_mib(s.get("predicted_memory_bytes")), s.get("memory_error"), "{:.1f}"),

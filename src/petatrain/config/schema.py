@@ -465,8 +465,17 @@ class ObserveConfig:
     # model version. "" turns it off. Needs the client: pip install 'petatrain[mlflow]' (mlflow-skinny).
     mlflow_uri: str = ""
     mlflow_experiment: str = "petatrain"
+    # torch.profiler over `profile_steps` steps from step `profile_at` (0: off) on every rank: a Chrome
+    # trace and a summary of where each step's time went, in RUN/traces/attempt-K/ (train/trace.py).
+    profile_at: int = 0
+    profile_steps: int = 3
 
     def __post_init__(self) -> None:
+        if self.profile_at < 0 or self.profile_steps < 1:
+            raise ConfigError(
+                f"observe.profile_at must be >= 0 (0: off) and observe.profile_steps >= 1, got "
+                f"{self.profile_at} and {self.profile_steps}"
+            )
         for key in ("metrics_port", "health_port"):
             if not 0 <= getattr(self, key) <= 65535:
                 raise ConfigError(f"observe.{key} must be in [0, 65535] (0 picks a free one), got {getattr(self, key)}")

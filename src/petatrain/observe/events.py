@@ -185,6 +185,9 @@ class PipelineStage(Event):
     predicted_state_bytes: int | None = None  # from the layer profile's parameter bytes
     predicted_activation_bytes: int | None = None  # the profile's saved bytes, in flight as the schedule runs
     warm_up: bool = False  # the attempt's first window: its first steps set up the schedule (left out of the table)
+    # The data-parallel dimension's share: the gradients averaged over the stage's replicas (and the copies
+    # of a tied weight summed) after each schedule step, outside `wall_s`. None in ledgers from before it.
+    reduce_s: float | None = None
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

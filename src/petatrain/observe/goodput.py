@@ -353,10 +353,13 @@ def _pipeline(events: Sequence[Event]) -> dict[str, Any] | None:
     # later windows exist, so the table shows the steady state the prediction is for.
     steady = [e for e in reports if not e.warm_up]
     for e in steady or reports:
-        row = rows.setdefault(e.rank, {"busy_s": 0.0, "wall_s": 0.0, "steps": 0, "predicted_busy_s": 0.0})
+        row = rows.setdefault(
+            e.rank, {"busy_s": 0.0, "wall_s": 0.0, "steps": 0, "predicted_busy_s": 0.0, "reduce_s": 0.0}
+        )
         row.update(parts=e.parts, units=e.units, param_bytes=e.param_bytes)
         row["busy_s"] += e.busy_s
         row["wall_s"] += e.wall_s
+        row["reduce_s"] = None if e.reduce_s is None or row["reduce_s"] is None else row["reduce_s"] + e.reduce_s
         row["steps"] += e.steps
         predicted = e.predicted_busy_s
         row["predicted_busy_s"] = (

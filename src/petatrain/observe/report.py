@@ -258,7 +258,7 @@ def _pipeline_html(p: dict[str, Any]) -> list[str]:
     measured, theory = p.get("bubble_measured"), p.get("bubble_theory") or 0.0
     shape = f"{p.get('schedule')}, {p.get('stages')} stages x {p.get('chunks')} chunks"
     bubble = f"{measured:.1%}" if measured is not None else "not measured"
-    head = ["rank", "units", "steps", "compute (s)", "idle", "predicted (s)", "error"]
+    head = ["rank", "units", "steps", "compute (s)", "idle", "predicted (s)", "error", "gradient reduce (s)"]
     head += ["memory (MiB): state + activations", "predicted", "error"]
     rows = [_stage_row(s) for s in p["stages_measured"]]
     summary = f"{shape}, {p.get('microbatches')} micro-batches: bubble {bubble} measured, {theory:.1%} in theory"
@@ -273,6 +273,7 @@ def _stage_row(s: dict[str, Any]) -> list[str]:
         *measured,
         _seconds(s["predicted_busy_s"]),
         _pct(s["prediction_error"], sign=True),
+        _seconds(s.get("reduce_s")),
         _mib(s.get("state_bytes"), s.get("activation_bytes")),
         _mib(s.get("predicted_state_bytes"), s.get("predicted_activation_bytes")),
         _pct(s.get("memory_error"), sign=True),

@@ -33,7 +33,7 @@ from petatrain.models import ModelSpec, build_model
 from petatrain.observe import events as ev
 from petatrain.storage import StorageOptions
 from petatrain.train import checkpoint as ckpt
-from petatrain.train import recipe, strategies
+from petatrain.train import recipe, strategies, trace
 from petatrain.train.batches import TokenBatches
 from petatrain.train.parallel import load_into, read_for_resume, state_for_save, step_runner
 from petatrain.train.rank import HubChannel, NextRanks, Preempted, PreemptionNotice, RankEnv, Resized, Telemetry
@@ -232,9 +232,19 @@ def _train(r: Rank, start: int, preemption: PreemptionNotice, chaos: inject.Rank
     live_stall: float | None = None  # a live snapshot's stall, until the wait before optimizer.step adds to it
     last_end, wait_mark = time.perf_counter(), r.data.wait_s
     step = last_checkpoint = start
+    tracer, next_batch, clip = None, r.data.next, r.steps.clip
+    if cfg.observe.profile_at > start:
+        tracer = trace.StepTracer(
+            cfg.observe.profile_at, cfg.observe.profile_steps, rank=r.rank, attempt=telemetry.attempt,
+            run_url=r.payload.run_url, options=r.payload.options,
+        )  # fmt: skip
+        next_batch, clip = trace.spanned("petatrain.data", r.data.next), trace.spanned("petatrain.clip", clip)
     while step < cfg.train.steps:
+        if tracer is not None:
+            tracer.before(step + 1)
         lr = recipe.set_lr(r.optimizer, step, cfg.train)
-        loss_sum = r.steps.forward_backward(r.data.next, r.amp, poison=chaos.poison_next)
+        with trace.span("petatrain.forward_backward"):
+            loss_sum = r.steps.forward_backward(next_batch, r.amp, poison=chaos.poison_next)
         chaos.poison_next = False
         step += 1
         # One all-reduce per step carries the loss and every decision all ranks must share;
@@ -246,48 +256,53 @@ def _train(r: Rank, start: int, preemption: PreemptionNotice, chaos: inject.Rank
         )
         resize = r.rank == 0 and telemetry.resize_requested() is not None
         decisions = (preemption.received, due, halt, resize)
-        flags = torch.stack([loss_sum, *(torch.tensor(float(d), device=r.device) for d in decisions)])
-        shared = dist.all_reduce(flags, async_op=True)
+        with trace.span("petatrain.flags"):
+            flags = torch.stack([loss_sum, *(torch.tensor(float(d), device=r.device) for d in decisions)])
+            shared = dist.all_reduce(flags, async_op=True)
         # A live snapshot's tensors are read before the update changes them.
-        grad_norm, staging_wait = recipe.apply_gradients(
-            r.model, r.optimizer, cfg.train, before_step=writer.wait_for_staging, clip=r.steps.clip
-        )
+        with trace.span("petatrain.optimizer"):
+            grad_norm, staging_wait = recipe.apply_gradients(
+                r.model, r.optimizer, cfg.train, before_step=writer.wait_for_staging, clip=clip
+            )
         nonfinite = not math.isfinite(grad_norm)
         if live_stall is not None and not nonfinite:
             staging.observed(True, live_stall + staging_wait)
             live_stall = None
-        shared.wait()
-        preempt, checkpoint_due, stop, resize = (bool(flags[k].item() > 0) for k in range(1, 5))
-        loss_value = flags[0].item() / r.steps.loss_share
+        with trace.span("petatrain.flags_wait"):
+            shared.wait()
+            preempt, checkpoint_due, stop, resize = (bool(flags[k].item() > 0) for k in range(1, 5))
+            loss_value = flags[0].item() / r.steps.loss_share
         if nonfinite:
             grad_norm = _on_nonfinite(r, step)
-        if r.rank == 0:
-            if staging_wait > 0.0:  # checkpoint stall, not training
+        with trace.span("petatrain.telemetry"):
+            if r.rank == 0:
+                if staging_wait > 0.0:  # checkpoint stall, not training
+                    telemetry.record(
+                        ev.CheckpointStaging(attempt=telemetry.attempt, step=last_checkpoint, wait_s=staging_wait)
+                    )
                 telemetry.record(
-                    ev.CheckpointStaging(attempt=telemetry.attempt, step=last_checkpoint, wait_s=staging_wait)
+                    ev.Step(
+                        attempt=telemetry.attempt,
+                        step=step,
+                        step_s=time.perf_counter() - last_end - staging_wait,
+                        data_wait_s=r.data.wait_s - wait_mark,
+                        loss=loss_value if not nonfinite and math.isfinite(loss_value) else None,
+                        lr=lr,
+                        tokens=cfg.train.global_batch * cfg.model.seq_len,
+                        grad_norm=grad_norm,
+                    )
                 )
-            telemetry.record(
-                ev.Step(
-                    attempt=telemetry.attempt,
-                    step=step,
-                    step_s=time.perf_counter() - last_end - staging_wait,
-                    data_wait_s=r.data.wait_s - wait_mark,
-                    loss=loss_value if not nonfinite and math.isfinite(loss_value) else None,
-                    lr=lr,
-                    tokens=cfg.train.global_batch * cfg.model.seq_len,
-                    grad_norm=grad_norm,
-                )
-            )
-        elapsed = time.time() - r.payload.run_started
-        # Another rank's fault is imminent: the ledger holds every step up to it.
-        telemetry.progress(step, now=chaos.imminent_elsewhere(step, elapsed, telemetry.period_s))
-        next_ranks.trained()  # the next attempt's processes start while this one trains
+            elapsed = time.time() - r.payload.run_started
+            # Another rank's fault is imminent: the ledger holds every step up to it.
+            telemetry.progress(step, now=chaos.imminent_elsewhere(step, elapsed, telemetry.period_s))
+            next_ranks.trained()  # the next attempt's processes start while this one trains
         chaos.at_step(step, elapsed)
 
         if checkpoint_due or preempt or resize or stop or step == cfg.train.steps:
-            _report_stage(r)
-            live = staging.live(refused=writer.live_refused)
-            stall = _checkpoint(r, step, schedule, live=live)
+            with trace.span("petatrain.checkpoint"):
+                _report_stage(r)
+                live = staging.live(refused=writer.live_refused)
+                stall = _checkpoint(r, step, schedule, live=live)
             if live:
                 live_stall = stall
             else:
@@ -296,9 +311,12 @@ def _train(r: Rank, start: int, preemption: PreemptionNotice, chaos: inject.Rank
         if preempt or resize:
             _leave_for_restart(r, step, preempt=preempt)
         if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
-            _evaluate(r, step)
+            with trace.span("petatrain.eval"):
+                _evaluate(r, step)
             if r.payload.hold_at_eval:
                 _hold(r, step)
+        if tracer is not None:
+            tracer.after(step)
         last_end, wait_mark = time.perf_counter(), r.data.wait_s
         if stop:
             break

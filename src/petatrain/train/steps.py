@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -19,7 +20,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from petatrain.cost import formulas
 from petatrain.models import ModelSpec
 from petatrain.models.tensor_parallel import in_unsplit_order, split_of
-from petatrain.train import recipe
+from petatrain.train import recipe, trace
 
 NextBatch = Callable[[], torch.Tensor]
 
@@ -113,6 +114,7 @@ class PipelineSteps:
     predicted_state_bytes: int | None = None  # weights, gradients, optimizer state of its parts (profile)
     predicted_activation_bytes: int | None = None  # peak activations its schedule holds (profile)
     reported: int = 0
+    reduce_s: float = 0.0  # in reduce_gradients since the last stage report (the data-parallel dimension)
 
     @property
     def model(self) -> nn.Module:
@@ -131,9 +133,12 @@ class PipelineSteps:
     def forward_backward(self, next_batch: NextBatch, amp: Any, *, poison: bool = False) -> torch.Tensor:
         device = next(self.model.parameters()).device
         tokens = next_batch().to(device, non_blocking=True)
-        with amp:
+        with amp, trace.span("petatrain.schedule"):
             loss = self.piped.forward_backward(tokens)
-        self.piped.reduce_gradients()
+        t0 = time.perf_counter()
+        with trace.span("petatrain.reduce_gradients"):
+            self.piped.reduce_gradients()
+        self.reduce_s += time.perf_counter() - t0
         if poison:  # the gradients too: the update is dropped as for any non-finite step
             for p in self.model.parameters():
                 if p.grad is not None:
@@ -158,6 +163,7 @@ class PipelineSteps:
 
         piped, layout = self.piped, self.piped.layout
         steps, busy, wall, activations = piped.take_window()
+        reduce_s, self.reduce_s = self.reduce_s, 0.0
         device = next(self.model.parameters()).device
         device_peak = None
         if device.type == "cuda":
@@ -180,7 +186,7 @@ class PipelineSteps:
             "state_bytes": state_bytes(self.model, optimizer), "activation_bytes": activations or None,
             "device_peak_bytes": device_peak, "predicted_state_bytes": self.predicted_state_bytes,
             "predicted_activation_bytes": self.predicted_activation_bytes,
-            "warm_up": warm_up,
+            "warm_up": warm_up, "reduce_s": reduce_s,
         }  # fmt: skip
 
     def full_state(self) -> dict[str, torch.Tensor]:
