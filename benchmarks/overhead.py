@@ -49,6 +49,14 @@ cost under each system, not its daemons' share of cores the workers need. Result
 tensor-parallel pairs sharded by FSDP2 over the pairs) and `--pipeline 1f1b|interleaved` a stage
 per rank, on both sides. `--only` keeps the rows whose names contain one of its
 parts (torchrun and petatrain with checkpoints every 10 s always run).
+
+Where a pipeline step's time goes: `--pipeline 1f1b --trace 100` records steps 100-119 of every
+rank with torch.profiler on both sides (petatrain's `observe.profile_at`, plain_ddp.py's
+`--trace-at`) and prints, per rank, the step's wall time split into the same phases (data, the
+schedule, the gradient reduction, clipping, the optimizer; petatrain's shared flags, telemetry and
+checkpoints), the communication operators' own time, the training thread's CPU time per step and
+how often the kernel gave its core to another thread or process (involuntary context switches).
+Results go to `results/overhead-pipeline-SCHEDULE-trace.json`; traced rates are not ratios.
 """
 
 from __future__ import annotations
@@ -189,13 +197,19 @@ def run_plain(
     tensor: int = 1,
     fsdp: bool = False,
     pipeline: str = "",
+    trace: tuple[int, int] | None = None,
 ) -> dict:
-    """The plain loop under `torchrun`, `ray-train` (a TorchTrainer) or `ray-actors` (bare actors)."""
+    """The plain loop under `torchrun`, `ray-train` (a TorchTrainer) or `ray-actors` (bare actors).
+    `trace`: (first step, steps) that each rank records with torch.profiler (--pipeline only)."""
     out = WORK / f"plain-{under}-{rep}.json"
     out.unlink(missing_ok=True)
     script = [str(HERE / "plain_ddp.py"), "--dataset", ds, "--out", str(out), "--steps", str(steps)]
     script += ["--tensor", str(tensor), *(["--fsdp"] if fsdp else [])]
     script += ["--pipeline", pipeline, "--microbatches", str(MICROBATCHES)] if pipeline else []
+    traces = WORK / f"trace-plain-{under}-{rep}"
+    if trace:
+        shutil.rmtree(traces, ignore_errors=True)
+        script += ["--trace-at", str(trace[0]), "--trace-steps", str(trace[1]), "--trace-out", str(traces)]
     script += ["--n-layer", str(MODEL["n_layer"]), "--n-head", str(MODEL["n_head"]), "--d-model", str(MODEL["d_model"])]
     if under == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(workers), *script]
@@ -218,7 +232,16 @@ def run_plain(
         "final_loss": times["loss"][-1],
         "load_avg_1m": round(load, 2),
         "cpu": account.window(ends[warmup - 1], ends[-1], "perf", rate, workers),
+        **({"trace": _trace_summaries(traces / "traces" / "attempt-0")} if trace else {}),
     }
+
+
+def _trace_summaries(folder: Path) -> list[dict]:
+    """Each rank's torch.profiler summary (petatrain.train.trace.summarize), by rank."""
+    found = [json.loads(p.read_text()) for p in folder.glob("rank-*.summary.json")]
+    if not found:
+        raise SystemExit(f"no trace summaries in {folder}")
+    return sorted(found, key=lambda t: t["rank"])
 
 
 def run_petatrain(
@@ -232,9 +255,11 @@ def run_petatrain(
     tensor: int = 1,
     fsdp: bool = False,
     pipeline: str = "",
+    trace: tuple[int, int] | None = None,
 ) -> dict:
     """`spares` turns on the per-attempt helpers as by default: the spare workers and the warm
-    standby (which has nothing to start while the controller runs in the driver)."""
+    standby (which has nothing to start while the controller runs in the driver). `trace`: (first
+    step, steps) that each rank records with torch.profiler (observe.profile_at, profile_steps)."""
     run_dir = WORK / f"petatrain-{checkpoint_every}-{spares}-{rep}"
     shutil.rmtree(run_dir, ignore_errors=True)
     sets = [f"data.dataset={ds}", f"train.steps={steps}", "train.eval_every=0", f"checkpoint.every={checkpoint_every}"]
@@ -249,6 +274,7 @@ def run_petatrain(
         sets += [f"parallel.pipeline.schedule={pipeline}", f"parallel.pipeline.microbatches={MICROBATCHES}"]
         sets += ["parallel.pipeline.partition=uniform"]
     sets += [f"model.{k}={v}" for k, v in MODEL.items()]
+    sets += [f"observe.profile_at={trace[0]}", f"observe.profile_steps={trace[1]}"] if trace else []
     cmd = [sys.executable, "-m", "petatrain", "train", str(TINY), "--run-dir", str(run_dir), "--json"]
     cmd += [arg for s in sets for arg in ("--set", s)]
     wall, load, account = _run(cmd, "petatrain train")
@@ -277,6 +303,7 @@ def run_petatrain(
         "final_loss": loss,
         "load_avg_1m": round(load, 2),
         "cpu": account.window(warm_end, window[-1]["t"], "time", rate, workers),
+        **({"trace": _trace_summaries(run_dir / "traces" / "attempt-0")} if trace else {}),
     }
 
 
@@ -340,6 +367,52 @@ def _print_table(summary: dict[str, dict], args: argparse.Namespace) -> None:
         )
 
 
+# A traced step's phases, on both sides (the spans of petatrain.train.trace and plain_ddp.py's Tracer).
+PHASES = ("data", "schedule", "reduce_gradients", "clip", "optimizer", "flags", "telemetry", "checkpoint", "other")
+_TOP = {  # the spans that do not nest in another: what is left of the step is "other"
+    "petatrain.": ("forward_backward", "flags", "optimizer", "flags_wait", "telemetry", "checkpoint", "eval"),
+    "plain.": ("data", "schedule", "reduce_gradients", "clip", "optimizer"),
+}
+
+
+def _phases(trace: dict) -> dict[str, float]:
+    """One rank's traced step as ms per phase (PHASES), its wall time and its communication operators'."""
+    spans = {name: v["ms"] for name, v in trace["spans_ms"].items()}
+    top = _TOP["petatrain." if "forward_backward" in spans else "plain."]
+    phases = {name: spans.get(name, 0.0) for name in ("data", "schedule", "reduce_gradients", "clip")}
+    phases["optimizer"] = spans.get("optimizer", 0.0) - (phases["clip"] if "forward_backward" in spans else 0.0)
+    phases["flags"] = spans.get("flags", 0.0) + spans.get("flags_wait", 0.0)
+    phases["telemetry"] = spans.get("telemetry", 0.0)
+    phases["checkpoint"] = spans.get("checkpoint", 0.0) + spans.get("eval", 0.0)
+    inside = spans.get("forward_backward", 0.0) - phases["data"] - phases["schedule"] - phases["reduce_gradients"]
+    phases["other"] = trace["step_ms"] - sum(spans.get(name, 0.0) for name in top) + max(inside, 0.0)
+    return {
+        **phases, "step": trace["step_ms"], "communication": trace["communication_self_ms"],
+        "cpu": trace.get("cpu_ms", 0.0), "preempted": trace.get("preempted_per_step", 0.0),
+    }  # fmt: skip
+
+
+def _trace_table(rows: dict[str, list[dict]]) -> dict[str, list[dict[str, float]]]:
+    """Per system and rank, the median over the repetitions of each phase's ms per step; printed."""
+    table: dict[str, list[dict[str, float]]] = {}
+    for name, runs in rows.items():
+        ranks = len(runs[0]["trace"])
+        table[name] = [
+            {
+                k: round(statistics.median(_phases(r["trace"][rank])[k] for r in runs), 2)
+                for k in _phases(runs[0]["trace"][rank])
+            }
+            for rank in range(ranks)
+        ]
+    columns = ("step", *PHASES, "communication", "cpu", "preempted")
+    print(f"\nms per step inside the traced steps (torch.profiler, median of {len(next(iter(rows.values())))} runs)")
+    print(f"{'run':<40} {'rank':>4} " + " ".join(f"{c[:12]:>12}" for c in columns))
+    for name, ranks in table.items():
+        for rank, phases in enumerate(ranks):
+            print(f"{name:<40} {rank:>4} " + " ".join(f"{phases[c]:>12.2f}" for c in columns))
+    return table
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=5)
@@ -362,7 +435,21 @@ def main() -> None:
         help="a pipeline stage per rank on both sides (interleaved: 2 parts per rank); the plain side is "
         "torch.distributed.pipelining (plain_ddp.py --pipeline)",
     )
+    parser.add_argument(
+        "--trace",
+        type=int,
+        default=0,
+        metavar="STEP",
+        help="--pipeline: torch.profiler over --trace-steps steps from STEP on every rank of plain, petatrain "
+        "with checkpoints every 10 s and off (--reps runs of each); where each step's time goes, per phase, to "
+        "results/NAME-trace.json (rates traced are not ratios: the profiler slows its steps)",
+    )
+    parser.add_argument("--trace-steps", type=int, default=20)
     args = parser.parse_args()
+    if args.trace and not args.pipeline:
+        parser.error("--trace: with --pipeline (the plain side traces its pipeline loop)")
+    if args.trace and not (args.warmup < args.trace and args.trace + args.trace_steps - 1 <= args.steps):
+        parser.error("--trace STEP: after --warmup, and STEP + --trace-steps - 1 within --steps")
     if args.pipeline and (args.fsdp or args.tensor > 1 or args.workers < 2):
         parser.error("--pipeline: 2 or more workers, one stage each, without --fsdp or --tensor")
     if args.fsdp and args.tensor > 1 and args.workers <= args.tensor:
@@ -370,6 +457,9 @@ def main() -> None:
     WORK.mkdir(parents=True, exist_ok=True)
     ds = token_dataset()
     n, w, layout = args.steps, args.workers, {"tensor": args.tensor, "fsdp": args.fsdp, "pipeline": args.pipeline or ""}
+    if args.trace:
+        layout["trace"] = (args.trace, args.trace_steps)
+        args.only = args.only or "checkpoints off"
     runs = {
         PLAIN: lambda rep: run_plain(ds, n, args.warmup, rep, workers=w, **layout),
         BARE: lambda rep: run_plain(ds, n, args.warmup, rep, "ray-actors", w, **layout),
@@ -399,6 +489,14 @@ def main() -> None:
                 file=sys.stderr,
                 flush=True,
             )
+    if args.trace:
+        table = _trace_table(rows)
+        name = f"overhead-pipeline-{args.pipeline}-trace"
+        write_results(name, {"setup": {"pipeline": args.pipeline, "workers": w, "microbatches": MICROBATCHES,
+                                       "traced_steps": [args.trace, args.trace + args.trace_steps - 1],
+                                       "reps": args.reps, "model": MODEL},
+                             "phases_ms_per_step": table, "runs": rows})  # fmt: skip
+        return
     summary = _summarize(rows)
     _print_table(summary, args)
     ours = summary[OURS]

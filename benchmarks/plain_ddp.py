@@ -111,6 +111,11 @@ def main() -> None:
     )
     parser.add_argument("--microbatches", type=int, default=4, help="micro-batches of a pipeline step")
     parser.add_argument(
+        "--trace-at", type=int, default=0, help="--pipeline: torch.profiler from this step (1-based; 0: off)"
+    )
+    parser.add_argument("--trace-steps", type=int, default=20, help="steps traced from --trace-at")
+    parser.add_argument("--trace-out", default="", help="folder for each rank's trace summary (rank-R.summary.json)")
+    parser.add_argument(
         "--keep-denormals", action="store_true", help="do not flush denormals (petatrain's train.flush_denormal=false)"
     )
     args = parser.parse_args()
@@ -334,34 +339,48 @@ def train_pipeline(args: argparse.Namespace) -> None:
     next_batch = batches(token_rows(args.dataset, args.seq_len + 1), args.seed, args.global_batch, 0, 1)
 
     ends, losses = [], []
+    # petatrain's own tracer, so that both sides are measured alike: torch.profiler over the steps
+    # --trace-at.., the same summary (spans named plain.*), in --trace-out/traces/attempt-0/.
+    from petatrain.train.trace import StepTracer, span
+
+    tracer = StepTracer(
+        args.trace_at, args.trace_steps, rank=rank, attempt=0, run_url=args.trace_out or ".", prefix="plain."
+    )
     for step in range(args.steps):
+        tracer.before(step + 1)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args)
-        tokens = next_batch()
+        with span("plain.data"):
+            tokens = next_batch()
         micro_losses: list[torch.Tensor] = []
-        if rank == first_rank and rank == last_rank:
-            schedule.step(tokens[:, :-1], target=tokens[:, 1:], losses=micro_losses)
-        elif rank == first_rank:
-            schedule.step(tokens[:, :-1])
-        elif rank == last_rank:
-            schedule.step(target=tokens[:, 1:], losses=micro_losses)
-        else:
-            schedule.step()
-        if tied is not None and tied_weight is not None and tied_weight.grad is not None:
-            dist.all_reduce(tied_weight.grad, group=tied)  # both copies get the sum, as one tied weight would
-        squares = torch.stack([p.grad.pow(2).sum() for p in counted if p.grad is not None]).sum()
-        dist.all_reduce(squares)
-        norm = squares.sqrt()
-        if norm > 1.0:
-            for p in params:
-                if p.grad is not None:
-                    p.grad.mul_(1.0 / (norm + 1e-6))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        with span("plain.schedule"):
+            if rank == first_rank and rank == last_rank:
+                schedule.step(tokens[:, :-1], target=tokens[:, 1:], losses=micro_losses)
+            elif rank == first_rank:
+                schedule.step(tokens[:, :-1])
+            elif rank == last_rank:
+                schedule.step(target=tokens[:, 1:], losses=micro_losses)
+            else:
+                schedule.step()
+        with span("plain.reduce_gradients"):
+            if tied is not None and tied_weight is not None and tied_weight.grad is not None:
+                dist.all_reduce(tied_weight.grad, group=tied)  # both copies get the sum, as one tied weight would
+        with span("plain.clip"):
+            squares = torch.stack([p.grad.pow(2).sum() for p in counted if p.grad is not None]).sum()
+            dist.all_reduce(squares)
+            norm = squares.sqrt()
+            if norm > 1.0:
+                for p in params:
+                    if p.grad is not None:
+                        p.grad.mul_(1.0 / (norm + 1e-6))
+        with span("plain.optimizer"):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         if rank == 0:
             ends.append(time.perf_counter())
         if micro_losses:
             losses.append(float(torch.stack(micro_losses).detach().mean()))
+        tracer.after(step + 1)
     final = torch.tensor([losses[-1] if losses else 0.0])
     dist.broadcast(final, src=last_rank)  # the loss is the last part's
     if rank == 0:

@@ -252,11 +252,17 @@ class PipelineRank:
     def clip(self, max_norm: float) -> float:
         """The whole pipeline's gradient norm (each tied weight once), clipping to `max_norm` if set."""
         device = next(self.model.parameters()).device  # NCCL reduces device tensors, gloo host ones
-        squares = torch.zeros((), dtype=torch.float64, device=device)
         tp_rank = self.layout.tp_rank(self.rank)
-        for name, p in self.model.named_parameters():
-            if p.grad is not None and name not in self.not_counted and (tp_rank == 0 or _tensor_split(p.grad)):
-                squares += _local(p.grad).detach().double().pow(2).sum()
+        counted = [
+            _local(p.grad).detach()
+            for name, p in self.model.named_parameters()
+            if p.grad is not None and name not in self.not_counted and (tp_rank == 0 or _tensor_split(p.grad))
+        ]
+        # Each tensor's norm as torch's clip_grad_norm_ takes it (foreach, in its dtype), their squares
+        # summed in float64: not a float64 copy of every gradient (a step's clip cost 2.6x plain's).
+        norms = list(torch._foreach_norm(counted)) if counted else []
+        squares = torch.stack(norms).double().pow(2).sum() if norms else torch.zeros((), dtype=torch.float64)
+        squares = squares.to(device)
         if self.layout.tensor == 1:
             # Each rank's squares: its stage's whole gradients (ddp), or its shard of them (fsdp: every rank's differ).
             dist.all_reduce(squares, group=None if self.sharded else self.pp_group)
@@ -267,9 +273,7 @@ class PipelineRank:
         norm = math.sqrt(float(squares.item()))
         if max_norm and math.isfinite(norm) and norm > max_norm:
             scale = max_norm / (norm + 1e-6)  # as torch.nn.utils.clip_grad_norm_
-            for p in self.model.parameters():
-                if p.grad is not None:
-                    _local(p.grad).mul_(scale)
+            torch._foreach_mul_([_local(p.grad) for p in self.model.parameters() if p.grad is not None], scale)
         return norm
 
 
