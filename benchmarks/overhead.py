@@ -50,13 +50,14 @@ tensor-parallel pairs sharded by FSDP2 over the pairs) and `--pipeline 1f1b|inte
 per rank, on both sides. `--only` keeps the rows whose names contain one of its
 parts (torchrun and petatrain with checkpoints every 10 s always run).
 
-Where a pipeline step's time goes: `--pipeline 1f1b --trace 100` records steps 100-119 of every
+Where a step's time goes: `--trace 100` (with any layout above) records steps 100-119 of every
 rank with torch.profiler on both sides (petatrain's `observe.profile_at`, plain_ddp.py's
 `--trace-at`) and prints, per rank, the step's wall time split into the same phases (data, the
-schedule, the gradient reduction, clipping, the optimizer; petatrain's shared flags, telemetry and
-checkpoints), the communication operators' own time, the training thread's CPU time per step and
-how often the kernel gave its core to another thread or process (involuntary context switches).
-Results go to `results/overhead-pipeline-SCHEDULE-trace.json`; traced rates are not ratios.
+compute: a pipeline's schedule or the forward and backward, the gradient reduction, clipping, the
+optimizer; petatrain's shared flags, telemetry and checkpoints), the communication operators' own
+time, the training thread's CPU time per step and how often the kernel gave its core to another
+thread or process (involuntary context switches). Results go to `results/NAME-trace.json`
+(`overhead-trace.json`, `overhead-pipeline-1f1b-trace.json`, ...); traced rates are not ratios.
 """
 
 from __future__ import annotations
@@ -367,24 +368,33 @@ def _print_table(summary: dict[str, dict], args: argparse.Namespace) -> None:
         )
 
 
-# A traced step's phases, on both sides (the spans of petatrain.train.trace and plain_ddp.py's Tracer).
-PHASES = ("data", "schedule", "reduce_gradients", "clip", "optimizer", "flags", "telemetry", "checkpoint", "other")
+# A traced step's phases, on both sides (the spans of petatrain.train.trace, plain_ddp.py's plain.*).
+# "compute" is a pipeline's schedule (forward, backward, sends and receives), else the micro-batches'
+# forward and backward (DDP's and FSDP's collectives run inside it).
+PHASES = ("data", "compute", "reduce_gradients", "clip", "optimizer", "flags", "telemetry", "checkpoint", "other")
 _TOP = {  # the spans that do not nest in another: what is left of the step is "other"
     "petatrain.": ("forward_backward", "flags", "optimizer", "flags_wait", "telemetry", "checkpoint", "eval"),
-    "plain.": ("data", "schedule", "reduce_gradients", "clip", "optimizer"),
+    "plain.": ("data", "forward_backward", "schedule", "reduce_gradients", "clip", "optimizer"),
 }
 
 
 def _phases(trace: dict) -> dict[str, float]:
-    """One rank's traced step as ms per phase (PHASES), its wall time and its communication operators'."""
+    """One rank's traced step as ms per phase (PHASES), its wall time, its communication operators' time,
+    the training thread's CPU and the times it lost its core, per step."""
     spans = {name: v["ms"] for name, v in trace["spans_ms"].items()}
-    top = _TOP["petatrain." if "forward_backward" in spans else "plain."]
-    phases = {name: spans.get(name, 0.0) for name in ("data", "schedule", "reduce_gradients", "clip")}
-    phases["optimizer"] = spans.get("optimizer", 0.0) - (phases["clip"] if "forward_backward" in spans else 0.0)
+    ours = "flags" in spans
+    phases = {name: spans.get(name, 0.0) for name in ("data", "reduce_gradients", "clip")}
+    if "schedule" in spans:
+        phases["compute"] = spans["schedule"]
+    else:  # petatrain's forward_backward holds the batches' reading, plain's does not
+        phases["compute"] = spans.get("forward_backward", 0.0) - (phases["data"] if ours else 0.0)
+    phases["optimizer"] = spans.get("optimizer", 0.0) - (phases["clip"] if ours else 0.0)
     phases["flags"] = spans.get("flags", 0.0) + spans.get("flags_wait", 0.0)
     phases["telemetry"] = spans.get("telemetry", 0.0)
     phases["checkpoint"] = spans.get("checkpoint", 0.0) + spans.get("eval", 0.0)
-    inside = spans.get("forward_backward", 0.0) - phases["data"] - phases["schedule"] - phases["reduce_gradients"]
+    top = _TOP["petatrain." if ours else "plain."]
+    inside = spans.get("forward_backward", 0.0) - phases["data"] - phases["compute"] - phases["reduce_gradients"]
+    inside = inside if ours else 0.0
     phases["other"] = trace["step_ms"] - sum(spans.get(name, 0.0) for name in top) + max(inside, 0.0)
     return {
         **phases, "step": trace["step_ms"], "communication": trace["communication_self_ms"],
@@ -440,14 +450,12 @@ def main() -> None:
         type=int,
         default=0,
         metavar="STEP",
-        help="--pipeline: torch.profiler over --trace-steps steps from STEP on every rank of plain, petatrain "
+        help="torch.profiler over --trace-steps steps from STEP on every rank of plain, petatrain "
         "with checkpoints every 10 s and off (--reps runs of each); where each step's time goes, per phase, to "
         "results/NAME-trace.json (rates traced are not ratios: the profiler slows its steps)",
     )
     parser.add_argument("--trace-steps", type=int, default=20)
     args = parser.parse_args()
-    if args.trace and not args.pipeline:
-        parser.error("--trace: with --pipeline (the plain side traces its pipeline loop)")
     if args.trace and not (args.warmup < args.trace and args.trace + args.trace_steps - 1 <= args.steps):
         parser.error("--trace STEP: after --warmup, and STEP + --trace-steps - 1 within --steps")
     if args.pipeline and (args.fsdp or args.tensor > 1 or args.workers < 2):
@@ -489,10 +497,16 @@ def main() -> None:
                 file=sys.stderr,
                 flush=True,
             )
+    t, f = args.tensor, args.fsdp
+    name = "overhead" if w == 2 else f"overhead-{w}-workers"
+    name = name if t == 1 else f"{name}-tensor-{t}"
+    name = f"{name}-fsdp" if f else name
+    name = f"{name}-pipeline-{args.pipeline}" if args.pipeline else name
     if args.trace:
         table = _trace_table(rows)
-        name = f"overhead-pipeline-{args.pipeline}-trace"
-        write_results(name, {"setup": {"pipeline": args.pipeline, "workers": w, "microbatches": MICROBATCHES,
+        name = f"{name}-trace"
+        write_results(name, {"setup": {"pipeline": args.pipeline or None, "tensor_parallel": t, "fsdp": f,
+                                       "workers": w, "microbatches": MICROBATCHES if args.pipeline else None,
                                        "traced_steps": [args.trace, args.trace + args.trace_steps - 1],
                                        "reps": args.reps, "model": MODEL},
                              "phases_ms_per_step": table, "runs": rows})  # fmt: skip
@@ -514,12 +528,8 @@ def main() -> None:
     cores = ", ".join(f"{name} {s['control_plane_cores']:.3f}" for name, s in summary.items())
     print(f"control plane (CPU of every process but the {w} workers, median, cores): {cores}; {os.cpu_count()} cores")
     print("noise: 2 shared cores (load averages per run are in the JSON); compare medians, not single runs")
-    t, f = args.tensor, args.fsdp
-    name = "overhead" if w == 2 else f"overhead-{w}-workers"
-    name = name if t == 1 else f"{name}-tensor-{t}"
-    name = f"{name}-fsdp" if f else name
     write_results(
-        f"{name}-pipeline-{args.pipeline}" if args.pipeline else name,
+        name,
         {
             "setup": {
                 "model": {**MODEL, "vocab_size": 320, "seq_len": 64},

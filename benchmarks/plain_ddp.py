@@ -45,6 +45,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from petatrain.config import ModelConfig
 from petatrain.models.gpt import GPT, next_token_loss
+from petatrain.train.trace import StepTracer, span
 
 
 def token_rows(dataset: str, width: int) -> np.ndarray:
@@ -110,9 +111,7 @@ def main() -> None:
         help="the model in one stage per rank (interleaved: two parts per rank) with torch.distributed.pipelining",
     )
     parser.add_argument("--microbatches", type=int, default=4, help="micro-batches of a pipeline step")
-    parser.add_argument(
-        "--trace-at", type=int, default=0, help="--pipeline: torch.profiler from this step (1-based; 0: off)"
-    )
+    parser.add_argument("--trace-at", type=int, default=0, help="torch.profiler from this step (1-based; 0: off)")
     parser.add_argument("--trace-steps", type=int, default=20, help="steps traced from --trace-at")
     parser.add_argument("--trace-out", default="", help="folder for each rank's trace summary (rank-R.summary.json)")
     parser.add_argument(
@@ -245,27 +244,34 @@ def train(args: argparse.Namespace) -> None:
     next_batch = batches(rows, args.seed, args.micro_batch, rank // tensor, replicas)
 
     ends, losses = [], []
+    tracer = _tracer(args, rank)
     for step in range(args.steps):
+        tracer.before(step + 1)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args)
         loss_sum = 0.0
         for m in range(accum):
-            tokens = next_batch()
-            if m < accum - 1 and tensor == 1 and not fsdp:
-                with model.no_sync():
-                    loss = next_token_loss(model, tokens) / accum
-                    loss.backward()
-            else:
-                with loss_context():
-                    loss = next_token_loss(model, tokens) / accum
-                    loss.backward()
-            loss_sum += loss.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+            with span("plain.data"):
+                tokens = next_batch()
+            with span("plain.forward_backward"):
+                if m < accum - 1 and tensor == 1 and not fsdp:
+                    with model.no_sync():
+                        loss = next_token_loss(model, tokens) / accum
+                        loss.backward()
+                else:
+                    with loss_context():
+                        loss = next_token_loss(model, tokens) / accum
+                        loss.backward()
+                loss_sum += loss.item()
+        with span("plain.clip"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        with span("plain.optimizer"):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         if rank == 0:
             ends.append(time.perf_counter())
             losses.append(loss_sum)
+        tracer.after(step + 1)
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump({"step_end_s": ends, "loss": losses, "threads": torch.get_num_threads(), "world": world}, f)
@@ -339,13 +345,7 @@ def train_pipeline(args: argparse.Namespace) -> None:
     next_batch = batches(token_rows(args.dataset, args.seq_len + 1), args.seed, args.global_batch, 0, 1)
 
     ends, losses = [], []
-    # petatrain's own tracer, so that both sides are measured alike: torch.profiler over the steps
-    # --trace-at.., the same summary (spans named plain.*), in --trace-out/traces/attempt-0/.
-    from petatrain.train.trace import StepTracer, span
-
-    tracer = StepTracer(
-        args.trace_at, args.trace_steps, rank=rank, attempt=0, run_url=args.trace_out or ".", prefix="plain."
-    )
+    tracer = _tracer(args, rank)
     for step in range(args.steps):
         tracer.before(step + 1)
         for group in optimizer.param_groups:
@@ -387,6 +387,14 @@ def train_pipeline(args: argparse.Namespace) -> None:
         with open(args.out, "w") as f:
             result = {"step_end_s": ends, "loss": [float(final)], "threads": torch.get_num_threads()}
             json.dump({**result, "world": world}, f)
+
+
+def _tracer(args: argparse.Namespace, rank: int) -> StepTracer:
+    """petatrain's own tracer, so that both sides are measured alike: torch.profiler over the steps
+    from --trace-at, the same summary (its spans named plain.*), in --trace-out/traces/attempt-0/."""
+    return StepTracer(
+        args.trace_at, args.trace_steps, rank=rank, attempt=0, run_url=args.trace_out or ".", prefix="plain."
+    )
 
 
 if __name__ == "__main__":
