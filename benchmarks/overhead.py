@@ -201,7 +201,7 @@ def run_plain(
     trace: tuple[int, int] | None = None,
 ) -> dict:
     """The plain loop under `torchrun`, `ray-train` (a TorchTrainer) or `ray-actors` (bare actors).
-    `trace`: (first step, steps) that each rank records with torch.profiler (--pipeline only)."""
+    `trace`: (first step, steps) that each rank records with torch.profiler (plain_ddp.py --trace-at)."""
     out = WORK / f"plain-{under}-{rep}.json"
     out.unlink(missing_ok=True)
     script = [str(HERE / "plain_ddp.py"), "--dataset", ds, "--out", str(out), "--steps", str(steps)]
@@ -392,13 +392,13 @@ def _phases(trace: dict) -> dict[str, float]:
     phases["flags"] = spans.get("flags", 0.0) + spans.get("flags_wait", 0.0)
     phases["telemetry"] = spans.get("telemetry", 0.0)
     phases["checkpoint"] = spans.get("checkpoint", 0.0) + spans.get("eval", 0.0)
-    top = _TOP["petatrain." if ours else "plain."]
-    inside = spans.get("forward_backward", 0.0) - phases["data"] - phases["compute"] - phases["reduce_gradients"]
-    inside = inside if ours else 0.0
-    phases["other"] = trace["step_ms"] - sum(spans.get(name, 0.0) for name in top) + max(inside, 0.0)
+    phases["other"] = trace["step_ms"] - sum(spans.get(name, 0.0) for name in _TOP["petatrain." if ours else "plain."])
+    if ours:  # what petatrain's forward_backward holds beyond the batches, the compute and the reduction
+        named = phases["data"] + phases["compute"] + phases["reduce_gradients"]
+        phases["other"] += max(spans.get("forward_backward", 0.0) - named, 0.0)
     return {
         **phases, "step": trace["step_ms"], "communication": trace["communication_self_ms"],
-        "cpu": trace.get("cpu_ms", 0.0), "preempted": trace.get("preempted_per_step", 0.0),
+        "cpu": trace["cpu_ms"], "preempted": trace["preempted_per_step"],
     }  # fmt: skip
 
 

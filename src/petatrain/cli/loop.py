@@ -7,6 +7,7 @@ shows them. Not a scheduler of its own (no parallel cycles, no cluster): Airflow
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -86,7 +87,7 @@ def _cycles(
     once: bool,
     as_json: bool,
     only: str = "",
-    injections: list[str] | None = None,
+    injections: Sequence[str] = (),
 ) -> None:
     """Look, run a cycle, sleep; one cycle with `once`. A cycle with nothing to do is shown once,
     not at every look; a changed source file is warned of once."""
@@ -96,7 +97,7 @@ def _cycles(
     while True:
         if only in ("train", "promote"):  # no look at the source: the versions committed are the work
             cycle = api.loop_cycle(
-                spec, [], address=address, on_step=_progress(as_json), only=only, injections=injections or []
+                spec, [], address=address, on_step=_progress(as_json), only=only, injections=injections
             )
             if as_json:
                 print_json(cycle.to_dict())
@@ -115,7 +116,7 @@ def _cycles(
         ready = [f.url for f in look.ready]
         try:
             cycle = api.loop_cycle(
-                spec, ready, address=address, on_step=_progress(as_json), only=only, injections=injections or []
+                spec, ready, address=address, on_step=_progress(as_json), only=only, injections=injections
             )
         except (StorageAccessError, ConnectionError) as exc:
             if once or isinstance(exc, AccessDeniedError):  # an orchestrator retries the task; a denial stays

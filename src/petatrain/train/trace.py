@@ -11,15 +11,16 @@ the most time of their own (`self_ms`). Outside a traced window a span costs one
 from __future__ import annotations
 
 import contextlib
-import gzip
 import json
 import logging
 import os
 import resource
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
+
+import torch
 
 from petatrain.storage.fs import atomic_write, join
 
@@ -28,17 +29,9 @@ log = logging.getLogger(__name__)
 _active = False  # a trace is being recorded in this process: spans are labelled
 
 
-@contextlib.contextmanager
-def _labelled(name: str) -> Iterator[None]:
-    import torch
-
-    with torch.profiler.record_function(name):
-        yield
-
-
 def span(name: str) -> contextlib.AbstractContextManager[Any]:
     """A phase of the step, named in the trace while one is recorded; nothing otherwise."""
-    return _labelled(name) if _active else contextlib.nullcontext()
+    return torch.profiler.record_function(name) if _active else contextlib.nullcontext()
 
 
 def spanned(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -69,15 +62,13 @@ class StepTracer:
         self.first, self.last, self.prefix = at, at + steps - 1, prefix  # `prefix`: of the spans summarized
         self.rank, self.folder, self.options = rank, join(run_url, "traces", f"attempt-{attempt}"), options
         self.profiler: Any = None
-        self.started, self.usage = 0.0, resource.getrusage(resource.RUSAGE_THREAD)
+        self.started, self.usage = 0.0, resource.struct_rusage((0,) * 16)  # the window's start (set in before)
 
     def before(self, step: int) -> None:
         """Called before step `step` (1-based) runs."""
         global _active
         if step != self.first or not self.first:
             return
-        import torch
-
         activities = [torch.profiler.ProfilerActivity.CPU]
         if torch.cuda.is_available():
             activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -90,22 +81,29 @@ class StepTracer:
         global _active
         if self.profiler is None or step != self.last:
             return
-        wall, usage = time.perf_counter() - self.started, resource.getrusage(resource.RUSAGE_THREAD)
+        wall, now = time.perf_counter() - self.started, resource.getrusage(resource.RUSAGE_THREAD)
+        # The training thread's CPU, and the times the kernel took its core away (involuntary context
+        # switches: another thread or process ran).
+        before = self.usage
+        thread = {
+            "cpu_s": (now.ru_utime + now.ru_stime) - (before.ru_utime + before.ru_stime),
+            "preempted": now.ru_nivcsw - before.ru_nivcsw,
+        }
         profiler, self.profiler = self.profiler, None
         profiler.__exit__(None, None, None)
         _active = False
         try:
-            self._write(profiler, wall, self.last - self.first + 1, process(self.usage, usage))
+            self._write(profiler, wall, self.last - self.first + 1, thread)
         except Exception as exc:  # a trace is for diagnosis: the run trains on without it
             log.warning("the trace of steps %d-%d was not written: %s", self.first, self.last, exc)
 
-    def _write(self, profiler: Any, wall_s: float, steps: int, usage: dict[str, float]) -> None:
-        summary = summarize(profiler.key_averages(), wall_s, steps, prefix=self.prefix, process=usage)
+    def _write(self, profiler: Any, wall_s: float, steps: int, thread: dict[str, float]) -> None:
+        summary = summarize(profiler.key_averages(), wall_s, steps, prefix=self.prefix, thread=thread)
         with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "trace.json")
-            profiler.export_chrome_trace(path)
+            path = os.path.join(tmp, "trace.json.gz")
+            profiler.export_chrome_trace(path)  # gzipped by torch, for the name
             with open(path, "rb") as f:
-                trace = gzip.compress(f.read(), compresslevel=5)
+                trace = f.read()
         atomic_write(join(self.folder, f"rank-{self.rank}.json.gz"), trace, self.options)
         body = json.dumps({"rank": self.rank, "first_step": self.first, **summary}, indent=1).encode()
         atomic_write(join(self.folder, f"rank-{self.rank}.summary.json"), body, self.options)
@@ -117,19 +115,10 @@ _COMMUNICATION = ("c10d", "gloo", "nccl", "send", "recv", "all_reduce", "allredu
                   "allgather", "reduce_scatter", "_reduce_scatter", "barrier", "wait")  # fmt: skip
 
 
-def process(before: Any, after: Any) -> dict[str, float]:
-    """The training thread's CPU seconds and the times the kernel took its core away (involuntary
-    context switches: another thread or process ran) between two `resource.getrusage` readings."""
-    cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
-    return {"cpu_s": cpu, "preempted": after.ru_nivcsw - before.ru_nivcsw}
-
-
-def summarize(
-    averages: Any, wall_s: float, steps: int, *, prefix: str = "petatrain.", process: dict[str, float] | None = None
-) -> dict[str, Any]:
+def summarize(averages: Any, wall_s: float, steps: int, *, prefix: str, thread: dict[str, float]) -> dict[str, Any]:
     """A profiler's `key_averages()` as ms per step: each span (`prefix`ed names) with its calls, the
-    time in communication operators, and the 15 operators with the most time of their own; with
-    `process` (`process()`), the training thread's CPU ms and involuntary context switches per step."""
+    time in communication operators, the 15 operators with the most time of their own, and the
+    training thread's CPU ms and involuntary context switches (`thread`: cpu_s, preempted)."""
     per_step = 1.0 / (1000.0 * steps)  # profiler times are microseconds
     spans, operators, communication = {}, [], 0.0
     for row in averages:
@@ -142,16 +131,11 @@ def summarize(
             communication += row.self_cpu_time_total
         operators.append((row.self_cpu_time_total, row.key, row.count))
     operators.sort(reverse=True)
-    usage = {}
-    if process is not None:
-        usage = {
-            "cpu_ms": round(process["cpu_s"] * 1000.0 / steps, 3),
-            "preempted_per_step": round(process["preempted"] / steps, 2),
-        }
     return {
         "steps": steps,
         "step_ms": round(wall_s * 1000.0 / steps, 3),
-        **usage,
+        "cpu_ms": round(thread["cpu_s"] * 1000.0 / steps, 3),
+        "preempted_per_step": round(thread["preempted"] / steps, 2),
         "spans_ms": spans,
         "communication_self_ms": round(communication * per_step, 3),
         "top_self_ms": [

@@ -260,9 +260,9 @@ class PipelineRank:
         ]
         # Each tensor's norm as torch's clip_grad_norm_ takes it (foreach, in its dtype), their squares
         # summed in float64: not a float64 copy of every gradient (a step's clip cost 2.6x plain's).
-        norms = list(torch._foreach_norm(counted)) if counted else []
-        squares = torch.stack(norms).double().pow(2).sum() if norms else torch.zeros((), dtype=torch.float64)
-        squares = squares.to(device)
+        squares = torch.zeros((), dtype=torch.float64, device=device)
+        if counted:
+            squares = torch.stack(list(torch._foreach_norm(counted))).double().pow(2).sum()
         if self.layout.tensor == 1:
             # Each rank's squares: its stage's whole gradients (ddp), or its shard of them (fsdp: every rank's differ).
             dist.all_reduce(squares, group=None if self.sharded else self.pp_group)
