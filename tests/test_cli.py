@@ -209,6 +209,7 @@ def test_json_stdout_holds_only_the_object_whatever_else_prints():
         (["train", "examples/tiny.yaml", "--inject", "boom@step=1"], "unknown fault 'boom'"),
         (["train", "examples/tiny.yaml", "--set", "data.dataset=/nonexistent"], "no dataset at /nonexistent"),
         (["train", "examples/tiny.yaml", "--set", "parallel.strategy=zero1"], "train runs ddp or fsdp or pipeline"),
+        (["train", "examples/tiny.yaml", "--set", "observe.profile_at=100000"], "observe.profile_at 100000 is past"),
     ],
 )
 def test_training_verbs_fail_with_one_line(args, message):

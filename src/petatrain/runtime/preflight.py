@@ -44,6 +44,11 @@ def checked(cfg: JobConfig, options: StorageOptions | None) -> JobConfig:
 
     strategies.of(cfg).check_config(cfg)
     fits_this_host(cfg)
+    if cfg.observe.profile_at > cfg.train.steps:  # else the run ends without the trace it was asked for
+        raise ConfigError(
+            f"observe.profile_at {cfg.observe.profile_at} is past train.steps {cfg.train.steps}: no step would "
+            "be traced (0 turns tracing off)"
+        )
     if cfg.observe.metrics_host == POD_IP:
         cfg = dataclasses.replace(cfg, observe=dataclasses.replace(cfg.observe, metrics_host=pod_ip()))
     if is_local(cfg.data.dataset):  # Ray workers do not share the driver's working directory

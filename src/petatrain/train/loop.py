@@ -234,8 +234,9 @@ def _train(r: Rank, start: int, preemption: PreemptionNotice, chaos: inject.Rank
     step = last_checkpoint = start
     tracer, next_batch, clip = None, r.data.next, r.steps.clip
     if cfg.observe.profile_at > start:
+        steps = min(cfg.observe.profile_steps, cfg.train.steps - cfg.observe.profile_at + 1)  # ends with the run
         tracer = trace.StepTracer(
-            cfg.observe.profile_at, cfg.observe.profile_steps, rank=r.rank, attempt=telemetry.attempt,
+            cfg.observe.profile_at, steps, rank=r.rank, attempt=telemetry.attempt,
             run_url=r.payload.run_url, options=r.payload.options,
         )  # fmt: skip
         next_batch, clip = trace.spanned("petatrain.data", r.data.next), trace.spanned("petatrain.clip", clip)
