@@ -249,24 +249,29 @@ def partitioned_and_grown_back(overrides: list[str], run_dir: Path) -> list[dict
     return events
 
 
-def kill_first_tries(tmp_path: Path, after_s: float = 8) -> dict[str, str]:
+def kill_first_tries(tmp_path: Path, ray) -> dict[str, str]:
     """The environment under which an orchestrator's tasks run `petatrain` (a loop of `_loop_file`'s
     folders) through `tests/kill_once.sh`: the first try of each loop step is SIGKILLed with all it
     started mid-way, its retry runs through; the steps killed are marked in `tmp_path/killed`. The
     ingest is killed once it has staged a file of the version (nothing committed), the training once
-    an injected hang holds it after step 7 (its step-5 checkpoint committed), the promotion after
-    `after_s` seconds."""
+    an injected hang holds it after step 7 (its step-5 checkpoint committed), the promotion once it
+    has written its cycle's record (promoted, its answer lost: the retry must not promote again). The
+    tasks join the running Ray `ray` (the session's, through RAY_ADDRESS) as a scheduler's workers
+    join their cluster: a killed try's Ray workers are the cluster's to end."""
     import sys
 
     (tmp_path / "killed").mkdir()
     return {
+        "RAY_ADDRESS": ray.get_runtime_context().gcs_address,
+        "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", ""),
+        "HOME": os.environ["HOME"],  # the token's default place, ~/.ray/auth_token
         "PETATRAIN_BIN": str(ROOT / "tests" / "kill_once.sh"),
         "PETATRAIN_REAL_BIN": str(Path(sys.executable).with_name("petatrain")),
         "PETATRAIN_KILL_DIR": str(tmp_path / "killed"),
         "PETATRAIN_KILL_ON_INGEST": f"{tmp_path}/data/_staging/*/docs/*",
         "PETATRAIN_KILL_ON_TRAIN": f"{tmp_path}/runs/v1-*/events.jsonl::fault_injected",
         "PETATRAIN_INJECT_TRAIN": "hang@step=7",
-        "PETATRAIN_KILL_AFTER": str(after_s),
+        "PETATRAIN_KILL_ON_PROMOTE": f"{tmp_path}/runs/_loop/cycles/*",
     }
 
 

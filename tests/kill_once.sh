@@ -2,8 +2,9 @@
 # `petatrain`, whose first run of each loop step is SIGKILLed with all it started (its session) mid-way (a task's
 # first try dies; the orchestrator retries it). Markers of the steps killed are kept in
 # PETATRAIN_KILL_DIR. When the step is killed, for STEP = INGEST, TRAIN or PROMOTE:
-#   PETATRAIN_KILL_ON_STEP="GLOB" or "GLOB::TEXT"  once a file matching GLOB exists (holding TEXT);
-#                                                   the try ending before that fails the task, loudly
+#   PETATRAIN_KILL_ON_STEP="GLOB" or "GLOB::TEXT"  once a file matching GLOB exists (holding TEXT); a try
+#                                                   that ends as it appears is failed as killed (its work
+#                                                   done, its answer lost); one that ends before, loudly
 #   otherwise                                       after PETATRAIN_KILL_AFTER seconds
 #   PETATRAIN_INJECT_STEP="SPEC"                    the first try runs with --inject SPEC (a hang
 #                                                   holds a training mid-way for its kill)
@@ -22,10 +23,12 @@ if [ -n "$step" ] && [ ! -e "$mark" ]; then
   if [ -n "$on" ]; then
     pattern="${on%%::*}"; text=""; [ "$pattern" != "$on" ] && text="${on#*::}"
     # shellcheck disable=SC2086  # the pattern is a glob
-    until compgen -G "$pattern" > /dev/null && { [ -z "$text" ] || grep -qsF "$text" $pattern; }; do
+    seen() { compgen -G "$pattern" > /dev/null && { [ -z "$text" ] || grep -qsF "$text" $pattern; }; }
+    until seen; do
       if ! kill -0 "$child" 2>/dev/null; then
-        wait "$child"
-        echo "kill_once: the first try of $step ended (exit $?) before $on" >&2
+        wait "$child"; ended=$?
+        seen && break
+        echo "kill_once: the first try of $step ended (exit $ended) before $on" >&2
         exit 1
       fi
       sleep 0.1

@@ -23,13 +23,13 @@ AIRFLOW = ROOT / "tests" / "airflow" / "airflow.sh"
 
 
 @pytest.fixture
-def airflow(tmp_path):
+def airflow(ray_local, tmp_path):
     port = free_ports(1)[0]
     home = tmp_path / "airflow"
     (home / "dags").mkdir(parents=True)
     # What the tasks run: petatrain's CLI from its own environment, through the shim that kills the
     # first try of each step (Airflow's processes, and so its tasks, inherit this environment).
-    env = {**os.environ, **kill_first_tries(tmp_path)}
+    env = {**os.environ, **kill_first_tries(tmp_path, ray_local)}
     command = ["bash", str(AIRFLOW), "start", str(port), str(home)]
     started = subprocess.run(command, capture_output=True, text=True, env=env)
     try:

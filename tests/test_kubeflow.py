@@ -56,10 +56,12 @@ def test_the_pipeline_compiles_to_a_spec_with_retries_no_cache_and_the_pending_c
 
 @pytest.mark.slow
 @pytest.mark.chaos
-def test_the_local_runner_keeps_a_model_current_and_a_killed_step_is_retried_to_one_result(kfp_python, tmp_path):
+def test_the_local_runner_keeps_a_model_current_and_a_killed_step_is_retried_to_one_result(
+    kfp_python, ray_local, tmp_path
+):
     loop_file = _loop_file(tmp_path)
     _drop(tmp_path / "incoming", "a", 300, seed=3)
-    env = {**kill_first_tries(tmp_path), "PATH": "/usr/bin:/bin"}
+    env = {**kill_first_tries(tmp_path, ray_local), "PATH": "/usr/bin:/bin"}
 
     def run_pipeline() -> str:
         argv = [kfp_python, str(EXAMPLE), str(loop_file), "--local", "--backoff", "1s", "--image", "python:3.11"]

@@ -83,6 +83,8 @@ def test_an_error_raised_on_the_cluster_is_one_line(ingested, head):
     [
         # (train checks its dataset before it joins: the module's dataset is text, not packed tokens)
         ("ingest", "gcs", None, "sends no token: set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN"),
+        # no --address: RAY_ADDRESS's cluster is joined (as ray.init does), its token checked likewise
+        ("ingest", "env", None, "sends no token: set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN"),
         ("ingest", "client", "0" * 32, "refused this process's token (RAY_AUTH_MODE=token): set RAY_AUTH_TOKEN"),
     ],
 )
@@ -92,8 +94,10 @@ def test_a_cluster_that_refuses_the_token_is_one_line_at_once(ingested, head, ve
     tiny = str(ROOT / "examples" / "tiny.yaml")
     args = ["ingest", "raw", "--out", "ds3"] if verb == "ingest" else ["train", tiny, "--set", "data.dataset=ds"]
     env = head.driver_env(**({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token} if token else {}))
+    if address == "env":
+        env["RAY_ADDRESS"] = where
     started = time.monotonic()
-    done = petatrain(*args, "--address", where, env=env, cwd=root)
+    done = petatrain(*args, *(["--address", where] if address != "env" else []), env=env, cwd=root)
     took = time.monotonic() - started
     assert done.returncode == 2, done.stderr[-3000:]
     lines = done.stderr.strip().splitlines()

@@ -36,7 +36,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 Sets = Annotated[list[str] | None, typer.Option("--set", help="Config override a.b=c (repeatable).")]
 Json = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
-Address = Annotated[str, typer.Option(help="Ray cluster address (default: start a local Ray).")]
+Address = Annotated[
+    str, typer.Option(help="Ray cluster address (default: RAY_ADDRESS's cluster if set, else start a local Ray).")
+]
 StorageConfig = Annotated[Path | None, typer.Option(help="Job config YAML; its storage section is used.")]
 RunDir = Annotated[str | None, typer.Option("--run-dir", help="Run directory (local path or s3://...).")]
 Injects = Annotated[

@@ -23,8 +23,9 @@ CLIENT_SERVER_RETRIES = 2  # new connections when a Ray Client server fails to s
 
 
 def init_ray(address: str, local_cpus: int = 0, tls: RayTlsConfig | None = None) -> None:
-    """Connect to `address`, or start a local Ray; reuse one this process already started. With
-    `tls`, Ray's TLS is on (the cluster joined must run with certificates of the same CA)."""
+    """Connect to `address` ("": RAY_ADDRESS's cluster if it is set, as `ray.init()` does), or start a
+    local Ray; reuse one this process already started. With `tls`, Ray's TLS is on (the cluster joined
+    must run with certificates of the same CA)."""
     if tls is not None:  # before Ray's core library loads: it reads them once
         from petatrain.runtime.tls import enable
 
@@ -35,6 +36,9 @@ def init_ray(address: str, local_cpus: int = 0, tls: RayTlsConfig | None = None)
 
     if ray.is_initialized():
         return
+    # A scheduler's task or a Ray job's entrypoint finds its cluster there: joined, not a local Ray started
+    # beside it (and its token checked at once, not after ray.init's 20 s of retries).
+    address = address or os.environ.get(constants.RAY_ADDRESS_ENV, "")
     _check_token(os.environ.get(constants.RAY_ADDRESS_ENV, "") if address == "auto" else address)
     kwargs: dict[str, Any] = {"num_cpus": local_cpus} if local_cpus and not address else {}
     local: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
