@@ -304,7 +304,7 @@ rgw init timeout = $((TIMEOUT > 30 ? TIMEOUT : 30))
 admin socket = $DIR/run/\$name.asok
 rgw data = $DIR/rgw
 # plain HTTP and TLS side by side; the certificate is issued by DIR/tls/ca.pem
-rgw frontends = beast endpoint=127.0.0.1:$PORT ssl_endpoint=127.0.0.1:$TLS_PORT ssl_certificate=$DIR/tls/server.pem ssl_private_key=$DIR/tls/server.key
+rgw frontends = beast endpoint=127.0.0.1:$PORT ssl_endpoint=127.0.0.1:$TLS_PORT ssl_certificate=$DIR/tls/server.pem ssl_private_key=$DIR/tls/server.key tcp_nodelay=1
 # server-side encryption: SSE-C, and SSE-KMS with the "testing" backend (keys named
 # in this file; never use it outside tests). RGW refuses SSE requests over plain
 # HTTP by default; off here so that a client's own refusal (petatrain's
