@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+import types
 import uuid
 
 import pytest
@@ -103,3 +104,23 @@ def test_no_spares_for_a_group_without_the_warm_up_hook(ray_local):
         return spares.top_up(2)
 
     assert ray.get(ask.options(runtime_env={"env_vars": {"PETATRAIN_TEST_GROUP": "cold"}}).remote()) == 0
+
+
+@pytest.mark.parametrize(
+    ("overrides", "hook", "tops_up"),
+    [
+        ([], True, True),
+        # no restarts: no spares of its own, but its ranks start in those an earlier run of the job left
+        (["faults.max_restarts=0"], True, False),
+        (["faults.spares=false"], False, False),
+    ],
+)
+def test_a_run_without_restarts_still_starts_in_spares_it_does_not_make(ray_local, overrides, hook, tops_up):
+    from petatrain import config
+    from petatrain.runtime.trainer import make_trainer
+
+    cfg = config.load(None, overrides)
+    trainer = make_trainer(cfg, types.SimpleNamespace(hub=None), 2, "r", 0, local=True)
+    env = trainer.run_config.worker_runtime_env
+    assert (spares.HOOK_ENV in (env or {}).get("env_vars", {})) == hook, env
+    assert spares.wanted(cfg) == tops_up

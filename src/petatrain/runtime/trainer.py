@@ -40,7 +40,9 @@ def make_trainer(cfg: JobConfig, payload: Any, world: int, run_id: str, attempt:
             name=f"petatrain-{run_id}-attempt{attempt}",
             storage_path=storage,
             failure_config=FailureConfig(max_failures=0),  # the supervisor decides, not Ray Train
-            worker_runtime_env=spares.worker_runtime_env(cfg.resources.cpus_per_worker) if spares.wanted(cfg) else None,
+            # With the spares' runtime environment even when this run makes none (no restarts allowed): its
+            # ranks then start in spares another run of the job left (a search's trials, a loop's cycles).
+            worker_runtime_env=spares.worker_runtime_env(cfg.resources.cpus_per_worker) if cfg.faults.spares else None,
         ),
     )
     trainer.drain = (payload.hub, attempt)  # a failure lets rank 0 finish its checkpoint write (CommitDrain)
