@@ -55,7 +55,7 @@ def ingest(
         ),
     ] = None,
     address: Address = "",
-    local_cpus: Annotated[int, typer.Option(help="CPUs for the local Ray (0: all); 0 when joining one.")] = 0,
+    local_cpus: Annotated[int, typer.Option(help="CPUs for the local Ray (0: all); unused when joining one.")] = 0,
     config: Annotated[
         Path | None, typer.Option(help="Job config YAML; its ingest and storage sections are used.")
     ] = None,
