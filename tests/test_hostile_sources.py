@@ -7,6 +7,7 @@ not, with the file going on; never in a crash, a silent drop or an unbounded rea
 from __future__ import annotations
 
 import glob
+import gzip
 import io
 import json
 import os
@@ -45,6 +46,29 @@ def _stage_one_read(path, **cfg) -> readers.FileRecords:
     patch a module constant)."""
     stage = ReadCleanSign(staging=str(path.parent / "staging"), cfg=IngestConfig(**cfg), options=None, lsh=None)
     return stage._read(whole_file(0, str(path), path.stat().st_size))[0]
+
+
+def _staged(path, **cfg) -> tuple[readers.FileRecords, list[dict], int]:
+    """What ingest's first stage stages from one source file, as its task runs it (a compressed
+    file of lines streamed in pieces, another read whole), in this process: its records and rejects
+    read back from the staging folder, what it said of each piece it staged, and the peak of Python
+    allocations while it ran."""
+    from petatrain.data.ingest.stages import FILE_BITS, staged_name
+
+    staging = path.parent / "staging"
+    stage = ReadCleanSign(staging=str(staging), cfg=IngestConfig(**cfg), options=None, lsh=None)
+    done, peak = _peak_bytes(lambda: stage(whole_file(0, str(path), path.stat().st_size)))
+    pieces = done if isinstance(done, list) else [done]
+    out = readers.FileRecords()
+    for stat in pieces:
+        name = staged_name(0, stat["piece"])
+        docs = pq.read_table(staging / "docs" / name)
+        out.index += [o & ((1 << FILE_BITS) - 1) for o in docs.column("ord").to_pylist()]
+        out.text += docs.column("text").to_pylist()
+        if (staging / "rejects" / name).exists():
+            for r in pq.read_table(staging / "rejects" / name).to_pylist():
+                out.rejects.append(readers.Reject(r["record"], r["reason"], r["detail"], r["raw"]))
+    return out, pieces, peak
 
 
 def _ingest_rejects(sources_, out, **cfg) -> tuple[object, list[dict]]:
@@ -106,13 +130,14 @@ def test_a_webdataset_json_member_that_breaks_the_parser_costs_only_its_sample()
 
 
 # -- 4. decompression and record size are bounded before anything is parsed ----------------
-def test_a_gzip_bomb_is_unreadable_past_the_cap_and_never_expanded_whole(tmp_path, monkeypatch):
+@pytest.mark.parametrize("name", ["bomb.jsonl.gz", "bomb.csv.gz"])  # streamed (lines), and decompressed whole
+def test_a_gzip_bomb_is_unreadable_past_the_cap_and_never_expanded_whole(tmp_path, monkeypatch, name):
     monkeypatch.setattr(readers.registry, "MAX_DECOMPRESSED_BYTES", 4 << 20)
-    bomb = tmp_path / "bomb.jsonl.gz"
+    bomb = tmp_path / name
     bomb.write_bytes(_gzip_bomb(128 << 20))
     assert bomb.stat().st_size < 1 << 20
-    records, peak = _peak_bytes(lambda: _stage_one_read(bomb))
-    assert records.text == []
+    records, pieces, peak = _staged(bomb)
+    assert records.text == [] and len(pieces) == 1
     assert [(r.reason, r.detail) for r in records.rejects] == [
         ("unreadable_file", "PetatrainError: expands past 4194304 bytes when decompressed")
     ]
@@ -121,17 +146,42 @@ def test_a_gzip_bomb_is_unreadable_past_the_cap_and_never_expanded_whole(tmp_pat
 
 def test_a_file_too_large_for_the_workers_memory_is_one_quarantine_record_not_an_oom_loop(tmp_path, monkeypatch):
     """Attack round 3 MED (issue 35): the 4 GiB cap was held whole in one worker's memory, so a pod
-    with less OOM-looped with no error. A file may expand to a quarter of what the worker has left
-    (its container's limit, else the host's available memory): past it, one record says why."""
+    with less OOM-looped with no error. A file read whole (here a compressed CSV: a quoted field may
+    hold a line break) may expand to a quarter of what the worker has left (its container's limit,
+    else the host's available memory): past it, one record says why."""
     monkeypatch.setattr(readers.registry, "memory_left", lambda: 8 << 20)
-    big = tmp_path / "big.jsonl.gz"
+    big = tmp_path / "big.csv.gz"
     big.write_bytes(_gzip_bomb(64 << 20))
-    records, peak = _peak_bytes(lambda: _stage_one_read(big))
+    records, _, peak = _staged(big)
     assert records.text == [] and [r.reason for r in records.rejects] == ["unreadable_file"]
     detail = records.rejects[0].detail
     assert "expands past 2097152 bytes when decompressed, 1/4 of the 8388608 bytes of memory" in detail
     assert "give the workers more memory" in detail
     assert peak < 8 << 20, f"peak {peak >> 20} MiB"
+
+
+def test_a_compressed_jsonl_larger_than_the_workers_memory_streams_through_in_pieces(tmp_path, monkeypatch):
+    """Issue 35: a compressed file of lines (JSONL, text) is decompressed as it is read, in pieces cut
+    at line ends, so a worker holds one piece: a file expanding to 24x what the worker may hold is
+    ingested whole, numbered as the file, and its lineage checksum is the file's. (A piece holds at
+    least one record of the cap max_chars sets: ~1 MiB here, the share.)"""
+    from petatrain.data.ingest.split import whole_file_checksum
+
+    monkeypatch.setattr(readers.registry, "memory_left", lambda: 4 << 20)  # a 1 MiB share
+    lines = [json.dumps({"text": f"document {i} " + "w" * (i % 1900)}) for i in range(30_000)]
+    lines[25_001] = '{"text": "torn'  # a bad record in a later piece keeps its number in the file
+    data = ("\n".join(lines) + "\n").encode()
+    assert len(data) > 24 << 20
+    path = tmp_path / "big.jsonl.gz"
+    path.write_bytes(gzip.compress(data, compresslevel=1))
+    records, pieces, peak = _staged(path, max_chars=2000)
+    assert records.index == [i for i in range(30_000) if i != 25_001]
+    assert records.text[-1] == json.loads(lines[-1])["text"]
+    assert [(r.index, r.reason) for r in records.rejects] == [(25_001, "malformed_json")]
+    assert len(pieces) >= 12, len(pieces)  # of a share or a little more: what one read adds past it
+    assert peak < 12 << 20, f"peak {peak >> 20} MiB for a file of {len(data) >> 20} MiB"
+    assert {s["checksum"] for s in pieces} == {whole_file_checksum(path.read_bytes())}
+    assert sum(s["size"] for s in pieces) == path.stat().st_size
 
 
 def test_a_parquet_dictionary_bomb_is_unreadable_before_it_is_decoded(tmp_path, monkeypatch):
@@ -181,7 +231,7 @@ def test_a_file_whose_every_reader_is_killed_is_one_quarantine_record_not_a_loop
     raw.mkdir()
     (raw / "fine.jsonl").write_text("".join(json.dumps({"text": f"document number {i}"}) + "\n" for i in range(50)))
     member = gzip.compress(bytes(1 << 20))  # gzip members concatenate: 1024 of them expand to 1 GiB
-    (raw / "huge.jsonl.gz").write_bytes(member * 1024)
+    (raw / "huge.csv.gz").write_bytes(member * 1024)  # read whole: a compressed CSV is not streamed
     killed, stop = [], threading.Event()
 
     def oom_killer():
@@ -204,7 +254,7 @@ def test_a_file_whose_every_reader_is_killed_is_one_quarantine_record_not_a_loop
     assert len(killed) == TASK_RETRIES + 1, killed
     assert summary.rows_out == 50 and summary.rejected == {"unreadable_file": 1}
     [reject] = rejects
-    assert reject["source"].endswith("huge.jsonl.gz") and reject["reason"] == "unreadable_file"
+    assert reject["source"].endswith("huge.csv.gz") and reject["reason"] == "unreadable_file"
     assert "the worker reading it was lost 3 times (its process died)" in reject["detail"]
     assert time.monotonic() - started < 120
     assert index.open_dataset(str(tmp_path / "ds")).num_rows == 50

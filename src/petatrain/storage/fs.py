@@ -6,11 +6,13 @@ import contextlib
 import dataclasses
 import errno
 import functools
+import io
 import logging
 import os
 import re
 import shutil
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -234,6 +236,57 @@ def read_range(url: str, start: int, end: int, options: StorageOptions | None = 
     """Bytes [start, end) of a file: a ranged read, so a worker holds only its part of a large file."""
     fs, path = resolve(url, options)
     return retrying(f"read {url} [{start}, {end})", lambda: fs.cat_file(path, start=start, end=end))
+
+
+class RangeReader(io.RawIOBase):
+    """A file of `size` bytes (its listed size) read front to back in ranged reads of `block` bytes,
+    each retried as `read_range` is: a stream that never holds the file (a compressed source
+    decompressed as it is read). Each range read is given to `seen`, if any (a checksum). A file
+    that ends before `size`, or goes on past it, raises `changed(how)`'s message."""
+
+    def __init__(
+        self,
+        url: str,
+        size: int,
+        options: StorageOptions | None = None,
+        *,
+        changed: Callable[[str], str],
+        seen: Callable[[bytes], None] | None = None,
+        block: int = 1 << 20,
+    ):
+        super().__init__()
+        self.url, self.size, self.options, self.block = url, size, options, block
+        self._changed, self._seen, self._pos, self._ended = changed, seen, 0, False
+        self.failed = False  # a read of the file failed: the stream's error is the source's, not its bytes'
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        try:
+            return self._readinto(buffer)
+        except BaseException:
+            self.failed = True
+            raise
+
+    def _readinto(self, buffer: Any) -> int:
+        if self._pos >= self.size:
+            if not self._ended:
+                fs, path = resolve(self.url, self.options)
+                now = retrying(f"size of {self.url}", lambda: fs.size(path))
+                if now != self.size:
+                    raise PetatrainError(self._changed(f"it is {now} bytes, {self.size} when it was listed"))
+            self._ended = True
+            return 0
+        end = min(self._pos + min(len(buffer), self.block), self.size)
+        data = read_range(self.url, self._pos, end, self.options)
+        if len(data) != end - self._pos:
+            raise PetatrainError(self._changed(f"it ended at byte {self._pos + len(data)} of {self.size}"))
+        buffer[: len(data)] = data
+        self._pos = end
+        if self._seen is not None:
+            self._seen(data)
+        return len(data)
 
 
 def read_verified(url: str, checksum: str, options: StorageOptions | None = None) -> bytes:

@@ -468,7 +468,8 @@ def _mapped(
     crashed: Callable[[dict, str], dict] | None = None,
 ) -> list[dict]:
     """`fn(item)` for every item, one Ray task each (a CPU apiece, results as their tasks end, in
-    whatever order); with `job.on_progress`, told as each finishes, with the rows and bytes so far.
+    whatever order; an item whose result is a list, a streamed file's pieces, gives each of them);
+    with `job.on_progress`, told as each finishes, with the rows and bytes so far.
 
     A task whose process dies (killed for memory by the kernel or Ray's monitor, or crashed) is run
     again `constants.TASK_RETRIES` times, then given to `crashed(item, why)` for the result that stands for
@@ -486,7 +487,7 @@ def _mapped(
     queued = iter(items)
     pending: dict[Any, dict] = {}  # a task's ObjectRef -> its item
     started, results = time.perf_counter(), []
-    rows_done = bytes_done = 0
+    rows_done = bytes_done = finished = 0
     try:
         while True:
             for item in itertools.islice(queued, window - len(pending)):
@@ -502,12 +503,14 @@ def _mapped(
                     raise
                 why = "out of memory" if isinstance(exc, OutOfMemoryError) else "its process died"
                 result = crashed(item, f"the worker reading it was lost {constants.TASK_RETRIES + 1} times ({why})")
-            results.append(result)
-            rows_done += int(result.get(rows) or 0)
-            bytes_done += int(result.get(size) or 0)
+            parts = result if isinstance(result, list) else [result]  # a streamed file: one per piece
+            results += parts
+            finished += 1
+            rows_done += sum(int(part.get(rows) or 0) for part in parts)
+            bytes_done += sum(int(part.get(size) or 0) for part in parts)
             if job.on_progress is not None:
                 progress = StageProgress(
-                    items=len(results), items_total=len(items), rows=rows_done,
+                    items=finished, items_total=len(items), rows=rows_done,
                     bytes=min(bytes_done, total_bytes or bytes_done), bytes_total=total_bytes,
                     elapsed_s=time.perf_counter() - started,
                 )  # fmt: skip
@@ -518,7 +521,7 @@ def _mapped(
     return results
 
 
-def _ingest_task(fn: Any, item: dict) -> dict:
+def _ingest_task(fn: Any, item: dict) -> dict | list[dict]:
     return fn(item)
 
 

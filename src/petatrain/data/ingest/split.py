@@ -95,6 +95,29 @@ def whole_file_checksum(data: bytes) -> str:
     return checksum(len(data), blocks)
 
 
+class StreamChecksum:
+    """The same checksum, for a file read front to back in parts (`update` each, in order)."""
+
+    def __init__(self) -> None:
+        self.size, self._block = 0, xxhash.xxh3_128()
+        self._blocks: list[str] = []
+
+    def update(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            take = CHECKSUM_BLOCK - self.size % CHECKSUM_BLOCK
+            self._block.update(view[:take])
+            self.size += min(take, len(view))
+            view = view[take:]
+            if self.size % CHECKSUM_BLOCK == 0:
+                self._blocks.append(self._block.hexdigest())
+                self._block = xxhash.xxh3_128()
+
+    def result(self) -> str:
+        tail = [self._block.hexdigest()] if self.size % CHECKSUM_BLOCK or not self.size else []
+        return checksum(self.size, self._blocks + tail)
+
+
 def scan_chunk(item: dict[str, Any], options: StorageOptions | None) -> dict[str, Any]:
     """`BoundaryScan` as a plain function, for a Ray task."""
     return BoundaryScan(options=options)(item)

@@ -18,6 +18,7 @@ the file read whole types them (`split_field_types`).
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -41,10 +42,11 @@ from petatrain.errors import PetatrainError
 from petatrain.security import signing
 from petatrain.security.parquet_crypt import DatasetKeys, open_parquet
 from petatrain.storage import StorageOptions, atomic_write, join, read_bytes
-from petatrain.storage.fs import read_range, resolve
+from petatrain.storage.fs import RangeReader, read_range, resolve
 from petatrain.storage.retry import retrying
 
 FILE_BITS = 36  # records per file < 2^36; files per dataset < 2^27
+STREAM_PIECE_BYTES = 64 << 20  # a streamed file's piece where ingest.split_size is 0
 _STAGED_ROW_GROUP = 4096
 _SHARD_ROW_GROUP = 4096
 _SIGN_CHUNK = 2048  # documents per MinHash batch (bounds the (perms, shingles) block)
@@ -90,24 +92,63 @@ class ReadCleanSign:
         self.staging, self.cfg, self.options, self.lsh, self.crypt = staging, cfg, options, lsh, crypt
         self.fields = fields  # None: keep no source fields
 
-    def __call__(self, item: dict[str, Any]) -> dict[str, Any]:
+    def __call__(self, item: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
+        if int(item["end"]) < 0 and src.streamed(item["url"], self.cfg.format):
+            return self._stream(item)
         return self._stage(item, *self._read(item))
 
+    def _stream(self, item: dict[str, Any]) -> list[dict[str, Any]]:
+        """A compressed file of line records, decompressed as it is read (`readers.read_stream`): each
+        piece staged as it comes, as a split file's pieces are (piece 0, 1, ...), so the worker holds
+        one piece, not the file. The file's checksum and size go with every piece (the lineage's);
+        one that does not decompress is one unreadable_file record, its pieces staged so far unused."""
+        url, size = item["url"], int(item["size"])
+        fmt = self.cfg.format if self.cfg.format != "auto" else src.detect_format(url)
+        digest = split.StreamChecksum()
+        raw = RangeReader(url, size, self.options, changed=lambda how: split.changed(url, how), seen=digest.update)
+        stats: list[dict[str, Any]] = []
+        try:
+            pieces = src.read_stream(
+                url, io.BufferedReader(raw, raw.block), fmt, self.cfg.text_field, max_chars=self.cfg.max_chars,
+                piece_bytes=self.cfg.split_bytes() or STREAM_PIECE_BYTES, fields=self.fields,
+            )  # fmt: skip
+            for piece, records in enumerate(pieces):
+                stats.append(self._stage({**item, "piece": piece}, records, "", 0, piece=True))
+        except FileNotFoundError:
+            raise PetatrainError(f"source disappeared during the ingest: {url}") from None
+        except PermissionError as exc:
+            raise PetatrainError(f"source not readable: {url} ({exc})") from None
+        except Exception as exc:  # a stream that does not decompress (torn, corrupt, a bomb past the cap)
+            if raw.failed:  # the source itself (changed, unreachable): not a fault of its bytes
+                raise
+            stats = [self.crashed({**item, "piece": 0}, f"{type(exc).__name__}: {exc}")]
+        while raw.readinto(bytearray(1 << 20)):  # what the decompressor did not need: in the checksum too
+            pass
+        for stat in stats:
+            stat["checksum"] = digest.result()
+        stats[0]["size"] = digest.size
+        return stats
+
     def crashed(self, item: dict[str, Any], why: str) -> dict[str, Any]:
-        """What stands for an item whose every reading process died (killed for memory, crashed):
-        the file (or piece) quarantined as unreadable_file with `why`, nothing of it kept. Its
-        checksum is unknown (""): no read of it finished."""
+        """What stands for an item whose every reading process died (killed for memory, crashed), or
+        a stream that does not decompress: the file (or piece) quarantined as unreadable_file with
+        `why`, nothing of it kept. Its checksum is unknown here ("")."""
         records = src.FileRecords()
-        records.reject(0, "unreadable_file", why)
+        records.reject(0, "unreadable_file", why[:500])
         return self._stage(item, records, "", 0)
 
-    def _stage(self, item: dict[str, Any], records: src.FileRecords, checksum: str, size: int) -> dict[str, Any]:
-        url, file_ord, piece = item["url"], int(item["file_ord"]), int(item["piece"])
+    def _stage(
+        self, item: dict[str, Any], records: src.FileRecords, checksum: str, size: int, *, piece: bool | None = None
+    ) -> dict[str, Any]:
+        """Stage one file's or piece's records (`piece`: whether they are a piece of a file, whose
+        fields the file's pieces type together; by default, whether `item` is a split file's piece)."""
+        in_piece = int(item["end"]) >= 0 if piece is None else piece
+        url, file_ord, piece_no = item["url"], int(item["file_ord"]), int(item["piece"])
         records = cleaning.clean(records, min_chars=self.cfg.min_chars, max_chars=self.cfg.max_chars)
-        name = staged_name(file_ord, piece)
+        name = staged_name(file_ord, piece_no)
         fields_schema = b""
         partitions = json.loads(item.get("partitions") or "{}")
-        fields, field_kinds = self._fields(records, partitions, piece=int(item["end"]) >= 0)
+        fields, field_kinds = self._fields(records, partitions, piece=in_piece)
         if fields is not None:
             fields_schema = fields.schema.serialize().to_pybytes()
             write_parquet(
@@ -152,7 +193,7 @@ class ReadCleanSign:
             write_parquet(join(self.staging, "rejects", name), rejects, self.options, crypt=self.crypt)
         return {
             "file_ord": file_ord,
-            "piece": piece,
+            "piece": piece_no,
             "url": url,
             "checksum": checksum,
             "size": size,

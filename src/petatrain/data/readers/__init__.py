@@ -2,7 +2,8 @@
 `tfrecord`), each a `read(data, text_field, max_bytes, out)` that fills a `FileRecords` with records
 and one-line rejects; `base` holds what they share (`FileRecords`, `FieldChoice`, field typing, the
 line and JSON helpers) and `registry` the one table that maps a format's name and file suffixes to its
-reader, with `detect_format`, `decompress` and the `read_file`/`read_piece` dispatch. Ingest reads
+reader, with `detect_format`, `decompress`, the `read_file`/`read_piece` dispatch and `read_stream` (a
+compressed file of lines, decompressed as it is read). Ingest reads
 through this package; the loader never does. The names below are the package's public surface.
 """
 
@@ -26,6 +27,8 @@ from petatrain.data.readers.registry import (
     detect_format,
     read_file,
     read_piece,
+    read_stream,
+    streamed,
 )
 from petatrain.data.readers.tfrecord import masked_crc32c
 
@@ -45,7 +48,9 @@ __all__ = [
     "masked_crc32c",
     "read_file",
     "read_piece",
+    "read_stream",
     "record_byte_cap",
+    "streamed",
     "typed_array",
     "value_kinds",
 ]
