@@ -11,6 +11,7 @@ import gzip
 import io
 import json
 import os
+import random
 import tarfile
 import tracemalloc
 import zlib
@@ -142,6 +143,40 @@ def test_a_gzip_bomb_is_unreadable_past_the_cap_and_never_expanded_whole(tmp_pat
         ("unreadable_file", "PetatrainError: expands past 4194304 bytes when decompressed")
     ]
     assert peak < 16 << 20, f"peak {peak >> 20} MiB: the decompressor ran past the cap"
+
+
+@pytest.mark.parametrize(("ending", "last"), [(b"\n", b"\n"), (b"\r\n", b"\r\n"), (b"\n", b"")])  # none at the end
+def test_a_streamed_file_reads_as_the_whole_file_does_around_the_record_cap(ending, last):
+    """Records, their numbers and every reject (reason and detail) of a compressed JSONL read as a
+    stream equal a whole read's, with lines one byte either side of the record cap, a CR before the
+    line break, blank and malformed lines, and pieces smaller than a line or holding many."""
+    cap = readers.record_byte_cap(2000)
+    rng = random.Random(7)
+    lines = [b'{"text": "first"}']
+    for i in range(400):
+        kind = rng.random()
+        if kind < 0.1:
+            lines.append(b"")
+        elif kind < 0.15:
+            lines.append(b'{"text": "torn')
+        elif kind < 0.25:
+            lines.append(b"q" * (cap + rng.choice([-1, 0, 1, 2, cap])) + rng.choice([b"", b"\r"]))
+        else:
+            lines.append(json.dumps({"text": f"doc {i} " + "w" * rng.randrange(3000)}).encode())
+    data = ending.join(lines) + last
+    whole = readers.read_file("in.jsonl", data, "jsonl", "text", max_chars=2000)
+    for piece_bytes in (1, 3 << 20):
+        got = readers.FileRecords()
+        for part in readers.read_stream(
+            "in.jsonl.gz", io.BytesIO(gzip.compress(data)), "jsonl", "text", max_chars=2000, piece_bytes=piece_bytes
+        ):
+            got.index += part.index
+            got.text += part.text
+            got.rejects += part.rejects
+        assert (got.index, got.text) == (whole.index, whole.text)
+        assert sorted((r.index, r.reason, r.detail, r.raw) for r in got.rejects) == sorted(
+            (r.index, r.reason, r.detail, r.raw) for r in whole.rejects
+        )
 
 
 def test_a_file_too_large_for_the_workers_memory_is_one_quarantine_record_not_an_oom_loop(tmp_path, monkeypatch):
