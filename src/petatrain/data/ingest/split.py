@@ -12,8 +12,9 @@ speed (a newline count and a hash), which is cheap beside the parse it lets run 
 What splits: JSONL and text (a record is a line, and a raw newline never occurs inside a JSON
 string), and CSV whose rows are its lines (no quote, no bare carriage return: a quoted field may
 hold a line break, so a quoted CSV is read whole, and the summary says why). Compressed files
-cannot be entered in the middle and are read whole; so are Parquet, WebDataset and TFRecord
-(splitting them by row group, sample or record is left for when a single such file is huge).
+cannot be entered in the middle and are read by one task (a compressed JSONL or text file streamed
+in pieces by it: `readers.read_stream`); so are Parquet, WebDataset and TFRecord (splitting them by
+row group, sample or record is left for when a single such file is huge).
 
 A split file keeps its fields as a whole read does. A JSONL piece stages them untyped, and
 the pieces' kinds decide the file's types (`stages.split_field_types`). A CSV whose columns
