@@ -179,6 +179,19 @@ def test_a_streamed_file_reads_as_the_whole_file_does_around_the_record_cap(endi
         )
 
 
+@pytest.mark.parametrize("listed", [-100, 100])  # cut short, or grown, since it was listed
+def test_a_streamed_file_that_changed_since_its_listing_is_refused_in_one_line(tmp_path, listed):
+    """A streamed source is read in ranges against its listed size, as a split file's pieces are: a
+    file that changed is the ingest's error naming it (nothing committed), not a quarantined file."""
+    from petatrain.errors import PetatrainError
+
+    path = tmp_path / "in.jsonl.gz"
+    path.write_bytes(gzip.compress(b"".join(b'{"text": "doc %d"}\n' % i for i in range(2000))))
+    stage = ReadCleanSign(staging=str(tmp_path / "staging"), cfg=IngestConfig(), options=None, lsh=None)
+    with pytest.raises(PetatrainError, match=r"^source changed during the ingest: .*in\.jsonl\.gz \(it (ended|is) "):
+        stage(whole_file(0, str(path), path.stat().st_size + listed))
+
+
 def test_a_file_too_large_for_the_workers_memory_is_one_quarantine_record_not_an_oom_loop(tmp_path, monkeypatch):
     """Attack round 3 MED (issue 35): the 4 GiB cap was held whole in one worker's memory, so a pod
     with less OOM-looped with no error. A file read whole (here a compressed CSV: a quoted field may

@@ -208,10 +208,8 @@ def ingest(
         on_progress=on_progress,
     )
     if is_client_address(address):
-        from petatrain.constants import RAY_ADDRESS_ENV
         from petatrain.runtime.ingest_task import run_on_cluster
 
-        job.connect = functools.partial(init_ray, address or os.environ[RAY_ADDRESS_ENV], local_cpus)
         return run_on_cluster(job)
     return run(job)
 

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from petatrain import constants
 from petatrain.config import JobConfig
 from petatrain.observe import events as ev
 from petatrain.runtime import cluster
@@ -40,7 +38,7 @@ class RayAttempts:
         self.started = time.time()
         self.carry_step: int | None = None  # setup.Run.carry_step
         self.ended = False  # the ledger has the run's end (finished or given up)
-        self.local = not (job.address or cfg.resources.address or os.environ.get(constants.RAY_ADDRESS_ENV))
+        self.local = not cluster.joined(job.address or cfg.resources.address)
         self.standby = Standby(self.build, enabled=cfg.faults.standby)
         self.watch = Watchdog(hub.actor, cfg.faults.hang_timeout_s, on_training=self.standby.prepare, grow=grow)
         from petatrain.train.loop import NonFiniteLoss

@@ -38,7 +38,7 @@ def init_ray(address: str, local_cpus: int = 0, tls: RayTlsConfig | None = None)
         return
     # A scheduler's task or a Ray job's entrypoint finds its cluster there: joined, not a local Ray started
     # beside it (and its token checked at once, not after ray.init's 20 s of retries).
-    address = address or os.environ.get(constants.RAY_ADDRESS_ENV, "")
+    address = joined(address)
     _check_token(os.environ.get(constants.RAY_ADDRESS_ENV, "") if address == "auto" else address)
     kwargs: dict[str, Any] = {"num_cpus": local_cpus} if local_cpus and not address else {}
     local: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
@@ -99,9 +99,15 @@ def _end_local_monitor() -> None:
         log.debug("could not end the local Ray's monitor first", exc_info=True)
 
 
+def joined(address: str) -> str:
+    """The cluster a driver given `address` joins: `address`, else RAY_ADDRESS's (as `ray.init()`
+    reads it); "" where it starts a local Ray."""
+    return address or os.environ.get(constants.RAY_ADDRESS_ENV, "")
+
+
 def is_client_address(address: str) -> bool:
     """A Ray Client address (`ray://host:port`): this process would drive the cluster from outside it."""
-    return (address or os.environ.get(constants.RAY_ADDRESS_ENV, "")).startswith("ray://")
+    return joined(address).startswith("ray://")
 
 
 def _check_token(address: str) -> None:

@@ -91,9 +91,9 @@ def checksum(size: int, block_digests: list[str]) -> str:
 
 def whole_file_checksum(data: bytes) -> str:
     """The same checksum, for a file read whole."""
-    view = memoryview(data)
-    blocks = [xxhash.xxh3_128_hexdigest(view[i : i + CHECKSUM_BLOCK]) for i in range(0, len(data), CHECKSUM_BLOCK)]
-    return checksum(len(data), blocks)
+    whole = StreamChecksum()
+    whole.update(data)
+    return whole.result()
 
 
 class StreamChecksum:

@@ -18,11 +18,13 @@ the file read whole types them (`split_field_types`).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import math
 import os
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -107,25 +109,28 @@ class ReadCleanSign:
         digest = split.StreamChecksum()
         raw = RangeReader(url, size, self.options, changed=lambda how: split.changed(url, how), seen=digest.update)
         stats: list[dict[str, Any]] = []
-        try:
-            pieces = src.read_stream(
-                url, io.BufferedReader(raw, raw.block), fmt, self.cfg.text_field, max_chars=self.cfg.max_chars,
-                piece_bytes=self.cfg.split_bytes() or STREAM_PIECE_BYTES, fields=self.fields,
-            )  # fmt: skip
-            for piece, records in enumerate(pieces):
-                stats.append(self._stage({**item, "piece": piece}, records, "", 0, piece=True))
-        except FileNotFoundError:
-            raise PetatrainError(f"source disappeared during the ingest: {url}") from None
-        except PermissionError as exc:
-            raise PetatrainError(f"source not readable: {url} ({exc})") from None
-        except Exception as exc:  # a stream that does not decompress (torn, corrupt, a bomb past the cap)
-            if raw.failed:  # the source itself (changed, unreachable): not a fault of its bytes
-                raise
-            stats = [self.crashed({**item, "piece": 0}, f"{type(exc).__name__}: {exc}")]
-        while raw.readinto(bytearray(1 << 20)):  # what the decompressor did not need: in the checksum too
-            pass
+        pieces = src.read_stream(
+            url, io.BufferedReader(raw, raw.block), fmt, self.cfg.text_field, max_chars=self.cfg.max_chars,
+            piece_bytes=self.cfg.split_bytes() or STREAM_PIECE_BYTES, fields=self.fields,
+        )  # fmt: skip
+        with _source_errors(url):
+            while True:
+                try:
+                    records = next(pieces, None)
+                except Exception as exc:  # the stream does not decompress (torn, corrupt, a bomb past the cap)
+                    if raw.failed:  # the source itself (gone, changed, unreachable): not a fault of its bytes
+                        raise
+                    stats = [self.crashed({**item, "piece": 0}, f"{type(exc).__name__}: {exc}")]
+                    break
+                if records is None:
+                    break
+                stats.append(self._stage({**item, "piece": len(stats)}, records, "", 0, piece=True))
+            rest = bytearray(raw.block)
+            while raw.readinto(rest):  # what the decompressor did not need: in the checksum too
+                pass
+        checksum = digest.result()
         for stat in stats:
-            stat["checksum"] = digest.result()
+            stat["checksum"] = checksum
         stats[0]["size"] = digest.size
         return stats
 
@@ -227,17 +232,13 @@ class ReadCleanSign:
     def _read(self, item: dict[str, Any]) -> tuple[src.FileRecords, str, int]:
         """(records, checksum, bytes read): a piece's checksum is "" (the split scan has the file's)."""
         url, start, end = item["url"], int(item["start"]), int(item["end"])
-        try:
+        with _source_errors(url):
             if end >= 0:
                 data = read_range(url, start, end, self.options)
                 header_end = int(item["header_end"])
                 header = read_range(url, 0, header_end, self.options) if header_end else b""
             else:
                 data = read_bytes(url, self.options)
-        except FileNotFoundError:
-            raise PetatrainError(f"source disappeared during the ingest: {url}") from None
-        except PermissionError as exc:
-            raise PetatrainError(f"source not readable: {url} ({exc})") from None
         if end >= 0:
             split.check_piece(url, item, data, header)
             fmt = self.cfg.format if self.cfg.format != "auto" else src.detect_format(url)
@@ -264,6 +265,17 @@ class ReadCleanSign:
             return records, checksum, size
         records = src.read_file(url, data, fmt, self.cfg.text_field, max_chars=self.cfg.max_chars, fields=self.fields)
         return records, checksum, size
+
+
+@contextlib.contextmanager
+def _source_errors(url: str) -> Iterator[None]:
+    """A source file gone or unreadable while it is read: one line naming it."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise PetatrainError(f"source disappeared during the ingest: {url}") from None
+    except PermissionError as exc:
+        raise PetatrainError(f"source not readable: {url} ({exc})") from None
 
 
 def split_field_types(file_stats: list[dict]) -> dict[int, dict[str, list[str]]]:
