@@ -12,6 +12,7 @@ import filecmp
 import http.server
 import json
 import math
+import re
 import threading
 from pathlib import Path
 from typing import ClassVar
@@ -407,6 +408,74 @@ def test_the_loop_on_kubernetes_is_a_raycronjob_and_a_rayservice_following_the_c
             manifests.build_loop(spec_mod.load(other), target, schedule, zone)
     done = run_cli("deploy", "k8s", "examples/tiny.yaml", "--loop", str(loop_file), "--out", str(tmp_path / "k"))
     assert done.returncode == 2 and "needs --out DIR and no CONFIG" in done.stderr
+
+
+def test_the_loop_for_kubeflow_keeps_the_train_steps_rayjob_in_its_configmap_and_lets_kfp_create_it(tmp_path):
+    """deploy k8s --loop --cron kfp: no schedule of its own (a Kubeflow pipeline's recurring run is the
+    clock); the ConfigMap holds the loop, its job config and the train step's RayJob (`loop --once
+    --only train` in a cluster of its own), which the pipeline creates per run (petatrain.kubeflow),
+    and a Role lets KFP's service account read that ConfigMap and create, follow and delete RayJobs.
+    All of it valid against the built-in schemas and the real CRDs, the RayJob too."""
+    from typer.testing import CliRunner
+
+    from helpers import missing
+    from petatrain.cli import app
+    from test_deploy_validate import REAL_CRDS
+
+    if not REAL_CRDS:
+        missing("../shared/k8s-crds is not beside the repository (the real RayJob CRD)")
+    values = {
+        "model": "tiny", "job": str(ROOT / "examples" / "tiny.yaml"), "source": "s3://lake/incoming/",
+        "dataset": "s3://lake/datasets/web", "runs": "s3://lake/loops/tiny", "registry": "s3://lake/registry",
+    }  # fmt: skip
+    loop_file = tmp_path / "loop.yaml"
+    loop_file.write_text(yaml.safe_dump(values))
+    out = tmp_path / "k8s"
+    argv = ["deploy", "k8s", "--loop", str(loop_file), "--cron", "kfp", "--kfp-service-account"]
+    argv += ["kubeflow/pipeline-runner", "--name", "tiny", "--namespace", "ml", "--out", str(out)]
+    done = CliRunner().invoke(app, argv, catch_exceptions=False)
+    assert done.exit_code == 0, done.output
+    assert "--cluster ml/tiny-config" in done.output  # how to compile the pipeline for it
+    docs = [d for path in sorted(out.iterdir()) for d in yaml.safe_load_all(path.read_text())]
+    assert [d["kind"] for d in docs] == [
+        "ServiceAccount", "ConfigMap", "Role", "RoleBinding", "ServiceAccount", "ConfigMap", "RayService",
+        "PodMonitor", "PodMonitor",
+    ]  # fmt: skip
+    assert validate_documents(docs) == [] and validate_documents(docs, crds=REAL_CRDS) == []
+    files = docs[1]["data"]
+    assert docs[1]["metadata"]["name"] == "tiny-config" and sorted(files) == [
+        "job.yaml",
+        "loop.yaml",
+        "train-rayjob.yaml",
+    ]
+    assert yaml.safe_load(files["loop.yaml"])["job"] == "/etc/petatrain/job.yaml"
+    template = yaml.safe_load(files["train-rayjob.yaml"])
+    assert validate_documents([template]) == [] and validate_documents([template], crds=REAL_CRDS) == []
+    assert (template["kind"], template["metadata"]["name"], template["metadata"]["namespace"]) == (
+        "RayJob",
+        "tiny-train",
+        "ml",
+    )
+    spec = template["spec"]
+    assert spec["entrypoint"] == "petatrain loop /etc/petatrain/loop.yaml --once --only train --address auto"
+    assert spec["backoffLimit"] >= 1 and spec["shutdownAfterJobFinishes"]  # a cluster of its own, retried
+    head = spec["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
+    assert {"name": "job-config", "configMap": {"name": "tiny-config"}} in head["volumes"]
+    role, binding = docs[2], docs[3]
+    assert role["rules"] == [
+        {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": ["tiny-config"], "verbs": ["get"]},
+        {"apiGroups": ["ray.io"], "resources": ["rayjobs"], "verbs": ["get", "create", "delete"]},
+    ]
+    assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == "ml"
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "pipeline-runner", "namespace": "kubeflow"}]
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    for bad, match in (
+        (["--name", "loop-" + "n" * 30], r"--name 'loop-n+-train-00000000': must be no more than 47"),  # -serve fits
+        (["--kfp-service-account", "Pipeline_Runner"], "--kfp-service-account 'Pipeline_Runner'"),
+    ):
+        done = CliRunner().invoke(app, [*argv, *bad, "--out", str(tmp_path / "bad")])
+        assert done.exit_code == 2 and re.search(match, done.output), done.output
+    assert not (tmp_path / "bad").exists()
 
 
 def test_the_loop_without_kuberays_raycronjob_is_a_cronjob_submitting_to_a_standing_cluster(tmp_path):

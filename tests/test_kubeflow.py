@@ -54,6 +54,40 @@ def test_the_pipeline_compiles_to_a_spec_with_retries_no_cache_and_the_pending_c
     assert steps["promote"]["dependentTasks"] == [next(k for k, t in inner.items() if t is steps["train"])]
 
 
+def test_on_a_cluster_the_steps_read_the_deployed_loop_and_the_train_step_creates_the_runs_rayjob(kfp_python, tmp_path):
+    """--cluster NAMESPACE/CONFIGMAP (what `deploy k8s --loop --cron kfp` applied): every step reads
+    the loop from that ConfigMap, and the train step is `train_rayjob`, which creates the RayJob the
+    ConfigMap holds, named after the pipeline run (KFP's `{{$.pipeline_job_uuid}}`, the same for the
+    step's retries), and waits for it. No Kubernetes API here: the spec is what is checked."""
+    spec_file = tmp_path / "cluster.yaml"
+    argv = [kfp_python, str(EXAMPLE), "--compile", str(spec_file), "--cluster", "ml/tiny-config"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    spec = yaml.safe_load(spec_file.read_text())
+    assert spec["root"]["inputDefinitions"]["parameters"]["loop_file"]["defaultValue"] == ""
+    executors = spec["deploymentSpec"]["executors"]
+    functions = sorted(
+        e["container"]["args"][e["container"]["args"].index("--function_to_execute") + 1] for e in executors.values()
+    )
+    assert functions == ["loop_step", "loop_step", "train_rayjob"]
+    (condition,) = [t for t in spec["root"]["dag"]["tasks"].values() if "triggerPolicy" in t]
+    tasks = {**spec["root"]["dag"]["tasks"], **spec["components"][condition["componentRef"]["name"]]["dag"]["tasks"]}
+    named = {t["taskInfo"]["name"]: t for t in tasks.values() if "retryPolicy" in t}
+    assert sorted(named) == ["ingest", "promote", "train"]
+    for task in named.values():
+        assert task["inputs"]["parameters"]["cluster"]["runtimeValue"]["constant"] == "ml/tiny-config"
+        assert task["retryPolicy"]["maxRetryCount"] == 2 and not task["cachingOptions"].get("enableCache")
+    train = named["train"]["inputs"]["parameters"]
+    assert train["run"]["runtimeValue"]["constant"] == "{{$.pipeline_job_uuid}}"
+    assert named["train"]["componentRef"]["name"] == "comp-train-rayjob"
+    for bad in (
+        ["--cluster", "ml/tiny-config", str(ROOT / "examples" / "loop.yaml")],
+        ["--local", "--cluster", "ml/c"],
+    ):
+        done = subprocess.run([kfp_python, str(EXAMPLE), *bad], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and done.stderr.splitlines()[-1].startswith("continuous.py: error:"), done.stderr
+
+
 @pytest.mark.slow
 @pytest.mark.chaos
 def test_the_local_runner_keeps_a_model_current_and_a_killed_step_is_retried_to_one_result(

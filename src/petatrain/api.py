@@ -1214,21 +1214,31 @@ def _write_manifests(documents: list[dict[str, Any]], out: str) -> list[str]:
 
 
 def deploy_loop_k8s(
-    spec: Any, target: Any, out: str, *, schedule: str, time_zone: str = "", cron: str = "raycronjob"
+    spec: Any,
+    target: Any,
+    out: str,
+    *,
+    schedule: str,
+    time_zone: str = "",
+    cron: str = "raycronjob",
+    kfp_service_account: str = "pipeline-runner",
 ) -> Deployment:
     """Write what runs the loop `spec` (a `petatrain.loop.spec.LoopSpec`) on Kubernetes into `out`: a
     KubeRay RayCronJob running one cycle (`petatrain loop --once`) on `schedule` (`cron`
-    "raycronjob"), or a Kubernetes CronJob submitting it to a standing RayCluster ("cronjob"), and a
-    RayService serving `registry://MODEL@champion` that follows it (deploy/manifests.build_loop)."""
+    "raycronjob"), a Kubernetes CronJob submitting it to a standing RayCluster ("cronjob"), or for a
+    Kubeflow pipeline ("kfp") the train step's RayJob as a template and the access its pods
+    (`kfp_service_account`) need; and a RayService serving `registry://MODEL@champion` that follows
+    it (deploy/manifests.build_loop)."""
     from petatrain.deploy import manifests
 
-    documents = manifests.build_loop(spec, target, schedule, time_zone, cron)
+    documents = manifests.build_loop(spec, target, schedule, time_zone, cron, kfp_service_account)
     files = _write_manifests(documents, out)
     cfg = spec.job_config()
     lo, hi = cfg.parallel.worker_range()
+    every = "per pipeline run" if cron == "kfp" else f"on {schedule!r}"
     return Deployment(
         files=files, kind=cron, workers=(lo, hi), worker_pods=(0 if cron == "cronjob" else lo, hi), accelerator="cpu",
-        devices_per_node=0, sized_by=f"config; a cycle on {schedule!r}",
+        devices_per_node=0, sized_by=f"config; a cycle {every}",
         secrets=manifests.secrets_needed(cfg, dataclasses.replace(target, run_dir=spec.runs)),
     )  # fmt: skip
 

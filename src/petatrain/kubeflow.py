@@ -15,20 +15,51 @@ virtual environment in that image: KFP's launcher installs kfp into the image's 
 
 KFP has no data-driven trigger like Airflow's assets: schedule the pipeline as a recurring run
 (every few minutes, as the embedded loop polls); a run that finds nothing new ends after the ingest
-step. Every task's cache is off, since the same loop file gives new results as files land."""
+step. Every task's cache is off, since the same loop file gives new results as files land.
+
+On a cluster (`cluster="NAMESPACE/CONFIGMAP"`, the ConfigMap `petatrain deploy k8s --loop LOOP.yaml
+--cron kfp` wrote): every step reads the loop file and its job config from the ConfigMap (no file
+to bake into the image), and the train step runs no training in its pod: it creates the RayJob the
+ConfigMap holds (`petatrain loop --once --only train` in a Ray cluster of its own, as KubeRay runs
+any RayJob), named after the pipeline run, and waits for it. A retried train step finds its run's
+RayJob and waits for it instead of creating a second; a RayJob that failed is deleted and created
+again (the loop goes on where it stopped); one that succeeded is the step's result. It talks to the
+Kubernetes API with the `kubernetes` client, which kfp depends on, as the pod's service account
+(the Role that `deploy k8s` writes)."""
 
 # No `from __future__ import annotations`: KFP reads the component's annotations as types.
 from typing import Any
 
 
-def loop_step(loop_file: str, step: str) -> str:
+def loop_step(loop_file: str, step: str, cluster: str = "") -> str:
     """`petatrain loop LOOP --once --only STEP --json`, whose JSON goes to the task's log; the output is
     the cycle's outcome after the step ("trained", "promoted", "rejected", "done", ...), and after
-    ingest "pending" when a version's cycle is not over (train and promote run). KFP ships this
-    function's source as the component: everything it needs is imported inside."""
+    ingest "pending" when a version's cycle is not over (train and promote run). `cluster`
+    "NAMESPACE/CONFIGMAP": the loop file and its job config are the ConfigMap's (`deploy k8s --loop
+    --cron kfp`), `loop_file` is not read. KFP ships this function's source as the component:
+    everything it needs is imported inside."""
     import json
     import os
     import subprocess
+
+    if cluster:  # the loop as deployed: the ConfigMap's loop.yaml, its `job:` the ConfigMap's job.yaml
+        import tempfile
+
+        import yaml
+        from kubernetes import client, config
+
+        try:
+            config.load_incluster_config()
+        except config.ConfigException:  # outside a pod (a local try): the kubeconfig's context
+            config.load_kube_config()
+        namespace, _, name = cluster.rpartition("/")
+        files = client.CoreV1Api().read_namespaced_config_map(name, namespace or "default").data
+        folder = tempfile.mkdtemp(prefix="petatrain-loop-")
+        loop_file, job_file = os.path.join(folder, "loop.yaml"), os.path.join(folder, "job.yaml")
+        with open(job_file, "w") as handle:
+            handle.write(files["job.yaml"])
+        with open(loop_file, "w") as handle:
+            handle.write(yaml.safe_dump({**yaml.safe_load(files["loop.yaml"]), "job": job_file}))
 
     # constants.BIN_ENV, spelt out: KFP ships this function's source alone
     argv = [os.environ.get("PETATRAIN_BIN", "petatrain"), "loop", loop_file, "--once", "--only", step, "--json"]
@@ -44,6 +75,76 @@ def loop_step(loop_file: str, step: str) -> str:
     return str(result["outcome"])
 
 
+def train_rayjob(cluster: str, run: str, poll_s: float = 10.0) -> str:
+    """On a cluster, the train step: create the RayJob that the ConfigMap `cluster`
+    ("NAMESPACE/CONFIGMAP", `deploy k8s --loop --cron kfp`) holds, named after the pipeline run
+    `run` (NAME-train-<8 hex digits>), and wait for it; "trained" once it succeeded. A retry of the
+    step finds its run's RayJob: it waits for one still running, returns at once for one that
+    succeeded, and deletes one that failed (KubeRay's retries, `backoffLimit`, spent) to create it
+    again: the loop goes on where it stopped. A RayJob that fails raises, and KFP retries the step.
+    KFP ships this function's source as the component: everything it needs is imported inside."""
+    import hashlib
+    import json
+    import time
+
+    import yaml
+    from kubernetes import client, config
+    from kubernetes.client.exceptions import ApiException
+
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:  # outside a pod (a local try): the kubeconfig's context
+        config.load_kube_config()
+    namespace, _, config_map = cluster.rpartition("/")
+    namespace = namespace or "default"
+    data = client.CoreV1Api().read_namespaced_config_map(config_map, namespace).data
+    template = yaml.safe_load(data["train-rayjob.yaml"])  # manifests.TRAIN_RAYJOB_KEY, spelt out
+    name = f"{template['metadata']['name']}-{hashlib.sha256(run.encode()).hexdigest()[:8]}"
+    body = {**template, "metadata": {**template["metadata"], "name": name, "namespace": namespace}}
+    api, where = client.CustomObjectsApi(), ("ray.io", "v1", namespace, "rayjobs")
+
+    def status() -> dict | None:
+        try:
+            return api.get_namespaced_custom_object(*where, name).get("status") or {}
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def ended(now: dict) -> bool:  # IsJobDeploymentTerminal (KubeRay's rayjob_types.go)
+        return now.get("jobDeploymentStatus") in ("Complete", "Failed")
+
+    def succeeded(now: dict) -> bool:
+        return now.get("jobDeploymentStatus") == "Complete" and now.get("jobStatus") == "SUCCEEDED"
+
+    now = status()
+    if now is not None and ended(now) and not succeeded(now):  # an earlier try's RayJob failed: again
+        print(f"RayJob {name} ended {now.get('jobDeploymentStatus')} ({now.get('reason', '')}): creating it again")
+        api.delete_namespaced_custom_object(*where, name, propagation_policy="Foreground")
+        while now is not None:
+            time.sleep(min(poll_s, 2.0))
+            now = status()
+    if now is None:
+        try:
+            api.create_namespaced_custom_object(*where, body)
+            print(f"RayJob {namespace}/{name} created")
+        except ApiException as exc:
+            if exc.status != 409:  # 409: a try running beside this one created it: wait for it alike
+                raise
+    while True:
+        now = status() or {}
+        if ended(now):
+            break
+        time.sleep(poll_s)
+    print(json.dumps({"rayjob": f"{namespace}/{name}", **{k: v for k, v in now.items() if isinstance(v, str)}}))
+    if not succeeded(now):  # KFP retries the step, which creates the RayJob again
+        reason = "; ".join(str(now[k]) for k in ("reason", "message") if now.get(k))
+        raise RuntimeError(
+            f"RayJob {namespace}/{name} ended {now.get('jobDeploymentStatus')}, job {now.get('jobStatus')}: {reason}"
+        )
+    return "trained"
+
+
 def continuous_pipeline(
     *,
     image: str = "petatrain:latest",
@@ -51,17 +152,25 @@ def continuous_pipeline(
     backoff: str = "5s",
     name: str = "petatrain-continuous",
     env: dict[str, str] | None = None,
+    cluster: str = "",
+    poll_s: float = 10.0,
 ) -> Any:
     """The loop as one KFP pipeline with a `loop_file` parameter: `ingest`, then, if it says a version
     is pending, `train` and `promote`. Each task retries `retries` times after `backoff`,
-    runs with `env` set (e.g. PETATRAIN_BIN) and is never taken from KFP's cache."""
+    runs with `env` set (e.g. PETATRAIN_BIN) and is never taken from KFP's cache. `cluster`
+    "NAMESPACE/CONFIGMAP": on a cluster, the loop is the ConfigMap's and the train step creates its
+    RayJob (`train_rayjob`, asking its state every `poll_s`) instead of training in its pod."""
     from kfp import dsl
 
     # install_kfp_package: KFP's launcher needs kfp beside the function; the image's python3 gets it.
     component = dsl.component(loop_step, base_image=image)
+    on_cluster = dsl.component(train_rayjob, base_image=image)
 
     def step(loop_file: str, which: str) -> Any:
-        task = component(loop_file=loop_file, step=which)
+        if cluster and which == "train":
+            task = on_cluster(cluster=cluster, run=dsl.PIPELINE_JOB_ID_PLACEHOLDER, poll_s=poll_s)
+        else:
+            task = component(loop_file=loop_file, step=which, cluster=cluster)
         task.set_display_name(which)
         task.set_retry(num_retries=retries, backoff_duration=backoff)
         task.set_caching_options(False)
@@ -70,7 +179,7 @@ def continuous_pipeline(
         return task
 
     @dsl.pipeline(name=name, description="petatrain: new files -> a dataset version -> continued -> promoted")
-    def continuous(loop_file: str) -> None:
+    def continuous(loop_file: str = "") -> None:  # "" on a cluster: the ConfigMap's loop
         ingest = step(loop_file, "ingest")
         with dsl.If(ingest.output == "pending", name="a-version-is-pending"):
             train = step(loop_file, "train")

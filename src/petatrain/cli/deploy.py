@@ -67,10 +67,18 @@ def deploy_k8s(
     cron: Annotated[
         str,
         typer.Option(
-            help="--loop: raycronjob (KubeRay's RayCronJob, a cluster per cycle; needs its feature gate) or cronjob "
-            "(a Kubernetes CronJob submitting each cycle to a standing RayCluster whose workers autoscale from none)."
+            help="--loop: raycronjob (KubeRay's RayCronJob, a cluster per cycle; needs its feature gate), cronjob "
+            "(a Kubernetes CronJob submitting each cycle to a standing RayCluster whose workers autoscale from none) "
+            "or kfp (no schedule: a Kubeflow pipeline's train step creates the cycle's RayJob, kept in the ConfigMap)."
         ),
     ] = "raycronjob",
+    kfp_service_account: Annotated[
+        str,
+        typer.Option(
+            help="--cron kfp: the service account the pipeline's pods run as (NAME, or NAMESPACE/NAME where KFP "
+            "runs in another namespace), given access to the loop's ConfigMap and to RayJobs."
+        ),
+    ] = "pipeline-runner",
     queue: Annotated[
         str,
         typer.Option(help="A Kueue LocalQueue: the job is created suspended and Kueue admits all its pods at once."),
@@ -109,8 +117,11 @@ def deploy_k8s(
     if loop is not None:
         if config is not None or not out_dir:
             raise ConfigError("deploy k8s --loop LOOP.yaml needs --out DIR and no CONFIG (the loop file names its job)")
-        done = _loop(loop, out_dir, name, namespace, image, s3_secret, volume, schedule, time_zone, cron, set_)
-        show(done.to_dict(), _written(done, out_dir, namespace))
+        done, loop_name = _loop(
+            loop, out_dir, name, namespace, image, s3_secret, volume, schedule, time_zone, cron, kfp_service_account,
+            set_,
+        )  # fmt: skip
+        show(done.to_dict(), _written(done, out_dir, namespace, config_map=f"{loop_name}-config"))
         return
     if config is None or not out_dir:
         raise ConfigError("deploy k8s needs a CONFIG and --out DIR (or --validate DIR)")
@@ -136,8 +147,9 @@ def deploy_k8s(
 
 def _loop(
     loop: Path, out_dir: str, name: str, namespace: str, image: str, s3_secret: str, volume: list[str] | None,
-    schedule: str, time_zone: str, cron: str, set_: list[str] | None,
-) -> api.Deployment:  # fmt: skip
+    schedule: str, time_zone: str, cron: str, kfp_service_account: str, set_: list[str] | None,
+) -> tuple[api.Deployment, str]:  # fmt: skip
+    """What `deploy k8s --loop` wrote, and the loop's name on the cluster."""
     from petatrain.deploy.manifests import Target, check_volume, name_from
     from petatrain.loop import spec as spec_mod
 
@@ -148,10 +160,14 @@ def _loop(
     )  # fmt: skip
     if image:
         target = dataclasses.replace(target, image=image)
-    return api.deploy_loop_k8s(spec, target, out_dir, schedule=schedule, time_zone=time_zone, cron=cron)
+    done = api.deploy_loop_k8s(
+        spec, target, out_dir, schedule=schedule, time_zone=time_zone, cron=cron,
+        kfp_service_account=kfp_service_account,
+    )  # fmt: skip
+    return done, target.name
 
 
-def _written(done: api.Deployment, out_dir: str, namespace: str) -> Any:
+def _written(done: api.Deployment, out_dir: str, namespace: str, config_map: str = "") -> Any:
     def written(_: object) -> None:  # on stderr, as progress: the manifests are the output
         lo, hi = done.worker_pods
         pods = f"{lo}" if lo == hi else f"{lo}-{hi} (autoscaled)"
@@ -163,10 +179,17 @@ def _written(done: api.Deployment, out_dir: str, namespace: str) -> Any:
             say("the RayCronJob needs KubeRay's operator started with --feature-gates=RayCronJob=true (v1.7.0: alpha)")
         if done.kind == "cronjob":
             say("the CronJob submits each cycle to the standing RayCluster it names; its workers start for a cycle")
+        if done.kind == "kfp":
+            say(
+                "compile the pipeline with: python examples/kubeflow/continuous.py --compile PIPELINE.yaml "
+                f"--cluster {escape(namespace)}/{escape(config_map)}; its steps read the loop from that ConfigMap "
+                "and its train step creates the cycle's RayJob from it"
+            )
         if done.secrets:
             say("the Secrets they reference (create them first, values not shown):")
             for command in done.secrets:
                 say(f"  {escape(command)}")
-        say(f"apply: kubectl apply -f {out_dir}   watch: kubectl get {done.kind} -n {namespace} -w")
+        watched = "rayjob" if done.kind == "kfp" else done.kind
+        say(f"apply: kubectl apply -f {out_dir}   watch: kubectl get {watched} -n {namespace} -w")
 
     return written

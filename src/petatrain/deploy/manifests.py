@@ -43,7 +43,7 @@ from petatrain import __version__, constants
 from petatrain.config import JobConfig
 from petatrain.constants import SERVE_APP
 from petatrain.deploy.probe import HEALTH_PORT
-from petatrain.errors import ConfigError
+from petatrain.errors import ConfigError, PetatrainError
 
 RAY_VERSION = "2.60.0"
 METRICS_PORT = 8078  # the driver's Prometheus endpoint (observe.metrics_port)
@@ -316,29 +316,51 @@ def _job_spec(target: Target, entrypoint: str, cluster: dict[str, Any]) -> dict[
 LOOP_PATH = "/etc/petatrain/loop.yaml"
 
 
-CRONS = ("raycronjob", "cronjob")
+CRONS = ("raycronjob", "cronjob", "kfp")
+TRAIN_RAYJOB_KEY = (
+    "train-rayjob.yaml"  # the ConfigMap's key of the RayJob a KFP train step creates (petatrain.kubeflow)
+)
+KFP_SERVICE_ACCOUNT = "pipeline-runner"  # the service account KFP's pipeline pods run as (standalone KFP)
 
 
 def build_loop(
-    spec: Any, target: Target, schedule: str, time_zone: str = "", cron: str = "raycronjob"
+    spec: Any,
+    target: Target,
+    schedule: str,
+    time_zone: str = "",
+    cron: str = "raycronjob",
+    kfp_service_account: str = KFP_SERVICE_ACCOUNT,
 ) -> list[dict[str, Any]]:
     """What `deploy k8s --loop LOOP.yaml` writes: what runs one cycle of the loop (`petatrain loop
     --once`) on `schedule`, and a RayService `NAME-serve` that serves `registry://MODEL@champion` and
     follows it. `cron` "raycronjob": a KubeRay RayCronJob, each cycle in a cluster of its own (the
     operator's RayCronJob feature gate); "cronjob": a Kubernetes CronJob whose pod submits the cycle
     to a standing RayCluster `NAME` (its workers autoscaled from none) with `ray job submit` and waits
-    for it. The source, dataset, runs and registry must be where every pod finds them (the object
-    store, or a named volume)."""
+    for it; "kfp": no schedule here (a Kubeflow pipeline's recurring run is the clock), the train
+    step's RayJob (`petatrain loop --once --only train`) as a template in the ConfigMap, which the
+    pipeline's train step creates once per pipeline run and waits for (petatrain.kubeflow), and
+    the Role that lets KFP's pods (`kfp_service_account`) read the ConfigMap and create, read and
+    delete RayJobs. The source, dataset, runs and registry must be where every pod finds them (the
+    object store, or a named volume)."""
     from petatrain.deploy.kuberay_rules import cron_problem
 
     if cron not in CRONS:
-        raise ConfigError(f"--cron {cron!r}: raycronjob (KubeRay's, feature-gated) or cronjob (Kubernetes')")
+        raise ConfigError(
+            f"--cron {cron!r}: raycronjob (KubeRay's, feature-gated), cronjob (Kubernetes') or kfp (Kubeflow Pipelines)"
+        )
     check_name(target.name)
     check_name(f"{target.name}-serve")
     if cron == "cronjob":
         check_name(f"{target.name}-cycle")
+    if cron == "kfp":  # the RayJob of a pipeline run: NAME-train-<8 hex digits>
+        check_name(f"{target.name}-train-00000000")
+        from petatrain.deploy.k8s_names import dns1123_label, dns1123_subdomain
+
+        where, _, account = kfp_service_account.rpartition("/")
+        if problems := dns1123_subdomain(account) + (dns1123_label(where) if where else []):
+            raise ConfigError(f"--kfp-service-account {kfp_service_account!r}: {'; '.join(problems)}")
     problem = "cannot use TZ or CRON_TZ in it, use --time-zone" if "TZ" in schedule else cron_problem(schedule)
-    if problem:
+    if problem and cron != "kfp":
         raise ConfigError(f"--schedule {schedule!r}: {problem}")
     if time_zone:
         import zoneinfo
@@ -369,6 +391,22 @@ def build_loop(
     if cron == "cronjob":
         cluster = next(d for d in train if d["kind"] == "RayCluster")
         documents += [cluster, _cycle_cronjob(target, cluster["metadata"], cycle, schedule, time_zone)]
+    elif cron == "kfp":
+        job = next(d for d in train if d["kind"] == "RayJob")
+        only_train = [*cycle[:4], "--only", "train", *cycle[4:]]
+        template = {
+            "apiVersion": "ray.io/v1",
+            "kind": "RayJob",
+            "metadata": {**job["metadata"], "name": f"{target.name}-train"},
+            "spec": _job_spec(target, shlex.join(only_train), job["spec"]["rayClusterSpec"]),
+        }
+        from petatrain.deploy.validate import validate_documents
+
+        problems = validate_documents([template], source=TRAIN_RAYJOB_KEY)
+        if problems:  # a bug in the builder, as in api._write_manifests: all of it is said
+            raise PetatrainError("the train step's RayJob does not validate: " + "; ".join(problems))
+        config_map["data"][TRAIN_RAYJOB_KEY] = yaml_dump(template)
+        documents += _kfp_access(target, job["metadata"], config_map["metadata"]["name"], kfp_service_account)
     else:
         job = next(d for d in train if d["kind"] == "RayJob")
         cron_spec: dict[str, Any] = {
@@ -389,6 +427,34 @@ def build_loop(
     documents += [d for d in serving if d["kind"] in ("ServiceAccount", "ConfigMap", "RayService")]
     documents += [d for d in (*train, *serving) if d["kind"] == "PodMonitor"]
     return documents
+
+
+def _kfp_access(target: Target, meta: dict[str, Any], config_map: str, account: str) -> list[dict[str, Any]]:
+    """The Role and RoleBinding a Kubeflow pipeline's steps need (petatrain.kubeflow): read the
+    ConfigMap that holds the loop and the train step's RayJob, create the RayJob, follow it, and
+    delete one a failed try left. `account`: NAME, or NAMESPACE/NAME where KFP runs elsewhere."""
+    name = f"{target.name}-kfp"
+    where, _, account = account.rpartition("/")
+    rules = [
+        {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": [config_map], "verbs": ["get"]},
+        {"apiGroups": ["ray.io"], "resources": ["rayjobs"], "verbs": ["get", "create", "delete"]},
+    ]
+    subject = {"kind": "ServiceAccount", "name": account, "namespace": where or target.namespace}
+    return [
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": {**meta, "name": name},
+            "rules": rules,
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": {**meta, "name": name},
+            "subjects": [subject],
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+        },
+    ]
 
 
 def _cycle_cronjob(
