@@ -111,6 +111,11 @@ def test_the_manifests_pods_survive_a_worker_pod_and_a_head_pod_loss(baseline, t
     )  # fmt: skip
     argv = [str(Path(sys.executable).with_name("petatrain")), *json.loads(echoed.stdout)[1:]]
     assert "--resume" in argv and "observe.metrics_host=pod-ip" in argv  # the driver reads POD_IP where it runs
+    # Each loss lands mid-run: a hang holds the training there (each fires once per run; the watchdog
+    # would end it after faults.hang_timeout_s, 6 s), at step 15 for the worker pod's loss and at step
+    # 25 for the head pod's. Without them 30 tiny steps could end between a look and the kill (seen
+    # once: the worker pod was lost after step 30, its restart found nothing left, the driver ended).
+    argv += ["--inject", "hang@step=15,rank=1", "--inject", "hang@step=25"]
 
     def pods() -> TwoNodeCluster:
         # One pod of the worker group: its 2-CPU limit holds both training workers (parallel.workers 2).
@@ -126,7 +131,7 @@ def test_the_manifests_pods_survive_a_worker_pod_and_a_head_pod_loss(baseline, t
         try:
             _wait(cluster, driver, lambda s: s.get("attempt") == 0 and (s.get("step") or 0) >= 13, "step 13")
             cluster.restart_worker()  # the worker pod is killed; its replacement starts from the same spec
-            _wait(cluster, driver, lambda s: s.get("attempt", 0) >= 1 and s.get("state") == "training", "attempt 1")
+            _wait(cluster, driver, lambda s: s.get("attempt", 0) >= 1 and (s.get("step") or 0) >= 24, "attempt 1")
         finally:
             driver.kill()  # the head pod is lost with everything in it: the driver, Ray's head, the workers
             driver.wait()
