@@ -451,6 +451,17 @@ def test_the_loop_for_kubeflow_keeps_the_train_steps_rayjob_in_its_configmap_and
     assert yaml.safe_load(files["loop.yaml"])["job"] == "/etc/petatrain/job.yaml"
     template = yaml.safe_load(files["train-rayjob.yaml"])
     assert validate_documents([template]) == [] and validate_documents([template], crds=REAL_CRDS) == []
+    # `deploy k8s --validate` checks the RayJob the ConfigMap carries as the manifest it becomes
+    broken = {
+        **docs[1],
+        "data": {
+            **files,
+            "train-rayjob.yaml": files["train-rayjob.yaml"].replace("backoffLimit: 3", "backoffLimit: many"),
+        },
+    }
+    (line,) = validate_documents([broken], source="01-configmap.yaml", crds=REAL_CRDS)
+    where = 'data["train-rayjob.yaml"].spec.backoffLimit'
+    assert line.startswith(f"01-configmap.yaml: ConfigMap/tiny-config: {where}: 'many' is not"), line
     assert (template["kind"], template["metadata"]["name"], template["metadata"]["namespace"]) == (
         "RayJob",
         "tiny-train",

@@ -43,7 +43,8 @@ from petatrain import __version__, constants
 from petatrain.config import JobConfig
 from petatrain.constants import SERVE_APP
 from petatrain.deploy.probe import HEALTH_PORT
-from petatrain.errors import ConfigError, PetatrainError
+from petatrain.deploy.validate import CARRIED_RAYJOB
+from petatrain.errors import ConfigError
 
 RAY_VERSION = "2.60.0"
 METRICS_PORT = 8078  # the driver's Prometheus endpoint (observe.metrics_port)
@@ -317,9 +318,8 @@ LOOP_PATH = "/etc/petatrain/loop.yaml"
 
 
 CRONS = ("raycronjob", "cronjob", "kfp")
-TRAIN_RAYJOB_KEY = (
-    "train-rayjob.yaml"  # the ConfigMap's key of the RayJob a KFP train step creates (petatrain.kubeflow)
-)
+# The ConfigMap's key of the RayJob a KFP train step creates (petatrain.kubeflow); validated inside it.
+TRAIN_RAYJOB_KEY = CARRIED_RAYJOB
 KFP_SERVICE_ACCOUNT = "pipeline-runner"  # the service account KFP's pipeline pods run as (standalone KFP)
 
 
@@ -400,12 +400,7 @@ def build_loop(
             "metadata": {**job["metadata"], "name": f"{target.name}-train"},
             "spec": _job_spec(target, shlex.join(only_train), job["spec"]["rayClusterSpec"]),
         }
-        from petatrain.deploy.validate import validate_documents
-
-        problems = validate_documents([template], source=TRAIN_RAYJOB_KEY)
-        if problems:  # a bug in the builder, as in api._write_manifests: all of it is said
-            raise PetatrainError("the train step's RayJob does not validate: " + "; ".join(problems))
-        config_map["data"][TRAIN_RAYJOB_KEY] = yaml_dump(template)
+        config_map["data"][TRAIN_RAYJOB_KEY] = yaml_dump(template)  # validated with the ConfigMap
         documents += _kfp_access(target, job["metadata"], config_map["metadata"]["name"], kfp_service_account)
     else:
         job = next(d for d in train if d["kind"] == "RayJob")

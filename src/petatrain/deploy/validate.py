@@ -236,7 +236,31 @@ def _check_document(doc: Any, number: int, crds: str | None) -> tuple[str, list[
                 f"unknown kind {kind} in {api_version}: not a Kubernetes {KUBERNETES_VERSION} kind, nor one of {known}",
             )
         ]
-    return label, [*_metadata(doc, kind, None), *_schema_findings(builtin, doc), *_negative_quantities(doc)]
+    findings = [*_metadata(doc, kind, None), *_schema_findings(builtin, doc), *_negative_quantities(doc)]
+    return label, findings + _carried_rayjob(doc, number, crds) if kind == "ConfigMap" else findings
+
+
+CARRIED_RAYJOB = "train-rayjob.yaml"  # deploy.manifests.TRAIN_RAYJOB_KEY: a RayJob a ConfigMap carries for KFP
+
+
+def _carried_rayjob(config_map: dict[str, Any], number: int, crds: str | None) -> list[Finding]:
+    """The RayJob a loop's ConfigMap carries for a Kubeflow pipeline to create (`deploy k8s --loop
+    --cron kfp`), checked as the manifest it becomes: its problems under `data.train-rayjob.yaml`."""
+    data = config_map.get("data")
+    text = data.get(CARRIED_RAYJOB) if isinstance(data, dict) else None
+    if not isinstance(text, str):
+        return []
+    where: tuple[str | int, ...] = ("data", CARRIED_RAYJOB)
+    if refused := bounded_yaml(text):
+        return [(where, refused)]
+    try:
+        carried = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        return [(where, f"invalid YAML: {' '.join(str(getattr(exc, 'problem', None) or exc).split())}")]
+    if not isinstance(carried, dict) or carried.get("kind") != "RayJob":
+        return [(where, "must hold a RayJob (the train step's, which the pipeline creates)")]
+    _, findings = _check_document(carried, number, crds)
+    return [((*where, *path), message) for path, message in findings]
 
 
 def _negative_quantities(doc: Any, path: tuple[str | int, ...] = ()) -> Iterable[Finding]:
