@@ -131,8 +131,13 @@ def train_rayjob(cluster: str, run: str, poll_s: float = 10.0) -> str:
         except ApiException as exc:
             if exc.status != 409:  # 409: a try running beside this one created it: wait for it alike
                 raise
+    told = None
     while True:
         now = status() or {}
+        state = (now.get("jobDeploymentStatus"), now.get("jobStatus"))
+        if state != told:  # the task's log follows the RayJob: a line per change of state
+            print(f"RayJob {namespace}/{name}: {state[0] or 'New'}, job {state[1] or '-'}", flush=True)
+            told = state
         if ended(now):
             break
         time.sleep(poll_s)
