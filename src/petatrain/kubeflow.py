@@ -121,7 +121,10 @@ def train_rayjob(cluster: str, run: str, poll_s: float = 10.0) -> str:
     if now is not None and ended(now) and not succeeded(now):  # an earlier try's RayJob failed: again
         print(f"RayJob {name} ended {now.get('jobDeploymentStatus')} ({now.get('reason', '')}): creating it again")
         api.delete_namespaced_custom_object(*where, name, propagation_policy="Foreground")
+        deadline = time.monotonic() + 600  # its cluster's pods go first (Foreground)
         while now is not None:
+            if time.monotonic() > deadline:  # a finalizer holds it: KFP retries the step later
+                raise RuntimeError(f"RayJob {namespace}/{name} is still being deleted after 600 s")
             time.sleep(min(poll_s, 2.0))
             now = status()
     if now is None:
