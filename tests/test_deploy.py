@@ -483,10 +483,21 @@ def test_the_loop_for_kubeflow_keeps_the_train_steps_rayjob_in_its_configmap_and
     for bad, match in (
         (["--name", "loop-" + "n" * 30], r"--name 'loop-n+-train-00000000': must be no more than 47"),  # -serve fits
         (["--kfp-service-account", "Pipeline_Runner"], "--kfp-service-account 'Pipeline_Runner'"),
+        (
+            ["--schedule", "@hourly"],
+            "--schedule with --cron kfp: the Kubeflow pipeline's recurring run is the schedule",
+        ),
     ):
         done = CliRunner().invoke(app, [*argv, *bad, "--out", str(tmp_path / "bad")])
         assert done.exit_code == 2 and re.search(match, done.output), done.output
     assert not (tmp_path / "bad").exists()
+    # Without --cron, a RayCronJob on the default schedule
+    done = CliRunner().invoke(app, ["deploy", "k8s", "--loop", str(loop_file), "--out", str(tmp_path / "cron")])
+    assert done.exit_code == 0, done.output
+    (cron,) = [
+        d for p in (tmp_path / "cron").iterdir() for d in yaml.safe_load_all(p.read_text()) if d["kind"] == "RayCronJob"
+    ]
+    assert cron["spec"]["schedule"] == "*/15 * * * *"
 
 
 def test_the_loop_without_kuberays_raycronjob_is_a_cronjob_submitting_to_a_standing_cluster(tmp_path):

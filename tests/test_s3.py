@@ -40,7 +40,7 @@ def test_ingest_s3_to_s3_round_trip(s3_endpoint, s3_corpus, s3_bucket, ray_local
         with open(path, "rb") as handle:
             storage.atomic_write(storage.join(s3_bucket, "gz", f"src-{i}.jsonl.gz"), gzip.compress(handle.read()))
     streamed = storage.join(s3_bucket, "datasets", "c4ish-gz")
-    summary = ingest([storage.join(s3_bucket, "gz")], streamed, shard_size="400KB", split_size="64KB")
+    ingest([storage.join(s3_bucket, "gz")], streamed, shard_size="400KB", split_size="64KB")
     assert read_dataset(streamed).column("text").to_pylist() == remote.column("text").to_pylist()
     # No staging is left behind, and the committed files verify.
     assert not [u for u in storage.listdir(out) if "/_staging/" in u]

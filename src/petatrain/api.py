@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from petatrain import constants
 from petatrain.config import IngestConfig, JobConfig
 from petatrain.data.ingest.job import IngestJob, IngestSummary
 from petatrain.errors import ConfigError, CorruptDataError, GateRefused, PetatrainError
@@ -1221,7 +1222,7 @@ def deploy_loop_k8s(
     schedule: str,
     time_zone: str = "",
     cron: str = "raycronjob",
-    kfp_service_account: str = "pipeline-runner",
+    kfp_service_account: str = constants.KFP_SERVICE_ACCOUNT,
 ) -> Deployment:
     """Write what runs the loop `spec` (a `petatrain.loop.spec.LoopSpec`) on Kubernetes into `out`: a
     KubeRay RayCronJob running one cycle (`petatrain loop --once`) on `schedule` (`cron`

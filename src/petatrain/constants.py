@@ -84,3 +84,11 @@ def controller_mode() -> str:
 
 # The Ray Serve application `petatrain serve` runs (and a RayService's serveConfigV2 names).
 SERVE_APP = "petatrain"
+
+# `deploy k8s --loop`: a cycle's schedule where none is given (RayCronJob, CronJob); for a Kubeflow
+# pipeline (--cron kfp), the service account its pods run as (standalone KFP's) and the key of the
+# ConfigMap that carries the train step's RayJob (petatrain.kubeflow spells it out: KFP ships a
+# component's source alone).
+LOOP_SCHEDULE = "*/15 * * * *"
+KFP_SERVICE_ACCOUNT = "pipeline-runner"
+KFP_RAYJOB_KEY = "train-rayjob.yaml"

@@ -9,7 +9,7 @@ from typing import Annotated, Any
 import typer
 from rich.markup import escape
 
-from petatrain import api, render
+from petatrain import api, constants, render
 from petatrain import config as config_mod
 from petatrain.cli.common import Json, Sets, print_json, say, show, verb
 from petatrain.errors import ConfigError
@@ -62,7 +62,12 @@ def deploy_k8s(
             "RayService serving registry://MODEL@champion that follows it (instead of CONFIG)."
         ),
     ] = None,
-    schedule: Annotated[str, typer.Option(help="--loop: when a cycle runs, in cron's syntax.")] = "*/15 * * * *",
+    schedule: Annotated[
+        str,
+        typer.Option(
+            help=f"--loop: when a cycle runs, in cron's syntax (default {constants.LOOP_SCHEDULE!r}; not with kfp)."
+        ),
+    ] = "",
     time_zone: Annotated[str, typer.Option(help="--loop: the schedule's time zone (default: the operator's).")] = "",
     cron: Annotated[
         str,
@@ -78,7 +83,7 @@ def deploy_k8s(
             help="--cron kfp: the service account the pipeline's pods run as (NAME, or NAMESPACE/NAME where KFP "
             "runs in another namespace), given access to the loop's ConfigMap and to RayJobs."
         ),
-    ] = "pipeline-runner",
+    ] = constants.KFP_SERVICE_ACCOUNT,
     queue: Annotated[
         str,
         typer.Option(help="A Kueue LocalQueue: the job is created suspended and Kueue admits all its pods at once."),
@@ -160,6 +165,8 @@ def _loop(
     )  # fmt: skip
     if image:
         target = dataclasses.replace(target, image=image)
+    if not schedule and cron != "kfp":
+        schedule = constants.LOOP_SCHEDULE
     done = api.deploy_loop_k8s(
         spec, target, out_dir, schedule=schedule, time_zone=time_zone, cron=cron,
         kfp_service_account=kfp_service_account,

@@ -43,7 +43,6 @@ from petatrain import __version__, constants
 from petatrain.config import JobConfig
 from petatrain.constants import SERVE_APP
 from petatrain.deploy.probe import HEALTH_PORT
-from petatrain.deploy.validate import CARRIED_RAYJOB
 from petatrain.errors import ConfigError
 
 RAY_VERSION = "2.60.0"
@@ -318,9 +317,6 @@ LOOP_PATH = "/etc/petatrain/loop.yaml"
 
 
 CRONS = ("raycronjob", "cronjob", "kfp")
-# The ConfigMap's key of the RayJob a KFP train step creates (petatrain.kubeflow); validated inside it.
-TRAIN_RAYJOB_KEY = CARRIED_RAYJOB
-KFP_SERVICE_ACCOUNT = "pipeline-runner"  # the service account KFP's pipeline pods run as (standalone KFP)
 
 
 def build_loop(
@@ -329,7 +325,7 @@ def build_loop(
     schedule: str,
     time_zone: str = "",
     cron: str = "raycronjob",
-    kfp_service_account: str = KFP_SERVICE_ACCOUNT,
+    kfp_service_account: str = constants.KFP_SERVICE_ACCOUNT,
 ) -> list[dict[str, Any]]:
     """What `deploy k8s --loop LOOP.yaml` writes: what runs one cycle of the loop (`petatrain loop
     --once`) on `schedule`, and a RayService `NAME-serve` that serves `registry://MODEL@champion` and
@@ -359,6 +355,9 @@ def build_loop(
         where, _, account = kfp_service_account.rpartition("/")
         if problems := dns1123_subdomain(account) + (dns1123_label(where) if where else []):
             raise ConfigError(f"--kfp-service-account {kfp_service_account!r}: {'; '.join(problems)}")
+    if cron == "kfp" and (schedule or time_zone):
+        given = "--schedule" if schedule else "--time-zone"
+        raise ConfigError(f"{given} with --cron kfp: the Kubeflow pipeline's recurring run is the schedule")
     problem = "cannot use TZ or CRON_TZ in it, use --time-zone" if "TZ" in schedule else cron_problem(schedule)
     if problem and cron != "kfp":
         raise ConfigError(f"--schedule {schedule!r}: {problem}")
@@ -400,7 +399,7 @@ def build_loop(
             "metadata": {**job["metadata"], "name": f"{target.name}-train"},
             "spec": _job_spec(target, shlex.join(only_train), job["spec"]["rayClusterSpec"]),
         }
-        config_map["data"][TRAIN_RAYJOB_KEY] = yaml_dump(template)  # validated with the ConfigMap
+        config_map["data"][constants.KFP_RAYJOB_KEY] = yaml_dump(template)  # validated with the ConfigMap
         documents += _kfp_access(target, job["metadata"], config_map["metadata"]["name"], kfp_service_account)
     else:
         job = next(d for d in train if d["kind"] == "RayJob")

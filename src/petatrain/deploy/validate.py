@@ -52,6 +52,7 @@ import jsonschema
 import yaml
 from referencing import Registry, Resource
 
+from petatrain import constants
 from petatrain.config.loading import bounded_yaml
 from petatrain.deploy import k8s_names, kuberay_rules, kuberay_schema
 from petatrain.deploy.kuberay_rules import Finding
@@ -240,17 +241,14 @@ def _check_document(doc: Any, number: int, crds: str | None) -> tuple[str, list[
     return label, findings + _carried_rayjob(doc, number, crds) if kind == "ConfigMap" else findings
 
 
-CARRIED_RAYJOB = "train-rayjob.yaml"  # deploy.manifests.TRAIN_RAYJOB_KEY: a RayJob a ConfigMap carries for KFP
-
-
 def _carried_rayjob(config_map: dict[str, Any], number: int, crds: str | None) -> list[Finding]:
     """The RayJob a loop's ConfigMap carries for a Kubeflow pipeline to create (`deploy k8s --loop
     --cron kfp`), checked as the manifest it becomes: its problems under `data.train-rayjob.yaml`."""
     data = config_map.get("data")
-    text = data.get(CARRIED_RAYJOB) if isinstance(data, dict) else None
+    text = data.get(constants.KFP_RAYJOB_KEY) if isinstance(data, dict) else None
     if not isinstance(text, str):
         return []
-    where: tuple[str | int, ...] = ("data", CARRIED_RAYJOB)
+    where: tuple[str | int, ...] = ("data", constants.KFP_RAYJOB_KEY)
     if refused := bounded_yaml(text):
         return [(where, refused)]
     try:
