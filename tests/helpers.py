@@ -249,6 +249,41 @@ def partitioned_and_grown_back(overrides: list[str], run_dir: Path) -> list[dict
     return events
 
 
+class HealthProbe:
+    """Asks the driver's /livez and /readyz on 127.0.0.1:`port` every 0.25 s with a real HTTP client
+    while the `with` block runs (nothing answers before the driver serves, nor after); the answers
+    are (monotonic time, path, status, body), in order."""
+
+    def __init__(self, port: int):
+        import threading
+
+        self.port, self.seen = port, []
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._probe, daemon=True)
+
+    def _probe(self) -> None:
+        import time
+
+        import requests
+
+        while not self.done.is_set():
+            for path in ("/livez", "/readyz"):
+                try:
+                    answer = requests.get(f"http://127.0.0.1:{self.port}{path}", timeout=2)
+                    self.seen.append((time.monotonic(), path, answer.status_code, answer.json()))
+                except requests.ConnectionError:
+                    pass  # not serving yet, or no more
+            self.done.wait(0.25)
+
+    def __enter__(self) -> list[tuple[float, str, int, dict]]:
+        self.thread.start()
+        return self.seen
+
+    def __exit__(self, *exc: object) -> None:
+        self.done.set()
+        self.thread.join()
+
+
 def kill_first_tries(tmp_path: Path, ray) -> dict[str, str]:
     """The environment under which an orchestrator's tasks run `petatrain` (a loop of `_loop_file`'s
     folders) through `tests/kill_once.sh`: the first try of each loop step is SIGKILLed with all it

@@ -3,8 +3,6 @@
 Talks to the test over stdout (one JSON object per line) and stdin (one line per go-ahead):
   ready   an actor is on the worker node with a call in flight; the test cuts the link
   lost    when the head saw the node dead and when the call failed (wall-clock times)
-  ready2  after the test restarted the worker node: a new actor there
-  lost2   the same, for a partition the actor injected itself with cut_own_link()
 """
 
 import json
@@ -13,7 +11,7 @@ import time
 
 import ray
 
-from petatrain.chaos.netns import WORKER_RESOURCE, cut_own_link
+from petatrain.chaos.netns import WORKER_RESOURCE
 
 WATCH_S = 30.0
 
@@ -29,9 +27,6 @@ class Probe:
 
     def sleep(self, seconds: float) -> None:
         time.sleep(seconds)
-
-    def cut(self) -> list[str]:
-        return cut_own_link()
 
 
 def alive(node_id: str) -> bool:
@@ -65,14 +60,6 @@ def main() -> None:
     emit(phase="ready", node=node, head=ray.get_runtime_context().get_node_id())
     sys.stdin.readline()  # the test has cut the link
     emit(phase="lost", **watch(node, call))
-
-    sys.stdin.readline()  # the test has started a fresh worker node
-    probe = Probe.remote()
-    node = ray.get(probe.node_id.remote(), timeout=60)
-    emit(phase="ready2", node=node)
-    cut_at = time.time()
-    call = probe.cut.remote()  # its reply never arrives: the link goes down under it
-    emit(phase="lost2", cut_at=cut_at, **watch(node, call))
 
 
 if __name__ == "__main__":

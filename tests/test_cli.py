@@ -162,20 +162,39 @@ def test_json_from_the_command_line_is_one_object_on_stdout_and_nothing_on_stder
 
 @pytest.mark.slow  # end to end: a CLI process starting its own Ray
 def test_demo_ingests_streams_and_resumes_exactly_once(tmp_path):
-    result = run_cli("demo", "--root", str(tmp_path), "--documents", "400", "--json")
+    """`petatrain demo` as a newcomer runs it: the console shows the training's progress, its kill
+    in one line, no Ray log line, and the recovery; then the same demo with --json and no training
+    ingests nothing new and reports the dataset and the loader's resume as one object."""
+    result = run_cli("demo", "--root", str(tmp_path), "--documents", "400")
     assert result.returncode == 0, result.stderr[-2000:]
-    report = json.loads(result.stdout)
+    out, err = result.stdout, result.stderr
+    assert _noise(out + err) == [], out + err
+    assert "every sample exactly once" in out and "all shards match their checksums" in out, out
+    # A GPT on 2 workers, rank 1 killed at step 17: one line for the fault, one for the recovery.
+    faults = [line for line in err.splitlines() if line.startswith("fault") or "Rank 1" in line]
+    assert len(faults) == 1 and "kill on rank 1 at step 17" in faults[0], err
+    assert any(line.startswith("recovered") for line in err.splitlines()), err
+    assert re.search(r"step +40/40 +loss \d", err), err
+    run = tmp_path / "runs" / "demo"
+    targets = re.escape(str(run / "prometheus" / "targets.json"))
+    said = rf"^metrics: http://127\.0\.0\.1:\d+/metrics  \(Prometheus file_sd: {targets}\)$"
+    assert re.search(said, err, re.M), err  # at the start, before the first step's line
+    assert (run / "logs" / "ray-driver.log").exists(), "Ray's driver log is kept with the run"
+    assert (run / "report.html").exists()
+    train = json.loads((run / "report.json").read_text())
+    assert train["attempts"] == 2 and [f["cause"] for f in train["faults"]] == ["kill"], train["faults"]
+    assert train["steps"]["kept"] == 40 and 0 < train["goodput"] < 1
+    assert len(re.findall(r"^sample '", out, re.M)) == 2, out
+
+    again = run_cli("demo", "--root", str(tmp_path), "--documents", "400", "--no-train", "--json")
+    assert again.returncode == 0, again.stderr[-2000:]
+    report = json.loads(again.stdout)
+    assert report["ingest"]["files_new"] == 0, "a second demo run ingests nothing new"
     assert report["inspect"]["verified"] is True
-    assert report["ingest"]["exact_duplicates"] > 0 and sum(report["ingest"]["rejected"].values()) > 0
+    assert report["inspect"]["exact_duplicates"] > 0 and sum(report["inspect"]["rejected"].values()) > 0
     stream = report["stream"]
     assert stream["exactly_once"] and stream["ranks_before"] == 2 and stream["ranks_after"] == 3
     assert stream["consumed_before"] + stream["consumed_after"] == stream["samples_in_epoch"]
-    train = report["train"]  # a GPT on 2 workers, rank 1 killed at step 17, recovered
-    assert train["attempts"] == 2 and [f["cause"] for f in train["failures"]] == ["kill"]
-    assert train["steps"] == 40 and 0 < train["goodput"] < 1 and len(train["samples"]) == 2
-    assert (tmp_path / "runs" / "demo" / "report.html").exists()
-    again = run_cli("demo", "--root", str(tmp_path), "--documents", "400", "--no-train", "--json")
-    assert json.loads(again.stdout)["ingest"]["files_new"] == 0, "a second demo run ingests nothing new"
 
 
 _NOISY = """
@@ -256,32 +275,6 @@ def test_ingest_shows_its_stages_not_rays_logs_and_flags_override_only_what_they
 
 
 @pytest.mark.slow
-def test_a_training_kill_is_one_line_and_the_recovery_shows(tmp_path, token_dataset):
-    result = run_cli(
-        "train",
-        "examples/tiny.yaml",
-        "--set",
-        f"data.dataset={token_dataset}",
-        "--set",
-        "train.steps=20",
-        "--run-dir",
-        str(tmp_path / "run"),
-        "--inject",
-        "kill@step=12,rank=1",
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert _noise(result.stdout + result.stderr) == [], result.stdout + result.stderr
-    faults = [line for line in result.stderr.splitlines() if line.startswith("fault") or "Rank 1" in line]
-    assert len(faults) == 1 and "kill on rank 1 at step 12" in faults[0], result.stderr
-    assert any(line.startswith("recovered") for line in result.stderr.splitlines()), result.stderr
-    assert re.search(r"step +20/20 +loss \d", result.stderr), result.stderr
-    targets = tmp_path / "run" / "prometheus" / "targets.json"
-    said = rf"^metrics: http://127\.0\.0\.1:\d+/metrics  \(Prometheus file_sd: {re.escape(str(targets))}\)$"
-    assert re.search(said, result.stderr, re.M), result.stderr  # at the start, before the first step's line
-    log = tmp_path / "run" / "logs" / "ray-driver.log"
-    assert log.exists(), "Ray's driver log is kept with the run"
-
-
 def test_training_progress_is_a_line_per_ten_steps_one_per_fault_and_one_on_recovery():
     """Rendered from the ledger's events: every rank's step events, a failure whose detail is a
     long traceback, each rank's resume; the console gets four lines."""

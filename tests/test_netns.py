@@ -80,18 +80,10 @@ def test_cut_link_loses_node_within_seconds_and_cleans_up(netns_ok):
             print(f"cut(): node dead after {dead_s:.1f} s, actor call failed after {failed_s:.1f} s: {lost['error']}")
             assert dead_s < DETECT_WITHIN_S and failed_s < DETECT_WITHIN_S
             assert "ActorDiedError" in lost["error"] or "ActorUnavailableError" in lost["error"], lost["error"]
-
-            # A partitioned node cannot rejoin; a fresh one can, and then partitions itself.
-            cluster.restart_worker()
-            tell(driver)
-            ready2 = read_event(driver, "ready2")
-            assert ready2["node"] != ready["node"]
-            lost2 = read_event(driver, "lost2")
-            assert lost2["dead_at"] is not None and lost2["failed_at"] is not None, lost2["error"]
-            dead_s = lost2["dead_at"] - lost2["cut_at"]
-            print(f"cut_own_link(): node dead after {dead_s:.1f} s")
-            assert dead_s < DETECT_WITHIN_S
             assert driver.wait(timeout=30) == 0, driver.stderr.read()[-4000:]
+            # A fresh node joining after a cut (restart_worker) and a partition a worker injects
+            # itself (cut_own_link) are what the two-node training tests do:
+            # helpers.partitioned_and_grown_back.
         finally:
             if driver.poll() is None:
                 driver.kill()

@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from helpers import kinds, sha256, tiny, train
+from helpers import HealthProbe, kinds, sha256, tiny, train
 from petatrain.chaos.inject import parse
 from petatrain.errors import ConfigError, PetatrainError
 from petatrain.observe import goodput
 from petatrain.observe.ledger import read_events
+from ray_head import free_ports
 
 pytestmark = [pytest.mark.slow]
 
@@ -46,7 +47,10 @@ def _commit_seed() -> int:
 
 
 def test_every_fault_recovered_with_bit_identical_weights(baseline, token_dataset, tmp_path):
-    """kill, exception, hang and preemption at random steps in one run: same sha256 as no faults."""
+    """kill, exception, hang and preemption at random steps in one run: same sha256 as no faults.
+    The driver's health endpoints are probed with a real HTTP client throughout (a short window,
+    3 s, against the hang's 6): within the window /livez answers 503 with its reason while the
+    rank hangs, /readyz says the run restarts, and both are 200 again once it trains."""
     # Seeded from the commit, so a red CI run reruns identically; PETATRAIN_FAULT_SEED picks another layout.
     seed = int(os.environ.get("PETATRAIN_FAULT_SEED") or _commit_seed())
     print(f"fault seed {seed}")
@@ -58,7 +62,10 @@ def test_every_fault_recovered_with_bit_identical_weights(baseline, token_datase
     specs = [f"{k}@step={s},rank={rng.randrange(2)}" for k, s in zip(kinds_, points, strict=True)]
     # Checkpoints written from the live weights (not copies) resume to the same bits.
     layout = f"seed {seed}: {specs}"
-    summary = train(tiny(token_dataset, "checkpoint.staging=live"), tmp_path, *specs)
+    (port,) = free_ports(1)
+    health = [f"observe.health_port={port}", "observe.health_window_s=3"]
+    with HealthProbe(port) as seen:
+        summary = train(tiny(token_dataset, "checkpoint.staging=live", *health), tmp_path, *specs)
     assert sha256(tmp_path / "final" / "model.safetensors") == sha256(baseline / "final" / "model.safetensors"), (
         f"weights differ after {layout}"
     )
@@ -88,6 +95,15 @@ def test_every_fault_recovered_with_bit_identical_weights(baseline, token_datase
     assert len(ranks) == 2 and all(e["warm_up"]["started"] < begun for e in ranks), (layout, ranks, begun)
     starts = [e for e in events if e["event"] == "worker_start"]
     assert {e["torch_threads"] for e in starts} == {1}, f"every rank, spare or cold, uses the one CPU it has ({layout})"
+
+    live = [(t, code, body) for t, path, code, body in seen if path == "/livez"]
+    ready = {(code, body["state"]) for _, path, code, body in seen if path == "/readyz"}
+    assert (200, "training") in ready and (503, "restarting") in ready, sorted(ready)
+    # The hang: training, and no step for longer than the window (the workers' start-up outlasts
+    # 3 s too, and fails it while "starting").
+    hung = [(t, body) for t, code, body in live if code == 503 and body["state"] == "training"]
+    assert hung and hung[0][1]["reason"].endswith("(observe.health_window_s=3)"), live
+    assert any(code == 200 and t > hung[-1][0] for t, code, _ in live), "live again after the restart"
 
 
 def test_synchronous_checkpoints_stall_for_the_whole_write_and_storage_errors_are_retried(
