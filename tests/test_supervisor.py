@@ -249,6 +249,44 @@ def test_a_hub_that_stops_answering_is_logged_once_not_swallowed(caplog):
     assert "the run hub's actor died" in warnings[0].getMessage()
 
 
+def test_an_attempt_that_could_grow_is_asked_about_every_few_seconds_until_it_resizes(monkeypatch):
+    """An elastic run below its top worker count: the hub answers the watchdog every GROW_POLL_S (not
+    WAIT_S), so a node that joins is used within seconds; once the resize is asked, the long wait again."""
+    import time
+
+    import ray
+
+    from petatrain.runtime.watchdog import Watchdog
+
+    waits: list[float] = []
+    resized: list[tuple[int, int]] = []
+    room = iter([None, None, 4])  # the cluster grows back at the third look
+
+    class Hub:
+        class watch:
+            @staticmethod
+            def remote(attempt, timeout_s, announced, wait_s):
+                waits.append(wait_s)
+                return {"beats": {0: {"step": 3, "t": 0.0}}, "stepped": True, "stale_s": None}
+
+        class request_resize:
+            @staticmethod
+            def remote(attempt, world):
+                resized.append((attempt, world))
+
+    monkeypatch.setattr(ray, "get", lambda value, timeout=None: value)  # the fake hub answers at once
+    watch = Watchdog(Hub, timeout_s=1.0, grow=lambda world: next(room, None))
+    watch.start(0, 2)
+    deadline = time.monotonic() + 5
+    while len(waits) < 6 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    watch.stop()
+    assert resized == [(0, 4)], resized
+    grow_polls = waits[: waits.index(Watchdog.WAIT_S)]
+    assert len(grow_polls) == 3 and set(grow_polls) == {Watchdog.GROW_POLL_S}, waits
+    assert Watchdog.GROW_POLL_S < Watchdog.WAIT_S and set(waits[3:]) == {Watchdog.WAIT_S}, waits
+
+
 def test_run_result_is_typed_and_still_reads_as_the_old_summary():
     from petatrain.runtime.driver import RunResult
 

@@ -23,12 +23,15 @@ class Watchdog:
     A hub that does not answer is logged (once per outage): without it, hangs go undetected.
 
     With `grow` (the worker count the alive cluster could host now, if more than the attempt's, else
-    None), each answer of a training attempt also asks whether the cluster grew back; if so the hub
-    tells the attempt's rank 0 (`RunHub.request_resize`), once per attempt, and the ranks stop together
-    after a checkpoint so the next attempt runs on more workers.
+    None; given for a run whose `parallel.workers` is a range), each answer of a training attempt also
+    asks whether the cluster grew back, and the hub holds the call GROW_POLL_S instead of WAIT_S until
+    it did: a node that joins is used within seconds. Then the hub tells the attempt's rank 0
+    (`RunHub.request_resize`), once per attempt, and the ranks stop together after a checkpoint so
+    the next attempt runs on more workers.
     """
 
     WAIT_S = 10.0  # the longest the hub holds a watch() call
+    GROW_POLL_S = 2.0  # ... while the attempt could grow: how soon a node that joined is seen
     RETRY_S = 0.5  # after a failed watch() call
 
     def __init__(
@@ -89,9 +92,10 @@ class Watchdog:
         """The hub's answer (returns when there is something to act on, or after WAIT_S); None if it failed."""
         import ray
 
+        wait_s = self.GROW_POLL_S if self.grow is not None and self._resize_asked != attempt else self.WAIT_S
         try:
-            call = self.hub.watch.remote(attempt, self.timeout_s, announced, self.WAIT_S)
-            seen = ray.get(call, timeout=self.WAIT_S + 5)
+            call = self.hub.watch.remote(attempt, self.timeout_s, announced, wait_s)
+            seen = ray.get(call, timeout=wait_s + 5)
         except Exception as exc:
             if self._stop.is_set():  # the run is ending and its hub is closed: nothing is missed
                 return None
