@@ -58,7 +58,8 @@ def test_a_run_mlflow_missed_is_synced_later_once_and_a_promotion_is_a_model_ver
 
     run = tmp_path / "run"
     down = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
-    result = api.train(tiny(token_dataset, "train.steps=10", f"observe.mlflow_uri={down}"), run_dir=str(run))
+    alone = ("parallel.workers=1", "train.steps=10", f"observe.mlflow_uri={down}")
+    result = api.train(tiny(token_dataset, *alone), run_dir=str(run))
     assert result.steps == 10
     pending = [e for e in read_events(str(run)) if e["event"] == "mlflow"]
     assert [(e["status"], e["uri"]) for e in pending] == [("pending", down)] and pending[0]["detail"]

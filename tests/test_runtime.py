@@ -194,7 +194,10 @@ def test_restart_runs_the_controller_started_while_the_attempt_trained(token_dat
     controller is started and waits; the restart after a kill runs it instead of starting a
     process then."""
     monkeypatch.setenv("PETATRAIN_CONTROLLER", "actor")
-    summary = train(tiny(token_dataset, "train.steps=320"), tmp_path, "kill@step=300,rank=1")
+    # One rank (the controllers are what is checked); the kill ~2 s after the first step, which
+    # started the standby (a long poll's answer away).
+    one = ("parallel.workers=1", "train.steps=120")
+    summary = train(tiny(token_dataset, *one), tmp_path, "kill@step=100,rank=0")
     assert [f.cause for f in summary.failures] == ["kill"]
     starts = [e for e in read_events(str(tmp_path)) if e["event"] == "attempt_start"]
     assert [(e["controller"], e["warm_controller"]) for e in starts] == [("actor", False), ("actor", True)]
@@ -252,7 +255,7 @@ def test_a_run_started_from_a_coroutine_runs_the_controller_on_a_thread(token_da
             time.sleep(0.05)
 
     async def cell():
-        return train(tiny(token_dataset, "train.steps=10"), tmp_path, "raise@step=4,rank=0")
+        return train(tiny(token_dataset, "parallel.workers=1", "train.steps=10"), tmp_path, "raise@step=4,rank=0")
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
