@@ -177,30 +177,29 @@ def test_a_checkpoint_waits_for_every_ranks_part_and_gives_up_one_a_dead_rank_ne
     assert drains[1]["waited_s"] < 10
 
 
-def test_storage_outage_skips_a_checkpoint_without_a_partial_commit(token_dataset, tmp_path):
-    # 8 failures: the step-10 write exhausts its 5 tries, the step-20 one succeeds on its 4th.
-    summary = train(tiny(token_dataset), tmp_path, "storage@step=9,rank=1,count=8")
+def test_a_nan_is_skipped_and_a_storage_outage_skips_a_checkpoint_without_a_partial_commit(token_dataset, tmp_path):
+    """Two faults that restart nothing, in one run: a NaN loss on rank 0 at step 5, whose update every
+    rank drops at step 6 (faults.nonfinite: skip), and 8 storage failures on rank 1 from step 9: the
+    step-10 write exhausts its 5 tries and is not committed, the step-20 one succeeds on its 4th."""
+    summary = train(tiny(token_dataset), tmp_path, "nan@step=5,rank=0", "storage@step=9,rank=1,count=8")
     assert summary["failures"] == []
-    commits = [e["step"] for e in read_events(str(tmp_path)) if e["event"] == "checkpoint_commit"]
-    assert commits == [20, 30]
+    events = read_events(str(tmp_path))
+    assert [(e["step"], e["action"]) for e in events if e["event"] == "nonfinite"] == [(6, "skip")]
+    assert [e["step"] for e in events if e["event"] == "checkpoint_commit"] == [20, 30]
     for folder in (tmp_path / "checkpoints").iterdir():  # nothing half-written looks committed
         assert (folder / "COMMITTED").exists() == (folder / "state.json").exists()
 
 
-def test_nonfinite_loss_skip_and_rollback_and_giving_up_after_max_restarts(token_dataset, tmp_path):
-    """A NaN loss skipped; one rolled back to the last checkpoint (a restart); and, in that run, an
-    exception after it: past faults.max_restarts=1, the run gives up and its ledger ends."""
-    summary = train(tiny(token_dataset), tmp_path / "skip", "nan@step=5,rank=0")
-    events = read_events(str(tmp_path / "skip"))
-    assert summary["failures"] == []
-    assert [(e["step"], e["action"]) for e in events if e["event"] == "nonfinite"] == [(6, "skip")]
+def test_a_nan_rolled_back_and_giving_up_after_max_restarts(token_dataset, tmp_path):
+    """A NaN loss rolled back to the last checkpoint (a restart; a skipped one: the test above); and,
+    in that run, an exception after it: past faults.max_restarts=1, the run gives up and its ledger ends."""
     rollback = tiny(token_dataset, "faults.nonfinite=rollback", "faults.max_restarts=1")
     with pytest.raises(PetatrainError, match=r"faults\.max_restarts=1"):
-        train(rollback, tmp_path / "rollback", "nan@step=12,rank=1", "raise@step=15,rank=0")
-    events = read_events(str(tmp_path / "rollback"))
+        train(rollback, tmp_path, "nan@step=12,rank=1", "raise@step=15,rank=0")
+    events = read_events(str(tmp_path))
     assert [e["cause"] for e in events if e["event"] == "failure"] == ["nonfinite", "exception"]
     assert [e["step"] for e in events if e["event"] == "resume"] == [0, 10]
-    assert kinds(tmp_path / "rollback")[-1] == "end"
+    assert kinds(tmp_path)[-1] == "end"
 
 
 def test_a_kill_hidden_behind_a_survivors_collective_error_counts_as_a_kill(ray_local):
