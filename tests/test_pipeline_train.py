@@ -86,11 +86,16 @@ def test_a_traced_step_says_where_its_time_went_on_every_rank(pipeline_run):
 
 def test_every_fault_in_a_pipeline_resumes_bit_identically(pipeline_run, token_dataset, tmp_path):
     """A stage killed, one raising, one preempted (zero steps lost), one hung (its peer blocked in a
-    receive: the watchdog ends it, not the collective timeout) and storage errors under a
-    checkpoint: the final weights equal the uninterrupted run's, bit for bit."""
+    receive: the watchdog ends it, not the collective timeout), a NaN loss in the last stage rolled
+    back to the step-20 checkpoint (faults.nonfinite: rollback; a skipped one: the next test) and
+    storage errors under the step-30 checkpoint: the final weights equal the uninterrupted run's, bit
+    for bit. Four restarts count against faults.max_restarts (a preemption does not)."""
     specs = ["kill@step=4,rank=1", "raise@step=8,rank=0", "preempt@step=13,rank=1", "hang@step=18,rank=0"]
-    summary = train(tiny(token_dataset, *PIPELINE), tmp_path, *specs, "storage@step=24,rank=1,count=3")
-    assert [f.cause for f in summary.failures] == ["kill", "exception", "preempt", "hang"], summary.failures
+    specs += ["storage@step=24,rank=1,count=3", "nan@step=27,rank=1"]
+    cfg = tiny(token_dataset, *PIPELINE, "faults.nonfinite=rollback", "faults.max_restarts=4")
+    summary = train(cfg, tmp_path, *specs)
+    causes = ["kill", "exception", "preempt", "hang", "nonfinite"]
+    assert [f.cause for f in summary.failures] == causes, summary.failures
     assert sha256(tmp_path / "final" / "model.safetensors") == sha256(pipeline_run / "final" / "model.safetensors")
     events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     preempted = next(e["attempt"] for e in events if e["event"] == "failure" and e["cause"] == "preempt")
@@ -104,16 +109,12 @@ def test_every_fault_in_a_pipeline_resumes_bit_identically(pipeline_run, token_d
 
 def test_a_nonfinite_step_in_one_stage_is_skipped_by_all(token_dataset, tmp_path):
     """NaN gradients in the first stage: the pipeline-wide norm is NaN on every rank, so every stage
-    drops the update (rollback: every stage resumes from the checkpoint)."""
-    summary = train(tiny(token_dataset, *PIPELINE), tmp_path / "skip", "nan@step=5,rank=0")
+    drops the update (a rollback, where every stage resumes from the checkpoint: the every-fault run)."""
+    summary = train(tiny(token_dataset, *PIPELINE), tmp_path, "nan@step=5,rank=0")
     assert summary["failures"] == []
-    events = [json.loads(line) for line in (tmp_path / "skip" / "events.jsonl").read_text().splitlines()]
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert [(e["step"], e["action"]) for e in events if e["event"] == "nonfinite"] == [(6, "skip")]
     assert all(e["loss"] is not None for e in events if e["event"] == "step" and e["step"] > 6)
-    summary = train(
-        tiny(token_dataset, *PIPELINE, "faults.nonfinite=rollback"), tmp_path / "back", "nan@step=12,rank=1"
-    )
-    assert [f.cause for f in summary.failures] == ["nonfinite"]
 
 
 def _from_checkpoint(run_dir, to, step: int):
