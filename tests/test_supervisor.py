@@ -251,7 +251,8 @@ def test_a_hub_that_stops_answering_is_logged_once_not_swallowed(caplog):
 
 def test_an_attempt_that_could_grow_is_asked_about_every_few_seconds_until_it_resizes(monkeypatch):
     """An elastic run below its top worker count: the hub answers the watchdog every GROW_POLL_S (not
-    WAIT_S), so a node that joins is used within seconds; once the resize is asked, the long wait again."""
+    WAIT_S), so a node that joins is used within seconds; once the resize is asked, or at the top of the
+    range, the long wait."""
     import time
 
     import ray
@@ -285,6 +286,16 @@ def test_an_attempt_that_could_grow_is_asked_about_every_few_seconds_until_it_re
     grow_polls = waits[: waits.index(Watchdog.WAIT_S)]
     assert len(grow_polls) == 3 and set(grow_polls) == {Watchdog.GROW_POLL_S}, waits
     assert Watchdog.GROW_POLL_S < Watchdog.WAIT_S and set(waits[3:]) == {Watchdog.WAIT_S}, waits
+
+    # At the top of parallel.workers already: nothing to grow to, the long wait from the start.
+    waits.clear()
+    full = Watchdog(Hub, timeout_s=1.0, grow=lambda world: None, most=4)
+    full.start(0, 4)
+    deadline = time.monotonic() + 5
+    while len(waits) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    full.stop()
+    assert waits and set(waits) == {Watchdog.WAIT_S}, waits
 
 
 def test_run_result_is_typed_and_still_reads_as_the_old_summary():

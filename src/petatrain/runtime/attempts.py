@@ -40,7 +40,9 @@ class RayAttempts:
         self.ended = False  # the ledger has the run's end (finished or given up)
         self.local = not cluster.joined(job.address or cfg.resources.address)
         self.standby = Standby(self.build, enabled=cfg.faults.standby)
-        self.watch = Watchdog(hub.actor, cfg.faults.hang_timeout_s, on_training=self.standby.prepare, grow=grow)
+        most = cfg.parallel.worker_range()[1]
+        timeout_s = cfg.faults.hang_timeout_s
+        self.watch = Watchdog(hub.actor, timeout_s, on_training=self.standby.prepare, grow=grow, most=most)
         from petatrain.train.loop import NonFiniteLoss
 
         self.causes = {**CAUSES, NonFiniteLoss: FailureCause.NONFINITE}

@@ -24,10 +24,10 @@ class Watchdog:
 
     With `grow` (the worker count the alive cluster could host now, if more than the attempt's, else
     None; given for a run whose `parallel.workers` is a range), each answer of a training attempt also
-    asks whether the cluster grew back, and the hub holds the call GROW_POLL_S instead of WAIT_S until
-    it did: a node that joins is used within seconds. Then the hub tells the attempt's rank 0
-    (`RunHub.request_resize`), once per attempt, and the ranks stop together after a checkpoint so
-    the next attempt runs on more workers.
+    asks whether the cluster grew back. While the attempt runs fewer workers than `most`, the hub holds
+    the call GROW_POLL_S instead of WAIT_S: a node that joins is used within seconds. Then the hub
+    tells the attempt's rank 0 (`RunHub.request_resize`), once per attempt, and the ranks stop together
+    after a checkpoint so the next attempt runs on more workers.
     """
 
     WAIT_S = 10.0  # the longest the hub holds a watch() call
@@ -41,8 +41,10 @@ class Watchdog:
         on_training: Callable[[int, int], None] | None = None,
         kill_group: Callable[[dict[int, dict[str, Any]]], None] | None = None,
         grow: Callable[[int], int | None] | None = None,
+        most: int | None = None,
     ):
         self.hub, self.timeout_s, self.on_training, self.grow = hub, timeout_s, on_training, grow
+        self.most = most  # the most workers a run may have (the top of parallel.workers); None: not known
         self._resize_asked = -1  # the attempt a resize was requested for
         self.kill_group = kill_group or _kill_group
         self.verdict: Failure | None = None
@@ -92,7 +94,7 @@ class Watchdog:
         """The hub's answer (returns when there is something to act on, or after WAIT_S); None if it failed."""
         import ray
 
-        wait_s = self.GROW_POLL_S if self.grow is not None and self._resize_asked != attempt else self.WAIT_S
+        wait_s = self.GROW_POLL_S if self._could_grow(attempt) else self.WAIT_S
         try:
             call = self.hub.watch.remote(attempt, self.timeout_s, announced, wait_s)
             seen = ray.get(call, timeout=wait_s + 5)
@@ -110,6 +112,11 @@ class Watchdog:
             log.info("hang watchdog: the run hub answers again after %d failed call(s)", self.failed_calls)
             self.failed_calls = 0
         return seen
+
+    def _could_grow(self, attempt: int) -> bool:
+        """A resize is possible and not yet asked: the attempt runs fewer workers than the run may have."""
+        below_top = self.most is None or self._world < self.most
+        return self.grow is not None and self._resize_asked != attempt and below_top
 
     def _maybe_grow(self, attempt: int) -> None:
         if self.grow is None or self._resize_asked == attempt:
