@@ -287,15 +287,17 @@ def test_an_attempt_that_could_grow_is_asked_about_every_few_seconds_until_it_re
     assert len(grow_polls) == 3 and set(grow_polls) == {Watchdog.GROW_POLL_S}, waits
     assert Watchdog.GROW_POLL_S < Watchdog.WAIT_S and set(waits[3:]) == {Watchdog.WAIT_S}, waits
 
-    # At the top of parallel.workers already: nothing to grow to, the long wait from the start.
+    # At the top of parallel.workers already (a run of a fixed size is always there): the long wait
+    # from the start, and the cluster is not asked.
     waits.clear()
-    full = Watchdog(Hub, timeout_s=1.0, grow=lambda world: None, most=4)
+    asked: list[int] = []
+    full = Watchdog(Hub, timeout_s=1.0, grow=lambda world: asked.append(world), most=4)
     full.start(0, 4)
     deadline = time.monotonic() + 5
     while len(waits) < 3 and time.monotonic() < deadline:
         time.sleep(0.01)
     full.stop()
-    assert waits and set(waits) == {Watchdog.WAIT_S}, waits
+    assert waits and set(waits) == {Watchdog.WAIT_S} and asked == [], (waits, asked)
 
 
 def test_run_result_is_typed_and_still_reads_as_the_old_summary():

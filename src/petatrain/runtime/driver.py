@@ -50,9 +50,9 @@ def _supervise(ready: setup.Run, hub: HubHandle, held: contextlib.ExitStack) -> 
     cfg = ready.cfg
     policy, alive = WorldSizePolicy(cfg), cluster.RayCluster()
     try:
-        low, high = cfg.parallel.worker_range()
-        grow = (lambda world: policy.larger(world, *alive.resources())) if low < high else None  # elastic runs only
-        attempts = RayAttempts(ready.job, cfg, ready.url, ready.run_id, hub, grow=grow)
+        attempts = RayAttempts(
+            ready.job, cfg, ready.url, ready.run_id, hub, grow=lambda world: policy.larger(world, *alive.resources())
+        )
         attempts.carry_step = ready.carry_step
     except BaseException:  # the hub and its metrics port go with the run that could not start
         hub.close()

@@ -23,11 +23,11 @@ class Watchdog:
     A hub that does not answer is logged (once per outage): without it, hangs go undetected.
 
     With `grow` (the worker count the alive cluster could host now, if more than the attempt's, else
-    None; given for a run whose `parallel.workers` is a range), each answer of a training attempt also
-    asks whether the cluster grew back. While the attempt runs fewer workers than `most`, the hub holds
-    the call GROW_POLL_S instead of WAIT_S: a node that joins is used within seconds. Then the hub
-    tells the attempt's rank 0 (`RunHub.request_resize`), once per attempt, and the ranks stop together
-    after a checkpoint so the next attempt runs on more workers.
+    None), each answer of an attempt that runs fewer workers than `most` (the top of `parallel.workers`)
+    asks whether the cluster grew back, and the hub holds such an attempt's call GROW_POLL_S instead of
+    WAIT_S: a node that joins is used within seconds. Then the hub tells the attempt's rank 0
+    (`RunHub.request_resize`), once per attempt, and the ranks stop together after a checkpoint so the
+    next attempt runs on more workers.
     """
 
     WAIT_S = 10.0  # the longest the hub holds a watch() call
@@ -119,8 +119,9 @@ class Watchdog:
         return self.grow is not None and self._resize_asked != attempt and below_top
 
     def _maybe_grow(self, attempt: int) -> None:
-        if self.grow is None or self._resize_asked == attempt:
+        if not self._could_grow(attempt):  # at the top of the range: the cluster is not even asked
             return
+        assert self.grow is not None  # _could_grow says so
         try:
             world = self.grow(self._world)
         except Exception:  # the cluster's state could not be read: ask again at the next answer
