@@ -348,6 +348,75 @@ def test_report_files_and_html(tmp_path):
     assert "<td>finish</td><td>0.500</td>" in page and "the final save and the report" in page
 
 
+def _entry(record_id: int, group: str, name: str, t_ns: int, *sizes: int, p2p: bool = False) -> dict:
+    """A flight recorder entry as torch dumps it (the fields train.trace reads)."""
+    return {
+        "record_id": record_id, "process_group": (str(record_id % 7), group), "profiling_name": name,
+        "time_created_ns": t_ns, "input_sizes": [list(sizes)] if sizes else [], "input_dtypes": ["Float"] * bool(sizes),
+        "is_p2p": p2p, "duration_ms": None,
+    }  # fmt: skip
+
+
+def test_each_dimensions_communication_is_told_apart_by_its_groups_threads(tmp_path, capsys):
+    """gloo's events carry no group: each is matched to the flight recorder's entry issued last before it
+    started (among groups whose next entry has its name), and each thread to its group by majority. A
+    data-parallel all-reduce overlapping the tensor-parallel ones, an event left from before the
+    window, sends and receives (a pipeline's) and the recorder's own times (NCCL) all land where they
+    belong; the report shows a row per rank and dimension."""
+    from petatrain import render
+    from petatrain.train.trace import Work, communication_by_dimension
+
+    ms = 1_000_000  # ns
+    window = (100 * ms, 200 * ms)
+    tp, dp = "mesh_tp", "mesh_dp"
+    entries = [_entry(1, "default_pg", "gloo:all_reduce", 90 * ms, 3)]  # before the window: not counted
+    work = [Work("gloo:all_reduce", 3, 101 * ms, 800.0)]  # a tensor-parallel one of before, still running
+    for step in range(2):
+        t0 = (110 + 40 * step) * ms
+        entries.append(_entry(10 + 10 * step, dp, "gloo:all_reduce", t0, 1024, 256))  # a bucket: 1.25 MiB
+        # on its group's two threads, 9 ms, started once the first tensor-parallel one had been issued
+        work.append(Work("gloo:all_reduce", 7 + step, t0 + 3 * ms, 9000.0))
+        for k in range(4):  # the tensor-parallel all-reduces, each waited for, while the bucket runs
+            at = t0 + (2 + 2 * k) * ms
+            entries.append(_entry(11 + 10 * step + k, tp, "gloo:all_reduce", at, 64, 64))
+            work.append(Work("gloo:all_reduce", 3 + k % 2, at + 50_000, 500.0))
+        entries.append(_entry(19 + 10 * step, "default_pg", "gloo:all_reduce", t0 + 20 * ms, 3))
+        work.append(Work("gloo:all_reduce", 5, t0 + 20 * ms + 10_000, 100.0))
+        work += [Work("gloo:send", 1, t0 + 25 * ms, 2000.0), Work("gloo:recv", 1, t0 + 28 * ms, 1000.0)]
+    out = communication_by_dimension(work, entries, window, steps=2)
+    assert out["complete"] and out["unattributed_ms"] == 0
+    assert out["dimensions"] == {
+        "data": {"calls": 1.0, "mib": 1.0, "ms": 9.0},
+        "tensor": {"calls": 4.0, "mib": 0.062, "ms": 2.4},  # 4 x 0.5 ms, and half of the one left from before
+        "world": {"calls": 1.0, "mib": 0.0, "ms": 0.1},
+        "pipeline": {"calls": 2.0, "mib": None, "ms": 3.0},  # gloo's sends: no sizes recorded
+    }
+    # A full buffer that starts inside the window dropped some; NCCL's entries carry their own time.
+    timed = [e | {"duration_ms": 2.0} for e in entries[1:]]
+    out = communication_by_dimension([], timed, window, steps=2)
+    assert out["dimensions"]["data"]["ms"] == 2.0 and out["dimensions"]["tensor"]["ms"] == 8.0
+    full = [_entry(1000 + i, tp, "gloo:all_reduce", 150 * ms, 4) for i in range(2000)]
+    assert communication_by_dimension([], full, window, steps=1)["complete"] is False
+
+    kill_run(tmp_path)
+    comm = communication_by_dimension(work, entries, window, steps=2)
+    for rank in (1, 0):
+        summary = {"rank": rank, "first_step": 29, "steps": 2, "step_ms": 60.0, "communication_by_dimension": comm}
+        folder = tmp_path / "traces" / "attempt-1"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"rank-{rank}.summary.json").write_text(json.dumps(summary))
+    (folder / "rank-2.summary.json").write_text("{")  # torn: left out, the report stands
+    report = write_report(str(tmp_path))
+    assert [(c["attempt"], c["rank"]) for c in report["communication"]] == [(1, 0), (1, 1)]
+    page = (tmp_path / "report.html").read_text()
+    row = ["2", "0", "29-30", "60.0", "tensor", "4", "0.062", "2.40", "4.0%"]
+    assert "<h2>Communication by mesh dimension</h2>" in page
+    assert "<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" in page
+    render.report(report)  # `petatrain report`'s console: a row per rank, a column per dimension
+    console = capsys.readouterr().out
+    assert "communication by mesh dimension" in console and "2.4 (4, 0.06)" in console, console
+
+
 def _report_on_object_store(run: str) -> None:
     s = Script(run)
     s.start(steps=3)

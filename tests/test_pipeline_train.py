@@ -82,6 +82,15 @@ def test_a_traced_step_says_where_its_time_went_on_every_rank(pipeline_run):
         assert (
             summary["cpu_ms"] > 0 and summary["preempted_per_step"] >= 0
         )  # the training thread: its CPU, others' turns
+        # Per dimension: 1F1B's 4 sends and 4 receives a rank, the tied embedding's gradient summed
+        # between the two ranks (vocabulary x d_model floats), the loop's flags over the world.
+        comm = summary["communication_by_dimension"]
+        assert comm["complete"] and comm["unattributed_ms"] == 0, comm
+        dims = comm["dimensions"]
+        assert set(dims) == {"pipeline", "tied weights", "world"}, dims
+        assert dims["pipeline"]["calls"] == 8 and dims["tied weights"]["calls"] == 1
+        assert dims["tied weights"]["mib"] == round(320 * 64 * 4 / 2**20, 3)
+        assert all(d["ms"] > 0 for d in dims.values()) and dims["world"]["calls"] >= 1
 
 
 def test_every_fault_in_a_pipeline_resumes_bit_identically(pipeline_run, token_dataset, tmp_path):

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from helpers import sha256, start_ranks, tiny, train
 from petatrain import config
 from petatrain.errors import ConfigError
+from petatrain.observe.report import traced_communication
 
 # (parallel.tensor, the replicas' strategy, model, pipeline stages) by world size: 2 x 2 under DDP's and
 # FSDP's replicas, 2 tensor-parallel stages; 2 x 2 x 2 (3D) under FSDP's replicas
@@ -238,10 +239,22 @@ def test_tensor_parallel_trains_as_ddp_and_its_checkpoints_resume_in_any_layout(
     resumed = _losses(to_ddp)
     assert max(abs(resumed[s] - ddp[s]) for s in range(21, 31)) < 1e-5
     to_3d = _from_checkpoint(baseline, tmp_path / "to-3d", 20)
-    assert train(tiny(token_dataset, *THREE_D), to_3d)["failures"] == []
+    traced = ["observe.profile_at=29", "observe.profile_steps=2"]
+    assert train(tiny(token_dataset, *THREE_D, *traced), to_3d)["failures"] == []
     resumed = _losses(to_3d)
     assert max(abs(resumed[s] - ddp[s]) for s in range(21, 31)) < 1e-5
     assert _weights_differ(to_3d, baseline) < 1e-5
+    # Its traced steps: each rank's tensor-parallel all-reduces, the stages' sends and receives, the
+    # tied embedding summed between the stages, told apart by their groups (the report's mesh table)
+    traced = traced_communication(str(to_3d))
+    assert [(t["attempt"], t["rank"]) for t in traced] == [(1, r) for r in range(4)]
+    for t in traced:
+        dims = t["dimensions"]
+        assert (
+            t["complete"] and t["unattributed_ms"] == 0 and set(dims) == {"tensor", "pipeline", "tied weights", "world"}
+        )
+        assert dims["tensor"]["calls"] > 8 and dims["tensor"]["mib"] > 1 and dims["pipeline"]["calls"] == 8
+        assert 0 < dims["tensor"]["ms"] < t["step_ms"] and dims["tied weights"]["calls"] == 1
     served = weights.load(str(tensor_run), "20")
     assert served.step == 20 and served.weights["blocks.0.attn.qkv.weight"].shape == (3 * 64, 64)
 

@@ -197,6 +197,8 @@ def report(r: dict[str, Any]) -> None:
         out.print("no faults")
     if r.get("pipeline"):
         _pipeline(r["pipeline"])
+    if r.get("communication"):
+        _communication(r["communication"])
     files = r["files"]
     out.print(f"report: {files['html']}\nplots:  {files['loss_png']}, {files['timeline_png']}", highlight=False)
 
@@ -220,6 +222,23 @@ def _pipeline(p: dict[str, Any]) -> None:
             if memory is None
             else f"{memory:.1f}" + _predicted(_mib(s.get("predicted_memory_bytes")), s.get("memory_error"), "{:.1f}"),
         )
+    show_table(table)
+
+
+def _communication(traced: list[dict[str, Any]]) -> None:
+    """The mesh table of the traced steps: per rank, each dimension's ms a step (collectives, MiB)."""
+    dimensions = sorted({name for t in traced for name in t["dimensions"]})
+    table = Table(title="communication by mesh dimension, traced steps: ms a step (collectives, MiB)")
+    for column in ("attempt", "rank", "steps", "step ms", *dimensions):
+        table.add_column(column, justify="right")
+    for t in traced:
+        cells = []
+        for name in dimensions:
+            d = t["dimensions"].get(name)
+            mib = "" if d is None or d["mib"] is None else f", {d['mib']:.2f}"
+            cells.append("–" if d is None else f"{_or_dash(d['ms'], '{:.1f}')} ({d['calls']:g}{mib})")
+        steps = f"{t['first_step']}-{t['first_step'] + t['steps'] - 1}"
+        table.add_row(str(t["attempt"] + 1), str(t["rank"]), steps, f"{t['step_ms']:.1f}", *cells)
     show_table(table)
 
 

@@ -17,7 +17,7 @@ from petatrain.observe.goodput import DEFINITIONS, Goodput, account, thin
 from petatrain.observe.ledger import load_events
 from petatrain.observe.lineage import trained_on
 from petatrain.storage import StorageOptions, join
-from petatrain.storage.fs import atomic_write
+from petatrain.storage.fs import atomic_write, listdir, read_bytes
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,7 @@ def write_report(run_url: str, options: StorageOptions | None = None) -> dict[st
     report = goodput.to_dict()
     report["run"] = run_url
     report["trained_on"] = trained_on(events, run_url)  # observe.lineage: the dataset versions it read
+    report["communication"] = traced_communication(run_url, options)
     report["files"] = {
         "json": join(run_url, REPORT_JSON),
         "html": join(run_url, REPORT_HTML),
@@ -66,6 +67,26 @@ def write_report(run_url: str, options: StorageOptions | None = None) -> dict[st
     atomic_write(report["files"]["json"], (json.dumps(report, indent=2) + "\n").encode("utf-8"), options)
     log.info("report of %s: goodput %.1f%%", run_url, 100 * goodput.goodput)
     return report
+
+
+def traced_communication(run_url: str, options: StorageOptions | None = None) -> list[dict[str, Any]]:
+    """Each traced rank's communication per mesh dimension (observe.profile_at: RUN/traces/attempt-K/
+    rank-R.summary.json, train.trace), by attempt and rank; a summary that does not parse is left out."""
+    out = []
+    for url in listdir(join(run_url, "traces"), options):
+        folder, _, name = url.rpartition("/")
+        if not name.endswith(".summary.json"):
+            continue
+        try:
+            attempt = int(folder.rpartition("/")[2].removeprefix("attempt-"))
+            summary = json.loads(read_bytes(url, options))
+            comm = summary.get("communication_by_dimension")
+            if comm:
+                keys = ("rank", "first_step", "steps", "step_ms")
+                out.append({"attempt": attempt, **{k: summary[k] for k in keys}, **comm})
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning("trace summary %s left out of the report: %s", url, exc)
+    return sorted(out, key=lambda c: (c["attempt"], c["rank"]))
 
 
 def plot_loss(goodput: Goodput) -> bytes:
@@ -217,6 +238,8 @@ def render_html(report: dict[str, Any], loss_png: bytes, timeline_png: bytes) ->
     ]
     if report.get("pipeline"):
         parts += ["<h2>Pipeline stages</h2>", *_pipeline_html(report["pipeline"])]
+    if report.get("communication"):
+        parts += ["<h2>Communication by mesh dimension</h2>", *_communication_html(report["communication"])]
     if report["checkpoints_skipped"]:
         parts += [
             "<h2>Checkpoints skipped at resume</h2>",
@@ -278,6 +301,34 @@ def _stage_row(s: dict[str, Any]) -> list[str]:
         _mib(s.get("predicted_state_bytes"), s.get("predicted_activation_bytes")),
         _pct(s.get("memory_error"), sign=True),
     ]
+
+
+def _communication_html(traced: list[dict[str, Any]]) -> list[str]:
+    note = (
+        "The traced steps (observe.profile_at) of each rank, per step: each dimension's collectives, the"
+        " MiB handed to them and their time as the backend ran them (gloo: on the group's own threads, so"
+        " overlapped work counts in full; sends and receives are the pipeline's)."
+    )
+    head = ["attempt", "rank", "steps", "step (ms)", "dimension", "collectives", "MiB", "ms", "share of step"]
+    rows = []
+    for t in traced:
+        where = [str(t["attempt"] + 1), str(t["rank"]), f"{t['first_step']}-{t['first_step'] + t['steps'] - 1}"]
+        dimensions = sorted(t["dimensions"].items())
+        if t.get("unattributed_ms"):
+            dimensions.append(("unattributed", {"calls": None, "mib": None, "ms": t["unattributed_ms"]}))
+        for dimension, d in dimensions:
+            ms = d["ms"]
+            share = None if ms is None or not t["step_ms"] else ms / t["step_ms"]
+            counts = ["" if d[k] is None else format(d[k], f) for k, f in (("calls", "g"), ("mib", ".3f"))]
+            rows.append([*where, f"{t['step_ms']:.1f}", dimension, *counts, _ms(ms), _pct(share)])
+    dropped = [f"{t['attempt'] + 1}/{t['rank']}" for t in traced if not t.get("complete", True)]
+    if dropped:
+        note += f" Attempt/rank {', '.join(dropped)}: the flight recorder dropped collectives of the window."
+    return [f"<p>{html.escape(note)}</p>", _table(head, rows)]
+
+
+def _ms(ms: float | None) -> str:
+    return "–" if ms is None else f"{ms:.2f}"
 
 
 def _mib(state: int | None, activations: int | None) -> str:

@@ -424,7 +424,7 @@ def _tie_groups(
         for d in range(layout.replicas):
             for t in range(layout.tensor):  # under tensor parallelism, the copies' same rows
                 ranks = sorted({layout.rank_of_part(part, d, t) for part in holders.values()})
-                group = dist.new_group(ranks) if len(ranks) > 1 else None
+                group = dist.new_group(ranks, group_desc="tied") if len(ranks) > 1 else None
                 mine_group = group if (d, t) == (dp_rank, tp_rank) else mine_group
         local = [n for n in names if holders[n] in mine]
         by_part: dict[int, str] = {}
