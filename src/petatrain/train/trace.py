@@ -16,8 +16,9 @@ collectives on threads of its own. So each gloo event is matched to the recorder
 last before it started, among the groups whose next entry has the event's name, and each thread goes
 to the group most of its events matched: its events' time is that group's. Gloo's sends and receives
 are not in the recorder; in petatrain only a pipeline's stages send and receive, so theirs is the
-pipeline's. Where the recorder times collectives itself (NCCL with TORCH_NCCL_ENABLE_TIMING=1; not
-checked here, on CPU only) its times are used as they are.
+pipeline's. NCCL's collectives run on the device: their calls and bytes come from the recorder, their
+time only where the recorder times them (TORCH_NCCL_ENABLE_TIMING=1 in the workers' environment; not
+checked here, on CPU only).
 """
 
 from __future__ import annotations
@@ -191,9 +192,13 @@ def _by_dimension(profiler: Any, window: tuple[int, int], steps: int) -> dict[st
     if not (dist.is_available() and dist.is_initialized()):
         return None
     try:
-        from torch._C._distributed_c10d import _dump_fr_trace  # type: ignore[attr-defined]
+        import torch._C._distributed_c10d as c10d
 
-        dump = pickle.loads(_dump_fr_trace(includeCollectives=True, includeStackTraces=False))  # torch's own bytes
+        # gloo's recorder, and NCCL's where torch is built with it (a recorder of its own)
+        dumps = [getattr(c10d, name) for name in ("_dump_fr_trace", "_dump_nccl_trace") if hasattr(c10d, name)]
+        entries: list[dict[str, Any]] = []
+        for dump in dumps:  # torch's own bytes, from this process
+            entries += pickle.loads(dump(includeCollectives=True, includeStackTraces=False)).get("entries") or []
         base = profiler.profiler.kineto_results.trace_start_ns()
     except Exception as exc:  # an older or newer torch: the rest of the summary stands
         log.warning("communication per dimension not measured: %s", exc)
@@ -201,9 +206,9 @@ def _by_dimension(profiler: Any, window: tuple[int, int], steps: int) -> dict[st
     work = [
         Work(e.name, e.thread, base + int(e.time_range.start * 1000), e.time_range.elapsed_us())
         for e in profiler.events()
-        if e.name.startswith(("gloo:", "nccl:"))
+        if e.name.startswith("gloo:")  # NCCL's run on the device: only the recorder can time them
     ]
-    return communication_by_dimension(work, dump.get("entries") or [], window, steps)
+    return communication_by_dimension(work, entries, window, steps)
 
 
 def communication_by_dimension(
@@ -214,7 +219,8 @@ def communication_by_dimension(
     issued in it. `unattributed_ms`: work on threads no entry matched. `complete`: False if the
     recorder's buffer dropped entries of the window (their calls and bytes are then missing)."""
     lo, hi = window
-    issued = sorted((e for e in entries if lo <= e["time_created_ns"] <= hi), key=lambda e: e["record_id"])
+    in_window = (e for e in entries if lo <= e["time_created_ns"] <= hi)
+    issued = sorted(in_window, key=lambda e: (e["time_created_ns"], e["record_id"]))
     size = int(os.environ.get("TORCH_FR_BUFFER_SIZE") or os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE") or 2000)
     complete = len(entries) < size or any(e["time_created_ns"] < lo for e in entries)
     out: dict[str, dict[str, Any]] = {}
