@@ -395,6 +395,10 @@ def test_each_dimensions_communication_is_told_apart_by_its_groups_threads(tmp_p
     timed = [e | {"duration_ms": 2.0} for e in entries[1:]]
     out = communication_by_dimension([], timed, window, steps=2)
     assert out["dimensions"]["data"]["ms"] == 2.0 and out["dimensions"]["tensor"]["ms"] == 8.0
+    unnamed = [_entry(5, "undefined", "gloo:broadcast", 150 * ms, 8)]  # a group made without a description
+    assert communication_by_dimension([], unnamed, window, steps=1)["dimensions"] == {
+        "other": {"calls": 1.0, "mib": 0.0, "ms": None}
+    }
     full = [_entry(1000 + i, tp, "gloo:all_reduce", 150 * ms, 4) for i in range(2000)]
     assert communication_by_dimension([], full, window, steps=1)["complete"] is False
 

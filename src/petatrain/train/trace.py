@@ -226,7 +226,8 @@ def communication_by_dimension(
     out: dict[str, dict[str, Any]] = {}
 
     def row(group: tuple[str, str] | None) -> dict[str, Any]:
-        dimension = "pipeline" if group is None else _DIMENSIONS.get(group[1], group[1] or "other")
+        desc = "" if group is None else group[1]
+        dimension = "pipeline" if group is None else _DIMENSIONS.get(desc) or _unnamed(desc)
         return out.setdefault(dimension, {"calls": 0.0, "mib": 0.0, "ms": None})
 
     for e in issued:
@@ -279,6 +280,11 @@ def _attribute(work: Sequence[Work], issued: Sequence[dict[str, Any]], row: Call
         else:
             unattributed += w.us / 1000.0
     return unattributed
+
+
+def _unnamed(desc: str) -> str:
+    """A group petatrain did not name: torch's description as it is ("undefined" for none given: other)."""
+    return "other" if desc in ("", "undefined") else desc
 
 
 def _bytes(entry: dict[str, Any]) -> int:
