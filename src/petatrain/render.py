@@ -237,7 +237,8 @@ def _communication(traced: list[dict[str, Any]]) -> None:
             d = t["dimensions"].get(name)
             mib = "" if d is None or d["mib"] is None else f", {d['mib']:.2f}"
             cells.append("–" if d is None else f"{_or_dash(d['ms'], '{:.1f}')} ({d['calls']:g}{mib})")
-        steps = f"{t['first_step']}-{t['first_step'] + t['steps'] - 1}"
+        last = t["first_step"] + t["steps"] - 1
+        steps = f"{t['first_step']}-{last}" if last > t["first_step"] else str(last)
         table.add_row(str(t["attempt"] + 1), str(t["rank"]), steps, f"{t['step_ms']:.1f}", *cells)
     show_table(table)
 

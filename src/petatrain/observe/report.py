@@ -312,7 +312,9 @@ def _communication_html(traced: list[dict[str, Any]]) -> list[str]:
     head = ["attempt", "rank", "steps", "step (ms)", "dimension", "collectives", "MiB", "ms", "share of step"]
     rows = []
     for t in traced:
-        where = [str(t["attempt"] + 1), str(t["rank"]), f"{t['first_step']}-{t['first_step'] + t['steps'] - 1}"]
+        last = t["first_step"] + t["steps"] - 1
+        steps = f"{t['first_step']}-{last}" if last > t["first_step"] else str(last)
+        where = [str(t["attempt"] + 1), str(t["rank"]), steps]
         dimensions = sorted(t["dimensions"].items())
         if t.get("unattributed_ms"):
             dimensions.append(("unattributed", {"calls": None, "mib": None, "ms": t["unattributed_ms"]}))
