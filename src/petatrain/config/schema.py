@@ -466,7 +466,8 @@ class ObserveConfig:
     mlflow_uri: str = ""
     mlflow_experiment: str = "petatrain"
     # torch.profiler over `profile_steps` steps from step `profile_at` (0: off) on every rank: a Chrome
-    # trace and a summary of where each step's time went, in RUN/traces/attempt-K/ (train/trace.py).
+    # trace and a summary of where each step's time went, each mesh dimension's communication included
+    # (the report's mesh table), in RUN/traces/attempt-K/ (train/trace.py).
     profile_at: int = 0
     profile_steps: int = 3
 
