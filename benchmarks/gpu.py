@@ -30,6 +30,11 @@ in the JSON) before the next one runs; `--only PART` runs one:
   partition   the layer profile (`profile --layers`: train.pipeline.costs.measure) and the pipeline
               partitioner's predicted per-stage time against each stage run alone, one after another.
               Goal: within 10%.
+  comm        a traced step's communication per mesh dimension (train.trace, the report's mesh table)
+              on this process's own group of one rank (NCCL on the GPU, with its flight recorder's
+              timing on; gloo in the smoke): which recorder torch has, and whether each dimension's
+              collectives come back with their calls, MiB and time. No goal: the NCCL path has not run
+              anywhere yet.
 
 Nothing here imports Ray (the GPU machine has none): `ray` is blocked at start, so a Ray import on
 any path fails the part that made it. `--smoke` runs every part on the CPU at tiny sizes (under a
@@ -89,9 +94,9 @@ from petatrain.train import checkpoint as ckpt
 from petatrain.train import loop, recipe
 from petatrain.train.steps import MicroBatches
 
-PARTS = ("train", "plan", "checkpoint", "loader", "serve", "partition")
-# Each part's share of the run's budget (seconds of the GPU run's 430 when every part runs).
-SHARES = {"train": 185, "plan": 75, "checkpoint": 95, "loader": 30, "serve": 25, "partition": 20}
+PARTS = ("train", "plan", "checkpoint", "loader", "serve", "partition", "comm")
+# Each part's share of the run's budget (seconds of the GPU run's 430 when every part runs, nearly).
+SHARES = {"train": 185, "plan": 75, "checkpoint": 95, "loader": 30, "serve": 25, "partition": 20, "comm": 10}
 GPU_BUDGET_S = 430.0  # 8 minutes less the start (imports, CUDA) and the margin below
 ALARM_MARGIN_S = 20  # past the budget by this much, the part running is stopped (SIGALRM)
 SMOKE_BUDGET_S = 300.0  # the smoke is not cut short: it is its own check
@@ -1255,6 +1260,63 @@ def measure_stages(cfg: JobConfig, micro: int, starts: list[int], device: torch.
 # -- the run ---------------------------------------------------------------------------------------------
 
 
+# -- part 7: communication per mesh dimension ------------------------------------------------------------
+
+
+def part_comm(mode: Mode, box: Box, ctx: dict[str, Any]) -> dict[str, Any]:
+    """Two traced steps (train.trace.StepTracer, as `observe.profile_at` runs it) of all-reduces on two
+    groups named as a DeviceMesh names its dimensions' (a mesh of one rank would reuse the default
+    group for both), 64 MiB a step on `data` and four of 1 MiB on `tensor`, in a process group of this
+    one process: NCCL on the GPU (TORCH_NCCL_ENABLE_TIMING=1 set before it starts, so that its recorder
+    times them), gloo in the smoke. What comes back is the summary's `communication_by_dimension`, as
+    the report's mesh table shows it."""
+    import socket
+
+    import torch.distributed as dist
+
+    from petatrain.train.trace import StepTracer
+
+    box.need(5.0)
+    device, cuda = mode.device, mode.device.type == "cuda"
+    if cuda:
+        os.environ.setdefault("TORCH_NCCL_ENABLE_TIMING", "1")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        import torch._C._distributed_c10d as c10d
+
+        groups = {name: dist.new_group([0], group_desc=f"mesh_{name}") for name in ("dp", "tp")}
+        big = torch.ones((64 if cuda else 4) * 2**20 // 4, device=device)
+        small = torch.ones(2**20 // 4, device=device)
+        folder = tempfile.mkdtemp(prefix="gpu-comm-", dir=ctx["work"])
+        tracer = StepTracer(2, 2, rank=0, attempt=0, run_url=folder)
+        for step in range(1, 4):
+            tracer.before(step)
+            dist.all_reduce(big, group=groups["dp"])
+            for _ in range(4):
+                dist.all_reduce(small, group=groups["tp"])
+            sync(device)
+            tracer.after(step)
+        summary = json.loads((Path(folder) / "traces" / "attempt-0" / "rank-0.summary.json").read_text())
+        shutil.rmtree(folder, ignore_errors=True)
+    finally:
+        dist.destroy_process_group()
+    comm = summary.get("communication_by_dimension") or {}
+    figures = {
+        "backend": "nccl" if cuda else "gloo",
+        "recorders": [name for name in ("_dump_fr_trace", "_dump_nccl_trace") if hasattr(c10d, name)],
+        "nccl_timing": os.environ.get("TORCH_NCCL_ENABLE_TIMING"),
+        "step_ms": summary.get("step_ms"),
+        **comm,
+    }
+    for name, d in sorted((comm.get("dimensions") or {}).items()):
+        ms = "-" if d.get("ms") is None else f"{d['ms']:.3f}"
+        print(f"{name:<14} {d.get('calls')!s:>11} {d.get('mib')!s:>10} {ms:>10}")
+    return figures
+
+
 RUNNERS: dict[str, Callable[[Mode, Box, dict[str, Any]], dict[str, Any]]] = {
     "train": part_train,
     "plan": part_plan,
@@ -1262,6 +1324,7 @@ RUNNERS: dict[str, Callable[[Mode, Box, dict[str, Any]], dict[str, Any]]] = {
     "loader": part_loader,
     "serve": part_serve,
     "partition": part_partition,
+    "comm": part_comm,
 }
 TITLES = {
     "train": "train: tokens/s and MFU, petatrain's step vs a plain loop of the same model and optimizer",
@@ -1270,6 +1333,7 @@ TITLES = {
     "loader": "loader: the streaming loader feeding the medium model",
     "serve": "serve: greedy completion tokens/s (engine | KV cache on the device | recompute), speedup of the cache",
     "partition": "partition: per-stage forward + backward (ms), the partitioner's prediction vs measured",
+    "comm": "comm: a traced step's communication per mesh dimension (collectives, MiB, ms a step)",
 }
 HEADERS: dict[str, Callable[[], None]] = {
     "train": print_train_header,
@@ -1280,6 +1344,7 @@ HEADERS: dict[str, Callable[[], None]] = {
     "loader": lambda: None,
     "serve": lambda: print(f"{'batch':>6} {'engine':>12} {'kv cache':>12} {'recompute':>12} {'kv/recomp':>9}"),
     "partition": lambda: print(f"{'stage':>6} {'units':<22} {'predicted':>10} {'measured':>10} {'error':>8}"),
+    "comm": lambda: print(f"{'dimension':<14} {'collectives':>11} {'MiB':>10} {'ms':>10}"),
 }
 
 

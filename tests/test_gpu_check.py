@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PARTS = {"train", "plan", "checkpoint", "loader", "serve", "partition"}
+PARTS = {"train", "plan", "checkpoint", "loader", "serve", "partition", "comm"}
 
 # The Ray-free layers the check measures, then the rest of what benchmarks/gpu.py imports.
 RAY_FREE = (

@@ -382,19 +382,23 @@ def test_each_dimensions_communication_is_told_apart_by_its_groups_threads(tmp_p
             work.append(Work("gloo:all_reduce", 3 + k % 2, at + 50_000, 500.0))
         entries.append(_entry(19 + 10 * step, "default_pg", "gloo:all_reduce", t0 + 20 * ms, 3))
         work.append(Work("gloo:all_reduce", 5, t0 + 20 * ms + 10_000, 100.0))
+        # a tensor-parallel one issued 30 us after the flags' work started (within the clocks' slack):
+        # the flags' is still the one issued before it
+        entries.append(_entry(18 + 10 * step, tp, "gloo:all_reduce", t0 + 20 * ms + 40_000, 64, 64))
+        work.append(Work("gloo:all_reduce", 3, t0 + 20 * ms + 60_000, 500.0))
         work += [Work("gloo:send", 1, t0 + 25 * ms, 2000.0), Work("gloo:recv", 1, t0 + 28 * ms, 1000.0)]
     out = communication_by_dimension(work, entries, window, steps=2)
     assert out["complete"] and out["unattributed_ms"] == 0
     assert out["dimensions"] == {
         "data": {"calls": 1.0, "mib": 1.0, "ms": 9.0},
-        "tensor": {"calls": 4.0, "mib": 0.062, "ms": 2.4},  # 4 x 0.5 ms, and half of the one left from before
+        "tensor": {"calls": 5.0, "mib": 0.078, "ms": 2.9},  # 5 x 0.5 ms, and half of the one left from before
         "world": {"calls": 1.0, "mib": 0.0, "ms": 0.1},
         "pipeline": {"calls": 2.0, "mib": None, "ms": 3.0},  # gloo's sends: no sizes recorded
     }
     # A full buffer that starts inside the window dropped some; NCCL's entries carry their own time.
     timed = [e | {"duration_ms": 2.0} for e in entries[1:]]
     out = communication_by_dimension([], timed, window, steps=2)
-    assert out["dimensions"]["data"]["ms"] == 2.0 and out["dimensions"]["tensor"]["ms"] == 8.0
+    assert out["dimensions"]["data"]["ms"] == 2.0 and out["dimensions"]["tensor"]["ms"] == 10.0
     unnamed = [_entry(5, "undefined", "gloo:broadcast", 150 * ms, 8)]  # a group made without a description
     assert communication_by_dimension([], unnamed, window, steps=1)["dimensions"] == {
         "other": {"calls": 1.0, "mib": 0.0, "ms": None}
@@ -413,12 +417,12 @@ def test_each_dimensions_communication_is_told_apart_by_its_groups_threads(tmp_p
     report = write_report(str(tmp_path))
     assert [(c["attempt"], c["rank"]) for c in report["communication"]] == [(1, 0), (1, 1)]
     page = (tmp_path / "report.html").read_text()
-    row = ["2", "0", "29-30", "60.0", "tensor", "4", "0.062", "2.40", "4.0%"]
+    row = ["2", "0", "29-30", "60.0", "tensor", "5", "0.078", "2.90", "4.8%"]
     assert "<h2>Communication by mesh dimension</h2>" in page
     assert "<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" in page
     render.report(report)  # `petatrain report`'s console: a row per rank, a column per dimension
     console = capsys.readouterr().out
-    assert "communication by mesh dimension" in console and "2.4 (4, 0.06)" in console, console
+    assert "communication by mesh dimension" in console and "2.9 (5, 0.08)" in console, console
 
 
 def _report_on_object_store(run: str) -> None:

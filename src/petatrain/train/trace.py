@@ -181,7 +181,7 @@ _DTYPE_BYTES = {"Float": 4, "Double": 8, "Half": 2, "BFloat16": 2, "Long": 8, "I
 _DIMENSIONS = {"mesh_tp": "tensor", "mesh_tensor": "tensor", "mesh_dp": "data", "mesh_data": "data",
                "mesh_pp": "pipeline", "tied": "tied weights", "default_pg": "world"}  # fmt: skip
 _P2P = ("gloo:send", "gloo:recv")  # not in the flight recorder; only a pipeline's stages send and receive
-_SLACK_NS = 200_000  # the profiler's clock against the recorder's
+_SLACK_NS = 50_000  # the profiler's clock against the recorder's (both unix time, read apart)
 
 
 def _by_dimension(profiler: Any, window: tuple[int, int], steps: int) -> dict[str, Any] | None:
@@ -266,9 +266,11 @@ def _attribute(work: Sequence[Work], issued: Sequence[dict[str, Any]], row: Call
     collectives = sorted((w for w in work if w.name not in _P2P), key=lambda w: w.start_ns)
     for w in collectives:
         heads = [(q[0]["time_created_ns"], g) for g, q in pending.items() if q and q[0]["profiling_name"] == w.name]
-        heads = [h for h in heads if h[0] <= w.start_ns + _SLACK_NS]
-        if heads:
-            group = max(heads)[1]  # issued last before it started: an idle group starts its work at once
+        # issued last before it started (an idle group starts its work at once); within the clocks'
+        # slack after it only if none was issued before
+        near = [h for h in heads if h[0] <= w.start_ns] or [h for h in heads if h[0] <= w.start_ns + _SLACK_NS]
+        if near:
+            group = max(near)[1]
             pending[group].popleft()
             votes[w.thread][group] += 1
     owner = {thread: counts.most_common(1)[0][0] for thread, counts in votes.items()}
