@@ -396,9 +396,10 @@ def test_each_dimensions_communication_is_told_apart_by_its_groups_threads(tmp_p
         "pipeline": {"calls": 2.0, "mib": None, "ms": 3.0},  # gloo's sends: no sizes recorded
     }
     # A full buffer that starts inside the window dropped some; NCCL's entries carry their own time.
-    timed = [e | {"duration_ms": 2.0} for e in entries[1:]]
+    timed = [e | {"duration_ms": 2.0} for e in entries[1:-1]] + entries[-1:]  # the last not yet seen to end
     out = communication_by_dimension([], timed, window, steps=2)
-    assert out["dimensions"]["data"]["ms"] == 2.0 and out["dimensions"]["tensor"]["ms"] == 10.0
+    assert out["dimensions"]["data"]["ms"] == 2.0 and out["dimensions"]["tensor"]["ms"] == 9.0
+    assert out["timed"] == [13, 14]
     unnamed = [_entry(5, "undefined", "gloo:broadcast", 150 * ms, 8)]  # a group made without a description
     assert communication_by_dimension([], unnamed, window, steps=1)["dimensions"] == {
         "other": {"calls": 1.0, "mib": 0.0, "ms": None}

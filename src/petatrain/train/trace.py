@@ -217,7 +217,8 @@ def communication_by_dimension(
     """Per dimension, per step: its collectives (`calls`), their inputs' MiB, and their time (`ms`; None
     where unknown), from the backend's `work` in a traced window and the flight recorder's `entries`
     issued in it. `unattributed_ms`: work on threads no entry matched. `complete`: False if the
-    recorder's buffer dropped entries of the window (their calls and bytes are then missing)."""
+    recorder's buffer dropped entries of the window (their calls and bytes are then missing). `timed`
+    (where the recorder times collectives itself): how many of the window's entries it had timed."""
     lo, hi = window
     in_window = (e for e in entries if lo <= e["time_created_ns"] <= hi)
     issued = sorted(in_window, key=lambda e: (e["time_created_ns"], e["record_id"]))
@@ -235,7 +236,7 @@ def communication_by_dimension(
         r["calls"] += 1
         r["mib"] += _bytes(e) / 2**20
     timed = [e for e in issued if e.get("duration_ms") is not None]
-    if issued and len(timed) == len(issued):  # the recorder timed them (NCCL with timing)
+    if timed:  # the recorder timed them (NCCL with timing): those its watchdog had seen end
         for e in timed:
             r = row(tuple(e["process_group"]))
             r["ms"] = (r["ms"] or 0.0) + e["duration_ms"]
@@ -246,7 +247,10 @@ def communication_by_dimension(
         r["calls"] = round(r["calls"] / steps, 2)
         r["mib"] = None if r["mib"] is None else round(r["mib"] / steps, 3)
         r["ms"] = None if r["ms"] is None else round(r["ms"] / steps, 3)
-    return {"dimensions": out, "unattributed_ms": round(unattributed / steps, 3), "complete": complete}
+    result = {"dimensions": out, "unattributed_ms": round(unattributed / steps, 3), "complete": complete}
+    if timed:
+        result["timed"] = [len(timed), len(issued)]  # the entries the recorder had timed, of those issued
+    return result
 
 
 def _attribute(work: Sequence[Work], issued: Sequence[dict[str, Any]], row: Callable[..., dict[str, Any]]) -> float:
