@@ -31,8 +31,8 @@ def _corpus(root, tag, files=2, documents=200):
     return synth.generate(str(root / f"raw-{tag}"), documents=documents, files=files, bad_records=False, seed=tag).files
 
 
-def _tokens(url, cache_dir):
-    ds = StreamingDataset(str(url), shuffle=False, batch_size=16, cache_dir=str(cache_dir))
+def _tokens(url, cache_dir, prefetch=True):
+    ds = StreamingDataset(str(url), shuffle=False, batch_size=16, cache_dir=str(cache_dir), prefetch=prefetch)
     return np.concatenate([b["tokens"].numpy() for b in ds]), sorted(os.listdir(cache_dir))
 
 
@@ -56,6 +56,39 @@ def test_cache_never_serves_a_flipped_bit(tmp_path):
     np.testing.assert_array_equal(again, first)
     repaired, _ = _tokens(url, cache)  # and the cache now holds the right bytes again
     np.testing.assert_array_equal(repaired, first)
+
+
+def test_a_write_just_after_a_cached_shard_was_hashed_is_not_taken_as_verified(tmp_path, monkeypatch):
+    """Seen once in the suite: the next epoch's prefetch thread hashed a cached shard, the bit flip above
+    landed before that thread set the shard's time (LRU recency) and remembered its stat after that as
+    verified, and the flipped bit was served. A write between the hash and the stat remembered is a
+    change: here every shard is flipped right after the first hash of the second epoch. (Without
+    prefetch threads: a shard already mapped and verified when its file is rewritten in place shows the
+    new bytes to its reader, which no check at open can catch.)"""
+    from petatrain.data.loading import cache as cache_module
+
+    url, cache = _token_ds(tmp_path, 12), tmp_path / "cache"
+    first, _ = _tokens(url, cache, prefetch=False)  # fetched (and verified) into the cache
+    hashed = cache_module.checksum_bytes
+    flipped: list[bool] = []
+
+    def hash_then_flip(data):
+        digest = hashed(data)
+        if not flipped:
+            flipped.append(True)
+            for path in cache.glob("*.parquet"):
+                data = bytearray(path.read_bytes())
+                data[len(data) // 2] ^= 0x01
+                path.write_bytes(bytes(data))
+        return digest
+
+    monkeypatch.setattr(cache_module, "checksum_bytes", hash_then_flip)
+    again, _ = _tokens(url, cache, prefetch=False)
+    monkeypatch.undo()
+    assert flipped
+    np.testing.assert_array_equal(again, first)
+    later, _ = _tokens(url, cache, prefetch=False)
+    np.testing.assert_array_equal(later, first)
 
 
 def test_cache_follows_a_dataset_replaced_at_the_same_url(tmp_path):

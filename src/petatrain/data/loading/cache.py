@@ -1,14 +1,15 @@
 """Node-local shard cache: each shard crosses the network about once per node.
 
 Ranks and DataLoader workers on one node share the cache folder. Entries are named by the
-shard's checksum from the dataset's index, not by its URL, so a dataset replaced at the
-same URL can never be served from the old one's entries. A shard is fetched under an
-exclusive file lock (so one process downloads it while the others wait), verified, and
-published by rename; every open maps the file and verifies it again (the hash faults in
-the pages the reader then uses), and an entry that no longer matches, because its bytes
-were changed on disk, is dropped and fetched again. Least recently used shards are evicted
-to stay under the byte limit; readers hold shards memory-mapped, so an evicted file stays
-readable to them (POSIX unlink semantics) and is never re-read half-gone.
+shard's checksum from the dataset's index, not by its URL, so a dataset replaced at the same
+URL can never be served from the old one's entries. A shard is fetched under an exclusive
+file lock (so one process downloads it while the others wait), verified, and published by
+rename; every open maps the file and verifies it again (the hash faults in the pages the
+reader then uses), and an entry that no longer matches, because its bytes were changed on
+disk, is dropped and fetched again. Least recently used shards are evicted to stay under the
+byte limit (each entry's last use is the time of a `.used` file beside it); readers hold
+shards memory-mapped, so an evicted file stays readable to them (POSIX unlink semantics) and
+is never re-read half-gone.
 """
 
 from __future__ import annotations
@@ -71,6 +72,23 @@ def _stat_key(path: Path | str, checksum: str, sha256: str) -> tuple:
     return (str(path), checksum, sha256, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
 
 
+def _used(entry: Path) -> Path:
+    """The file beside a cache entry whose modification time is the entry's last use (LRU eviction)."""
+    return entry.with_name(entry.name + ".used")
+
+
+def _touch_used(entry: Path) -> None:
+    _used(entry).touch()
+
+
+def _last_used(entry: Path) -> float:
+    """When the entry was last used: its `.used` file's time, else (an entry of an older cache) its own."""
+    try:
+        return _used(entry).stat().st_mtime
+    except FileNotFoundError:
+        return entry.stat().st_mtime
+
+
 def default_cache_dir(dataset_url: str) -> str:
     root = os.environ.get(constants.CACHE_DIR_ENV) or os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "petatrain"
@@ -126,7 +144,7 @@ class ShardCache:
                 if handle is None:
                     self._make_room(size)
                     self._fetch(url, checksum, sha256, target)
-                    os.utime(target)
+                    _touch_used(target)
                     handle = pa.memory_map(str(target))  # verified by _fetch before it was published
                 return handle
             finally:
@@ -141,22 +159,35 @@ class ShardCache:
         return f"{digest}.parquet"
 
     def _cached(self, target: Path, checksum: str, sha256: str) -> pa.MemoryMappedFile | None:
-        """The entry, mapped and verified; None (and the entry dropped) if its bytes changed on disk."""
+        """The entry, mapped and verified; None (and the entry dropped) if its bytes changed on disk.
+
+        What is remembered as verified is the file's stat from before its bytes were hashed, and only if
+        it is still the file's stat after: a write while it was hashed counts as a change. The entry's
+        recency goes on a file beside it (`_touch_used`), never on the entry itself, whose stat then
+        changes only when its bytes do. (Setting the entry's own times after the hash, as before, gave
+        a write between the hash and the new stat a verified stat: a flipped bit served.)"""
         mapped = pa.memory_map(str(target))
+        key = _stat_key(target, checksum, sha256)
         with _VERIFIED_LOCK:
-            done = _stat_key(target, checksum, sha256) in _VERIFIED
+            done = key in _VERIFIED
         if not done:
             data = memoryview(mapped.read_buffer())
-            if checksum_bytes(data) != checksum or (sha256 and sha256_hex(data) != sha256):
+            matches = checksum_bytes(data) == checksum and not (sha256 and sha256_hex(data) != sha256)
+            if not matches or _stat_key(target, checksum, sha256) != key:
                 log.warning("cached shard %s changed on disk; fetching it again", target)
                 mapped.close()
-                target.unlink(missing_ok=True)
+                self._drop(target)
                 return None
+            with _VERIFIED_LOCK:
+                _VERIFIED.add(key)
         mapped.seek(0)
-        os.utime(target)  # recency for LRU eviction (a new stat: remembered as verified after it)
-        with _VERIFIED_LOCK:
-            _VERIFIED.add(_stat_key(target, checksum, sha256))
+        _touch_used(target)
         return mapped
+
+    @staticmethod
+    def _drop(target: Path) -> None:
+        target.unlink(missing_ok=True)
+        _used(target).unlink(missing_ok=True)
 
     @staticmethod
     def _verify_local(url: str, mapped: pa.MemoryMappedFile, checksum: str, sha256: str) -> None:
@@ -189,12 +220,12 @@ class ShardCache:
     def _make_room(self, size: int) -> None:
         if self.limit is None or self.dir is None:
             return
-        files = [(p.stat().st_mtime, p.stat().st_size, p) for p in self.dir.glob("*.parquet")]
+        files = [(_last_used(p), p.stat().st_size, p) for p in self.dir.glob("*.parquet")]
         total = sum(s for _, s, _ in files)
         for _, s, p in sorted(files):
             if total + size <= self.limit:
                 break
-            p.unlink(missing_ok=True)
+            self._drop(p)
             total -= s
         if total + size > self.limit:
             raise PetatrainError(f"cache_limit {self.limit} bytes cannot hold a {size}-byte shard; raise cache_limit")
