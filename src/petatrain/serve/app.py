@@ -77,10 +77,11 @@ class Completions:
             follow = self._follow_alias if options.model_ref else self._follow
             threading.Thread(target=follow, name="petatrain-follow", daemon=True).start()
 
-    def _load(self, checkpoint: str, run: str = "", expect: str = "") -> None:
+    def _load(self, checkpoint: str, run: str = "", expect: str = "", about: dict[str, Any] | None = None) -> None:
         """The model at `checkpoint`, built aside and then put in place: a batch under way finishes on
         the engine it started with. `expect`: the checksum a registry record names (CorruptDataError
-        when the weights are others)."""
+        when the weights are others). `about`: what else /v1/models says of it (a registry version's
+        number, alias, lineage, data), put in place with it: a request never sees a card half-swapped."""
         from tokenizers import Tokenizer
 
         from petatrain.errors import CorruptDataError
@@ -97,19 +98,14 @@ class Completions:
         spec.module.load_state_dict(served.weights, strict=False)  # tied names: both point at one tensor
         self.context = served.config.model.seq_len
         self.engine = engine_mod.Engine(spec.module, Tokenizer.from_str(served.tokenizer_json), served.eos_id)
-        self.served = served.describe()
+        self.served = {**served.describe(), **(about or {})}
         self.metrics.serving(served.step, served.source)
 
     def _load_version(self, record: dict[str, Any]) -> None:
         """A registry version: its record verified (Registry.resolve), then its weights against it."""
-        self._load(str(record["checkpoint"]), run=str(record["run"]), expect=str(record["checksum"]))
-        self.record = record
         chain = record.get("lineage") or []
         data_version, committed = _data_commit(str(record.get("dataset") or ""), self.options.storage)
-        self.fresh = {"committed": committed, "first_served": None}  # reset at each swap
-        self.metrics.versions(int(record["version"]), data_version)
-        self.served = {
-            **self.served,
+        about = {
             "data_version": data_version,
             "data_committed": committed,
             "staleness_s": None,  # the data's commit -> the first response of a model trained on it
@@ -119,6 +115,10 @@ class Completions:
                 {k: link.get(k) for k in ("run_id", "how", "start_step", "step", "reads")} for link in chain[:10]
             ],
         }
+        self._load(str(record["checkpoint"]), run=str(record["run"]), expect=str(record["checksum"]), about=about)
+        self.record = record
+        self.fresh = {"committed": committed, "first_served": None}  # reset at each swap
+        self.metrics.versions(int(record["version"]), data_version)
 
     def _follow_alias(self) -> None:
         """Every `follow_poll_s`: the version the alias names; when it moved, that version's record and
