@@ -1308,7 +1308,7 @@ def part_comm(mode: Mode, box: Box, ctx: dict[str, Any]) -> dict[str, Any]:
     comm = summary.get("communication_by_dimension") or {}
     figures = {
         "backend": "nccl" if cuda else "gloo",
-        "recorders": [name for name in ("_dump_fr_trace", "_dump_nccl_trace") if hasattr(c10d, name)],
+        "recorders": [name for name in ("_dump_fr_trace_json", "_dump_nccl_trace_json") if hasattr(c10d, name)],
         "nccl_timing": os.environ.get("TORCH_NCCL_ENABLE_TIMING"),
         "step_ms": summary.get("step_ms"),
         **comm,

@@ -27,7 +27,6 @@ import contextlib
 import json
 import logging
 import os
-import pickle
 import resource
 import tempfile
 import time
@@ -194,11 +193,11 @@ def _by_dimension(profiler: Any, window: tuple[int, int], steps: int) -> dict[st
     try:
         import torch._C._distributed_c10d as c10d
 
-        # gloo's recorder, and NCCL's where torch is built with it (a recorder of its own)
-        dumps = [getattr(c10d, name) for name in ("_dump_fr_trace", "_dump_nccl_trace") if hasattr(c10d, name)]
+        # gloo's recorder, and NCCL's where torch is built with it (a recorder of its own), as JSON
+        names = ("_dump_fr_trace_json", "_dump_nccl_trace_json")
         entries: list[dict[str, Any]] = []
-        for dump in dumps:  # torch's own bytes, from this process
-            entries += pickle.loads(dump(includeCollectives=True, includeStackTraces=False)).get("entries") or []
+        for dump in [getattr(c10d, name) for name in names if hasattr(c10d, name)]:
+            entries += json.loads(dump(includeCollectives=True, onlyActive=False)).get("entries") or []
         base = profiler.profiler.kineto_results.trace_start_ns()
     except Exception as exc:  # an older or newer torch: the rest of the summary stands
         log.warning("communication per dimension not measured: %s", exc)
