@@ -1274,7 +1274,7 @@ def part_comm(mode: Mode, box: Box, ctx: dict[str, Any]) -> dict[str, Any]:
 
     import torch.distributed as dist
 
-    from petatrain.train.trace import StepTracer
+    from petatrain.train.trace import FLIGHT_RECORDERS, StepTracer
 
     box.need(5.0)
     device, cuda = mode.device, mode.device.type == "cuda"
@@ -1308,7 +1308,7 @@ def part_comm(mode: Mode, box: Box, ctx: dict[str, Any]) -> dict[str, Any]:
     comm = summary.get("communication_by_dimension") or {}
     figures = {
         "backend": "nccl" if cuda else "gloo",
-        "recorders": [name for name in ("_dump_fr_trace_json", "_dump_nccl_trace_json") if hasattr(c10d, name)],
+        "recorders": [name for name in FLIGHT_RECORDERS if hasattr(c10d, name)],
         "nccl_timing": os.environ.get("TORCH_NCCL_ENABLE_TIMING"),
         "step_ms": summary.get("step_ms"),
         **comm,

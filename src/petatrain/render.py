@@ -227,6 +227,8 @@ def _pipeline(p: dict[str, Any]) -> None:
 
 def _communication(traced: list[dict[str, Any]]) -> None:
     """The mesh table of the traced steps: per rank, each dimension's ms a step (collectives, MiB)."""
+    from petatrain.observe.report import step_span
+
     dimensions = sorted({name for t in traced for name in t["dimensions"]})
     table = Table(title="communication by mesh dimension, traced steps: ms a step (collectives, MiB)")
     for column in ("attempt", "rank", "steps", "step ms", *dimensions):
@@ -237,8 +239,7 @@ def _communication(traced: list[dict[str, Any]]) -> None:
             d = t["dimensions"].get(name)
             mib = "" if d is None or d["mib"] is None else f", {d['mib']:.2f}"
             cells.append("–" if d is None else f"{_or_dash(d['ms'], '{:.1f}')} ({d['calls']:g}{mib})")
-        last = t["first_step"] + t["steps"] - 1
-        steps = f"{t['first_step']}-{last}" if last > t["first_step"] else str(last)
+        steps = step_span(t["first_step"], t["steps"])
         table.add_row(str(t["attempt"] + 1), str(t["rank"]), steps, f"{t['step_ms']:.1f}", *cells)
     show_table(table)
 

@@ -294,13 +294,19 @@ def _stage_row(s: dict[str, Any]) -> list[str]:
         str(s["rank"]),
         ", ".join(s["units"] or []),
         *measured,
-        _seconds(s["predicted_busy_s"]),
+        _num(s["predicted_busy_s"]),
         _pct(s["prediction_error"], sign=True),
-        _seconds(s.get("reduce_s")),
+        _num(s.get("reduce_s")),
         _mib(s.get("state_bytes"), s.get("activation_bytes")),
         _mib(s.get("predicted_state_bytes"), s.get("predicted_activation_bytes")),
         _pct(s.get("memory_error"), sign=True),
     ]
+
+
+def step_span(first: int, steps: int) -> str:
+    """A traced window's steps as a table shows them: "29-30", or "30" for one."""
+    last = first + steps - 1
+    return f"{first}-{last}" if last > first else str(last)
 
 
 def _communication_html(traced: list[dict[str, Any]]) -> list[str]:
@@ -312,9 +318,7 @@ def _communication_html(traced: list[dict[str, Any]]) -> list[str]:
     head = ["attempt", "rank", "steps", "step (ms)", "dimension", "collectives", "MiB", "ms", "share of step"]
     rows = []
     for t in traced:
-        last = t["first_step"] + t["steps"] - 1
-        steps = f"{t['first_step']}-{last}" if last > t["first_step"] else str(last)
-        where = [str(t["attempt"] + 1), str(t["rank"]), steps]
+        where = [str(t["attempt"] + 1), str(t["rank"]), step_span(t["first_step"], t["steps"])]
         dimensions = sorted(t["dimensions"].items())
         if t.get("unattributed_ms"):
             dimensions.append(("unattributed", {"calls": None, "mib": None, "ms": t["unattributed_ms"]}))
@@ -322,15 +326,11 @@ def _communication_html(traced: list[dict[str, Any]]) -> list[str]:
             ms = d["ms"]
             share = None if ms is None or not t["step_ms"] else ms / t["step_ms"]
             counts = ["" if d[k] is None else format(d[k], f) for k, f in (("calls", "g"), ("mib", ".3f"))]
-            rows.append([*where, f"{t['step_ms']:.1f}", dimension, *counts, _ms(ms), _pct(share)])
+            rows.append([*where, f"{t['step_ms']:.1f}", dimension, *counts, _num(ms), _pct(share)])
     dropped = [f"{t['attempt'] + 1}/{t['rank']}" for t in traced if not t.get("complete", True)]
     if dropped:
         note += f" Attempt/rank {', '.join(dropped)}: the flight recorder dropped collectives of the window."
     return [f"<p>{html.escape(note)}</p>", _table(head, rows)]
-
-
-def _ms(ms: float | None) -> str:
-    return "–" if ms is None else f"{ms:.2f}"
 
 
 def _mib(state: int | None, activations: int | None) -> str:
@@ -344,13 +344,13 @@ def _pct(value: float | None, *, sign: bool = False) -> str:
 
 
 def _fault_row(f: dict[str, Any]) -> list[str]:
-    times = [_seconds(f[t]) for t in ("t_s", "detected_after_s", "recovered_after_s")]
+    times = [_num(f[t]) for t in ("t_s", "detected_after_s", "recovered_after_s")]
     where = [_cell(f["rank"]), str(f["attempt"] + 1), _cell(f["step"])]
     return [f["cause"], *where, *times, _cell(f["steps_lost"]), f["detail"]]
 
 
 def _checkpoint_row(c: dict[str, Any]) -> list[str]:
-    write = [_seconds(c["t_s"]), f"{c['stall_s']:.3f}", "yes" if c["committed"] else "no", _seconds(c["write_s"])]
+    write = [_num(c["t_s"]), f"{c['stall_s']:.3f}", "yes" if c["committed"] else "no", _num(c["write_s"])]
     return [str(c["step"]), str(c["attempt"] + 1), *write, _cell(c["bytes"]), c["url"] or ""]
 
 
@@ -384,7 +384,8 @@ def _cell(value: Any) -> str:
     return "–" if value is None else str(value)
 
 
-def _seconds(value: float | None) -> str:
+def _num(value: float | None) -> str:
+    """Seconds or milliseconds in a table: two decimals, or a dash for none."""
     return "–" if value is None else f"{value:.2f}"
 
 

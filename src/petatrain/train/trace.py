@@ -179,6 +179,8 @@ _DTYPE_BYTES = {"Float": 4, "Double": 8, "Half": 2, "BFloat16": 2, "Long": 8, "I
 # A group's description (DeviceMesh names its groups mesh_<dimension>) -> the dimension it is
 _DIMENSIONS = {"mesh_tp": "tensor", "mesh_tensor": "tensor", "mesh_dp": "data", "mesh_data": "data",
                "mesh_pp": "pipeline", "tied": "tied weights", "default_pg": "world"}  # fmt: skip
+# gloo's flight recorder, and NCCL's where torch is built with it (a recorder of its own): their JSON dumps
+FLIGHT_RECORDERS = ("_dump_fr_trace_json", "_dump_nccl_trace_json")
 _P2P = ("gloo:send", "gloo:recv")  # not in the flight recorder; only a pipeline's stages send and receive
 _SLACK_NS = 50_000  # the profiler's clock against the recorder's (both unix time, read apart)
 
@@ -193,10 +195,8 @@ def _by_dimension(profiler: Any, window: tuple[int, int], steps: int) -> dict[st
     try:
         import torch._C._distributed_c10d as c10d
 
-        # gloo's recorder, and NCCL's where torch is built with it (a recorder of its own), as JSON
-        names = ("_dump_fr_trace_json", "_dump_nccl_trace_json")
         entries: list[dict[str, Any]] = []
-        for dump in [getattr(c10d, name) for name in names if hasattr(c10d, name)]:
+        for dump in [getattr(c10d, name) for name in FLIGHT_RECORDERS if hasattr(c10d, name)]:
             entries += json.loads(dump(includeCollectives=True, onlyActive=False)).get("entries") or []
         base = profiler.profiler.kineto_results.trace_start_ns()
     except Exception as exc:  # an older or newer torch: the rest of the summary stands
