@@ -75,6 +75,11 @@ PRIVATE = [
     ("ray.train.v2._internal.execution.worker_group.worker", "Worker.distributed_context"),
     ("ray.train.v2._internal.execution.worker_group.poll", "WorkerGroupPollStatus.worker_statuses"),
     ("ray.util.client", "ray.is_connected"),
+    # runtime/_ray/__init__.py, for runtime/startup/forkserver.py
+    ("ray._private.workers.default_worker", "__file__"),
+    ("ray.actor", "ActorClassID.from_random"),
+    ("ray.actor", "ActorClassID.size"),
+    ("ray._raylet", "UniqueID.from_random"),
 ]
 
 

@@ -1,6 +1,7 @@
 """One attempt as Ray Train runs it: the TorchTrainer of N workers, fit().
 
-The trainer's class and the spares' runtime environment are start-up speed-ups (runtime.startup).
+The trainer's class and the workers' runtime environment (spares, the fork server) are start-up
+speed-ups (runtime.startup).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Any
 from petatrain import constants
 from petatrain.config import JobConfig
 from petatrain.runtime import cluster
-from petatrain.runtime.startup import spares
+from petatrain.runtime.startup import forkserver, spares
 from petatrain.runtime.startup.lean import trainer_class
 from petatrain.runtime.supervisor import use_gpu
 from petatrain.runtime.watchdog import Watchdog
@@ -40,13 +41,22 @@ def make_trainer(cfg: JobConfig, payload: Any, world: int, run_id: str, attempt:
             name=f"petatrain-{run_id}-attempt{attempt}",
             storage_path=storage,
             failure_config=FailureConfig(max_failures=0),  # the supervisor decides, not Ray Train
-            # With the spares' runtime environment even when this run makes none (no restarts allowed): its
-            # ranks then start in spares another run of the job left (a search's trials, a loop's cycles).
-            worker_runtime_env=spares.worker_runtime_env(cfg.resources.cpus_per_worker) if cfg.faults.spares else None,
+            worker_runtime_env=worker_runtime_env(cfg, local=local),
         ),
     )
     trainer.drain = (payload.hub, attempt)  # a failure lets rank 0 finish its checkpoint write (CommitDrain)
     return trainer
+
+
+def worker_runtime_env(cfg: JobConfig, *, local: bool) -> dict | None:
+    """The worker group's runtime environment: the spares' (even when this run makes none, no restarts
+    allowed: its ranks then start in spares another run of the job left, a search's trials, a loop's
+    cycles), and the fork server's executable on a Ray this process started (its paths are the nodes')."""
+    fork = cfg.faults.forkserver and local and forkserver.available()
+    if not (cfg.faults.spares or fork):
+        return None
+    env = spares.worker_runtime_env(cfg.resources.cpus_per_worker, hook=cfg.faults.spares)
+    return env | ({"py_executable": forkserver.py_executable()} if fork else {})
 
 
 def entry(config: dict[str, Any]) -> None:

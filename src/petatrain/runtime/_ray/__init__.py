@@ -114,6 +114,53 @@ def prestart_workers(count: int, runtime_env: str, keep_alive_s: int) -> None:
         channel.close()
 
 
+def default_worker_script() -> str:
+    """The real path of Ray's worker script (`ray._private.workers.default_worker`), imported: the fork
+    server imports it once and runs it as `__main__` in each process it forks."""
+    import os
+
+    from ray._private.workers import default_worker
+
+    return os.path.realpath(default_worker.__file__ or "")
+
+
+@contextlib.contextmanager
+def class_ids_from_os() -> Iterator[None]:
+    """While a fork server imports: the IDs `@ray.remote` classes draw at import come from the OS.
+
+    Ray's core library draws every random ID from one generator per process, seeded at its first
+    use and never again ("not fork-safe", src/ray/util/util.h); `ray.actor` draws an actor class's
+    ID (`ActorClassID.from_random()`) when the class is decorated. Drawn in the server, it would
+    seed the generator there, and every forked worker would then draw the same task IDs.
+    """
+    import os
+
+    import ray.actor
+
+    real = ray.actor.ActorClassID
+
+    class FromOs:
+        @staticmethod
+        def from_random() -> object:
+            return real(os.urandom(real.size()))
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(real, name)
+
+    ray.actor.ActorClassID = FromOs()
+    try:
+        yield
+    finally:
+        ray.actor.ActorClassID = real
+
+
+def random_id() -> bytes:
+    """A random ID from Ray's core library (its per-process generator; see class_ids_from_os)."""
+    from ray._raylet import UniqueID
+
+    return UniqueID.from_random().binary()
+
+
 def token_refused(address: str, timeout_s: float = 10.0) -> bool:
     """Whether the cluster at `address` (a GCS `host:port`, or a Ray Client `ray://host:port`)
     refuses this process's token authentication: it asks for a token and this process sends none,

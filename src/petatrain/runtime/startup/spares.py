@@ -72,16 +72,18 @@ _claimed = threading.Event()  # a rank has started in this process
 _flip = threading.Lock()  # one priority change at a time: a waiting spare's follower, or claim()
 
 
-def worker_runtime_env(cpus_per_worker: float) -> dict:
-    """The worker group's runtime environment: every new worker process of the group runs `warm_up`.
+def worker_runtime_env(cpus_per_worker: float, *, hook: bool = True) -> dict:
+    """The worker group's runtime environment: every new worker process of the group runs `warm_up`
+    (without `hook`, only the threads below).
 
     It also fixes OMP_NUM_THREADS from the start, to what Ray would set it to when the rank's
     actor starts (the floor of its CPUs, at least 1) unless the driver's environment sets it.
-    Ray sets it only then, and torch, imported earlier by `warm_up`, would have sized its
-    thread pool by the node's cores: the ranks of a node would oversubscribe its cores.
+    Ray sets it only then, and torch, imported earlier by `warm_up` or by the fork server,
+    would have sized its thread pool by the node's cores: the ranks of a node would
+    oversubscribe its cores.
     """
     threads = os.environ.get(constants.OMP_THREADS_ENV) or str(max(1, math.floor(cpus_per_worker)))
-    return {"env_vars": {HOOK_ENV: HOOK, constants.OMP_THREADS_ENV: threads}}
+    return {"env_vars": {constants.OMP_THREADS_ENV: threads} | ({HOOK_ENV: HOOK} if hook else {})}
 
 
 def wanted(cfg: Any) -> bool:

@@ -1,0 +1,390 @@
+"""Rank processes forked from one process per node that imported torch, Ray Train and petatrain once.
+
+A new Ray worker process spends ~3.5-5 s of CPU before its rank can build a model: Python
+and Ray start, then torch, TorchDynamo (DDP's and FSDP2's constructors read it) and Ray
+Train are imported. Every rank of every attempt paid it, and the spares paid it again. Ray
+never reuses an actor's process, so a 2-rank run with one restart imported the same modules
+six times over.
+
+Ray starts a worker process as `<py_executable> default_worker.py ARGS` when the worker's
+runtime environment names a `py_executable` (a public runtime-environment field). The
+worker group's runtime environment names this file, run with `-I -S` (no site packages,
+a few milliseconds), as that executable: the *shim*. The shim asks its node's *fork server*
+for the worker process:
+
+- The server is started by the first shim that finds none (`_start_server`), listens on a
+  socket in the Ray session's `sockets/` directory (mode 0600; a connection from another
+  user is refused, `SO_PEERCRED`), and imports what a rank imports (`spares.MODULES`) once.
+  It serves one environment: its key is a digest of the worker's environment variables, so
+  a worker whose environment differs gets a server of its own.
+- For each request it forks: the child takes the shim's stdin, stdout and stderr, working
+  directory and environment, reseeds numpy's global generator (Python's `random` reseeds
+  itself after a fork), and runs Ray's `default_worker.py` as `__main__`, exactly as Ray
+  would have. Ray's worker registers with the raylet by its startup token, so the raylet
+  signals and kills the forked process as it would its own.
+- The shim stays as the raylet's child for as long as the worker lives, forwards SIGTERM,
+  SIGINT and SIGHUP to it and exits with its status.
+- The server ends when the raylet does, or after `IDLE_EXIT_S` without a request.
+
+Only where the workers share this process's files: a Ray this process started
+(`runtime.trainer`, local runs and the test suite), not a cluster it joined, where the
+driver's paths need not exist on the nodes.
+
+Everything here is an optimisation: whatever fails (no server, a refused request, a socket
+path too long, a server that died while importing), the shim runs the worker itself, as
+Ray would have. The server never initialises CUDA (it checks), so a forked rank can use it.
+"""
+
+from __future__ import annotations
+
+import array
+import hashlib
+import json
+import os
+import select
+import shlex
+import signal
+import socket
+import sys
+import time
+
+# The shim runs this file with `-I -S`: only the standard library may be imported at the top.
+
+IDLE_EXIT_S = 3600.0  # the server ends after this long without a request
+CONNECT_WAIT_S = 30.0  # how long a shim waits for a server it started to listen
+ANSWER_WAIT_S = 600.0  # how long a shim waits for its process (the server imports first: ~5 s of CPU)
+_VOLATILE = ("RAY_JOB_ID",)  # differ between the workers one server may serve: not in its key
+_MAX_SOCKET_PATH = 104  # sun_path is 108 bytes
+
+
+def py_executable() -> str:
+    """The runtime environment's `py_executable`: this file as the shim, with this process's Python."""
+    return f"{shlex.quote(sys.executable)} -I -S {shlex.quote(os.path.abspath(__file__))}"
+
+
+def available() -> bool:
+    """Forking needs Linux (fork, SCM_RIGHTS, pidfd)."""
+    return sys.platform == "linux" and hasattr(os, "pidfd_open")
+
+
+# --- the shim: Ray's worker command ---------------------------------------------------------
+
+
+def shim(argv: list[str]) -> None:
+    """Run Ray's worker `argv` (default_worker.py and its arguments) forked from the node's server."""
+    try:
+        conn, pid = _ask(argv)
+    except Exception as exc:  # the worker starts as Ray would have started it
+        print(f"petatrain fork server: not used ({exc}); the worker starts on its own", file=sys.stderr)
+        os.execv(sys.executable, [sys.executable, *argv])
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda signum, _frame: os.kill(pid, signum))
+    os._exit(_wait(conn, pid))
+
+
+def _ask(argv: list[str]) -> tuple[socket.socket, int]:
+    path = socket_path(argv, dict(os.environ))
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.connect(path)
+    except OSError:
+        _start_server(path)
+        deadline = time.monotonic() + CONNECT_WAIT_S
+        while True:
+            time.sleep(0.02)
+            try:
+                conn.connect(path)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+    request = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}).encode()
+    conn.sendall(len(request).to_bytes(8, "big"))
+    conn.sendmsg([request], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [0, 1, 2]))])
+    conn.settimeout(ANSWER_WAIT_S)
+    answer = _line(conn)
+    if not answer.isdigit():
+        raise OSError(answer or "the server closed the connection")
+    conn.settimeout(None)
+    return conn, int(answer)
+
+
+def _wait(conn: socket.socket, pid: int) -> int:
+    """The forked worker's exit status, from the server; if the server is gone, wait for the worker itself."""
+    status = _line(conn)
+    if status.lstrip("-").isdigit():
+        return _exit_code(int(status))
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError:
+        return 1
+    select.select([fd], [], [])
+    return 1
+
+
+def _exit_code(status: int) -> int:
+    """A worker killed by signal N exits the shim with 128 + N, as a shell reports it."""
+    return status if status >= 0 else 128 - status
+
+
+def _line(conn: socket.socket) -> str:
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = conn.recv(64)
+        if not chunk:
+            break
+        data += chunk
+    return data.decode(errors="replace").strip()
+
+
+def socket_path(argv: list[str], env: dict[str, str]) -> str:
+    """The server's socket: beside the raylet's, one per environment (a digest of its variables)."""
+    raylet = next((a.split("=", 1)[1] for a in argv if a.startswith("--raylet-name=")), "")
+    if not raylet:
+        raise OSError("no --raylet-name in the worker's arguments")
+    key = {k: v for k, v in env.items() if k not in _VOLATILE}
+    digest = hashlib.sha256(json.dumps([sys.executable, sorted(key.items())]).encode()).hexdigest()[:12]
+    path = os.path.join(os.path.dirname(raylet), f"petatrain-fork-{digest}")
+    if len(path.encode()) > _MAX_SOCKET_PATH:
+        raise OSError(f"socket path too long ({len(path)} bytes)")
+    return path
+
+
+def _start_server(path: str) -> None:
+    """Start the server in a session of its own (double fork), its output in the session's logs."""
+    pid = os.fork()
+    if pid:
+        os.waitpid(pid, 0)
+        return
+    try:
+        os.setsid()
+        if os.fork():
+            os._exit(0)
+        logs = os.path.join(os.path.dirname(os.path.dirname(path)), "logs")
+        log_file = os.path.join(logs, os.path.basename(path) + ".log")
+        log = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        code = "import sys; from petatrain.runtime.startup.forkserver import serve; serve(sys.argv[1])"
+        os.execv(sys.executable, [sys.executable, "-c", code, path])
+    finally:
+        os._exit(1)
+
+
+# --- the server ------------------------------------------------------------------------------
+
+
+def serve(path: str) -> None:
+    """Import a rank's modules once, then fork a worker process for each shim that asks."""
+    import fcntl
+
+    lock = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return  # another shim's server won the race
+    raylet = int(os.environ.get("RAY_RAYLET_PID", "0") or 0)
+    with _suppress():
+        os.unlink(path)  # a server that was killed left it
+    old = os.umask(0o177)
+    try:
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        server.bind(path)  # before the imports: shims connect at once and wait for their answer
+    finally:
+        os.umask(old)
+    server.listen(128)
+    try:
+        worker = _import_all()
+        os.chdir("/")  # the first shim's directory may go; each child takes its own
+        _loop(server, lock, worker, raylet)
+    finally:
+        with _suppress():
+            os.unlink(path)
+
+
+def _import_all() -> str:
+    """Import what a rank imports; returns the path of Ray's worker script, the only one served."""
+    import importlib
+
+    started, cpu = time.time(), time.process_time()
+    from petatrain.runtime._ray import class_ids_from_os, default_worker_script
+    from petatrain.runtime.startup.spares import MODULES
+
+    with class_ids_from_os():
+        for name in MODULES:
+            importlib.import_module(name)
+        worker = default_worker_script()
+    import torch
+
+    if torch.cuda.is_initialized():  # a forked child could not use CUDA
+        raise RuntimeError("CUDA was initialised while importing; not forking from this process")
+    _check_ids_differ()
+    print(
+        f"{time.strftime('%Y-%m-%d %H:%M:%S')} imported in {time.time() - started:.1f} s "
+        f"({time.process_time() - cpu:.1f} s of CPU); serving {worker}",
+        flush=True,
+    )
+    return worker
+
+
+def _check_ids_differ() -> None:
+    """Fork two probes that draw one of Ray's random IDs each: equal IDs mean the imports seeded Ray's
+    generator (`_ray.class_ids_from_os` missed a draw), and forked workers would repeat each other's IDs."""
+    from petatrain.runtime._ray import random_id
+
+    drawn = []
+    for _ in range(2):
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.write(write, random_id())
+            os._exit(0)
+        os.close(write)
+        os.waitpid(pid, 0)
+        drawn.append(os.read(read, 64))
+        os.close(read)
+    if drawn[0] == drawn[1]:
+        raise RuntimeError("Ray's random IDs were seeded while importing: forked workers would repeat them")
+
+
+def _loop(server: socket.socket, lock: int, worker: str, raylet: int) -> None:
+    children: dict[int, socket.socket] = {}
+    last = time.monotonic()
+    while True:
+        ready, _, _ = select.select([server], [], [], 0.5)
+        _reap(children)
+        if raylet and not _alive(raylet):
+            return
+        if not ready:
+            if not children and time.monotonic() - last > IDLE_EXIT_S:
+                return
+            continue
+        last = time.monotonic()
+        conn, _ = server.accept()
+        try:
+            request, fds = _read_request(conn)
+        except Exception as exc:  # a malformed request: refused, the server goes on
+            _refuse(conn, f"bad request: {exc}")
+            continue
+        try:
+            if os.path.realpath(request["argv"][0]) != worker:
+                _refuse(conn, f"not Ray's worker script: {request['argv'][0]}")
+                continue
+            pid = os.fork()
+            if pid == 0:
+                _child(request, fds, [server.fileno(), lock, conn.fileno(), *(c.fileno() for c in children.values())])
+            conn.sendall(b"%d\n" % pid)
+            children[pid] = conn
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+
+def _read_request(conn: socket.socket) -> tuple[dict, list[int]]:
+    conn.settimeout(10.0)
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+    if int.from_bytes(creds[4:8], sys.byteorder) != os.getuid():
+        raise PermissionError("another user's process")
+    size = int.from_bytes(conn.recv(8, socket.MSG_WAITALL), "big")
+    if not 0 < size < 1 << 24:
+        raise ValueError(f"size {size}")
+    fds = array.array("i")
+    data, ancillary, _flags, _addr = conn.recvmsg(size, socket.CMSG_LEN(3 * fds.itemsize))
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+    received = list(fds)
+    try:
+        while len(data) < size:
+            chunk = conn.recv(size - len(data))
+            if not chunk:
+                raise ValueError("truncated")
+            data += chunk
+        if len(received) != 3:
+            raise ValueError(f"{len(received)} file descriptors, not 3")
+        conn.settimeout(None)
+        return json.loads(data), received
+    except Exception:
+        for fd in received:
+            os.close(fd)
+        raise
+
+
+def _refuse(conn: socket.socket, why: str) -> None:
+    print(f"refused: {why}", flush=True)
+    with _suppress():
+        conn.sendall(why.replace("\n", " ").encode()[:200] + b"\n")
+    conn.close()
+
+
+def _child(request: dict, fds: list[int], close: list[int]) -> None:
+    """The forked worker: the shim's stdio, directory and environment, then Ray's worker as __main__."""
+    code = 1
+    try:
+        for fd in close:
+            os.close(fd)
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+        os.setsid()
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        np_random = sys.modules.get("numpy.random")
+        if np_random is not None:
+            np_random.seed()  # the server's global state would repeat in every child
+        argv = request["argv"]
+        sys.argv = list(argv)
+        here = os.path.dirname(argv[0])  # as Python puts a script's directory first (the server's is -c's "")
+        sys.path[0:1] = [here] if sys.path and sys.path[0] == "" else [here, *sys.path[:1]]
+        import runpy
+
+        runpy.run_path(argv[0], run_name="__main__")
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
+def _reap(children: dict[int, socket.socket]) -> None:
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if not pid:
+            return
+        conn = children.pop(pid, None)
+        if conn is not None:
+            with _suppress():
+                conn.sendall(b"%d\n" % os.waitstatus_to_exitcode(status))
+            conn.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+class _suppress:
+    """contextlib.suppress(OSError), without importing contextlib into the shim."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type | None, *_: object) -> bool:
+        return kind is not None and issubclass(kind, OSError)
+
+
+if __name__ == "__main__":
+    shim(sys.argv[1:])
