@@ -11,8 +11,11 @@ For every repetition, each in a fresh process with its own local Ray:
   classified the failure), the first `step` event of the next attempt. As configured by
   default: Ray Train's controller runs in the driver, and once an attempt steps each node
   starts and imports the next attempt's worker processes at idle priority (spares,
-  petatrain.runtime.startup.spares), in which the restart's ranks start. A second row turns off the
-  spares (`faults.spares: false`). A third runs the controller as Ray Train does, an actor
+  petatrain.runtime.startup.spares), in which the restart's ranks start; every rank process, spare
+  or not, is forked from the node's fork server, which imported torch, TorchDynamo and Ray Train
+  once (petatrain.runtime.startup.forkserver). A second row turns off the spares
+  (`faults.spares: false`), another the fork server (`faults.forkserver: false`). Another runs
+  the controller as Ray Train does, an actor
   (`PETATRAIN_CONTROLLER=actor`), with the warm standby that then starts the next
   attempt's controller once the attempt steps (`faults.standby: true`).
 - **Ray Train**: a plain `TorchTrainer` with `FailureConfig(max_failures=1)` whose loop saves
@@ -23,7 +26,9 @@ For every repetition, each in a fresh process with its own local Ray:
   with the 0.5 s interval petatrain sets.
 
 detection = kill -> failure detected; restart = detected -> first step completed after the
-resume; total = their sum (the target: <= 30 s). "back at K" is kill -> step K done again
+resume; total = their sum (the target: <= 30 s). For petatrain, "run CPU s" is the machine's CPU
+time (/proc/stat, every process) over the whole run, start to exit, and "run s" its wall time.
+"back at K" is kill -> step K done again
 (the steps lost since the last checkpoint are recomputed). The restart breakdown shows where
 the time goes. The machine is shared and small, so every figure is the median of the
 repetitions, with min-max.
@@ -73,17 +78,26 @@ def dataset() -> str:
 
 
 def run_petatrain(
-    ds: str, steps: int, kill_step: int, rep: int, *, spares: bool = True, controller: str = "driver"
+    ds: str,
+    steps: int,
+    kill_step: int,
+    rep: int,
+    *,
+    spares: bool = True,
+    forkserver: bool = True,
+    controller: str = "driver",
 ) -> dict:
-    run_dir = WORK / f"petatrain-run-{controller}-{spares}-{rep}"
+    run_dir = WORK / f"petatrain-run-{controller}-{spares}-{forkserver}-{rep}"
     shutil.rmtree(run_dir, ignore_errors=True)
     sets = [f"data.dataset={ds}", f"train.steps={steps}", f"checkpoint.every={CKPT_EVERY}", "train.eval_every=0"]
-    sets += [f"faults.spares={str(spares).lower()}"]  # faults.standby: true, the default
+    sets += [f"faults.spares={str(spares).lower()}", f"faults.forkserver={str(forkserver).lower()}"]
     cmd = [sys.executable, "-m", "petatrain", "train", str(TINY), "--run-dir", str(run_dir), "--json"]
     cmd += [arg for s in sets for arg in ("--set", s)] + ["--inject", f"kill@step={kill_step},rank=1"]
     load = os.getloadavg()[0]
     env = {**os.environ, "PETATRAIN_CONTROLLER": controller}
+    cpu, wall = _machine_cpu_s(), time.time()
     result = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=ROOT, env=env)
+    cpu, wall = _machine_cpu_s() - cpu, time.time() - wall
     if result.returncode != 0:
         raise SystemExit(f"petatrain train failed:\n{result.stderr[-3000:]}")
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines() if line.strip()]
@@ -98,7 +112,7 @@ def run_petatrain(
     ranks = [e for e in events if e["event"] == "worker_start" and e["attempt"] == 1]
     starts = [e["t"] for e in ranks]
     begun = first("attempt_start", 1)["t"]
-    return _row(
+    row = _row(
         kill=killed["t"],
         detected=failure["t"],
         first_step=step1["t"],
@@ -114,6 +128,7 @@ def run_petatrain(
             "resumed -> first step done": step1["t"] - resumed["t"],
         },
     )
+    return row | {"run_cpu_s": round(cpu, 1), "run_s": round(wall, 1)}
 
 
 def _first(events: list[dict], kind: str, attempt: int | None = None, **match) -> dict:
@@ -294,12 +309,21 @@ def run_ray_train(steps: int, kill_step: int, rep: int, health_check_s: float | 
     )
 
 
+def _machine_cpu_s() -> float:
+    """CPU seconds every process of the machine has used since boot (/proc/stat: all but idle and iowait)."""
+    with open("/proc/stat") as f:
+        ticks = [int(v) for v in f.readline().split()[1:]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
 # -- report -------------------------------------------------------------------------------
 
 
 def summarise(rows: list[dict]) -> dict:
     out = {}
-    for key in ("detection_s", "restart_s", "total_s", "back_at_k_s", "steps_lost"):
+    for key in ("detection_s", "restart_s", "total_s", "back_at_k_s", "steps_lost", "run_cpu_s", "run_s"):
+        if key not in rows[0]:
+            continue  # Ray Train's rows: no whole-run figures
         values = [r[key] for r in rows]
         out[key] = {
             "median": round(statistics.median(values), 2),
@@ -332,6 +356,7 @@ def main() -> None:
     runs = {
         "petatrain": lambda rep: run_petatrain(ds, args.steps, args.kill_step, rep),
         "petatrain, no spares": lambda rep: run_petatrain(ds, args.steps, args.kill_step, rep, spares=False),
+        "petatrain, no fork server": lambda rep: run_petatrain(ds, args.steps, args.kill_step, rep, forkserver=False),
         "petatrain, controller actor + standby": lambda rep: run_petatrain(
             ds, args.steps, args.kill_step, rep, controller="actor"
         ),
@@ -367,6 +392,10 @@ def main() -> None:
             f"{name:<40} {cell(s['detection_s']):>17} {cell(s['restart_s']):>17} {cell(s['total_s']):>17} "
             f"{cell(s['back_at_k_s']):>17} {s['steps_lost']['median']:>5.0f}"
         )
+    print(f"\n{'whole run (petatrain)':<40} {'run CPU s':>17} {'run s':>17}")
+    for name, s in summary.items():
+        if "run_cpu_s" in s:
+            print(f"{name:<40} {cell(s['run_cpu_s']):>17} {cell(s['run_s']):>17}")
     for name, s in summary.items():
         print(f"\nrestart breakdown, {name} (median s):")
         for part, seconds in s["restart_breakdown_s"].items():

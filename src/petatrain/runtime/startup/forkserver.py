@@ -16,7 +16,9 @@ for the worker process:
   socket in the Ray session's `sockets/` directory (mode 0600; a connection from another
   user is refused, `SO_PEERCRED`), and imports what a rank imports (`spares.MODULES`) once.
   It serves one environment: its key is a digest of the worker's environment variables, so
-  a worker whose environment differs gets a server of its own.
+  a worker whose environment differs, another Ray job's included (`RAY_JOB_ID`), gets a
+  server of its own. Modules read some variables once, on import: a server shared by two
+  jobs had its second job's workers register as the first job's, and Ray ended them.
 - For each request it forks: the child takes the shim's stdin, stdout and stderr, working
   directory and environment, reseeds numpy's global generator (Python's `random` reseeds
   itself after a fork), and runs Ray's `default_worker.py` as `__main__`, exactly as Ray
@@ -50,10 +52,9 @@ import time
 
 # The shim runs this file with `-I -S`: only the standard library may be imported at the top.
 
-IDLE_EXIT_S = 3600.0  # the server ends after this long without a request
+IDLE_EXIT_S = 600.0  # the server ends after this long without a request (and with no worker alive)
 CONNECT_WAIT_S = 30.0  # how long a shim waits for a server it started to listen
 ANSWER_WAIT_S = 600.0  # how long a shim waits for its process (the server imports first: ~5 s of CPU)
-_VOLATILE = ("RAY_JOB_ID",)  # differ between the workers one server may serve: not in its key
 _MAX_SOCKET_PATH = 104  # sun_path is 108 bytes
 
 
@@ -77,8 +78,13 @@ def shim(argv: list[str]) -> None:
     except Exception as exc:  # the worker starts as Ray would have started it
         print(f"petatrain fork server: not used ({exc}); the worker starts on its own", file=sys.stderr)
         os.execv(sys.executable, [sys.executable, *argv])
+
+    def forward(signum: int, _frame: object) -> None:
+        with _suppress():  # it has ended: the server's answer follows
+            os.kill(pid, signum)
+
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, lambda signum, _frame: os.kill(pid, signum))
+        signal.signal(sig, forward)
     os._exit(_wait(conn, pid))
 
 
@@ -100,7 +106,8 @@ def _ask(argv: list[str]) -> tuple[socket.socket, int]:
                     raise
     request = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}).encode()
     conn.sendall(len(request).to_bytes(8, "big"))
-    conn.sendmsg([request], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [0, 1, 2]))])
+    sent = conn.sendmsg([request], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [0, 1, 2]))])
+    conn.sendall(request[sent:])
     conn.settimeout(ANSWER_WAIT_S)
     answer = _line(conn)
     if not answer.isdigit():
@@ -138,12 +145,12 @@ def _line(conn: socket.socket) -> str:
 
 
 def socket_path(argv: list[str], env: dict[str, str]) -> str:
-    """The server's socket: beside the raylet's, one per environment (a digest of its variables)."""
+    """The server's socket: beside the raylet's, one per environment (a digest of all its variables, the
+    Ray job's ID among them: modules imported by the server read some once, RAY_JOB_ID included)."""
     raylet = next((a.split("=", 1)[1] for a in argv if a.startswith("--raylet-name=")), "")
     if not raylet:
         raise OSError("no --raylet-name in the worker's arguments")
-    key = {k: v for k, v in env.items() if k not in _VOLATILE}
-    digest = hashlib.sha256(json.dumps([sys.executable, sorted(key.items())]).encode()).hexdigest()[:12]
+    digest = hashlib.sha256(json.dumps([sys.executable, sorted(env.items())]).encode()).hexdigest()[:12]
     path = os.path.join(os.path.dirname(raylet), f"petatrain-fork-{digest}")
     if len(path.encode()) > _MAX_SOCKET_PATH:
         raise OSError(f"socket path too long ({len(path)} bytes)")
@@ -274,7 +281,8 @@ def _loop(server: socket.socket, lock: int, worker: str, raylet: int) -> None:
             pid = os.fork()
             if pid == 0:
                 _child(request, fds, [server.fileno(), lock, conn.fileno(), *(c.fileno() for c in children.values())])
-            conn.sendall(b"%d\n" % pid)
+            with _suppress():  # a shim gone meanwhile: its worker registers with no one and exits
+                conn.sendall(b"%d\n" % pid)
             children[pid] = conn
         finally:
             for fd in fds:
@@ -304,7 +312,13 @@ def _read_request(conn: socket.socket) -> tuple[dict, list[int]]:
         if len(received) != 3:
             raise ValueError(f"{len(received)} file descriptors, not 3")
         conn.settimeout(None)
-        return json.loads(data), received
+        request = json.loads(data)
+        argv, env, cwd = request["argv"], request["env"], request["cwd"]
+        if not (argv and all(isinstance(a, str) for a in argv) and isinstance(cwd, str)):
+            raise ValueError("argv must be strings, cwd a string")
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+            raise ValueError("env must map strings to strings")
+        return request, received
     except Exception:
         for fd in received:
             os.close(fd)
