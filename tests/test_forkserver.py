@@ -90,8 +90,9 @@ def test_ranks_start_forked_from_one_server_as_ray_would_start_them(ray_local, t
         assert time.monotonic() < deadline, "a killed worker's shim exits with it"
         time.sleep(0.1)
 
-    # The server's socket, as the shim finds it; another process of this user asking for another script
-    path = forkserver.socket_path([f"--raylet-name={facts[0]['raylet_socket']}"], facts[0]["env"])
+    # The server's socket (its last argument), beside the raylet's; this user's process asking for another script
+    path = _server_of(facts[1]["pid"]).split()[-1]  # facts[0]'s actor is killed
+    assert os.path.dirname(path) == os.path.dirname(facts[0]["raylet_socket"])
     assert oct(os.stat(path).st_mode & 0o777) == "0o600"
     refused = _ask(path, {"argv": [sys.executable, "-c", "print('not a worker')"], "env": {}, "cwd": "/"})
     assert refused.startswith("not Ray's worker script"), refused
