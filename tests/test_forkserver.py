@@ -6,6 +6,7 @@ from __future__ import annotations
 import array
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -44,10 +45,10 @@ def _shims() -> set[int]:
 
 
 def test_ranks_start_forked_from_one_server_as_ray_would_start_them(ray_local, tmp_path):
-    """Two actors of the worker group's runtime environment: forked from the node's one server, with the
-    modules imported, each with its own Ray IDs and numpy draws, the environment's variables and the
-    job's directory; a killed actor's shim exits; a request for anything but Ray's worker script, or a
-    malformed one, is refused and the server goes on serving."""
+    """Two actors of the worker group's runtime environment: forked from the node's one server, each with
+    its own Ray IDs and numpy draws and the environment's variables; a killed actor's shim exits, and a
+    killed shim's worker ends; a request for anything but Ray's worker script, or a malformed one, is
+    refused and the server goes on serving."""
     ray = ray_local
     cfg = JobConfig()
     env = trainer.worker_runtime_env(cfg, local=True)
@@ -94,7 +95,7 @@ def test_ranks_start_forked_from_one_server_as_ray_would_start_them(ray_local, t
     path = _server_of(facts[1]["pid"]).split()[-1]  # facts[0]'s actor is killed
     assert os.path.dirname(path) == os.path.dirname(facts[0]["raylet_socket"])
     assert oct(os.stat(path).st_mode & 0o777) == "0o600"
-    refused = _ask(path, {"argv": [sys.executable, "-c", "print('not a worker')"], "env": {}, "cwd": "/"})
+    refused = _ask(path, {"argv": [sys.executable, "-c", "print('x')"], "env": {}, "cwd": "/", "shim": os.getpid()})
     assert refused.startswith("not Ray's worker script"), refused
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:  # a malformed request
         conn.connect(path)
@@ -102,8 +103,23 @@ def test_ranks_start_forked_from_one_server_as_ray_would_start_them(ray_local, t
         assert conn.recv(200).decode().startswith("bad request")
     again = Rank.options(runtime_env=env).remote()  # the server still serves
     assert _server_of(ray.get(again.facts.remote(), timeout=120)["pid"]) == _server_of(facts[1]["pid"])
-    for rank in (ranks[1], again):
-        ray.kill(rank)
+    ray.kill(again)
+
+    # The raylet ends a worker by killing its process group, the shim's: the forked worker goes with it
+    (shim,) = _shims() & shims
+    os.kill(shim, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while _state(facts[1]["pid"]) not in ("Z", "gone"):
+        assert time.monotonic() < deadline, "a worker whose shim was killed ends with it"
+        time.sleep(0.05)
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
 
 
 def _ask(path: str, request: dict) -> str:

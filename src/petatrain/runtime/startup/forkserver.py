@@ -80,8 +80,8 @@ def shim(argv: list[str]) -> None:
         os.execv(sys.executable, [sys.executable, *argv])
 
     def forward(signum: int, _frame: object) -> None:
-        with _suppress():  # it has ended: the server's answer follows
-            os.kill(pid, signum)
+        with _suppress():  # to the worker's process group, as the raylet signals its workers' (ended: no-op)
+            os.killpg(pid, signum)
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, forward)
@@ -104,7 +104,7 @@ def _ask(argv: list[str]) -> tuple[socket.socket, int]:
             except OSError:
                 if time.monotonic() > deadline:
                     raise
-    request = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}).encode()
+    request = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "shim": os.getpid()}).encode()
     conn.sendall(len(request).to_bytes(8, "big"))
     sent = conn.sendmsg([request], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [0, 1, 2]))])
     conn.sendall(request[sent:])
@@ -313,9 +313,9 @@ def _read_request(conn: socket.socket) -> tuple[dict, list[int]]:
             raise ValueError(f"{len(received)} file descriptors, not 3")
         conn.settimeout(None)
         request = json.loads(data)
-        argv, env, cwd = request["argv"], request["env"], request["cwd"]
-        if not (argv and all(isinstance(a, str) for a in argv) and isinstance(cwd, str)):
-            raise ValueError("argv must be strings, cwd a string")
+        argv, env, cwd, shim = request["argv"], request["env"], request["cwd"], request["shim"]
+        if not (argv and all(isinstance(a, str) for a in argv) and isinstance(cwd, str) and isinstance(shim, int)):
+            raise ValueError("argv must be strings, cwd a string, shim a process ID")
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
             raise ValueError("env must map strings to strings")
         return request, received
@@ -341,6 +341,7 @@ def _child(request: dict, fds: list[int], close: list[int]) -> None:
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
         os.setsid()
+        _die_with(request["shim"])
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
@@ -363,6 +364,25 @@ def _child(request: dict, fds: list[int], close: list[int]) -> None:
         traceback.print_exc()
     finally:
         os._exit(code)
+
+
+def _die_with(shim: int) -> None:
+    """End this worker's process group when its shim ends.
+
+    The raylet started the shim as its worker, in a process group of its own, and ends a worker
+    by signalling that group: SIGTERM, then SIGKILL (a rank answers SIGTERM by draining, not
+    exiting). The shim forwards SIGTERM to this group; a SIGKILL it cannot forward, so a thread
+    here waits for the shim's end and kills the group, as the raylet's SIGKILL would have.
+    """
+    import threading
+
+    def watch() -> None:
+        try:
+            select.select([os.pidfd_open(shim)], [], [])
+        finally:
+            os.killpg(0, signal.SIGKILL)
+
+    threading.Thread(target=watch, name="petatrain-shim-watch", daemon=True).start()
 
 
 def _reap(children: dict[int, socket.socket]) -> None:
