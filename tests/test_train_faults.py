@@ -87,12 +87,15 @@ def test_every_fault_recovered_with_bit_identical_weights(baseline, token_datase
     found_after = hang_failure["t"] - hang_fired["t"]
     assert found_after < 6 + 5, f"the watchdog found the hang within hang_timeout_s: {found_after:.1f} s ({layout})"
     # The hung attempt stepped at least once before the hang (faults are >= 3 steps apart), so
-    # the raylet had its request for spares; the watchdog's 6 s left them time to start, and the
-    # next attempt's ranks started in them: processes whose warm-up began before that attempt.
+    # the raylet had its request for spares; the watchdog's 6 s left them time to start. The next
+    # attempt's ranks imported nothing themselves: each started in a spare (a process whose warm-up
+    # began before that attempt) or, forked from the fork server, found torch and Ray Train imported
+    # (a process that imports them spends 3-5 s of CPU on it).
     after_hang = hang_failure["attempt"] + 1
     begun = next(e["t"] for e in events if e["event"] == "attempt_start" and e["attempt"] == after_hang)
     ranks = [e for e in events if e["event"] == "worker_start" and e["attempt"] == after_hang]
-    assert len(ranks) == 2 and all(e["warm_up"]["started"] < begun for e in ranks), (layout, ranks, begun)
+    warm = [e["warm_up"]["started"] < begun or e["warm_up"]["cpu_imports_s"] < 1.0 for e in ranks]
+    assert len(ranks) == 2 and all(warm), (layout, ranks, begun)
     starts = [e for e in events if e["event"] == "worker_start"]
     assert {e["torch_threads"] for e in starts} == {1}, f"every rank, spare or cold, uses the one CPU it has ({layout})"
 
