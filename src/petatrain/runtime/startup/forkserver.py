@@ -22,11 +22,17 @@ for the worker process:
 - For each request it forks: the child takes the shim's stdin, stdout and stderr, working
   directory and environment, reseeds numpy's global generator (Python's `random` reseeds
   itself after a fork), and runs Ray's `default_worker.py` as `__main__`, exactly as Ray
-  would have. Ray's worker registers with the raylet by its startup token, so the raylet
-  signals and kills the forked process as it would its own.
+  would have. The worker registers with the raylet by the worker ID in its arguments and
+  its own pid.
 - The shim stays as the raylet's child for as long as the worker lives, forwards SIGTERM,
-  SIGINT and SIGHUP to it and exits with its status.
-- The server ends when the raylet does, or after `IDLE_EXIT_S` without a request.
+  SIGINT and SIGHUP to the worker's process group and exits with its status. The raylet
+  ends a worker by signalling the shim's group; the worker ends its own group when its shim
+  ends (`_die_with`).
+- Ray's core library seeds its random-ID generator on its first use and never after a fork:
+  the server's imports must not draw an ID (`_ray.class_ids_from_os`), and it checks that
+  two forked probes draw different ones before it serves (`_check_ids_differ`).
+- The server ends when the raylet does, or after `IDLE_EXIT_S` without a request and with
+  no worker alive.
 
 Only where the workers share this process's files: a Ray this process started
 (`runtime.trainer`, local runs and the test suite), not a cluster it joined, where the
