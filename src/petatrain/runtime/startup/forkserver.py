@@ -46,6 +46,7 @@ Ray would have. The server never initialises CUDA (it checks), so a forked rank 
 from __future__ import annotations
 
 import array
+import contextlib
 import hashlib
 import json
 import os
@@ -86,7 +87,8 @@ def shim(argv: list[str]) -> None:
         os.execv(sys.executable, [sys.executable, *argv])
 
     def forward(signum: int, _frame: object) -> None:
-        with _suppress():  # to the worker's process group, as the raylet signals its workers' (ended: no-op)
+        # To the worker's process group, as the raylet signals its workers' (a worker already ended: no-op).
+        with contextlib.suppress(OSError):
             os.killpg(pid, signum)
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -198,7 +200,7 @@ def serve(path: str) -> None:
     except OSError:
         return  # another shim's server won the race
     raylet = int(os.environ.get("RAY_RAYLET_PID", "0") or 0)
-    with _suppress():
+    with contextlib.suppress(OSError):
         os.unlink(path)  # a server that was killed left it
     old = os.umask(0o177)
     try:
@@ -212,7 +214,7 @@ def serve(path: str) -> None:
         os.chdir("/")  # the first shim's directory may go; each child takes its own
         _loop(server, lock, worker, raylet)
     finally:
-        with _suppress():
+        with contextlib.suppress(OSError):
             os.unlink(path)
 
 
@@ -287,7 +289,7 @@ def _loop(server: socket.socket, lock: int, worker: str, raylet: int) -> None:
             pid = os.fork()
             if pid == 0:
                 _child(request, fds, [server.fileno(), lock, conn.fileno(), *(c.fileno() for c in children.values())])
-            with _suppress():  # a shim gone meanwhile: its worker registers with no one and exits
+            with contextlib.suppress(OSError):  # a shim gone meanwhile: its worker registers with no one and exits
                 conn.sendall(b"%d\n" % pid)
             children[pid] = conn
         finally:
@@ -333,7 +335,7 @@ def _read_request(conn: socket.socket) -> tuple[dict, list[int]]:
 
 def _refuse(conn: socket.socket, why: str) -> None:
     print(f"refused: {why}", flush=True)
-    with _suppress():
+    with contextlib.suppress(OSError):
         conn.sendall(why.replace("\n", " ").encode()[:200] + b"\n")
     conn.close()
 
@@ -401,7 +403,7 @@ def _reap(children: dict[int, socket.socket]) -> None:
             return
         conn = children.pop(pid, None)
         if conn is not None:
-            with _suppress():
+            with contextlib.suppress(OSError):
                 conn.sendall(b"%d\n" % os.waitstatus_to_exitcode(status))
             conn.close()
 
@@ -414,16 +416,6 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-
-
-class _suppress:
-    """contextlib.suppress(OSError), without importing contextlib into the shim."""
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: type | None, *_: object) -> bool:
-        return kind is not None and issubclass(kind, OSError)
 
 
 if __name__ == "__main__":
