@@ -6,6 +6,7 @@ from __future__ import annotations
 import array
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -152,3 +153,33 @@ def test_without_a_server_the_shim_runs_the_worker_itself(tmp_path, argv):
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == f"ran {' '.join(argv)}"
     assert "petatrain fork server: not used" in done.stderr and "starts on its own" in done.stderr
+
+
+def test_a_joined_clusters_node_without_this_python_starts_its_worker_with_python(tmp_path, monkeypatch):
+    """On a cluster the driver joined, the executable is guarded: run as Ray runs it on a node (`bash -c
+    "exec <py_executable> ARGS"`, ray._private.runtime_env.context), a node with this Python and this
+    file runs the shim, and one without them runs `python` on the same arguments. Through Ray Client
+    the driver's paths are its own: no fork server."""
+    cfg = JobConfig()
+    assert trainer.worker_runtime_env(cfg, local=False)["py_executable"] == forkserver.py_executable(guarded=True)
+    assert "py_executable" not in trainer.worker_runtime_env(cfg, local=False, client=True)
+    script = tmp_path / "worker.py"
+    script.write_text("import sys; print('ran', sys.executable, *sys.argv[1:])")
+    args = [str(script), "--node-id=x", "it's"]  # no raylet socket: the shim runs it itself, and says so
+    path = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+
+    def run_on_node() -> subprocess.CompletedProcess:
+        command = " ".join(["exec", forkserver.py_executable(guarded=True), *map(shlex.quote, args)])
+        env = os.environ | {"PATH": path}
+        return subprocess.run(["bash", "-c", command], capture_output=True, text=True, env=env, timeout=60)
+
+    done = run_on_node()
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["ran", sys.executable, *args[1:]]
+    assert "petatrain fork server: not used" in done.stderr
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "no-such-python"))
+    done = run_on_node()
+    assert done.returncode == 0, done.stderr
+    ran = done.stdout.split()
+    assert ran[0] == "ran" and ran[2:] == args[1:] and "no-such-python" not in ran[1]
+    assert "fork server" not in done.stderr

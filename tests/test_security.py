@@ -597,6 +597,9 @@ def test_training_joins_a_tls_cluster_with_the_configs_certificates_and_a_client
         )  # fmt: skip
         assert done.returncode == 0, done.stderr[-3000:]
         assert [e["step"] for e in read_events(str(run_dir)) if e["event"] == "step"][-1] == 12
+        # A joined cluster's ranks are forked too: one fork server on each node (runtime.startup.forkserver).
+        served = [p.read_text() for p in cluster.temp_root.glob("*/session_2*/logs/petatrain-fork-*.log")]
+        assert len(served) == 2 and all("serving" in log for log in served), served
         # Without the certificates a client never joins: the GCS takes only TLS. Ray's own driver
         # would retry its handshake for minutes, so the probe is one gRPC call of Ray's, plain and
         # then with the config's certificates: refused at the handshake (UNAVAILABLE), answered.

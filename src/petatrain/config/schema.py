@@ -400,9 +400,10 @@ class FaultsConfig:
     # idle priority, so a restart's ranks skip Python, Ray, torch and Ray Train start-up
     # (petatrain.runtime.startup.spares).
     spares: bool = True
-    # On a Ray this process started: fork every rank's process from one process per node that imported
-    # torch, Ray Train and petatrain once, instead of each importing them (~4 s of CPU a rank; a restart's
-    # ranks start in ~0.2 s). petatrain.runtime.startup.forkserver.
+    # Fork every rank's process from one process per node that imported torch, Ray Train and petatrain
+    # once, instead of each importing them (~4 s of CPU a rank; a restart's ranks start in ~0.2 s). Not
+    # through Ray Client; on a joined cluster, a node without the driver's Python and petatrain at the
+    # driver's paths starts its ranks with `python`. petatrain.runtime.startup.forkserver.
     forkserver: bool = True
     # On a cluster petatrain joined (--address): how long an attempt waits for room for the smallest
     # worker count (a replaced pod, the autoscaler's new node) before the run fails. A local Ray never grows.

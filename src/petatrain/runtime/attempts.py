@@ -38,7 +38,9 @@ class RayAttempts:
         self.started = time.time()
         self.carry_step: int | None = None  # setup.Run.carry_step
         self.ended = False  # the ledger has the run's end (finished or given up)
-        self.local = not cluster.joined(job.address or cfg.resources.address)
+        address = job.address or cfg.resources.address
+        self.local = not cluster.joined(address)
+        self.client = cluster.is_client_address(address)  # Ray Client: this process is off the cluster
         self.standby = Standby(self.build, enabled=cfg.faults.standby)
         most = cfg.parallel.worker_range()[1]
         timeout_s = cfg.faults.hang_timeout_s
@@ -56,7 +58,9 @@ class RayAttempts:
         return record
 
     def build(self, attempt: int, world: int) -> Any:
-        return make_trainer(self.cfg, self._payload(attempt), world, self.run_id, attempt, local=self.local)
+        return make_trainer(
+            self.cfg, self._payload(attempt), world, self.run_id, attempt, local=self.local, client=self.client
+        )
 
     def run(self, attempt: int, world: int) -> AttemptOutcome:
         from petatrain.runtime._ray.errors import attempt_failed

@@ -18,10 +18,12 @@ from petatrain.runtime.supervisor import use_gpu
 from petatrain.runtime.watchdog import Watchdog
 
 
-def make_trainer(cfg: JobConfig, payload: Any, world: int, run_id: str, attempt: int, *, local: bool) -> Any:
+def make_trainer(
+    cfg: JobConfig, payload: Any, world: int, run_id: str, attempt: int, *, local: bool, client: bool = False
+) -> Any:
     """The TorchTrainer of one attempt: N workers, gloo or NCCL, no retries of its own.
 
-    `local`: on a Ray this process started (no autoscaler, no Ray Client).
+    `local`: on a Ray this process started (no autoscaler, no Ray Client). `client`: through Ray Client.
     """
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
@@ -41,22 +43,23 @@ def make_trainer(cfg: JobConfig, payload: Any, world: int, run_id: str, attempt:
             name=f"petatrain-{run_id}-attempt{attempt}",
             storage_path=storage,
             failure_config=FailureConfig(max_failures=0),  # the supervisor decides, not Ray Train
-            worker_runtime_env=worker_runtime_env(cfg, local=local),
+            worker_runtime_env=worker_runtime_env(cfg, local=local, client=client),
         ),
     )
     trainer.drain = (payload.hub, attempt)  # a failure lets rank 0 finish its checkpoint write (CommitDrain)
     return trainer
 
 
-def worker_runtime_env(cfg: JobConfig, *, local: bool) -> dict | None:
+def worker_runtime_env(cfg: JobConfig, *, local: bool, client: bool = False) -> dict | None:
     """The worker group's runtime environment: the spares' (even when this run makes none, no restarts
     allowed: its ranks then start in spares another run of the job left, a search's trials, a loop's
-    cycles), and the fork server's executable on a Ray this process started (its paths are the nodes')."""
-    fork = cfg.faults.forkserver and local and forkserver.available()
+    cycles), and the fork server's executable: as it is on a Ray this process started (its paths are
+    the nodes'), guarded on a cluster it joined, none through Ray Client (`client`: paths of its own)."""
+    fork = cfg.faults.forkserver and not client and forkserver.available()
     if not (cfg.faults.spares or fork):
         return None
     env = spares.worker_runtime_env(cfg.resources.cpus_per_worker, hook=cfg.faults.spares)
-    return env | ({"py_executable": forkserver.py_executable()} if fork else {})
+    return env | ({"py_executable": forkserver.py_executable(guarded=not local)} if fork else {})
 
 
 def entry(config: dict[str, Any]) -> None:

@@ -11,7 +11,7 @@ trains the same without them. A reader following how a run recovers can skip thi
     spares.py   the next attempt's worker processes, started and imported while this attempt trains.
                 Off: `faults.spares: false` (also off where `faults.max_restarts` is 0).
     forkserver.py every rank process forked from one process per node that imported torch, TorchDynamo
-                and Ray Train once, on a Ray this process started. Off: `faults.forkserver: false`.
+                and Ray Train once (not through Ray Client). Off: `faults.forkserver: false`.
 
 benchmarks/recovery.py measures what each saves.
 """

@@ -34,9 +34,12 @@ for the worker process:
 - The server ends when the raylet does, or after `IDLE_EXIT_S` without a request and with
   no worker alive.
 
-Only where the workers share this process's files: a Ray this process started
-(`runtime.trainer`, local runs and the test suite), not a cluster it joined, where the
-driver's paths need not exist on the nodes.
+On a Ray this process started (local runs and the test suite) the nodes are this machine. On a
+cluster it joined with an address, this process runs on one of its nodes (Ray's rule for a
+driver; KubeRay's pods share an image) and the others usually have the same paths: the
+executable checks that the node has this Python and this file and else starts the worker with
+`python`, as Ray's container environments do (`py_executable(guarded=True)`). Not through Ray
+Client (`ray://`): that driver runs off the cluster, with paths of its own.
 
 Everything here is an optimisation: whatever fails (no server, a refused request, a socket
 path too long, a server that died while importing), the shim runs the worker itself, as
@@ -59,15 +62,26 @@ import time
 
 # The shim runs this file with `-I -S`: only the standard library may be imported at the top.
 
-IDLE_EXIT_S = 600.0  # the server ends after this long without a request (and with no worker alive)
+# The server ends after this long without a request and with no worker alive: a job's restarts ask
+# within seconds, and a server whose job ended holds its imports' memory (~0.5 GB) until then.
+IDLE_EXIT_S = 120.0
 CONNECT_WAIT_S = 30.0  # how long a shim waits for a server it started to listen
 ANSWER_WAIT_S = 600.0  # how long a shim waits for its process (the server imports first: ~5 s of CPU)
 _MAX_SOCKET_PATH = 104  # sun_path is 108 bytes
 
 
-def py_executable() -> str:
-    """The runtime environment's `py_executable`: this file as the shim, with this process's Python."""
-    return f"{shlex.quote(sys.executable)} -I -S {shlex.quote(os.path.abspath(__file__))}"
+def py_executable(*, guarded: bool = False) -> str:
+    """The runtime environment's `py_executable`: this file as the shim, with this process's Python.
+
+    `guarded`, for a cluster this process joined (its nodes need not have this file or this Python):
+    Ray runs the executable as `bash -c "exec <py_executable> default_worker.py ..."` on the node, and
+    a node without either starts its worker with `python`, as Ray's own container and conda
+    environments do. A node with both has petatrain installed where this process has it."""
+    python, shim_file = sys.executable, os.path.abspath(__file__)
+    if not guarded:
+        return f"{shlex.quote(python)} -I -S {shlex.quote(shim_file)}"
+    script = 'if [ -x "$0" ] && [ -f "$1" ]; then exec "$0" -I -S "$@"; fi; shift; exec python "$@"'
+    return f"bash -c {shlex.quote(script)} {shlex.quote(python)} {shlex.quote(shim_file)}"
 
 
 def available() -> bool:
@@ -158,7 +172,8 @@ def socket_path(argv: list[str], env: dict[str, str]) -> str:
     raylet = next((a.split("=", 1)[1] for a in argv if a.startswith("--raylet-name=")), "")
     if not raylet:
         raise OSError("no --raylet-name in the worker's arguments")
-    digest = hashlib.sha256(json.dumps([sys.executable, sorted(env.items())]).encode()).hexdigest()[:12]
+    # The raylet's socket too: two nodes on one machine (in two network namespaces) never share a server.
+    digest = hashlib.sha256(json.dumps([sys.executable, raylet, sorted(env.items())]).encode()).hexdigest()[:12]
     path = os.path.join(os.path.dirname(raylet), f"petatrain-fork-{digest}")
     if len(path.encode()) > _MAX_SOCKET_PATH:
         raise OSError(f"socket path too long ({len(path)} bytes)")
