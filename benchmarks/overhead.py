@@ -86,11 +86,15 @@ PLAIN, OURS = "plain torchrun DDP", "petatrain, async checkpoint every 10 s"
 BARE, RAY_TRAIN = "bare Ray actors, plain loop", "Ray Train TorchTrainer, plain loop"
 
 
+FORK_SERVER = "petatrain.runtime.startup.forkserver import serve"  # a fork server's command line
+
+
 class CpuAccount:
     """Who used the CPU while a run went on: /proc read once a second from a thread of this process.
 
     Every process of the run descends from the command this benchmark starts (torchrun's
-    workers; Ray's GCS, raylet, log monitor and every actor), so `window` splits the CPU time
+    workers; Ray's GCS, raylet, log monitor and every actor) or from a fork server it started
+    (petatrain's ranks: petatrain.runtime.startup.forkserver), so `window` splits the CPU time
     between two instants into the two busiest descendants (the training workers) and all the
     others: the run's control plane. With both workers keeping a core each busy, the control
     plane's CPU is taken from them. The same window of /proc/stat gives the cores left idle
@@ -136,6 +140,8 @@ class CpuAccount:
     @staticmethod
     def _short(cmdline: str) -> str:
         """What the process is: "ray::RunHub", "raylet", "log_monitor.py", "-m petatrain"."""
+        if FORK_SERVER in cmdline:
+            return "fork server"
         words = cmdline.split()
         if not words or not os.path.basename(words[0]).startswith("python"):
             return os.path.basename(words[0]) if words else "?"  # ray::Actor, raylet, gcs_server
@@ -153,11 +159,14 @@ class CpuAccount:
             raise SystemExit("the steady window is shorter than two CPU samples")
         a, b = inside[0], inside[-1]
         span = b[clock] - a[clock]
-        ours, todo = set(), [os.getpid()]
+        # The run's processes: descendants of this benchmark, which is left out, and of the fork
+        # servers the run started (in sessions of their own: the ranks are their children).
+        servers = [pid for pid, (_, _, name) in b["procs"].items() if name == "fork server"]
+        ours, todo = set(servers), [os.getpid(), *servers]
         children: dict[int, list[int]] = {}
         for pid, (ppid, _, _) in b["procs"].items():
             children.setdefault(ppid, []).append(pid)
-        while todo:  # the run's processes: descendants of this benchmark, which is left out
+        while todo:
             for child in children.get(todo.pop(), []):
                 ours.add(child)
                 todo.append(child)

@@ -165,7 +165,7 @@ def run_in_ray_actors(args: argparse.Namespace) -> None:
             os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
             errors = []
 
-            def loop() -> None:
+            def train() -> None:  # not `loop`: that is the module's training loop it calls
                 try:
                     dist.init_process_group("gloo")
                     loop(argparse.Namespace(**config))
@@ -173,7 +173,7 @@ def run_in_ray_actors(args: argparse.Namespace) -> None:
                 except BaseException as e:  # raised again in the actor's task
                     errors.append(e)
 
-            thread = threading.Thread(target=loop, name="training")
+            thread = threading.Thread(target=train, name="training")
             thread.start()
             thread.join()
             if errors:
