@@ -74,6 +74,7 @@ import time
 from pathlib import Path
 
 from _common import write_results
+from petatrain.runtime.startup.forkserver import SERVER_CODE
 from recovery import ROOT, TINY
 from recovery import dataset as token_dataset
 
@@ -84,9 +85,6 @@ TARGET = 0.03  # petatrain at most 3% slower
 MICROBATCHES = 4  # of a pipeline step (--pipeline): micro-batches of 4 rows
 PLAIN, OURS = "plain torchrun DDP", "petatrain, async checkpoint every 10 s"
 BARE, RAY_TRAIN = "bare Ray actors, plain loop", "Ray Train TorchTrainer, plain loop"
-
-
-FORK_SERVER = "petatrain.runtime.startup.forkserver import serve"  # a fork server's command line
 
 
 class CpuAccount:
@@ -140,7 +138,7 @@ class CpuAccount:
     @staticmethod
     def _short(cmdline: str) -> str:
         """What the process is: "ray::RunHub", "raylet", "log_monitor.py", "-m petatrain"."""
-        if FORK_SERVER in cmdline:
+        if SERVER_CODE in cmdline:
             return "fork server"
         words = cmdline.split()
         if not words or not os.path.basename(words[0]).startswith("python"):

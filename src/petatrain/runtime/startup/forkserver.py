@@ -68,6 +68,8 @@ IDLE_EXIT_S = 120.0
 CONNECT_WAIT_S = 30.0  # how long a shim waits for a server it started to listen
 ANSWER_WAIT_S = 600.0  # how long a shim waits for its process (the server imports first: ~5 s of CPU)
 _MAX_SOCKET_PATH = 104  # sun_path is 108 bytes
+# The server's `python -c` program (benchmarks/overhead.py finds servers by it in /proc).
+SERVER_CODE = "import sys; from petatrain.runtime.startup.forkserver import serve; serve(sys.argv[1])"
 
 
 def py_executable(*, guarded: bool = False) -> str:
@@ -196,8 +198,7 @@ def _start_server(path: str) -> None:
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
         os.dup2(log, 1)
         os.dup2(log, 2)
-        code = "import sys; from petatrain.runtime.startup.forkserver import serve; serve(sys.argv[1])"
-        os.execv(sys.executable, [sys.executable, "-c", code, path])
+        os.execv(sys.executable, [sys.executable, "-c", SERVER_CODE, path])
     finally:
         os._exit(1)
 
