@@ -20,9 +20,12 @@ in the JSON) before the next one runs; `--only PART` runs one:
               same model written here. Goal: petatrain / plain >= 0.97; MFU >= 45% at 1.3B.
   plan        `plan`'s predicted peak memory and step time (plan.profile.profile: the estimate held to a
               measurement) for six configs. Goal: memory within 5%, step time within 15%.
-  checkpoint  the training loop's stall per checkpoint at 1.3B: petatrain's writer (loop._snapshot into
-              pinned host buffers, CheckpointWriter) against torch DCP async_save (no process group) and
-              torch.save, as a share of a 10 s interval, and restore time. Goal: <= 0.1% of 10 s.
+  checkpoint  the training loop's stall per checkpoint at 1.3B: petatrain's writer (loop._snapshot staged
+              on the GPU, the writer moving it to pinned host buffers; and with checkpoint.staging=copy,
+              the loop waiting for the copy to pinned host buffers; CheckpointWriter) against torch DCP
+              async_save (no process group; and with a pinned stager) and torch.save, as a share of a
+              10 s interval, and restore time (petatrain's restored weights checked against the
+              snapshot's, changed right after it). Goal: <= 0.1% of 10 s.
   loader      the streaming loader (train.batches.TokenBatches over data.stream) feeding the 350M model
               from a packed-token dataset written here on local disk: data-wait share of the step. Goal: < 1%.
   serve       serve.engine's KV-cached batched decode at batch 1, 8 and 32, tokens/s, against recomputing
@@ -78,6 +81,7 @@ import torch.nn.functional as F
 from _common import RESULTS, version  # benchmarks/ is not a package
 from checkpoint import restore_petatrain, restore_torch_load
 from petatrain.config import (
+    CheckpointConfig,
     DataConfig,
     JobConfig,
     ModelConfig,
@@ -334,8 +338,9 @@ def loop_step(mode: Mode, cfg: JobConfig, next_batch: Callable[[], torch.Tensor]
     def step(i: int) -> None:
         recipe.set_lr(optimizer, i, tr)
         loss_sum = runner.forward_backward(next_batch, amp)
-        recipe.apply_gradients(model, optimizer, tr, clip=runner.clip)
-        float(loss_sum)  # the loop reads every step's loss (its all-reduced flags)
+        flags = torch.cat([loss_sum.reshape(1), torch.tensor([0.0] * 4, device=loss_sum.device)])
+        norm, _ = recipe.apply_gradients(model, optimizer, tr, clip=runner.clip)
+        recipe.read_step(flags, norm)  # the loop's one host read a step: its all-reduced flags, the norm
 
     return step, optimizer
 
@@ -653,11 +658,15 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
-def checkpoint_petatrain(model, optimizer, folder: Path, repeats: int) -> dict[str, Any]:
-    """The loop's own calls: `_snapshot` (host copies into the writer's reused pinned buffers) and
-    `CheckpointWriter.submit`; the stall is both. The first checkpoint allocates the buffers (reported
-    apart); a 10 s interval lets each write finish before the next checkpoint (its time reported)."""
-    cfg = JobConfig()
+def checkpoint_petatrain(model, optimizer, folder: Path, repeats: int, staging: str = "auto") -> dict[str, Any]:
+    """The loop's own calls: `_snapshot` (into the buffers the loop keeps: staged on the GPU where it
+    has room, else host copies into reused pinned buffers; `staging` is checkpoint.staging) and
+    `CheckpointWriter.submit`; the stall is both, until the training's stream has done the copies.
+    The first checkpoint allocates the buffers (reported apart); a 10 s interval lets each write
+    finish before the next checkpoint (its time reported). After the last snapshot the weights change
+    at once, as the next update would, while the writer still copies: the restored weights must be
+    the snapshot's."""
+    cfg = JobConfig(checkpoint=CheckpointConfig(staging=staging))
     parts: dict[int, dict] = {}
     commits: list[dict] = []
     writer = ckpt.CheckpointWriter(
@@ -668,18 +677,28 @@ def checkpoint_petatrain(model, optimizer, folder: Path, repeats: int) -> dict[s
         on_commit=commits.append,
         keep_last=1,
     )
-    buffers, digest = ckpt.HostBuffers(), loop._digest(cfg)
-    stalls, writes = [], []
+    buffers, digest = loop.snapshot_buffers(cfg), loop._digest(cfg)
+    device = next(model.parameters()).device
+    stalls, writes, on_device = [], [], []
     try:
         for rep in range(1 + repeats):
             writer.wait()
+            last = rep == repeats
+            expected = [p.detach().clone() for p in model.parameters()] if last else []
             started = time.perf_counter()
             snapshot, _ = loop._snapshot(
                 model, optimizer, _LoaderState(), writer, buffers, 100 * (rep + 1), 0, 1, cfg, digest
             )
             writer.submit(snapshot)
+            if device.type == "cuda":
+                torch.cuda.current_stream(device).synchronize()  # the training's stream, not the writer's
             stalls.append(time.perf_counter() - started)
+            on_device.append(snapshot.pending is not None)
             del snapshot
+            if last:
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.add_(1.0)  # the next update, while the writer copies
             writer.wait()
             if writer.error is not None:
                 raise writer.error
@@ -689,10 +708,14 @@ def checkpoint_petatrain(model, optimizer, folder: Path, repeats: int) -> dict[s
     del buffers
     restore_s, step = restore_petatrain(model, optimizer, folder, cfg)
     assert step == 100 * (1 + repeats), f"resumed from step {step}"
+    changed = sum(not torch.equal(p, e) for p, e in zip(model.parameters(), expected, strict=True))
+    if changed:
+        raise AssertionError(f"{changed} restored tensors differ from the snapshot's")
     return {
         "stall_s": statistics.median(stalls[1:]),
         "first_stall_s": stalls[0],
         "stall_samples": stalls,
+        "staged_on_device": on_device,
         "background_s": statistics.median(writes),
         "bytes": commits[-1]["bytes"],
         "restore_s": restore_s,
@@ -796,9 +819,10 @@ def checkpoint_peers(mode: Mode) -> list[tuple[str, CheckpointPeer, int]]:
     repeats = 2 if mode.smoke else 1
     return [
         ("petatrain", lambda m, o, f: checkpoint_petatrain(m, o, f, repeats), 1 + repeats),
+        ("dcp async_save, pinned stager", lambda m, o, f: checkpoint_dcp(m, o, f, 1, pinned=True), 2),
+        ("petatrain, host copies", lambda m, o, f: checkpoint_petatrain(m, o, f, repeats, "copy"), 1 + repeats),
         ("torch.save", checkpoint_torch_save, 1),
         ("dcp async_save", lambda m, o, f: checkpoint_dcp(m, o, f, 1, pinned=False), 1),
-        ("dcp async_save, pinned stager", lambda m, o, f: checkpoint_dcp(m, o, f, 1, pinned=True), 2),
     ]
 
 
@@ -1006,42 +1030,6 @@ class _NoText:
         return ""
 
 
-class _HostCache:
-    """The KV cache on the device, its `lengths` seen from the host: the engine subtracts a CPU tensor from it."""
-
-    def __init__(self, cache: Any, device: torch.device):
-        self.inner, self.device = cache, device
-
-    @property
-    def lengths(self) -> torch.Tensor:
-        return self.inner.lengths.cpu()
-
-    @lengths.setter
-    def lengths(self, value: torch.Tensor) -> None:
-        self.inner.lengths = value.to(self.device)
-
-
-class _OnDevice:
-    """What the engine calls on a model (`new_cache`, `prefill`, `decode`), the model on `device`: the
-    engine makes its token tensors on the CPU and samples on the CPU, so ids go over and logits come back."""
-
-    def __init__(self, model: torch.nn.Module, device: torch.device):
-        self.model, self.device = model, device
-
-    def eval(self) -> _OnDevice:
-        self.model.eval()
-        return self
-
-    def new_cache(self, rows: int) -> _HostCache:
-        return _HostCache(self.model.new_cache(rows), self.device)
-
-    def prefill(self, ids: torch.Tensor, cache: _HostCache, row: int) -> torch.Tensor:
-        return self.model.prefill(ids.to(self.device), cache.inner, row).cpu()
-
-    def decode(self, tokens: torch.Tensor, cache: _HostCache) -> torch.Tensor:
-        return self.model.decode(tokens.to(self.device), cache.inner).cpu()
-
-
 @torch.no_grad()
 def decode_cached(model: Any, prompts: torch.Tensor, new: int) -> torch.Tensor:
     """The model's KV cache as the engine drives it (each prompt prefilled into its row, then one decode
@@ -1074,13 +1062,7 @@ def part_serve(mode: Mode, box: Box, ctx: dict[str, Any]) -> dict[str, Any]:
     torch.manual_seed(0)
     with torch.device(device):
         model = build_model(size.model()).module.eval()
-    engine_direct = None
-    if device.type == "cuda":  # the engine as it is, the model on the GPU: does it run?
-        try:
-            Engine(model, _NoText()).complete([Request(ids=(1, 2, 3), max_tokens=2, temperature=0.0)])
-        except Exception as exc:
-            engine_direct = one_line(exc)
-    engine = Engine(_OnDevice(model, device) if device.type == "cuda" else model, _NoText())
+    engine = Engine(model, _NoText())  # token ids go where the model is; sampling on the host
     gen = torch.Generator().manual_seed(0)
     rows: list[dict[str, Any]] = ctx.setdefault("progress", [])  # kept if the part is cut short
     for batch in mode.serve_batches:
@@ -1108,10 +1090,7 @@ def part_serve(mode: Mode, box: Box, ctx: dict[str, Any]) -> dict[str, Any]:
         "model": size.label,
         "dtype": "float32",
         "greedy": True,
-        "engine_with_model_on_gpu": engine_direct or ("ran" if device.type == "cuda" else "cpu"),
-        "engine_adapter": "serve.engine.Engine over an adapter moving ids to the GPU and logits back"
-        if device.type == "cuda"
-        else "none (cpu)",
+        "engine": "serve.engine.Engine as serve runs it, the model on the device",
         "rows": rows,
         "engine_sampled_batch_32": sampled,
     }

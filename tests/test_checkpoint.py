@@ -148,6 +148,51 @@ def test_live_snapshot_is_written_as_taken_and_refused_if_it_changed(tmp_path):
     assert not list(tmp_path.glob("checkpoints/step-00000002/*")), "nothing of the torn snapshot was published"
 
 
+def test_a_snapshot_staged_on_the_device_is_moved_to_the_host_by_the_writer(tmp_path):
+    """On a GPU with room a snapshot is a copy made on the device, which the writer's thread moves to
+    reused host buffers (`DeviceStage.fill`) while training goes on: the file holds the copy, not the
+    weights changed since; the host buffers are made once. Here the staged copies are CPU tensors
+    (this machine has no GPU): the same hand-over, without the stream; gpu.py checks the CUDA one."""
+    import torch
+
+    from petatrain.train.checkpoint import (
+        CheckpointWriter,
+        DeviceStage,
+        HostBuffers,
+        Snapshot,
+        latest_verified,
+        read_rank_tensors,
+    )
+
+    weight = torch.arange(6.0).reshape(2, 3)
+    buffers = HostBuffers(device_staging=True)
+    parts: dict = {}
+    writer = CheckpointWriter(
+        str(tmp_path),
+        None,
+        report_part=lambda s, r, f: parts.__setitem__(s, f),
+        wait_parts=lambda s, w, t: parts.get(s),
+        on_commit=lambda info: None,
+    )
+    hosts = []
+    for step in (1, 2):
+        staged = {"model/w": weight.clone()}  # the device-to-device copy
+        snap = Snapshot(
+            step=step, rank=0, world_size=1, tensors=dict(staged), meta=_meta(step),
+            pending=DeviceStage(["model/w"], buffers.host_buffer),
+        )  # fmt: skip
+        writer.submit(snap)
+        expected = weight.clone()
+        weight.add_(100.0)  # the next update, at once
+        writer.wait()
+        assert writer.error is None
+        hosts.append(snap.tensors["model/w"])
+        assert snap.tensors["model/w"] is not staged["model/w"], "the host buffer replaced the staged copy"
+        assert torch.equal(read_rank_tensors(str(tmp_path), latest_verified(str(tmp_path)), 0)["model/w"], expected)
+    writer.close()
+    assert hosts[0] is hosts[1], "the host buffers are reused"
+
+
 # gloo's worker thread can drop its last reference to a finished all-gather after wait() has returned;
 # if that happens while Python finalizes, the tensors' decref takes the GIL, which calls pthread_exit inside
 # a noexcept frame: std::terminate and exit -6 (seen in CI; 2 of 15 runs of the reshard load here).

@@ -138,3 +138,39 @@ def test_the_optimizer_is_fused_on_cuda():
     cfg = config.load(None, TINY)
     optimizer = recipe.build_optimizer(loop.build_model(cfg.model, cfg.train).module.cuda(), cfg.train)
     assert optimizer.defaults["fused"] is True
+
+
+def test_a_fused_optimizer_drops_a_non_finite_update_without_the_host_reading_the_norm():
+    """On a GPU the fused AdamW decides from a flag on the device (its `found_inf`), so the step reads
+    the norm once, with the loss and the flags, not between backward and the update. The same
+    kernel's CPU build shows it here: a finite step updates as the host-decided one does; a NaN
+    gradient leaves the weights, both moments and the step count as they were."""
+    torch.manual_seed(0)
+    cfg = config.load(None, TINY)
+    models = [torch.nn.Linear(8, 4) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    fused = torch.optim.AdamW(models[0].parameters(), lr=0.1, fused=True)
+    host = torch.optim.AdamW(models[1].parameters(), lr=0.1, foreach=False)
+    assert recipe.skips_on_device(fused) and not recipe.skips_on_device(host)
+    x = torch.randn(5, 8)
+    flags = torch.tensor([2.5, 0.0, 1.0, 0.0, 0.0])
+    for model in models:
+        model(x).square().sum().backward()
+    (device_norm, _), (host_norm, _) = (
+        recipe.apply_gradients(m, o, cfg.train) for m, o in zip(models, (fused, host), strict=True)
+    )
+    assert isinstance(device_norm, torch.Tensor) and isinstance(host_norm, float)
+    values, norm = recipe.read_step(flags, device_norm)
+    assert values == [2.5, 0.0, 1.0, 0.0, 0.0] and norm == pytest.approx(host_norm) and norm > cfg.train.grad_clip
+    assert recipe.read_step(flags, host_norm) == (values, host_norm)
+    for a, b in zip(*(m.parameters() for m in models), strict=True):
+        torch.testing.assert_close(a, b)
+
+    weights = {k: v.clone() for k, v in models[0].state_dict().items()}
+    state = {p: {k: v.clone() for k, v in s.items()} for p, s in fused.state.items()}
+    (models[0](x).sum() * float("nan")).backward()
+    _, norm = recipe.read_step(flags, recipe.apply_gradients(models[0], fused, cfg.train)[0])
+    assert norm != norm  # NaN: the loop records it and does what faults.nonfinite says
+    assert all(torch.equal(weights[k], v) for k, v in models[0].state_dict().items())
+    assert all(torch.equal(state[p][k], v) for p, s in fused.state.items() for k, v in s.items())
+    assert all(p.grad is None for p in models[0].parameters())

@@ -87,7 +87,7 @@ def _compare(rank: int, world: int, case: tuple, optimizer: str) -> dict:
             if name in steps.fused:
                 grad = canonical(grad, steps.fused[name], tensor)
             note("grad", float((grad - ref_params[name].grad).abs().max()))
-        note("norm", abs(steps.clip(1.0) - recipe.clip_gradients(reference.module, 1.0)))
+        note("norm", abs(float(steps.clip(1.0)) - float(recipe.clip_gradients(reference.module, 1.0))))
         opt.step()
         opt.zero_grad()
         ref_opt.step()

@@ -356,7 +356,10 @@ class CheckpointConfig:
     # How a snapshot holds the training state on CPU: "copy" to host buffers; "live" writes the
     # weights themselves while the next step's forward and backward run (optimizer.step waits
     # for the write to have read them); "auto": for the built-in models, whichever of the two
-    # measured cheaper (train/loop.py StagingChoice). On GPU snapshots are always host copies.
+    # measured cheaper (train/loop.py StagingChoice). On GPU, "auto" and "live" copy on the device
+    # where it has room for a second copy of the state beside the training's peak, and the writer
+    # moves that copy to pinned host memory while training goes on; else, and with "copy", the
+    # loop waits for the copy to pinned host memory.
     staging: Literal["auto", "copy", "live"] = "auto"
 
     def __post_init__(self) -> None:

@@ -173,9 +173,15 @@ def _set_up(cfg: JobConfig, payload: Payload, env: RankEnv, faults: ckpt.Storage
         amp=recipe.autocast(cfg.train, device),
         telemetry=telemetry,
         writer=writer,
-        buffers=ckpt.HostBuffers(),
+        buffers=snapshot_buffers(cfg),
         digest=_digest(cfg),
     )
+
+
+def snapshot_buffers(cfg: JobConfig) -> ckpt.HostBuffers:
+    """The buffers a rank's snapshots are copied into for the whole run: on a GPU staged on the
+    device where it has room, unless checkpoint.staging is "copy" (host buffers only)."""
+    return ckpt.HostBuffers(device_staging=cfg.checkpoint.staging != "copy")
 
 
 def _build_model(cfg: JobConfig) -> ModelSpec:
@@ -258,21 +264,22 @@ def _train(r: Rank, start: int, preemption: PreemptionNotice, chaos: inject.Rank
         resize = r.rank == 0 and telemetry.resize_requested() is not None
         decisions = (preemption.received, due, halt, resize)
         with trace.span("petatrain.flags"):
-            flags = torch.stack([loss_sum, *(torch.tensor(float(d), device=r.device) for d in decisions)])
+            flags = torch.cat([loss_sum.reshape(1), torch.tensor([float(d) for d in decisions], device=r.device)])
             shared = dist.all_reduce(flags, async_op=True)
         # A live snapshot's tensors are read before the update changes them.
         with trace.span("petatrain.optimizer"):
-            grad_norm, staging_wait = recipe.apply_gradients(
+            norm, staging_wait = recipe.apply_gradients(
                 r.model, r.optimizer, cfg.train, before_step=writer.wait_for_staging, clip=clip
             )
+        with trace.span("petatrain.flags_wait"):
+            shared.wait()
+            read, grad_norm = recipe.read_step(flags, norm)  # the step's one host sync
+            preempt, checkpoint_due, stop, resize = (read[k] > 0 for k in range(1, 5))
+            loss_value = read[0] / r.steps.loss_share
         nonfinite = not math.isfinite(grad_norm)
         if live_stall is not None and not nonfinite:
             staging.observed(True, live_stall + staging_wait)
             live_stall = None
-        with trace.span("petatrain.flags_wait"):
-            shared.wait()
-            preempt, checkpoint_due, stop, resize = (bool(flags[k].item() > 0) for k in range(1, 5))
-            loss_value = flags[0].item() / r.steps.loss_share
         if nonfinite:
             grad_norm = _on_nonfinite(r, step)
         with trace.span("petatrain.telemetry"):
@@ -453,6 +460,7 @@ def _snapshot(
         meta=meta,
         live=live_tensors,
         versions=[t._version for t in live_tensors],
+        pending=buffers.pending,
     )
     return snap, time.perf_counter() - t0
 

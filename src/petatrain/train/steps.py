@@ -55,7 +55,7 @@ class MicroBatches:
             loss_sum += local(loss.detach()).float()
         return loss_sum
 
-    def clip(self, max_norm: float) -> float:
+    def clip(self, max_norm: float) -> torch.Tensor:
         return recipe.clip_gradients(self.model, max_norm)
 
     def eval_loss(self, tokens: torch.Tensor, amp: Any) -> torch.Tensor | None:

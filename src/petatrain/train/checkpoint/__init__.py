@@ -25,7 +25,14 @@ from petatrain.train.checkpoint.state import (
     rank_file,
     step_dir,
 )
-from petatrain.train.checkpoint.tensors import HostBuffers, Snapshot, flatten_state, split_name, unflatten_state
+from petatrain.train.checkpoint.tensors import (
+    DeviceStage,
+    HostBuffers,
+    Snapshot,
+    flatten_state,
+    split_name,
+    unflatten_state,
+)
 from petatrain.train.checkpoint.writer import CheckpointWriter, StorageFaults, finish_writes
 
 __all__ = [
@@ -34,6 +41,7 @@ __all__ = [
     "STATE",
     "CheckpointState",
     "CheckpointWriter",
+    "DeviceStage",
     "HostBuffers",
     "Snapshot",
     "StorageFaults",

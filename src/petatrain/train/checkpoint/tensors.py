@@ -4,6 +4,7 @@ copied into, and the flat names (`model/FQN`, `optim/FQN/KEY`, `rng/NAME`) a ran
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +24,38 @@ class Snapshot:
     # counters when taken: the loop must not change them before `CheckpointWriter.wait_for_staging()`.
     live: list[torch.Tensor] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    # Staged on the GPU: `pending.fill(tensors)` puts the host copies in, on the writer's thread.
+    pending: DeviceStage | None = None
+
+
+class DeviceStage:
+    """A snapshot's copy made on the GPU (`tensors` holds it under the same names), and how to move
+    it to the host (`fill`), on the writer's thread while the training goes on."""
+
+    def __init__(self, names: list[str], host_buffer: Callable[[str, torch.Tensor], torch.Tensor]):
+        self.names, self.host_buffer = names, host_buffer
+        self.ready = torch.cuda.Event() if torch.cuda.is_available() else None
+        if self.ready is not None:
+            self.ready.record()  # after the device copies, on the training's stream
+
+    def fill(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Replace the staged tensors in `tensors` by host copies (reused pinned buffers), copied on a
+        stream of this thread's own once the device copies are done; returns when they have landed."""
+        staged = [tensors[name] for name in self.names]
+        hosts = [self.host_buffer(name, value) for name, value in zip(self.names, staged, strict=True)]
+        if self.ready is None or not staged or staged[0].device.type != "cuda":
+            for host, value in zip(hosts, staged, strict=True):
+                host.copy_(value)
+        else:
+            device = staged[0].device
+            with torch.cuda.device(device):
+                stream = torch.cuda.Stream(device=device)
+                stream.wait_event(self.ready)
+                with torch.cuda.stream(stream):
+                    for host, value in zip(hosts, staged, strict=True):
+                        host.copy_(value, non_blocking=True)
+                stream.synchronize()
+        tensors.update(zip(self.names, hosts, strict=True))
 
 
 class HostBuffers:
@@ -32,23 +65,75 @@ class HostBuffers:
     every byte (more than the copy itself); reused buffers pay only for the copy. On CUDA
     they are pinned, so the device-to-host copies run at full bandwidth. The next
     snapshot must not start before the writer has finished reading them (the loop waits).
+
+    `device_staging` (a GPU's tensors): where the device has room for a second copy of them beside
+    the training's peak memory so far (`room`), a snapshot is one device-to-device copy into buffers
+    kept on the GPU (~8 ms for a 1.3B model's 16 GB of weights and Adam moments at an H200's
+    bandwidth, against 0.32 s measured over PCIe into host memory), and the writer's thread moves it
+    to the pinned host buffers, allocating them the first time, while training goes on
+    (`DeviceStage.fill`). Else the copies go to the host and the loop waits for them.
     """
 
-    def __init__(self) -> None:
+    HEADROOM = 0.92  # the device's share the training's reserved peak and the staging copy may fill together
+
+    def __init__(self, *, device_staging: bool = False) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
+        self._device: dict[str, torch.Tensor] = {}
+        self.device_staging = device_staging
+        self._queued: dict[str, torch.Tensor] = {}  # a snapshot's GPU tensors, until `settle`
+        self.pending: DeviceStage | None = None  # the last snapshot's device copy, for the writer to fill from
 
     def copy(self, name: str, value: Any) -> torch.Tensor:
+        """`value` at this moment: a host copy, or (a GPU's tensor) `value` itself until `settle` copies it."""
         if not isinstance(value, torch.Tensor):
             value = torch.tensor(value)
         if hasattr(value, "to_local"):  # a DTensor (FSDP): this rank's shard
             value = value.to_local()
         value = value.detach()
+        if value.device.type == "cuda":
+            self._queued[name] = value
+            return value
+        return self.host_buffer(name, value).copy_(value)
+
+    def host_buffer(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """The reused host buffer for `name`, pinned for a GPU's tensor."""
         buffer = self._buffers.get(name)
-        if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
-            pin = value.device.type == "cuda"
-            buffer = torch.empty(value.shape, dtype=value.dtype, device="cpu", pin_memory=pin)
-            self._buffers[name] = buffer
-        buffer.copy_(value, non_blocking=value.device.type == "cuda")
+        if buffer is None or buffer.shape != like.shape or buffer.dtype != like.dtype:
+            pin = like.device.type == "cuda"
+            buffer = self._buffers[name] = torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=pin)
+        return buffer
+
+    def settle(self) -> dict[str, torch.Tensor]:
+        """After a snapshot's `copy` calls, its GPU tensors' copies by name: made on the device (the
+        writer then fills the host buffers from `pending`), or in the host buffers, landed."""
+        queued, self._queued = self._queued, {}
+        self.pending = None
+        if not queued:
+            return {}
+        nbytes = sum(t.numel() * t.element_size() for t in queued.values())
+        if self.device_staging and self.room(nbytes, next(iter(queued.values())).device):
+            copies = {name: self._device_buffer(name, value) for name, value in queued.items()}
+            torch._foreach_copy_(list(copies.values()), list(queued.values()))
+            self.pending = DeviceStage(list(copies), self.host_buffer)
+            return copies
+        hosts = {name: self.host_buffer(name, value).copy_(value, non_blocking=True) for name, value in queued.items()}
+        torch.cuda.synchronize()  # the non-blocking copies must land before the writer reads
+        return hosts
+
+    def room(self, nbytes: int, device: torch.device) -> bool:
+        """Whether `device` holds a copy of `nbytes` beside the most this process has reserved there yet
+        (the training's peak, once it has stepped), less the staging buffers it already keeps."""
+        kept = sum(t.numel() * t.element_size() for t in self._device.values())
+        free, total = torch.cuda.mem_get_info(device)
+        reserved = torch.cuda.memory_reserved(device)
+        peak = max(torch.cuda.max_memory_reserved(device), reserved)
+        others = max(0, total - free - reserved)  # other processes on the device
+        return peak - kept + others + nbytes <= self.HEADROOM * total
+
+    def _device_buffer(self, name: str, source: torch.Tensor) -> torch.Tensor:
+        buffer = self._device.get(name)
+        if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
+            buffer = self._device[name] = torch.empty_like(source)
         return buffer
 
 
@@ -65,7 +150,9 @@ def flatten_state(
     Tensors are copied to host buffers, except contiguous CPU tensors whose memory starts at
     one of `live_ptrs`: those are referenced as they are, and the state-dict values they
     came from are listed in `live`, to watch their version counters (a storage referenced
-    twice, as tied weights are, is copied the second time: safetensors refuses shared memory)."""
+    twice, as tied weights are, is copied the second time: safetensors refuses shared memory).
+    GPU tensors may be staged on the device: then `buffers.pending` holds the `DeviceStage` the
+    writer fills the host buffers from (the snapshot's `pending`)."""
     buffers = buffers or HostBuffers()
     tensors: dict[str, torch.Tensor] = {}
     live: list[torch.Tensor] = []
@@ -87,8 +174,7 @@ def flatten_state(
         for fqn, state in optim_sd["state"].items():
             for key, value in state.items():
                 tensors[f"optim/{fqn}/{key}"] = take(f"optim/{fqn}/{key}", value)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()  # the non-blocking copies must land before the writer reads
+    tensors.update(buffers.settle())
     groups = [{k: v for k, v in g.items()} for g in optim_sd["param_groups"]]
     return tensors, {"param_groups": groups}, live
 

@@ -239,6 +239,8 @@ class CheckpointWriter:
 
     def _write(self, snap: Snapshot) -> None:
         t0, cpu0 = time.perf_counter(), time.thread_time()
+        if snap.pending is not None:  # staged on the GPU: into the host buffers, while training goes on
+            snap.pending.fill(snap.tensors)
         folder = step_dir(self.run_url, snap.step)
         files: dict[str, dict[str, Any]] = {}
         try:
