@@ -338,7 +338,7 @@ def loop_step(mode: Mode, cfg: JobConfig, next_batch: Callable[[], torch.Tensor]
     def step(i: int) -> None:
         recipe.set_lr(optimizer, i, tr)
         loss_sum = runner.forward_backward(next_batch, amp)
-        flags = torch.cat([loss_sum.reshape(1), torch.tensor([0.0] * 4, device=loss_sum.device)])
+        flags = recipe.step_flags(loss_sum, (False,) * 4)  # the loop's: loss, preemption, due, halt, resize
         norm, _ = recipe.apply_gradients(model, optimizer, tr, clip=runner.clip)
         recipe.read_step(flags, norm)  # the loop's one host read a step: its all-reduced flags, the norm
 

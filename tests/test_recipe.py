@@ -153,7 +153,7 @@ def test_a_fused_optimizer_drops_a_non_finite_update_without_the_host_reading_th
     host = torch.optim.AdamW(models[1].parameters(), lr=0.1, foreach=False)
     assert recipe.skips_on_device(fused) and not recipe.skips_on_device(host)
     x = torch.randn(5, 8)
-    flags = torch.tensor([2.5, 0.0, 1.0, 0.0, 0.0])
+    flags = recipe.step_flags(torch.tensor(2.5), (False, True, False, False))
     for model in models:
         model(x).square().sum().backward()
     (device_norm, _), (host_norm, _) = (

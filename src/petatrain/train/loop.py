@@ -256,7 +256,9 @@ def _train(r: Rank, start: int, preemption: PreemptionNotice, chaos: inject.Rank
         step += 1
         # One all-reduce per step carries the loss and every decision all ranks must share;
         # it runs while the optimizer steps. Whether to skip the update is decided from the
-        # global gradient norm, which every rank already holds after the gradient reduction.
+        # global gradient norm, which every rank already holds after the gradient reduction. On a
+        # GPU neither is read before the update (recipe.step_flags, apply_gradients): `read_step`
+        # below is the step's one wait for the device.
         due = r.rank == 0 and schedule.due(step)
         halt = r.rank == 0 and (
             (r.payload.stop_at is not None and time.time() >= r.payload.stop_at) or telemetry.stop_requested()
@@ -264,7 +266,7 @@ def _train(r: Rank, start: int, preemption: PreemptionNotice, chaos: inject.Rank
         resize = r.rank == 0 and telemetry.resize_requested() is not None
         decisions = (preemption.received, due, halt, resize)
         with trace.span("petatrain.flags"):
-            flags = torch.cat([loss_sum.reshape(1), torch.tensor([float(d) for d in decisions], device=r.device)])
+            flags = recipe.step_flags(loss_sum, decisions)
             shared = dist.all_reduce(flags, async_op=True)
         # A live snapshot's tensors are read before the update changes them.
         with trace.span("petatrain.optimizer"):

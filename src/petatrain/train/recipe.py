@@ -159,6 +159,20 @@ def apply_gradients(
     return grad_norm, waited
 
 
+def step_flags(loss_sum: torch.Tensor, decisions: tuple[bool, ...]) -> torch.Tensor:
+    """The loss and the decisions every rank must share, in one tensor beside the loss, made without a
+    copy from the host: `torch.tensor(..., device="cuda")` is a blocking copy, which waits for the
+    stream (the whole forward and backward) before the host may launch the update."""
+    import torch
+
+    flags = torch.zeros(1 + len(decisions), device=loss_sum.device)
+    flags[0] = loss_sum
+    for k, decision in enumerate(decisions, 1):
+        if decision:
+            flags[k] = 1.0  # a fill with a scalar argument: no copy
+    return flags
+
+
 def read_step(flags: torch.Tensor, norm: float | torch.Tensor) -> tuple[list[float], float]:
     """The step's one host read: the values of `flags` (the loss and the decisions the ranks share)
     and the gradient norm, which `apply_gradients` left on the device where the optimizer drops a
