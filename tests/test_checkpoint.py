@@ -179,7 +179,7 @@ def test_a_snapshot_staged_on_the_device_is_moved_to_the_host_by_the_writer(tmp_
         staged = {"model/w": weight.clone()}  # the device-to-device copy
         snap = Snapshot(
             step=step, rank=0, world_size=1, tensors=dict(staged), meta=_meta(step),
-            pending=DeviceStage(["model/w"], buffers.host_buffer),
+            pending=DeviceStage(["model/w"], buffers.host_buffer, weight.device),
         )  # fmt: skip
         writer.submit(snap)
         expected = weight.clone()
@@ -447,3 +447,52 @@ def test_auto_checkpoint_interval_is_young_daly():
     gpu = CheckpointSchedule(cfg, world=2, writer_competes=False)
     gpu.taken(stall_s=0.5, write_s=3.0, write_cpu_s=1.5)
     assert gpu.interval_s() == pytest.approx(young_daly_interval(0.5, 3600))
+
+
+def test_the_kept_state_dicts_are_torchs_own_after_steps_a_new_learning_rate_and_a_load(tmp_path):
+    """A snapshot keeps `get_model_state_dict`/`get_optimizer_state_dict` from one checkpoint to the
+    next (`parallel.StateDicts`): after updates, a learning-rate change and a load of the optimizer's
+    state (new tensors), what it gives equals what torch gives then, name for name and value for value."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    from torch.nn.parallel import DistributedDataParallel
+
+    from petatrain.models import build_model
+    from petatrain.train import recipe
+    from petatrain.train.parallel import StateDicts
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        cfg = config.load(ROOT / "examples" / "tiny.yaml", [])
+        spec = build_model(cfg.model, cfg.train)
+        model = DistributedDataParallel(spec.module)
+        optimizer = recipe.build_optimizer(model, cfg.train)
+        tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_len + 1))
+        kept = StateDicts()
+
+        def same() -> None:
+            model_sd, optim_sd = kept.get(model, optimizer)
+            fresh_model, fresh_optim = get_model_state_dict(model), get_optimizer_state_dict(model, optimizer)
+            assert list(model_sd) == list(fresh_model)
+            assert all(torch.equal(model_sd[k], v) for k, v in fresh_model.items())
+            assert optim_sd["param_groups"] == fresh_optim["param_groups"]
+            assert list(optim_sd["state"]) == list(fresh_optim["state"])
+            for fqn, state in fresh_optim["state"].items():
+                assert list(optim_sd["state"][fqn]) == list(state)
+                assert all(torch.equal(optim_sd["state"][fqn][k], v) for k, v in state.items())
+
+        same()  # no optimizer state yet
+        for step in range(3):
+            recipe.set_lr(optimizer, step, cfg.train)
+            spec.loss_fn(model, tokens).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            same()
+        saved = optimizer.state_dict()
+        optimizer.load_state_dict(
+            {**saved, "state": {k: {n: t.clone() + 1 for n, t in v.items()} for k, v in saved["state"].items()}}
+        )
+        same()
+    finally:
+        dist.destroy_process_group()

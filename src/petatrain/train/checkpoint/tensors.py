@@ -32,11 +32,13 @@ class DeviceStage:
     """A snapshot's copy made on the GPU (`tensors` holds it under the same names), and how to move
     it to the host (`fill`), on the writer's thread while the training goes on."""
 
-    def __init__(self, names: list[str], host_buffer: Callable[[str, torch.Tensor], torch.Tensor]):
+    def __init__(
+        self, names: list[str], host_buffer: Callable[[str, torch.Tensor], torch.Tensor], device: torch.device
+    ):
         self.names, self.host_buffer = names, host_buffer
-        self.ready = torch.cuda.Event() if torch.cuda.is_available() else None
+        self.ready = torch.cuda.Event() if device.type == "cuda" else None
         if self.ready is not None:
-            self.ready.record()  # after the device copies, on the training's stream
+            self.ready.record(torch.cuda.current_stream(device))  # after the device copies, on the training's stream
 
     def fill(self, tensors: dict[str, torch.Tensor]) -> None:
         """Replace the staged tensors in `tensors` by host copies (reused pinned buffers), copied on a
@@ -82,6 +84,7 @@ class HostBuffers:
         self.device_staging = device_staging
         self._queued: dict[str, torch.Tensor] = {}  # a snapshot's GPU tensors, until `settle`
         self.pending: DeviceStage | None = None  # the last snapshot's device copy, for the writer to fill from
+        self.state_cache: Any = None  # what train.parallel.state_for_save keeps of the state dicts between snapshots
 
     def copy(self, name: str, value: Any) -> torch.Tensor:
         """`value` at this moment: a host copy, or (a GPU's tensor) `value` itself until `settle` copies it."""
@@ -114,8 +117,9 @@ class HostBuffers:
         if self.device_staging and self.room(nbytes, next(iter(queued.values())).device):
             copies = {name: self._device_buffer(name, value) for name, value in queued.items()}
             torch._foreach_copy_(list(copies.values()), list(queued.values()))
-            self.pending = DeviceStage(list(copies), self.host_buffer)
+            self.pending = DeviceStage(list(copies), self.host_buffer, next(iter(queued.values())).device)
             return copies
+        self._device.clear()  # no longer room: the training's memory, not the staging's
         hosts = {name: self.host_buffer(name, value).copy_(value, non_blocking=True) for name, value in queued.items()}
         torch.cuda.synchronize()  # the non-blocking copies must land before the writer reads
         return hosts
