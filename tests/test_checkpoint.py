@@ -18,6 +18,20 @@ def _meta(position: int) -> dict:
     return {"loader": {"position": position}, "strategy": "ddp", "param_groups": groups, "config_digest": "0123abcd"}
 
 
+def _one_rank_writer(run: str):
+    """A checkpoint writer of a run of one rank: its own part is all the parts."""
+    from petatrain.train.checkpoint import CheckpointWriter
+
+    parts: dict = {}
+    return CheckpointWriter(
+        run,
+        None,
+        report_part=lambda s, r, f: parts.__setitem__(s, f),
+        wait_parts=lambda s, w, t: parts.get(s),
+        on_commit=lambda info: None,
+    )
+
+
 def _write_checkpoint(run: str, step: int, value: float, keep_last: int = 10, keep_every: int = 0) -> None:
     import torch
 
@@ -100,7 +114,6 @@ def test_live_snapshot_is_written_as_taken_and_refused_if_it_changed(tmp_path):
     import torch
 
     from petatrain.train.checkpoint import (
-        CheckpointWriter,
         HostBuffers,
         Snapshot,
         committed_steps,
@@ -114,14 +127,7 @@ def test_live_snapshot_is_written_as_taken_and_refused_if_it_changed(tmp_path):
     model_sd = {"w": weight, "tied": weight}
     optim_sd = {"state": {"w": {"exp_avg": exp_avg}}, "param_groups": [{"lr": 0.1}]}
     ptrs = frozenset({weight.data_ptr(), exp_avg.data_ptr()})
-    parts: dict = {}
-    writer = CheckpointWriter(
-        str(tmp_path),
-        None,
-        report_part=lambda s, r, f: parts.__setitem__(s, f),
-        wait_parts=lambda s, w, t: parts.get(s),
-        on_commit=lambda info: None,
-    )
+    writer = _one_rank_writer(str(tmp_path))
 
     def snapshot(step: int) -> Snapshot:
         tensors, meta, live = flatten_state(model_sd, optim_sd, with_model=True, buffers=HostBuffers(), live_ptrs=ptrs)
@@ -156,7 +162,6 @@ def test_a_snapshot_staged_on_the_device_is_moved_to_the_host_by_the_writer(tmp_
     import torch
 
     from petatrain.train.checkpoint import (
-        CheckpointWriter,
         DeviceStage,
         HostBuffers,
         Snapshot,
@@ -166,14 +171,7 @@ def test_a_snapshot_staged_on_the_device_is_moved_to_the_host_by_the_writer(tmp_
 
     weight = torch.arange(6.0).reshape(2, 3)
     buffers = HostBuffers(device_staging=True)
-    parts: dict = {}
-    writer = CheckpointWriter(
-        str(tmp_path),
-        None,
-        report_part=lambda s, r, f: parts.__setitem__(s, f),
-        wait_parts=lambda s, w, t: parts.get(s),
-        on_commit=lambda info: None,
-    )
+    writer = _one_rank_writer(str(tmp_path))
     hosts = []
     for step in (1, 2):
         staged = {"model/w": weight.clone()}  # the device-to-device copy
