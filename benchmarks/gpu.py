@@ -706,6 +706,7 @@ def checkpoint_petatrain(model, optimizer, folder: Path, repeats: int, staging: 
     finally:
         writer.close()
     del buffers
+    state_dicts = state_dicts_seconds(model, optimizer)
     restore_s, step = restore_petatrain(model, optimizer, folder, cfg)
     assert step == 100 * (1 + repeats), f"resumed from step {step}"
     changed = sum(not torch.equal(p, e) for p, e in zip(model.parameters(), expected, strict=True))
@@ -716,10 +717,27 @@ def checkpoint_petatrain(model, optimizer, folder: Path, repeats: int, staging: 
         "first_stall_s": stalls[0],
         "stall_samples": stalls,
         "staged_on_device": on_device,
+        "state_dicts_s": state_dicts,
         "background_s": statistics.median(writes),
         "bytes": commits[-1]["bytes"],
         "restore_s": restore_s,
     }
+
+
+def state_dicts_seconds(model, optimizer, repeats: int = 5) -> dict[str, float]:
+    """A snapshot's state dicts alone (the host's share of its stall): torch's `get_model_state_dict`
+    and `get_optimizer_state_dict` each time, against the ones a snapshot keeps (`parallel.StateDicts`)."""
+    from petatrain.train.parallel import StateDicts
+
+    kept = StateDicts()
+    kept.get(model, optimizer)
+    times: dict[str, list[float]] = {"torch": [], "kept": []}
+    for _ in range(repeats):
+        for name, cache in (("torch", StateDicts()), ("kept", kept)):
+            started = time.perf_counter()
+            cache.get(model, optimizer)
+            times[name].append(time.perf_counter() - started)
+    return {name: statistics.median(samples) for name, samples in times.items()}
 
 
 def checkpoint_dcp(model, optimizer, folder: Path, repeats: int, *, pinned: bool) -> dict[str, Any]:
@@ -901,6 +919,11 @@ def print_checkpoint_row(name: str, row: dict[str, Any]) -> None:
         f"{name:<32} {row['stall_s']:>9.3f} {row['percent_of_interval']:>9.3f}% {background:>11} "
         f"{row['restore_s']:>10.2f}"
     )
+    if "state_dicts_s" in row:
+        sd = row["state_dicts_s"]
+        print(
+            f"{'':<4}its state dicts: {1e3 * sd['torch']:.1f} ms from torch each time, {1e3 * sd['kept']:.1f} ms kept"
+        )
 
 
 # -- part 4: the loader feeding the GPU ----------------------------------------------------------------------
