@@ -726,8 +726,8 @@ def checkpoint_petatrain(model, optimizer, folder: Path, repeats: int, staging: 
 
 def state_dicts_seconds(model, optimizer, repeats: int = 5) -> dict[str, float]:
     """A snapshot's state dicts alone (the host's share of its stall): torch's `get_model_state_dict`
-    and `get_optimizer_state_dict` each time, against the ones a snapshot keeps (`parallel.StateDicts`)."""
-    from petatrain.train.parallel import StateDicts
+    and `get_optimizer_state_dict` each time, against the ones a snapshot keeps (`strategies.base.StateDicts`)."""
+    from petatrain.train.strategies.base import StateDicts
 
     kept = StateDicts()
     kept.get(model, optimizer)

@@ -449,7 +449,7 @@ def test_auto_checkpoint_interval_is_young_daly():
 
 def test_the_kept_state_dicts_are_torchs_own_after_steps_a_new_learning_rate_and_a_load(tmp_path):
     """A snapshot keeps `get_model_state_dict`/`get_optimizer_state_dict` from one checkpoint to the
-    next (`parallel.StateDicts`): after updates, a learning-rate change and a load of the optimizer's
+    next (`strategies.base.StateDicts`): after updates, a learning-rate change and a load of the optimizer's
     state (new tensors), what it gives equals what torch gives then, name for name and value for value."""
     import torch
     import torch.distributed as dist
@@ -458,7 +458,7 @@ def test_the_kept_state_dicts_are_torchs_own_after_steps_a_new_learning_rate_and
 
     from petatrain.models import build_model
     from petatrain.train import recipe
-    from petatrain.train.parallel import StateDicts
+    from petatrain.train.strategies.base import StateDicts
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:

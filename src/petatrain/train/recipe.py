@@ -117,9 +117,8 @@ def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
     AdamW/Adam kernels read `optimizer.found_inf` (as `torch.amp.GradScaler` sets it) and leave the
     weights, moments and step counts as they were when it is 1. Not over DTensors (FSDP), whose
     kernels are not known to take a plain tensor beside them."""
-    return bool(optimizer.defaults.get("fused")) and not any(
-        hasattr(p, "to_local") for g in optimizer.param_groups for p in g["params"]
-    )
+    first = next((p for g in optimizer.param_groups for p in g["params"]), None)  # all alike: FSDP's or not
+    return bool(optimizer.defaults.get("fused")) and first is not None and not hasattr(first, "to_local")
 
 
 def apply_gradients(
@@ -144,19 +143,17 @@ def apply_gradients(
     import torch
 
     norm = clip(train.grad_clip) if clip is not None else clip_gradients(model, train.grad_clip)
-    waited = 0.0
     if isinstance(norm, torch.Tensor) and skips_on_device(optimizer):
         optimizer.found_inf = (~torch.isfinite(norm)).float()  # type: ignore[attr-defined]
-        waited = before_step()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return norm, waited
-    grad_norm = float(norm)
-    if math.isfinite(grad_norm):
-        waited = before_step()
+        update = True  # the kernel decides
+    else:
+        norm = float(norm)
+        update = math.isfinite(norm)
+    waited = before_step() if update else 0.0
+    if update:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return grad_norm, waited
+    return norm, waited
 
 
 def step_flags(loss_sum: torch.Tensor, decisions: tuple[bool, ...]) -> torch.Tensor:

@@ -45,7 +45,7 @@ class DeviceStage:
         stream of this thread's own once the device copies are done; returns when they have landed."""
         staged = [tensors[name] for name in self.names]
         hosts = [self.host_buffer(name, value) for name, value in zip(self.names, staged, strict=True)]
-        if self.ready is None or not staged or staged[0].device.type != "cuda":
+        if self.ready is None:  # a CPU's "device" (the tests')
             for host, value in zip(hosts, staged, strict=True):
                 host.copy_(value)
         else:
@@ -114,10 +114,11 @@ class HostBuffers:
         if not queued:
             return {}
         nbytes = sum(t.numel() * t.element_size() for t in queued.values())
-        if self.device_staging and self.room(nbytes, next(iter(queued.values())).device):
+        device = next(iter(queued.values())).device
+        if self.device_staging and self.room(nbytes, device):
             copies = {name: self._device_buffer(name, value) for name, value in queued.items()}
             torch._foreach_copy_(list(copies.values()), list(queued.values()))
-            self.pending = DeviceStage(list(copies), self.host_buffer, next(iter(queued.values())).device)
+            self.pending = DeviceStage(list(copies), self.host_buffer, device)
             return copies
         self._device.clear()  # no longer room: the training's memory, not the staging's
         hosts = {name: self.host_buffer(name, value).copy_(value, non_blocking=True) for name, value in queued.items()}
@@ -129,10 +130,8 @@ class HostBuffers:
         (the training's peak, once it has stepped), less the staging buffers it already keeps."""
         kept = sum(t.numel() * t.element_size() for t in self._device.values())
         free, total = torch.cuda.mem_get_info(device)
-        reserved = torch.cuda.memory_reserved(device)
-        peak = max(torch.cuda.max_memory_reserved(device), reserved)
-        others = max(0, total - free - reserved)  # other processes on the device
-        return peak - kept + others + nbytes <= self.HEADROOM * total
+        others = max(0, total - free - torch.cuda.memory_reserved(device))  # other processes on the device
+        return torch.cuda.max_memory_reserved(device) - kept + others + nbytes <= self.HEADROOM * total
 
     def _device_buffer(self, name: str, source: torch.Tensor) -> torch.Tensor:
         buffer = self._device.get(name)

@@ -14,6 +14,7 @@ from petatrain.errors import ConfigError
 from petatrain.train.strategies.base import (
     ReadRankFile,
     SavedState,
+    StateDicts,
     StateLayout,
     Strategy,
     autocast_copies,
@@ -205,13 +206,19 @@ class Pipeline(Strategy):
         return rank < cfg.parallel.pipeline.stages * tensor and rank % tensor == 0
 
     def state_dicts(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, *, rank: int, cfg: JobConfig
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        rank: int,
+        cfg: JobConfig,
+        kept: StateDicts | None = None,
     ) -> tuple[dict[str, Any], dict[str, Any]]:
         """Under data fsdp, each stage's shards gathered whole on its first replica's rank (a
         collective over the stage's replicas): the checkpoint holds whole tensors by name at any `data`."""
-        model_sd, optim_sd = super().state_dicts(model, optimizer, rank=rank, cfg=cfg)
         if cfg.parallel.pipeline.data != "fsdp" and cfg.parallel.tensor == 1:
-            return model_sd, optim_sd
+            return super().state_dicts(model, optimizer, rank=rank, cfg=cfg, kept=kept)
+        model_sd, optim_sd = super().state_dicts(model, optimizer, rank=rank, cfg=cfg)
         from petatrain.models.tensor_parallel import in_unsplit_order
         from petatrain.train.pipeline.stages import gather_full
 

@@ -21,6 +21,7 @@ from petatrain.errors import ConfigError
 from petatrain.train.strategies.base import (
     ReadRankFile,
     SavedState,
+    StateDicts,
     StateLayout,
     Strategy,
     load_by_name,
@@ -183,9 +184,16 @@ class Tensor(Strategy):
         return rank == 0
 
     def state_dicts(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, *, rank: int, cfg: JobConfig
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        rank: int,
+        cfg: JobConfig,
+        kept: StateDicts | None = None,
     ) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Whole tensors on rank 0, in the unsplit model's layout (a collective on every rank)."""
+        """Whole tensors on rank 0, in the unsplit model's layout (a collective on every rank, each
+        snapshot: `kept` is not used)."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,
